@@ -1,0 +1,211 @@
+"""Campaigns: which zeroer, on which geometry and backend, with which seed, for how long.
+
+A campaign is an :class:`~fuzz.episode.EpisodeConfig` plus a seed shard and an expectation
+(``clean`` for a race-free design, ``finds`` for a self-check on a racy one). The list is built
+from sorted axes so that every pytest-xdist worker collects the same items in the same order.
+
+:func:`run_campaign` runs Hypothesis over the campaign's state machine within a profile's
+budget and returns a :class:`CampaignResult` with the counts and, if the oracle fired, the shrunk
+finding and the path of its trace file.
+
+Example::
+
+    result = run_campaign(Campaign(EpisodeConfig(zeroer="ring"), shard=0, expect="finds"), PROFILES["quick"], Path("repro/failures"))
+    result.violation.findings[0]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.stateful import run_state_machine_as_test
+
+from zeroer.registry import RACE_FREE, RACY
+
+from .episode import EpisodeConfig
+from .machine import ZeroerMachine, ZeroerViolation, machine_for
+from .trace import write_trace
+
+SIM_GEOMETRIES = ("mixed_dtypes", "ratio2", "tiny")
+CUDA_GEOMETRIES = ("mixed_dtypes", "tiny")
+SHARDS = 2
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How hard each campaign tries."""
+
+    name: str
+    max_examples: int
+    steps: int  # stateful_step_count: rules per example at most
+    budget_s: float | None = None  # wall clock per campaign; None = one Hypothesis run
+    fresh_seeds: bool = False  # nightly: a new seed per run instead of the shard's fixed one
+    database: bool = False  # keep an example database between runs
+
+
+PROFILES: dict[str, Profile] = {
+    # seconds per campaign on a laptop core
+    "quick": Profile("quick", max_examples=60, steps=25),
+    # fits CPU CI (2 cores) with the rest of the suite well under 20 minutes
+    "ci": Profile("ci", max_examples=40, steps=25),
+    # wall-clock budget from --fuzz-minutes, fresh seeds, persistent database
+    "nightly": Profile("nightly", max_examples=300, steps=40, budget_s=60.0, fresh_seeds=True, database=True),
+}
+
+
+@dataclass(frozen=True)
+class Campaign:
+    config: EpisodeConfig
+    shard: int = 0
+    expect: str = "clean"  # "clean" | "finds"
+
+    @property
+    def id(self) -> str:
+        c = self.config
+        backend = c.backend if c.backend == "sim" else f"cuda-{c.mode}"
+        parts = [c.zeroer.replace("/", "_"), c.geometry, backend]
+        if c.kernel:
+            parts.append(f"k-{c.kernel}")
+        if c.caller_fault:
+            parts.append(f"fault-{c.caller_fault}")
+        parts.append(f"shard{self.shard}")
+        return "-".join(parts)
+
+    @property
+    def seed(self) -> int:
+        # Stable across processes (no hash randomisation): derived from the id's bytes.
+        return int.from_bytes(self.id.encode()[-8:].ljust(8, b"\0"), "little") % (2**31) + self.shard
+
+
+@dataclass
+class CampaignResult:
+    campaign: Campaign
+    examples: int = 0
+    steps: int = 0
+    runs: int = 0
+    seconds: float = 0.0
+    first_finding_s: float | None = None
+    first_finding_examples: int | None = None
+    violation: ZeroerViolation | None = None
+    trace_path: Path | None = None
+    seeds: list[int] = field(default_factory=list)
+
+    @property
+    def found(self) -> bool:
+        return self.violation is not None
+
+
+def default_campaigns(backends: list[str], zeroer: str | None = None) -> list[Campaign]:
+    """The campaigns ``pytest fuzz`` runs, sorted; ``zeroer`` restricts to one (all must be clean)."""
+    campaigns: list[Campaign] = []
+    for backend in sorted(backends):
+        modes = ("controlled", "free") if backend == "cuda" else ("controlled",)
+        geometries = CUDA_GEOMETRIES if backend == "cuda" else SIM_GEOMETRIES
+        names = [zeroer] if zeroer else sorted(RACE_FREE + RACY)
+        for mode in modes:
+            for name in names:
+                expect = "finds" if (zeroer is None and name in RACY) else "clean"
+                # On the simulator the staged designs use the torch kernel (no interpreter, fast);
+                # the Triton kernel itself is fuzzed in the k-triton campaigns below.
+                kernel = "torch" if backend == "sim" and name in RACE_FREE + RACY and name != "reference" else None
+                for geometry in geometries:
+                    for shard in range(SHARDS):
+                        config = EpisodeConfig(zeroer=name, geometry=geometry, backend=backend, mode=mode, kernel=kernel)
+                        campaigns.append(Campaign(config, shard, expect))
+                if backend == "sim" and kernel == "torch":
+                    config = EpisodeConfig(zeroer=name, geometry="tiny", backend="sim", kernel="triton")
+                    campaigns.append(Campaign(config, 0, expect))
+        if zeroer is None:
+            for fault in ("no-free-fence", "no-zero-wait"):
+                config = EpisodeConfig(zeroer="reference", geometry="tiny", backend=backend, caller_fault=fault)
+                campaigns.append(Campaign(config, 0, "finds"))
+    return sorted(campaigns, key=lambda c: c.id)
+
+
+def _settings(profile: Profile, database_dir: Path | None, max_examples: int | None = None) -> settings:
+    database = DirectoryBasedExampleDatabase(str(database_dir)) if (profile.database and database_dir) else None
+    # Every field that Hypothesis's own "ci" profile (auto-loaded when CI is set) would change is
+    # chosen here on purpose: seeds come from the campaign, the database from the profile.
+    return settings(
+        max_examples=max_examples or profile.max_examples,
+        stateful_step_count=profile.steps,
+        deadline=None,
+        database=database,
+        derandomize=False,
+        report_multiple_bugs=False,
+        print_blob=False,
+        suppress_health_check=list(HealthCheck),
+        phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
+    )
+
+
+def run_campaign(
+    campaign: Campaign,
+    profile: Profile,
+    repro_dir: Path,
+    *,
+    budget_s: float | None = None,
+    database_dir: Path | None = None,
+    seed_override: int | None = None,
+) -> CampaignResult:
+    """Run one campaign; save the shrunk trace of a finding under ``repro_dir``."""
+    result = CampaignResult(campaign)
+    start = time.perf_counter()
+    budget = budget_s if budget_s is not None else profile.budget_s
+    run_index = 0
+    while True:
+        machine = machine_for(campaign.config)
+        _count_into(machine, result, start)
+        if seed_override is not None:
+            run_seed = seed_override
+        elif profile.fresh_seeds:
+            run_seed = int.from_bytes(__import__("os").urandom(4), "little")
+        else:
+            run_seed = campaign.seed + 1_000_003 * run_index
+        result.seeds.append(run_seed)
+        try:
+            run_state_machine_as_test(seed(run_seed)(machine), settings=_settings(profile, database_dir))
+        except ZeroerViolation as error:
+            result.violation = machine.last_failure or error
+        result.runs += 1
+        run_index += 1
+        if result.found or budget is None or time.perf_counter() - start >= budget or seed_override is not None:
+            break
+    result.seconds = time.perf_counter() - start
+    if result.violation is not None:
+        result.trace_path = write_trace(
+            repro_dir, result.violation.config, result.violation.trace, result.violation.findings,
+            seed=result.seeds[-1], campaign=campaign.id,
+        )
+    return result
+
+
+def _count_into(machine: type[ZeroerMachine], result: CampaignResult, start: float) -> None:
+    """Count examples, steps and the first finding of ``machine`` into ``result``."""
+    init, apply, raise_if = machine.__init__, machine._apply, machine._raise_if
+
+    def counted_init(self: ZeroerMachine) -> None:
+        result.examples += 1
+        init(self)
+
+    def counted_apply(self: ZeroerMachine, **op):
+        result.steps += 1
+        return apply(self, **op)
+
+    def noted_raise_if(self: ZeroerMachine, findings) -> None:
+        if findings and result.first_finding_s is None:
+            result.first_finding_s = time.perf_counter() - start
+            result.first_finding_examples = result.examples
+        raise_if(self, findings)
+
+    machine.__init__ = counted_init  # type: ignore[method-assign]
+    machine._apply = counted_apply  # type: ignore[method-assign]
+    machine._raise_if = noted_raise_if  # type: ignore[method-assign]
+
+
+def with_backend(config: EpisodeConfig, backend: str, mode: str = "controlled") -> EpisodeConfig:
+    return replace(config, backend=backend, mode=mode)

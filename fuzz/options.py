@@ -1,0 +1,107 @@
+"""The fuzz campaign's command-line options, checked in pure functions that tests call directly.
+
+Every bad value becomes a ``pytest.UsageError`` that names the value and the choices, like
+pytest-xdist's messages.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroer.errors import ZeroerError
+from zeroer.registry import resolve_factory, zeroer_names
+
+from .campaigns import PROFILES, Profile
+
+BACKEND_CHOICES = ("auto", "cuda", "sim")
+CUDA_MODE_CHOICES = ("both", "controlled", "free")
+
+
+@dataclass(frozen=True)
+class FuzzOptions:
+    backends: list[str]
+    cuda_modes: tuple[str, ...]
+    zeroer: str | None
+    profile: Profile
+    minutes: float | None
+    repro_dir: Path
+    database_dir: Path
+    summary_path: Path
+
+
+def parse_backend(value: str, cuda_available: bool) -> str:
+    if value not in BACKEND_CHOICES:
+        raise pytest.UsageError(f"--backend {value!r} is not a backend; choose one of: {', '.join(BACKEND_CHOICES)}")
+    if value == "auto":
+        return "cuda" if cuda_available else "sim"
+    if value == "cuda" and not cuda_available:
+        raise pytest.UsageError("--backend cuda needs a CUDA GPU and none is visible here; use --backend sim or auto")
+    return value
+
+
+def parse_cuda_mode(value: str) -> tuple[str, ...]:
+    if value not in CUDA_MODE_CHOICES:
+        raise pytest.UsageError(f"--cuda-mode {value!r} is not a mode; choose one of: {', '.join(CUDA_MODE_CHOICES)}")
+    return ("controlled", "free") if value == "both" else (value,)
+
+
+def parse_zeroer(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        resolve_factory(value)
+    except ZeroerError as error:
+        raise pytest.UsageError(f"--zeroer {value!r}: {error} (built-in zeroers: {', '.join(zeroer_names())})") from None
+    return value
+
+
+def parse_minutes(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        minutes = float(value)
+    except ValueError:
+        raise pytest.UsageError(f"--fuzz-minutes {value!r} is not a number; give a positive number of minutes, e.g. 30") from None
+    if not minutes > 0:
+        raise pytest.UsageError(f"--fuzz-minutes {value!r} must be positive; give a number of minutes greater than 0, e.g. 30")
+    return minutes
+
+
+def parse_profile(value: str | None, minutes: float | None) -> Profile:
+    if value is None:
+        value = "nightly" if minutes is not None else ("ci" if os.environ.get("CI") else "quick")
+    if value not in PROFILES:
+        raise pytest.UsageError(f"--fuzz-profile {value!r} is not a profile; choose one of: {', '.join(sorted(PROFILES))}")
+    return PROFILES[value]
+
+
+def gpu_for_worker(worker_id: str | None, device_count: int) -> int:
+    """The GPU an xdist worker uses: ``gw3`` on a 2-GPU host takes GPU 1 (round-robin)."""
+    if device_count < 1:
+        raise pytest.UsageError("no CUDA device is visible; use --backend sim")
+    if not worker_id or worker_id == "master":
+        return 0
+    if not worker_id.startswith("gw") or not worker_id[2:].isdigit():
+        raise pytest.UsageError(f"unexpected PYTEST_XDIST_WORKER {worker_id!r}; expected gw0, gw1, ...")
+    return int(worker_id[2:]) % device_count
+
+
+def fuzz_options(config: pytest.Config) -> FuzzOptions:
+    cuda = torch.cuda.is_available()
+    minutes = parse_minutes(config.getoption("fuzz_minutes"))
+    backend = parse_backend(config.getoption("fuzz_backend"), cuda)
+    return FuzzOptions(
+        backends=[backend],
+        cuda_modes=parse_cuda_mode(config.getoption("cuda_mode")),
+        zeroer=parse_zeroer(config.getoption("zeroer")),
+        profile=parse_profile(config.getoption("fuzz_profile"), minutes),
+        minutes=minutes,
+        repro_dir=Path(config.getoption("repro_dir")),
+        database_dir=Path(config.getoption("fuzz_db")),
+        summary_path=Path(config.getoption("fuzz_summary")),
+    )

@@ -1,0 +1,278 @@
+"""Gates: one-warp kernels that hold a CUDA stream until the host opens them.
+
+The model. A gate is an int32 flag in pinned host memory plus a Triton kernel that spins until
+the flag is non-zero. Launched on a stream, it stops everything queued behind it on that stream,
+copies included. The host opens it by writing 1 into the flag; no CUDA call is involved, because
+pinned memory is mapped into the device's address space (UVA) and the kernel's volatile load
+goes over the bus on every iteration. Measured on an H200 with triton 3.6: a non-blocking copy
+queued behind a gate read its pinned source only after the release, which took about 20 us.
+
+The controlled cuda runtime (:mod:`zeroer.runtime.cuda`) puts one gate in front of every op, so
+the device runs exactly what its scheduling model decides and nothing else.
+
+What spinning kernels cost, and how this module keeps the GPU from hanging:
+
+* While a gate spins, a host call that waits for the GPU to drain never returns: a device-wide
+  synchronise, and the first launch of a kernel whose module is not loaded yet (CUDA lazy loading
+  waits for the queues to drain under the context lock: NVIDIA/nvbench#136,
+  meta-pytorch/torchcomms#2334). The :class:`Watchdog` opens every gate when the host is stuck
+  in one call for too long and turns the hang into a :class:`GateTimeoutError`. It only writes
+  host memory, because the stuck call holds the context lock and any CUDA call would queue
+  behind it.
+* A flag must outlive the kernel that reads it: flags return to the pool only once their kernel
+  has finished (``recycle`` after a synchronisation, or ``retire`` with an event), and a pool
+  dropped with gates still queued leaks its flag memory on purpose (:func:`abandon`).
+
+Example (needs a GPU)::
+
+    import torch
+    from zeroer.runtime.gate import GatePool
+    pool = GatePool()
+    side = torch.cuda.Stream()
+    x = torch.zeros(1, device="cuda")
+    gate = pool.acquire()
+    pool.launch(gate, side)
+    with torch.cuda.stream(side):
+        x.add_(1)                  # queued behind the gate: does not run yet
+    pool.open(gate)                # now it does
+    side.synchronize()
+    pool.recycle(gate)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DeadlockError, RuntimeUsageError
+
+try:  # triton is optional: the simulator and every CPU test must import this module without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+FLAGS_PER_CHUNK = 1 << 16  # 256 KiB of pinned int32 flags; another chunk is added when all are in use
+WATCHDOG_POLL_S = 0.05  # how often the watchdog thread looks at the armed deadline
+
+
+class GateTimeoutError(DeadlockError):
+    """The GPU did not get past a gate in time, or the host was stuck while gates were closed.
+
+    Every gate has been opened so that the GPU cannot hang; the runtime that raised this no longer
+    follows its schedule.
+    """
+
+
+if triton is not None:
+
+    # ``flag_addr`` is not specialised: flag addresses differ in alignment, and a recompile (a
+    # module load) while other gates spin would itself wait for the GPU to drain.
+    @triton.jit(do_not_specialize=["flag_addr"])
+    def _gate_kernel(
+        flag_addr,  # int64 address of one pinned int32 flag (host pointer == device pointer under UVA)
+    ):
+        ptr = flag_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+        flag = tl.load(ptr, volatile=True)  # volatile: re-read over the bus, never cached
+        while flag == 0:
+            flag = tl.load(ptr, volatile=True)
+
+else:  # pragma: no cover - depends on the environment
+    _gate_kernel = None
+
+
+def gate_available() -> bool:
+    """True when gates can run here: triton imports and a CUDA GPU is present."""
+    return triton is not None and torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One flag of a :class:`GatePool`: ``chunk`` and ``slot`` locate it, ``address`` is its pointer."""
+
+    chunk: int
+    slot: int
+    address: int
+
+    def __repr__(self) -> str:
+        return f"Gate({self.chunk}:{self.slot})"
+
+
+class GatePool:
+    """Pinned int32 flags handed out as gates, recycled once their kernel has finished.
+
+    ``pin_memory=False`` builds a pool whose flags no GPU can read: the bookkeeping can then be
+    tested on CPU (and the kernel under ``TRITON_INTERPRET=1``).
+    """
+
+    def __init__(self, flags_per_chunk: int = FLAGS_PER_CHUNK, *, pin_memory: bool = True) -> None:
+        if not isinstance(flags_per_chunk, int) or flags_per_chunk < 1:
+            raise RuntimeUsageError(f"flags_per_chunk {flags_per_chunk!r} must be a positive int")
+        self.flags_per_chunk = flags_per_chunk
+        self.pin_memory = pin_memory
+        self._chunks: list[torch.Tensor] = []
+        self._views = []  # numpy views of the chunks: a host write costs ~100 ns, not a torch op
+        self._free: list[Gate] = []
+        self._retiring: list[tuple[Gate, object]] = []  # (gate, event recorded behind its kernel)
+        self.in_use = 0  # gates acquired and not yet recycled
+        self._grow()
+
+    # -- flags -------------------------------------------------------------------------------
+    def _grow(self) -> None:
+        chunk = torch.zeros(self.flags_per_chunk, dtype=torch.int32, pin_memory=self.pin_memory)
+        index = len(self._chunks)
+        self._chunks.append(chunk)
+        self._views.append(chunk.numpy())
+        base = chunk.data_ptr()
+        # newest-first reuse keeps the working set small; push in reverse so slot 0 comes first
+        self._free.extend(
+            Gate(index, slot, base + 4 * slot) for slot in reversed(range(self.flags_per_chunk))
+        )
+
+    def _reap(self) -> None:
+        still: list[tuple[Gate, object]] = []
+        for gate, event in self._retiring:
+            if event.query():
+                self._free.append(gate)
+                self.in_use -= 1
+            else:
+                still.append((gate, event))
+        self._retiring = still
+
+    def acquire(self) -> Gate:
+        """A closed gate (its flag reset to 0), ready to :meth:`launch`."""
+        if not self._free:
+            self._reap()
+        if not self._free:
+            # Allocating pinned memory while gates spin may wait for the GPU; callers run this
+            # under the watchdog.
+            self._grow()
+        gate = self._free.pop()
+        self._views[gate.chunk][gate.slot] = 0
+        self.in_use += 1
+        return gate
+
+    def value(self, gate: Gate) -> int:
+        return int(self._views[gate.chunk][gate.slot])
+
+    def open(self, gate: Gate) -> None:
+        """Let the kernel of ``gate`` finish: the host writes 1 into its flag."""
+        self._views[gate.chunk][gate.slot] = 1
+
+    def open_all(self) -> None:
+        """Open every gate, closed or not. Safe from any thread: host memory writes only."""
+        for view in self._views:
+            view[:] = 1
+
+    def recycle(self, gate: Gate) -> None:
+        """Return ``gate`` for reuse; its kernel must have finished (the caller synchronised)."""
+        self._free.append(gate)
+        self.in_use -= 1
+
+    def retire(self, gate: Gate, event: object) -> None:
+        """Return ``gate`` for reuse once ``event`` (recorded behind its kernel) has completed."""
+        self._retiring.append((gate, event))
+
+    # -- kernel ------------------------------------------------------------------------------
+    def launch(self, gate: Gate, stream: torch.cuda.Stream) -> None:
+        """Enqueue the gate kernel for ``gate`` on ``stream``: work behind it waits for :meth:`open`."""
+        if _gate_kernel is None:
+            raise RuntimeUsageError(
+                "gates need triton, which does not import here; install triton or use backend 'sim'"
+            )
+        if not self.pin_memory:
+            raise RuntimeUsageError(
+                "this GatePool was built with pin_memory=False, so no GPU can read its flags; "
+                "use GatePool() for gates on a GPU"
+            )
+        with torch.cuda.stream(stream):
+            _gate_kernel[(1,)](gate.address, num_warps=1)
+
+    def chunks(self) -> list[torch.Tensor]:
+        """The flag memory, for :func:`abandon`."""
+        return list(self._chunks)
+
+    def release(self) -> None:
+        """Drop the flag memory; only once no gate kernel of this pool can still run."""
+        self._chunks, self._views, self._free, self._retiring = [], [], [], []
+
+
+# Flag memory of pools dropped while gates may still be queued. The gate kernels may read it
+# after its owner is gone, and PyTorch's host allocator would hand freed pinned memory (with no
+# copy event on it) to the next allocation at once, which could write 0 over an opened flag.
+_ABANDONED_FLAGS: list[torch.Tensor] = []
+
+
+def abandon(pool: GatePool) -> None:
+    """Open every gate of ``pool`` and keep its flag memory alive for the rest of the process."""
+    pool.open_all()
+    _ABANDONED_FLAGS.extend(pool.chunks())
+
+
+class Watchdog:
+    """Opens every gate of a pool when the host stays in one guarded call past ``timeout_s``.
+
+    The host calls that can wait for a drained GPU (launches, allocations) run inside
+    :meth:`guard`. A daemon thread watches the armed deadline; on expiry it opens every gate,
+    which lets the stuck call return, and :meth:`guard` then raises :class:`GateTimeoutError`.
+
+    Example::
+
+        dog = Watchdog(pool, timeout_s=5.0)
+        with dog.guard("launch of zero_kernel#3"):
+            launch()
+    """
+
+    def __init__(self, pool: GatePool, timeout_s: float) -> None:
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.fired: str | None = None  # what was running when the watchdog opened the gates
+        self._deadline: float | None = None
+        self._what = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(WATCHDOG_POLL_S):
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline and self.fired is None:
+                self.fired = self._what
+                self.pool.open_all()
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zeroer-gate-watchdog", daemon=True)
+            self._thread.start()
+        self._what = what
+        self._deadline = time.monotonic() + self.timeout_s
+        try:
+            yield
+        finally:
+            self._deadline = None
+        if self.fired is not None:
+            raise GateTimeoutError(stuck_message(self.fired, self.timeout_s))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+
+
+def stuck_message(what: str, timeout_s: float) -> str:
+    """Why the host was stuck in ``what`` while gates were closed, and what to do about it."""
+    return (
+        f"the host was stuck for over {timeout_s:g} s in {what} while gates were closed, so every "
+        f"gate was opened to keep the GPU from hanging and this runtime no longer follows its "
+        f"schedule. Usual causes: the first launch of a kernel (lazy module loading waits for the "
+        f"GPU to drain, NVIDIA/nvbench#136): run it once before gating it, or set "
+        f"CUDA_MODULE_LOADING=EAGER; a launch fn that synchronises (.item(), .cpu(), "
+        f"torch.cuda.synchronize()); or a pinned/device allocation that waited for the GPU. "
+        f"close() this runtime and make a new one"
+    )
