@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,9 +152,13 @@ class Episode:
         if not 1 <= in_flight <= 8:
             raise ValueError(f"in_flight={in_flight!r} must be between 1 and 8 steps")
         self.in_flight = in_flight
-        self.cache.fill_pages([0], 0)
         warmup = getattr(self.zeroer, "warmup", None)
-        with self.rt.annotate("warm-up"):
+        # On controlled cuda the first launch of a kernel loads its module, which waits for the
+        # GPU to drain and never returns while a gate spins: warm every kernel up ungated.
+        ungated = getattr(self.rt, "ungated", contextlib.nullcontext)
+        with ungated(), self.rt.annotate("warm-up"):
+            self.cache.fill_pages([0], 0)  # the write/poison kernel
+            [words.clone() for words in self.cache.block_words(0)]  # the read kernel
             warmup() if callable(warmup) else self.zeroer.zero_block_ids([0])
         self.rt.synchronize()
 

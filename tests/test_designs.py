@@ -13,27 +13,35 @@ import torch
 from zeroer.geometries import geometry
 from zeroer.layout import build_cache
 from zeroer.registry import RACE_FREE, RACY, make_zeroer
-from zeroer.runtime import EagerSchedule, SimRuntime
+from zeroer.runtime import EagerSchedule, SimRuntime, make_runtime
 
 ALL = sorted(RACE_FREE + RACY)
 STAGED = sorted(set(ALL) - {"reference"})
+# The controlled cuda mode enforces the simulator's lazy schedule with gates, so every fixed
+# interleaving below must give the same blocks on a GPU.
+BACKENDS = ["sim"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
 
 
 def zeroed(cache, block: int) -> bool:
-    return all(bool((words == 0).all()) for words in cache.block_words(block))
+    return all(bool((words.cpu() == 0).all()) for words in cache.block_words(block))
 
 
-def setup(name: str, geometry_name: str = "tiny", schedule=None, **options):
-    rt = SimRuntime(schedule=schedule)
-    cache = build_cache(geometry(geometry_name), device="cpu")
+def setup(name: str, geometry_name: str = "tiny", schedule=None, backend: str = "sim", **options):
+    rt = SimRuntime(schedule=schedule) if backend == "sim" else make_runtime("cuda", mode="controlled")
+    cache = build_cache(geometry(geometry_name), device=rt.device)
     if name != "reference":
         options.setdefault("kernel", "torch")
     return rt, cache, make_zeroer(name, cache, rt, **options)
 
 
-def run_calls(name: str, calls: list[list[int]], **options):
+def run_calls(name: str, calls: list[list[int]], backend: str = "sim", **options):
     """Issue ``calls`` with the device stalled (lazy schedule), then let it catch up."""
-    rt, cache, zeroer = setup(name, **options)
+    rt, cache, zeroer = setup(name, backend=backend, **options)
     for ids in calls:
         zeroer.zero_block_ids(ids)
     rt.synchronize()
@@ -42,33 +50,33 @@ def run_calls(name: str, calls: list[list[int]], **options):
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_single_buffer_loses_the_first_call_when_the_stream_is_behind(kernel):
-    got, rt, _ = run_calls("single_buffer", [[1], [2]], kernel=kernel)
+def test_single_buffer_loses_the_first_call_when_the_stream_is_behind(kernel, backend):
+    got, rt, _ = run_calls("single_buffer", [[1], [2]], backend=backend, kernel=kernel)
     assert got == {2}  # measured on an H200: {2}, 3 of 3 runs
     assert any(h.kind == "host-write-vs-pending-copy" for h in rt.hazards)
 
 
-def test_single_buffer_with_a_shorter_later_list_corrupts_only_a_prefix():
-    got, _, _ = run_calls("single_buffer", [[1, 2, 3], [4]])
+def test_single_buffer_with_a_shorter_later_list_corrupts_only_a_prefix(backend):
+    got, _, _ = run_calls("single_buffer", [[1, 2, 3], [4]], backend=backend)
     assert got == {2, 3, 4}  # block 1 leaked, as measured
 
 
-def test_a_ring_of_depth_two_holds_two_outstanding_calls():
-    got, rt, _ = run_calls("ring", [[1], [2]], max_concurrency=2)
+def test_a_ring_of_depth_two_holds_two_outstanding_calls(backend):
+    got, rt, _ = run_calls("ring", [[1], [2]], backend=backend, max_concurrency=2)
     assert got == {1, 2}
     assert rt.hazards == []
 
 
-def test_a_ring_of_depth_two_loses_a_block_with_three_outstanding_calls():
-    got, rt, _ = run_calls("ring", [[1], [2], [3]], max_concurrency=2)
+def test_a_ring_of_depth_two_loses_a_block_with_three_outstanding_calls(backend):
+    got, rt, _ = run_calls("ring", [[1], [2], [3]], backend=backend, max_concurrency=2)
     assert got == {2, 3}
     assert any(h.kind == "host-write-vs-pending-copy" for h in rt.hazards)
 
 
 @pytest.mark.parametrize("name", sorted(RACE_FREE))
 @pytest.mark.parametrize("calls", [[[1], [2]], [[1, 2, 3], [4]], [[1], [2], [3], [4], [5], [6]], [[5, 5, 1], [1]]])
-def test_race_free_designs_zero_every_block_on_the_racy_interleavings(name, calls):
-    got, rt, cache = run_calls(name, calls)
+def test_race_free_designs_zero_every_block_on_the_racy_interleavings(name, calls, backend):
+    got, rt, cache = run_calls(name, calls, backend=backend)
     assert got == {b for ids in calls for b in ids}
     assert rt.hazards == []
     assert cache.guard_violations() == []
@@ -76,8 +84,8 @@ def test_race_free_designs_zero_every_block_on_the_racy_interleavings(name, call
 
 @pytest.mark.parametrize("name", STAGED)
 @pytest.mark.parametrize("geometry_name", ["mla_indexer", "packed", "shared_layers"])
-def test_every_design_zeroes_exactly_the_pages_with_the_triton_kernel(name, geometry_name):
-    rt, cache, zeroer = setup(name, geometry_name, kernel="triton")
+def test_every_design_zeroes_exactly_the_pages_with_the_triton_kernel(name, geometry_name, backend):
+    rt, cache, zeroer = setup(name, geometry_name, backend=backend, kernel="triton")
     zeroer.zero_block_ids([1, 3])
     rt.synchronize()
     assert zeroed(cache, 1) and zeroed(cache, 3)
@@ -130,8 +138,8 @@ def test_single_buffer_after_a_host_sync_is_ordered_on_any_stream():
 
 
 @pytest.mark.parametrize("name", sorted(RACE_FREE))
-def test_race_free_designs_stay_correct_when_the_current_stream_changes(name):
-    rt, cache, zeroer = setup(name)
+def test_race_free_designs_stay_correct_when_the_current_stream_changes(name, backend):
+    rt, cache, zeroer = setup(name, backend=backend)
     side = rt.new_stream("side")
     for i, b in enumerate((1, 2, 3, 4)):
         with rt.use_stream(side if i % 2 else rt.default_stream):
@@ -178,8 +186,8 @@ def test_growing_past_the_id_capacity_keeps_every_block(name):
 
 # -- bad input -------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ALL)
-def test_an_out_of_range_id_raises_before_anything_is_enqueued(name):
-    rt, cache, zeroer = setup(name)
+def test_an_out_of_range_id_raises_before_anything_is_enqueued(name, backend):
+    rt, cache, zeroer = setup(name, backend=backend)
     with pytest.raises(ValueError, match=r"^block id 8 is out of range for a cache of 8 blocks \(valid: 0\.\.7\)$"):
         zeroer.zero_block_ids([1, 8])
     with pytest.raises(ValueError, match=r"^block id -1 is out of range for a cache of 8 blocks \(valid: 0\.\.7\)$"):
@@ -203,8 +211,8 @@ def test_non_integer_ids_raise_type_error(name):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_an_empty_list_or_none_launches_nothing_and_duplicates_are_fine(name):
-    rt, cache, zeroer = setup(name)
+def test_an_empty_list_or_none_launches_nothing_and_duplicates_are_fine(name, backend):
+    rt, cache, zeroer = setup(name, backend=backend)
     zeroer.zero_block_ids([])
     zeroer.zero_block_ids(None)
     assert rt.pending(rt.default_stream) == 0
@@ -233,3 +241,25 @@ def test_design_options_are_checked():
         make_zeroer("per_call", cache, rt, kernel="cuda")
     with pytest.raises(ValueError, match=r"^max_slots=1 is below slots=2; raise max_slots$"):
         make_zeroer("event_ring", cache, rt, slots=2, max_slots=1)
+
+
+# -- on a real GPU, free-running: real timing, shaped only by delays (background note, section 7) --
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["single_buffer", "per_call", "event_ring"])
+def test_a_delayed_stream_shows_the_single_buffer_race_on_a_gpu_and_not_the_fixes(name):
+    rt = make_runtime("cuda", mode="free")
+    cache = build_cache(geometry("tiny"), device=rt.device)
+    zeroer = make_zeroer(name, cache, rt)
+    zeroer.zero_block_ids([0])  # compile outside the timed window
+    rt.synchronize()
+    rt.delay(rt.default_stream, 500)  # ~50 ms of torch.cuda._sleep before the calls run
+    zeroer.zero_block_ids([1])
+    zeroer.zero_block_ids([2])
+    rt.synchronize()
+    got = {b for b in (1, 2) if zeroed(cache, b)}
+    if name == "single_buffer":
+        assert got == {2}  # block 1 never zeroed: the #48085 race, on real streams
+        assert any(h.kind == "host-write-vs-pending-copy" for h in rt.hazards)
+    else:
+        assert got == {1, 2} and rt.hazards == []
+    rt.close()

@@ -411,13 +411,14 @@ class KVCache:
         part_words = self.num_kernel_blocks * tensor.row_words
         for part, name in enumerate(names):
             start = self._part_start(tensor, part)
+            if word < start and part == 0:
+                return f"guard before the {name} part"
             if word < start:
-                return f"guard before the {name} part" if part == 0 else \
-                    f"guard after the {names[part - 1]} part"
+                return f"guard after the {names[part - 1]} part"
             if word < start + part_words:
                 row, col = divmod(word - start, tensor.row_words)
-                return f"row padding word {col - tensor.page_words} after kernel block {row} " \
-                       f"of the {name} part"
+                return (f"row padding word {col - tensor.page_words} after kernel block {row} "
+                        f"of the {name} part")
         return f"guard after the {names[-1]} part"
 
     def guard_violations(self) -> list[str]:

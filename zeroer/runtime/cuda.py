@@ -27,8 +27,9 @@ Rules while a controlled runtime has queued work (gates spin on the GPU):
 * do not synchronise the device yourself (``torch.cuda.synchronize()``, ``.item()``, ``.cpu()``
   of gated data): use the runtime's ``synchronize*``, which open the gates they need first, or
   read on :func:`spare_stream` after ``advance``;
-* launch every kernel once before gating it: a kernel's first launch loads its module, which
-  waits for the GPU to drain (NVIDIA/nvbench#136);
+* launch every kernel once before gating it (inside :meth:`CudaRuntime.ungated`, or before any op
+  is queued): a kernel's first launch loads its module, which waits for the GPU to drain
+  (NVIDIA/nvbench#136); ``CUDA_MODULE_LOADING=EAGER`` does that up front for torch's kernels;
 * use at most ``CUDA_DEVICE_MAX_CONNECTIONS`` streams (a stream that shares a hardware queue with
   a gated one stalls behind its gate).
 
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -62,8 +62,18 @@ from typing import Callable
 import torch
 
 from ..errors import DeadlockError, RuntimeUsageError
-from .base import Event, Hold, HostBuffer, Runtime, Stream
-from .gate import GatePool, GateTimeoutError, Watchdog, abandon, gate_available
+from .base import DeviceBuffer, Event, Hold, HostBuffer, Runtime, Stream
+from .gate import (
+    GatePool,
+    GateTimeoutError,
+    Watchdog,
+    abandon,
+    claim_stream,
+    gate_available,
+    hardware_queues,
+    release_streams,
+    spare_stream,
+)
 from .hb import OpStamp
 from .queues import QueuedOp, StreamQueues
 from .sim import SimHostAllocator
@@ -74,25 +84,6 @@ DEFAULT_TIMEOUT_S = 30.0  # longest one gated op or one guarded host call may ta
 ARENA_BYTES = 1 << 22  # unprotected pinned memory is carved from 4 MiB arenas
 ARENA_ALIGN = 64  # every arena slot starts on 64 bytes, enough for any dtype's view
 POLL_SPIN_S = 2e-4  # busy-poll a done event this long (a gate opens in ~20 us), then back off
-
-# Streams are spread over CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); a stream that
-# shares a queue with a gated one stalls behind its spinning gate (a false dependency). Ask for the
-# maximum while the CUDA context does not exist yet: the driver reads it when creating it.
-if not torch.cuda.is_initialized():
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
-
-# (device index, cuda_stream) of every stream a live CudaRuntime owns. torch.cuda.Stream() hands
-# out a pool of 32 streams round-robin, so a later Stream() can be one of ours, gate and all.
-_STREAMS_IN_USE: set[tuple[int, int]] = set()
-
-
-def hardware_queues() -> int:
-    """How many hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``) streams are spread over."""
-    try:
-        return max(1, int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")))
-    except ValueError:
-        return 8
-
 
 def resolve_device(device: int | str | torch.device | None, count: int, current: int) -> torch.device:
     """``device`` as ``torch.device("cuda", index)``; ``None`` or ``"cuda"`` mean ``current``.
@@ -131,21 +122,6 @@ def resolve_device(device: int | str | torch.device | None, count: int, current:
     return torch.device("cuda", index)
 
 
-def spare_stream(device: int | str | torch.device | None = None) -> torch.cuda.Stream:
-    """A pool stream that no live :class:`CudaRuntime` owns: safe to read gated results on.
-
-    Example: after ``rt.advance(s, 1)``, ``with torch.cuda.stream(spare_stream()): dev.tensor.cpu()``
-    sees that op's result without waiting for the ops still held behind gates.
-    """
-    for _ in range(128):  # two laps of the largest pool torch has had
-        stream = torch.cuda.Stream(device)
-        if (stream.device.index, stream.cuda_stream) not in _STREAMS_IN_USE:
-            return stream
-    raise RuntimeUsageError(
-        f"every pool stream of device {device!r} belongs to a live CudaRuntime; close() some runtimes"
-    )
-
-
 class PinnedArena:
     """Pinned memory outside PyTorch's caching host allocator, with immediate reuse.
 
@@ -174,12 +150,17 @@ class PinnedArena:
         self._free: dict[int, list[int]] = {}  # size class -> free slot ids, newest last
         self.reused = 0
 
+    def grow(self, size: int = 0) -> None:
+        """Start a new arena of at least ``size`` bytes (the runtime makes the first one up front:
+        a pinned allocation while gates spin might wait for the GPU)."""
+        nbytes = max(self.arena_bytes, size)
+        self.arenas.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory))
+        self._top = 0
+
     def _carve(self, size: int) -> int:
         offset = -(-self._top // ARENA_ALIGN) * ARENA_ALIGN
         if not self.arenas or offset + size > self.arenas[-1].numel():
-            # The new arena is allocated while gates may spin; the runtime guards this call.
-            nbytes = max(self.arena_bytes, size)
-            self.arenas.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory))
+            self.grow(size)
             offset = 0
         slot = self._next_id()
         self._slots[slot] = self.arenas[-1][offset : offset + size]
@@ -218,7 +199,7 @@ def _abandon(pool: GatePool, watchdog: Watchdog, stream_keys: list[tuple[int, in
     """Finaliser of a runtime dropped (or alive at exit) without close(): never leave a gate shut."""
     abandon(pool)
     watchdog.stop()
-    _STREAMS_IN_USE.difference_update(stream_keys)
+    release_streams(stream_keys)
 
 
 class CudaRuntime(Runtime):
@@ -254,6 +235,7 @@ class CudaRuntime(Runtime):
         self.queues: StreamQueues | None = StreamQueues(execute=self._execute) if self.scheduled else None
         self.max_streams = hardware_queues() if self.scheduled else None
         self._closed = False
+        self._ungated = False  # inside ungated(): ops run at once, with no gate
         self._lost: str | None = None  # why this runtime stopped following its schedule
         self._held: list[Hold] = []  # unreleased holds (free mode)
         self._stream_keys: list[tuple[int, int]] = []
@@ -265,6 +247,7 @@ class CudaRuntime(Runtime):
             self.gates = GatePool()
             self.watchdog = Watchdog(self.gates, self.timeout_s)
             self.arena = PinnedArena(lambda: next(self._block_ids))
+            self.arena.grow()
             self._finalizer = weakref.finalize(self, _abandon, self.gates, self.watchdog, self._stream_keys)
             self._warm_up()
         super().__init__(device)
@@ -329,6 +312,8 @@ class CudaRuntime(Runtime):
 
     def _enqueue(self, stream: Stream, op: QueuedOp, issue: Callable[[], None] | None = None) -> int:
         """Controlled mode: issue ``op`` behind a fresh closed gate and queue it in the model."""
+        if self._ungated:
+            return self._run_ungated(stream, op, issue)
         with self._guarded(op.label), self._on(stream):
             gate = self.gates.acquire()
             self.gates.launch(gate, stream.handle)
@@ -350,6 +335,52 @@ class CudaRuntime(Runtime):
         op.payload["gate"], op.payload["done"] = gate, done
         return self.queues.enqueue(stream.index, op)
 
+    def _run_ungated(self, stream: Stream, op: QueuedOp, issue: Callable[[], None] | None) -> int:
+        """Inside :meth:`ungated`: issue ``op`` with no gate and let the model execute it at once."""
+        if op.kind == "hold":
+            raise RuntimeUsageError(
+                f"{op.label}: a hold inside ungated() could never stop anything; place it outside"
+            )
+        with self._guarded(op.label), self._on(stream):
+            if issue is not None:
+                issue()
+            done = torch.cuda.Event()
+            done.record(stream.handle)
+        op.payload["gate"], op.payload["done"] = None, done
+        position = self.queues.enqueue(stream.index, op)
+        # Every stream was idle on entry and each op runs at once, so nothing can block this one.
+        self.queues.advance(stream.index, op.remaining)
+        return position
+
+    @contextlib.contextmanager
+    def ungated(self) -> Iterator[None]:
+        """Run every op enqueued inside at once and without a gate, as if advanced right away.
+
+        For warm-ups: the first launch of a kernel loads its module, which waits for the GPU to
+        drain and so never returns while a gate spins (NVIDIA/nvbench#136). Needs an idle
+        runtime; a no-op wrapper in free mode, where nothing is gated but holds.
+
+        Example::
+
+            with rt.ungated():
+                zeroer.warmup()        # compiles and loads the zero kernel
+        """
+        self._check_usable()
+        if self.queues is None:
+            yield
+            return
+        busy = [f"'{s.name}' ({self.queues.pending(s.index)})" for s in self.streams if self.queues.pending(s.index)]
+        if busy:
+            raise RuntimeUsageError(
+                f"ungated() needs an idle runtime, but ops are queued on stream(s) {', '.join(busy)}; "
+                f"call synchronize() first"
+            )
+        self._ungated = True
+        try:
+            yield
+        finally:
+            self._ungated = False
+
     def _issue(self, stream: Stream, what: str, issue: Callable[[], None]) -> None:
         """Free mode: issue the work on ``stream`` now."""
         with self._guarded(what), self._on(stream):
@@ -358,9 +389,11 @@ class CudaRuntime(Runtime):
     def _execute(self, op: QueuedOp) -> None:
         """The model runs ``op``: open its gate and wait until the GPU has run it."""
         gate, done = op.payload["gate"], op.payload["done"]
-        self.gates.open(gate)
+        if gate is not None:
+            self.gates.open(gate)
         self._poll(done.query, op.label)
-        self.gates.recycle(gate)
+        if gate is not None:
+            self.gates.recycle(gate)
 
     def _new_stream_handle(self, stream: Stream) -> object:
         self._check_usable()
@@ -374,9 +407,7 @@ class CudaRuntime(Runtime):
             )
         # Pool streams, never the legacy default stream: gating that would stall every blocking
         # stream in the process.
-        handle = spare_stream(self.device)
-        key = (handle.device.index, handle.cuda_stream)
-        _STREAMS_IN_USE.add(key)
+        handle, key = claim_stream(self.device)
         self._stream_keys.append(key)
         if self.queues is not None:
             self.queues.add_stream(stream.name)
@@ -432,10 +463,9 @@ class CudaRuntime(Runtime):
         """Free mode: a sync behind a shut gate would hang the host, and we cannot tell which
         work the sync needs, so any unreleased hold makes every sync a deadlock."""
         if self._held:
-            held = ", ".join(f"{h.label}" for h in self._held)
-            streams = ", ".join(sorted({f"'{h.stream.name}'" for h in self._held}))
+            held = ", ".join(h.label for h in self._held)  # labels name their streams
             raise DeadlockError(
-                f"deadlock: {what} would wait forever behind {held} (held stream(s) {streams}); "
+                f"deadlock: {what} would wait forever behind {held}; "
                 f"a free-running runtime cannot tell which work a sync needs, so call release() "
                 f"on every hold before synchronising"
             )
@@ -497,7 +527,7 @@ class CudaRuntime(Runtime):
         if address is not None and clock is not None:
             self._freed_clocks[address] = _join(self._freed_clocks.get(address), clock)
 
-    def device_buffer(self, n: int, dtype: torch.dtype = torch.int64, *, name: str | None = None):
+    def device_buffer(self, n: int, dtype: torch.dtype = torch.int64, *, name: str | None = None) -> DeviceBuffer:
         self._check_usable()
         with self._guarded("allocating a device buffer"), torch.cuda.device(self.device):
             return super().device_buffer(n, dtype, name=name)
@@ -550,7 +580,7 @@ class CudaRuntime(Runtime):
             return
         self.gates.open(hold.payload["gate"])
         self.gates.retire(hold.payload["gate"], hold.payload["done"])
-        self._held.remove(hold)
+        self._held = [h for h in self._held if h is not hold]
 
     def _advance(self, stream: Stream, ops: int) -> int:
         self._check_usable()
@@ -584,7 +614,7 @@ class CudaRuntime(Runtime):
             drained = all(s.handle.query() for s in self.streams)
         self._finalizer.detach()
         self.watchdog.stop()
-        _STREAMS_IN_USE.difference_update(self._stream_keys)
+        release_streams(self._stream_keys)
         if drained:
             self.gates.release()
         else:  # a gate kernel may still read its flag: keep the memory for the process's life

@@ -19,6 +19,10 @@ What spinning kernels cost, and how this module keeps the GPU from hanging:
   in one call for too long and turns the hang into a :class:`GateTimeoutError`. It only writes
   host memory, because the stuck call holds the context lock and any CUDA call would queue
   behind it.
+* Streams share ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues, and a stream that shares one with
+  a gated stream stalls behind its gate; this module asks for 32 queues before CUDA starts. And
+  ``torch.cuda.Stream()`` deals out a pool of 32 streams round-robin, so it can return a gated
+  one: :func:`spare_stream` skips the streams a live runtime owns.
 * A flag must outlive the kernel that reads it: flags return to the pool only once their kernel
   has finished (``recycle`` after a synchronisation, or ``retire`` with an event), and a pool
   dropped with gates still queued leaks its flag memory on purpose (:func:`abandon`).
@@ -42,6 +46,7 @@ Example (needs a GPU)::
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -203,6 +208,53 @@ class GatePool:
         self._chunks, self._views, self._free, self._retiring = [], [], [], []
 
 
+# -- streams a gate can stall ----------------------------------------------------------------
+# Streams are spread over CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); a stream that
+# shares a queue with a gated one stalls behind its spinning gate (a false dependency). Ask for the
+# maximum while the CUDA context does not exist yet: the driver reads it when creating it.
+if not torch.cuda.is_initialized():
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
+# (device index, cuda_stream) of every stream a live CudaRuntime owns. torch.cuda.Stream() hands
+# out a pool of 32 streams round-robin, so a later Stream() can be one of ours, gate and all.
+_STREAMS_IN_USE: set[tuple[int, int]] = set()
+
+
+def hardware_queues() -> int:
+    """How many hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``) streams are spread over."""
+    try:
+        return max(1, int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")))
+    except ValueError:
+        return 8
+
+
+def spare_stream(device: int | str | torch.device | None = None) -> torch.cuda.Stream:
+    """A pool stream that no live ``CudaRuntime`` owns: safe to read gated results on.
+
+    Example: after ``rt.advance(s, 1)``, ``with torch.cuda.stream(spare_stream()): dev.tensor.cpu()``
+    sees that op's result without waiting for the ops still held behind gates.
+    """
+    for _ in range(128):  # four laps of torch's pool of 32 streams per priority
+        stream = torch.cuda.Stream(device)
+        if (stream.device.index, stream.cuda_stream) not in _STREAMS_IN_USE:
+            return stream
+    raise RuntimeUsageError(
+        f"every pool stream of device {device!r} belongs to a live CudaRuntime; close() some runtimes"
+    )
+
+
+def claim_stream(device: torch.device) -> tuple[torch.cuda.Stream, tuple[int, int]]:
+    """A spare pool stream, now owned by the caller until :func:`release_streams` (with the key)."""
+    stream = spare_stream(device)
+    key = (stream.device.index, stream.cuda_stream)
+    _STREAMS_IN_USE.add(key)
+    return stream, key
+
+
+def release_streams(keys: list[tuple[int, int]]) -> None:
+    _STREAMS_IN_USE.difference_update(keys)
+
+
 # Flag memory of pools dropped while gates may still be queued. The gate kernels may read it
 # after its owner is gone, and PyTorch's host allocator would hand freed pinned memory (with no
 # copy event on it) to the next allocation at once, which could write 0 over an opened flag.
@@ -235,6 +287,7 @@ class Watchdog:
         self.fired: str | None = None  # what was running when the watchdog opened the gates
         self._deadline: float | None = None
         self._what = ""
+        self._depth = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -247,15 +300,20 @@ class Watchdog:
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
+        """Watch the call inside; nested guards (a launch fn that enqueues) share the outer deadline."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="zeroer-gate-watchdog", daemon=True)
             self._thread.start()
-        self._what = what
-        self._deadline = time.monotonic() + self.timeout_s
+        self._depth += 1
+        if self._depth == 1:
+            self._what = what
+            self._deadline = time.monotonic() + self.timeout_s
         try:
             yield
         finally:
-            self._deadline = None
+            self._depth -= 1
+            if self._depth == 0:
+                self._deadline = None
         if self.fired is not None:
             raise GateTimeoutError(stuck_message(self.fired, self.timeout_s))
 

@@ -1,0 +1,1 @@
+"""Repro: findings as trace files that replay on the simulator and on CUDA."""
