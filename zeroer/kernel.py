@@ -39,6 +39,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from zeroer.errors import RuntimeUsageError
+from zeroer.layout import device_index
 
 if TYPE_CHECKING:
     from zeroer.layout import KVCache, SegmentTable
@@ -152,7 +153,8 @@ def zero_blocks_reference(cache: KVCache, block_ids: Sequence[int]) -> None:
     if not ids:
         return
     ratio = cache.spec.ratio
-    rows = torch.tensor([b * ratio + j for b in ids for j in range(ratio)], dtype=torch.int64,
-                        device=cache.device)
+    rows = device_index(
+        torch.tensor([b * ratio + j for b in ids for j in range(ratio)], dtype=torch.int64), cache.device
+    )
     for t, tensor in enumerate(cache.spec.tensors):  # one raw buffer per tensor: shared once
         cache.word_rows(t)[:, rows, : tensor.page_words] = 0

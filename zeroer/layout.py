@@ -204,6 +204,18 @@ class CacheSpec:
         return self.num_blocks * self.ratio
 
 
+def device_index(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``ids`` (int64, CPU) on ``device`` without a host synchronisation.
+
+    A plain ``.to(cuda)`` of pageable memory synchronises the current stream; inside a gated
+    stream of the controlled cuda runtime that would wait forever, so on CUDA the ids are staged
+    in fresh pinned memory (protected by the caching host allocator) and copied asynchronously.
+    """
+    if device.type != "cuda":
+        return ids.to(device)
+    return ids.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Segment:
     """One row of the address table: a strided run of pages the kernel zeroes."""
@@ -388,7 +400,7 @@ class KVCache:
                 f"value={value!r} is not an int32 word; use an int in -2**31 .. 2**32 - 1"
             )
         word = value - 2**32 if value >= 2**31 else value
-        ids = self._check_blocks(blocks).to(self.device)
+        ids = device_index(self._check_blocks(blocks), self.device)
         for s in range(len(self.segments)):
             self.pages(s)[ids] = word
 
