@@ -157,4 +157,5 @@ def zero_blocks_reference(cache: KVCache, block_ids: Sequence[int]) -> None:
         torch.tensor([b * ratio + j for b in ids for j in range(ratio)], dtype=torch.int64), cache.device
     )
     for t, tensor in enumerate(cache.spec.tensors):  # one raw buffer per tensor: shared once
-        cache.word_rows(t)[:, rows, : tensor.page_words] = 0
+        # index_fill_: an index_put_ (``[:, rows] = 0``) blocks the host on CUDA (seen on an H200)
+        cache.word_rows(t)[:, :, : tensor.page_words].index_fill_(1, rows, 0)

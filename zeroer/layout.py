@@ -402,7 +402,7 @@ class KVCache:
         word = value - 2**32 if value >= 2**31 else value
         ids = device_index(self._check_blocks(blocks), self.device)
         for s in range(len(self.segments)):
-            self.pages(s)[ids] = word
+            self.pages(s).index_fill_(0, ids, word)  # no host sync, unlike index_put_ on CUDA
 
     def poison(self, blocks: Sequence[int] | torch.Tensor) -> None:
         """Fill the pages of `blocks` with NaN bits, as a recycled Mamba page would hold."""

@@ -77,7 +77,9 @@ def zero_blocks_torch(cache: KVCache, ids: torch.Tensor) -> None:
     """
     index = ids.to(torch.int64)
     for seg in range(len(cache.segments)):
-        cache.pages(seg)[index] = 0
+        # index_fill_, not ``pages[index] = 0``: index_put_ blocks the host on CUDA, which would
+        # wait forever behind a closed gate of the controlled runtime (seen on an H200).
+        cache.pages(seg).index_fill_(0, index, 0)
 
 
 class StagedZeroer:
