@@ -312,7 +312,9 @@ def pytest_fuzz(*args: str, tmp: Path) -> subprocess.Popen:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     command = [
         sys.executable, "-m", "pytest", "fuzz", "-p", "no:cacheprovider", "-p", "no:xdist",
-        "--fuzz-summary", str(tmp / "summary.json"), "--fuzz-db", str(tmp / "db"), *args,
+        "--fuzz-summary", str(tmp / "summary.json"), "--fuzz-db", str(tmp / "db"),
+        *(() if "--backend" in args else ("--backend", "sim")),  # ONE_CAMPAIGN is a sim campaign, also on a GPU host
+        *args,
     ]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
