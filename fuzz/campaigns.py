@@ -16,8 +16,9 @@ Example::
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, seed, settings
@@ -163,7 +164,7 @@ def run_campaign(
         if seed_override is not None:
             run_seed = seed_override
         elif profile.fresh_seeds:
-            run_seed = int.from_bytes(__import__("os").urandom(4), "little")
+            run_seed = int.from_bytes(os.urandom(4), "little")
         else:
             run_seed = campaign.seed + 1_000_003 * run_index
         result.seeds.append(run_seed)
@@ -205,7 +206,3 @@ def _count_into(machine: type[ZeroerMachine], result: CampaignResult, start: flo
     machine.__init__ = counted_init  # type: ignore[method-assign]
     machine._apply = counted_apply  # type: ignore[method-assign]
     machine._raise_if = noted_raise_if  # type: ignore[method-assign]
-
-
-def with_backend(config: EpisodeConfig, backend: str, mode: str = "controlled") -> EpisodeConfig:
-    return replace(config, backend=backend, mode=mode)

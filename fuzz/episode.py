@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,9 +122,18 @@ class Episode:
         name = op.get("op")
         if name not in OPS:
             raise ValueError(f"unknown op {name!r}; ops: {', '.join(OPS)}")
-        self.trace.append(dict(op))
         args = {k: v for k, v in op.items() if k != "op"}
-        return getattr(self, f"_op_{name}")(**args)
+        method = getattr(self, f"_op_{name}")
+        fields = inspect.signature(method).parameters
+        unknown = sorted(set(args) - set(fields))
+        missing = sorted(k for k, p in fields.items() if p.default is p.empty and k not in args)
+        if unknown or missing:
+            raise ValueError(
+                f"op {name!r} {'has unknown field ' + repr(unknown[0]) if unknown else 'is missing field ' + repr(missing[0])}; "
+                f"its fields are: {', '.join(fields) or 'none'}"
+            )
+        self.trace.append(dict(op))
+        return method(**args)
 
     @property
     def step(self) -> int:

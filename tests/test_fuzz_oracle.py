@@ -242,6 +242,15 @@ def test_an_unknown_op_is_a_value_error_listing_the_ops():
         episode.apply({"op": "jump"})
 
 
+def test_an_op_with_a_wrong_or_missing_field_names_the_field_and_lists_the_fields():
+    episode = Episode(EpisodeConfig(zeroer="reference"))
+    with pytest.raises(ValueError, match=exactly("op 'allocate' has unknown field 'm'; its fields are: n, stream")):
+        episode.apply({"op": "allocate", "m": 1})
+    with pytest.raises(ValueError, match=exactly("op 'read' is missing field 'block'; its fields are: block, stream")):
+        episode.apply({"op": "read"})
+    assert episode.trace == []  # a rejected op is not recorded
+
+
 def test_an_op_record_without_a_name_is_a_value_error():
     episode = Episode(EpisodeConfig(zeroer="reference"))
     with pytest.raises(ValueError, match=r"^unknown op None; ops: advance, allocate, "):
