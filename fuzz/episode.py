@@ -40,7 +40,7 @@ import torch
 
 from zeroer.geometries import geometry
 from zeroer.impls import StagedZeroer
-from zeroer.layout import POISON_WORD, build_cache
+from zeroer.layout import build_cache
 from zeroer.registry import REGISTRY, make_zeroer, resolve_factory
 from zeroer.runtime import Event, Runtime, make_runtime
 
@@ -168,7 +168,8 @@ class Episode:
         ungated = getattr(self.rt, "ungated", contextlib.nullcontext)
         with ungated(), self.rt.annotate("warm-up"):
             self.cache.fill_pages([0], 0)  # the write/poison kernel
-            [words.clone() for words in self.cache.block_words(0)]  # the read kernel
+            for words in self.cache.block_words(0):
+                words.clone()  # the read kernel
             warmup() if callable(warmup) else self.zeroer.zero_block_ids([0])
         self.rt.synchronize()
 
@@ -225,7 +226,7 @@ class Episode:
         # The page's next tenant (fp32 Mamba state) leaves NaN bytes behind; ordered after the
         # block's last access on that access's stream.
         with self.rt.annotate(f"step {self.step} free_block"):
-            self.rt.launch(lambda: cache.fill_pages([block], POISON_WORD), name="poison", stream=self._stream(last.stream), blocks_written=[block])
+            self.rt.launch(lambda: cache.poison([block]), name="poison", stream=self._stream(last.stream), blocks_written=[block])
         self._accessed([block], last.stream, "poison")
         self.free.append(block)
 

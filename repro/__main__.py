@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from fuzz.episode import OPS, EpisodeConfig
+from fuzz.episode import OPS, Episode, EpisodeConfig
 from fuzz.trace import TRACE_VERSION
 
 
@@ -48,8 +48,6 @@ def load(path: Path) -> tuple[EpisodeConfig, list[dict]]:
 
 
 def replay_once(config: EpisodeConfig, ops: list[dict]) -> list:
-    from fuzz.episode import Episode
-
     episode = Episode(config)
     for op in ops:
         episode.apply(op)

@@ -408,13 +408,6 @@ class KVCache:
         """Fill the pages of `blocks` with NaN bits, as a recycled Mamba page would hold."""
         self.fill_pages(blocks, POISON_WORD)
 
-    def zero_reference(self, blocks: Sequence[int]) -> None:
-        """Zero `blocks` with the pure-torch reference (`zeroer.kernel.zero_blocks_reference`)."""
-        # Imported here: kernel.py imports triton, which layout users should not need to pay for.
-        from zeroer.kernel import zero_blocks_reference
-
-        zero_blocks_reference(self, blocks)
-
     # -- guards --------------------------------------------------------------------------------
 
     def _where(self, t: int, word: int) -> str:

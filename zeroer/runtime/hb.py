@@ -161,9 +161,6 @@ class HappensBefore:
         # Readers the host has seen complete can never conflict again; pending ones were reported.
         self._host_readers[key] = []
 
-    def forget_host_buffer(self, key: Key) -> None:
-        self._host_readers.pop(key, None)
-
     def device_access(self, key: Key, stamp: OpStamp, *, write: bool) -> None:
         """``stamp`` reads or writes device resource ``key``; flag unordered conflicting accesses."""
         state = self._resources.get(key)

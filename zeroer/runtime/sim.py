@@ -104,7 +104,7 @@ class SimHostAllocator:
         return 1 << max(nbytes - 1, 0).bit_length()
 
     def alloc(self, n: int, dtype: torch.dtype, protected: bool) -> HostBuffer:
-        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        nbytes = n * dtype.itemsize
         size = self._size_class(nbytes)
         free = self._free.setdefault((protected, size), [])
         chosen = None
