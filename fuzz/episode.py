@@ -123,17 +123,16 @@ class Episode:
         if name not in OPS:
             raise ValueError(f"unknown op {name!r}; ops: {', '.join(OPS)}")
         args = {k: v for k, v in op.items() if k != "op"}
-        method = getattr(self, f"_op_{name}")
-        fields = inspect.signature(method).parameters
+        fields, required = _OP_FIELDS[name]
         unknown = sorted(set(args) - set(fields))
-        missing = sorted(k for k, p in fields.items() if p.default is p.empty and k not in args)
+        missing = sorted(set(required) - set(args))
         if unknown or missing:
             raise ValueError(
                 f"op {name!r} {'has unknown field ' + repr(unknown[0]) if unknown else 'is missing field ' + repr(missing[0])}; "
                 f"its fields are: {', '.join(fields) or 'none'}"
             )
         self.trace.append(dict(op))
-        return method(**args)
+        return getattr(self, f"_op_{name}")(**args)
 
     @property
     def step(self) -> int:
@@ -281,3 +280,12 @@ class Episode:
             self.findings.append(Finding("stray write", None, f"stray write: {violation}", fault))
         self.rt.close()
         return self.findings
+
+
+def _op_fields(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    params = list(inspect.signature(getattr(Episode, f"_op_{name}")).parameters.values())[1:]  # drop self
+    return tuple(p.name for p in params), tuple(p.name for p in params if p.default is p.empty)
+
+
+# Each op's fields, read once from its method (checking every op record on the hot path).
+_OP_FIELDS = {name: _op_fields(name) for name in OPS}

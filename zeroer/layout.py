@@ -380,7 +380,8 @@ class KVCache:
 
     def block_words(self, block: int) -> list[torch.Tensor]:
         """One int32 1-D view per segment of the words logical block `block` owns."""
-        self._check_blocks([block])
+        if not _is_int(block) or not 0 <= block < self.spec.num_blocks:
+            self._check_blocks([block])  # raises the usual message (or a TypeError for non-ints)
         return [self.pages(s)[block] for s in range(len(self.segments))]
 
     def _check_blocks(self, blocks: Sequence[int] | torch.Tensor) -> torch.Tensor:
