@@ -190,6 +190,29 @@ def test_the_watchdog_opens_every_gate_when_the_host_is_stuck_and_keeps_reportin
         dog.stop()
 
 
+def test_the_gate_pool_makes_gates_on_demand_and_reuses_a_recycled_one_first():
+    pool = GatePool(2, pin_memory=False)
+    a, b = pool.acquire(), pool.acquire()
+    assert (a.chunk, a.slot, b.chunk, b.slot) == (0, 0, 0, 1)
+    c = pool.acquire()  # the first chunk is used up: a second one is allocated
+    assert (c.chunk, c.slot) == (1, 0) and len(pool.chunks()) == 2
+    pool.recycle(b)
+    assert pool.acquire() == b and pool.value(b) == 0  # closed again
+    assert pool.in_use == 3
+
+
+def test_a_stopped_watchdog_no_longer_opens_gates():
+    pool = GatePool(1, pin_memory=False)
+    gate = pool.acquire()
+    dog = Watchdog(pool, timeout_s=0.05)
+    with dog.guard("a quick call"):
+        pass
+    dog.stop()
+    dog._deadline = time.monotonic() - 1  # as if a guard were stuck: nobody watches any more
+    time.sleep(0.2)
+    assert pool.value(gate) == 0 and dog.fired is None
+
+
 def test_a_nested_guard_keeps_the_outer_deadline():
     pool = GatePool(1, pin_memory=False)
     gate = pool.acquire()

@@ -64,6 +64,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None
 
 FLAGS_PER_CHUNK = 1 << 16  # 256 KiB of pinned int32 flags; another chunk is added when all are in use
+REAP_BATCH = 1024  # retired gates are checked for reuse this many at a time
 WATCHDOG_POLL_S = 0.05  # how often the watchdog thread looks at the armed deadline
 
 
@@ -123,22 +124,29 @@ class GatePool:
         self.pin_memory = pin_memory
         self._chunks: list[torch.Tensor] = []
         self._views = []  # numpy views of the chunks: a host write costs ~100 ns, not a torch op
-        self._free: list[Gate] = []
+        self._free: list[Gate] = []  # recycled gates, newest last (reused first: a small working set)
         self._retiring: list[tuple[Gate, object]] = []  # (gate, event recorded behind its kernel)
+        self._fresh = 0  # slots of the newest chunk handed out so far
         self.in_use = 0  # gates acquired and not yet recycled
         self._grow()
 
     # -- flags -------------------------------------------------------------------------------
     def _grow(self) -> None:
         chunk = torch.zeros(self.flags_per_chunk, dtype=torch.int32, pin_memory=self.pin_memory)
-        index = len(self._chunks)
         self._chunks.append(chunk)
         self._views.append(chunk.numpy())
-        base = chunk.data_ptr()
-        # newest-first reuse keeps the working set small; push in reverse so slot 0 comes first
-        self._free.extend(
-            Gate(index, slot, base + 4 * slot) for slot in reversed(range(self.flags_per_chunk))
-        )
+        self._fresh = 0
+
+    def _carve(self) -> Gate:
+        # Gates are made one at a time: building all 65,536 up front cost 150 ms per runtime,
+        # most of a fuzz example's time on an H200 (tools/profile_cuda.py).
+        if self._fresh == self.flags_per_chunk:
+            # Allocating pinned memory while gates spin may wait for the GPU; callers run this
+            # under the watchdog.
+            self._grow()
+        index, slot = len(self._chunks) - 1, self._fresh
+        self._fresh += 1
+        return Gate(index, slot, self._chunks[index].data_ptr() + 4 * slot)
 
     def _reap(self) -> None:
         still: list[tuple[Gate, object]] = []
@@ -152,13 +160,9 @@ class GatePool:
 
     def acquire(self) -> Gate:
         """A closed gate (its flag reset to 0), ready to :meth:`launch`."""
-        if not self._free:
-            self._reap()
-        if not self._free:
-            # Allocating pinned memory while gates spin may wait for the GPU; callers run this
-            # under the watchdog.
-            self._grow()
-        gate = self._free.pop()
+        if not self._free and (len(self._retiring) >= REAP_BATCH or self._fresh == self.flags_per_chunk):
+            self._reap()  # one pass over many events, not a query per acquire
+        gate = self._free.pop() if self._free else self._carve()
         self._views[gate.chunk][gate.slot] = 0
         self.in_use += 1
         return gate
@@ -206,6 +210,7 @@ class GatePool:
     def release(self) -> None:
         """Drop the flag memory; only once no gate kernel of this pool can still run."""
         self._chunks, self._views, self._free, self._retiring = [], [], [], []
+        self._fresh = self.flags_per_chunk  # a later acquire() starts a new chunk
 
 
 # -- streams a gate can stall ----------------------------------------------------------------
@@ -267,6 +272,43 @@ def abandon(pool: GatePool) -> None:
     _ABANDONED_FLAGS.extend(pool.chunks())
 
 
+class _Monitor:
+    """The one daemon thread that checks every armed :class:`Watchdog` of the process.
+
+    A thread per runtime cost about 20 ms to join on every close (an H200 fuzz run makes a
+    runtime per example); one shared thread costs nothing to stop watching.
+    """
+
+    def __init__(self) -> None:
+        # Re-entrant: a runtime's finalizer (which stops its watchdog) can run from a garbage
+        # collection inside this very thread.
+        self._lock = threading.RLock()
+        self._dogs: set[Watchdog] = set()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, dog: "Watchdog") -> None:
+        with self._lock:
+            self._dogs.add(dog)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="zeroer-gate-watchdog", daemon=True)
+                self._thread.start()
+
+    def forget(self, dog: "Watchdog") -> None:
+        # Under the lock: once this returns, no check of ``dog`` is running or will run.
+        with self._lock:
+            self._dogs.discard(dog)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(WATCHDOG_POLL_S)
+            with self._lock:
+                for dog in list(self._dogs):
+                    dog._check()
+
+
+_MONITOR = _Monitor()
+
+
 class Watchdog:
     """Opens every gate of a pool when the host stays in one guarded call past ``timeout_s``.
 
@@ -279,6 +321,7 @@ class Watchdog:
         dog = Watchdog(pool, timeout_s=5.0)
         with dog.guard("launch of zero_kernel#3"):
             launch()
+        dog.stop()
     """
 
     def __init__(self, pool: GatePool, timeout_s: float) -> None:
@@ -288,22 +331,21 @@ class Watchdog:
         self._deadline: float | None = None
         self._what = ""
         self._depth = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._watched = False
 
-    def _run(self) -> None:
-        while not self._stop.wait(WATCHDOG_POLL_S):
-            deadline = self._deadline
-            if deadline is not None and time.monotonic() > deadline and self.fired is None:
-                self.fired = self._what
-                self.pool.open_all()
+    def _check(self) -> None:
+        """Called by the monitor thread: fire if the armed deadline has passed."""
+        deadline = self._deadline
+        if deadline is not None and time.monotonic() > deadline and self.fired is None:
+            self.fired = self._what
+            self.pool.open_all()
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
         """Watch the call inside; nested guards (a launch fn that enqueues) share the outer deadline."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="zeroer-gate-watchdog", daemon=True)
-            self._thread.start()
+        if not self._watched:
+            _MONITOR.watch(self)
+            self._watched = True
         self._depth += 1
         if self._depth == 1:
             self._what = what
@@ -318,9 +360,9 @@ class Watchdog:
             raise GateTimeoutError(stuck_message(self.fired, self.timeout_s))
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
+        """Stop watching; the pool may be released once this returns."""
+        _MONITOR.forget(self)
+        self._watched = False
 
 
 def stuck_message(what: str, timeout_s: float) -> str:
