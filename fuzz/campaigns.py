@@ -29,6 +29,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from zeroer.registry import RACE_FREE, RACY
 
 from .episode import EpisodeConfig
+from .journal import Journal
 from .machine import ZeroerMachine, ZeroerViolation, machine_for
 from .trace import write_trace
 
@@ -158,14 +159,19 @@ def run_campaign(
     budget_s: float | None = None,
     database_dir: Path | None = None,
     seed_override: int | None = None,
+    journal: Journal | None = None,
 ) -> CampaignResult:
-    """Run one campaign; save the shrunk trace of a finding under ``repro_dir``."""
+    """Run one campaign; save the shrunk trace of a finding under ``repro_dir``.
+
+    ``seed_override`` runs Hypothesis once with that seed (``--hypothesis-seed``, ``python -m
+    repro regenerate``); ``journal`` saves each op before it runs (:mod:`fuzz.journal`).
+    """
     result = CampaignResult(campaign)
     start = time.perf_counter()
     budget = budget_s if budget_s is not None else profile.budget_s
     run_index = 0
     while True:
-        machine = machine_for(campaign.config)
+        machine = machine_for(campaign.config, journal=journal)
         _count_into(machine, result, start)
         if seed_override is not None:
             run_seed = seed_override
@@ -174,6 +180,8 @@ def run_campaign(
         else:
             run_seed = campaign.seed + 1_000_003 * run_index
         result.seeds.append(run_seed)
+        if journal is not None:
+            journal.seed = run_seed
         try:
             factor = FINDS_BUDGET_FACTOR if campaign.expect == "finds" else 1
             run_state_machine_as_test(
@@ -187,6 +195,8 @@ def run_campaign(
         if result.found or budget is None or time.perf_counter() - start >= budget or seed_override is not None:
             break
     result.seconds = time.perf_counter() - start
+    if journal is not None:
+        journal.discard()  # the run ended without a crash
     if result.violation is not None:
         result.trace_path = write_trace(
             repro_dir, result.violation.config, result.violation.trace, result.violation.findings,

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from .campaigns import default_campaigns
+from .journal import Journal, rescue
 from .options import fuzz_options, gpu_for_worker
 from .summary import render_summary
 
@@ -24,6 +25,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--fuzz-minutes", dest="fuzz_minutes", default=None, help="wall-clock budget for the whole run (selects the nightly profile)")
     group.addoption("--fuzz-db", dest="fuzz_db", default=".hypothesis/fuzz-db", help="example database directory (nightly); point several runs at one place to share it")
     group.addoption("--fuzz-summary", dest="fuzz_summary", default="repro/summary.json", help="where the run's JSON summary is written")
+    group.addoption("--fuzz-journal", dest="fuzz_journal", default="auto", help="save each op before it runs, so a crashed worker leaves its trace: auto (on for cuda), on or off")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,6 +58,29 @@ def cuda_device(request: pytest.FixtureRequest) -> int | None:
     device = gpu_for_worker(os.environ.get("PYTEST_XDIST_WORKER"), torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
+
+
+@pytest.fixture
+def journal(request: pytest.FixtureRequest, campaign) -> Journal | None:
+    """This worker's in-flight journal for the campaign, when --fuzz-journal says so."""
+    options = request.config._fuzz_options
+    if not options.journal:
+        return None
+    return Journal(options.repro_dir, os.environ.get("PYTEST_XDIST_WORKER"), campaign.id)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched) -> None:
+    """pytest-xdist: a worker died (a CUDA fault kills the process). Save its journal as a trace
+    and name it in the failure, so the crash can be replayed."""
+    options = report.node.config._fuzz_options if hasattr(report, "node") else None
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
+    if options is None or worker is None or "[" not in crashitem:
+        return
+    campaign = crashitem[crashitem.index("[") + 1 : -1]
+    path = rescue(options.repro_dir, worker, campaign)
+    if path is not None:
+        report.longrepr = f"{report.longrepr}\nthe ops it was running are saved in {path}\nreplay: python -m repro replay {path}"
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from hypothesis.stateful import (
 )
 
 from .episode import Episode, EpisodeConfig
+from .journal import Journal
 from .oracle import Finding
 
 
@@ -64,12 +65,16 @@ class ZeroerMachine(RuleBasedStateMachine):
     blocks = Bundle("blocks")
     #: the last episode that raised, so a campaign can save its (shrunk) trace
     last_failure: ZeroerViolation | None = None
+    #: where each op is saved before it runs (cuda: a fault kills the worker), or None
+    journal: Journal | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.episode = Episode(self.config)
 
     def _apply(self, **op):
+        if self.journal is not None:
+            self.journal.record(self.config, [*self.episode.trace, op])
         return self.episode.apply(op)
 
     def _raise_if(self, findings: list[Finding]) -> None:
@@ -133,7 +138,7 @@ class ZeroerMachine(RuleBasedStateMachine):
             self._raise_if(self.episode.finish())
 
 
-def machine_for(config: EpisodeConfig, name: str | None = None) -> type[ZeroerMachine]:
+def machine_for(config: EpisodeConfig, name: str | None = None, journal: Journal | None = None) -> type[ZeroerMachine]:
     """A state machine class bound to ``config`` (named so a shrunk program says what it ran)."""
     label = name or f"{config.zeroer}_on_{config.geometry}".replace(":", "_").replace("/", "_").replace(".", "_")
-    return type(label, (ZeroerMachine,), {"config": config, "last_failure": None})
+    return type(label, (ZeroerMachine,), {"config": config, "last_failure": None, "journal": journal})

@@ -17,6 +17,7 @@ from zeroer.errors import ZeroerError
 from zeroer.registry import resolve_factory, zeroer_names
 
 from .campaigns import PROFILES, Profile
+from .journal import JOURNAL_MODES
 
 BACKEND_CHOICES = ("auto", "cuda", "sim")
 CUDA_MODE_CHOICES = ("both", "controlled", "free")
@@ -32,6 +33,8 @@ class FuzzOptions:
     repro_dir: Path
     database_dir: Path
     summary_path: Path
+    journal: bool = False  # save each op before it runs (fuzz/journal.py)
+    seed: int | None = None  # --hypothesis-seed: one run of each campaign with this seed
 
 
 def parse_backend(value: str, cuda_available: bool) -> str:
@@ -91,6 +94,24 @@ def gpu_for_worker(worker_id: str | None, device_count: int) -> int:
     return int(worker_id[2:]) % device_count
 
 
+def parse_journal(value: str, backend: str) -> bool:
+    if value not in JOURNAL_MODES:
+        raise pytest.UsageError(f"--fuzz-journal {value!r} is not one of {', '.join(JOURNAL_MODES)} (auto: on for the cuda backend)")
+    return value == "on" or (value == "auto" and backend == "cuda")
+
+
+def parse_seed(value: object) -> int | None:
+    """``--hypothesis-seed`` (Hypothesis's own option), read as the seed of every campaign's run."""
+    if value is None:
+        return None
+    try:
+        return int(str(value))
+    except ValueError:
+        raise pytest.UsageError(
+            f"--hypothesis-seed {value!r} is not an integer; fuzz campaigns need the integer seed a summary lists, e.g. --hypothesis-seed 1234"
+        ) from None
+
+
 def fuzz_options(config: pytest.Config) -> FuzzOptions:
     cuda = torch.cuda.is_available()
     minutes = parse_minutes(config.getoption("fuzz_minutes"))
@@ -104,4 +125,6 @@ def fuzz_options(config: pytest.Config) -> FuzzOptions:
         repro_dir=Path(config.getoption("repro_dir")),
         database_dir=Path(config.getoption("fuzz_db")),
         summary_path=Path(config.getoption("fuzz_summary")),
+        journal=parse_journal(config.getoption("fuzz_journal"), backend),
+        seed=parse_seed(config.getoption("hypothesis_seed", None)),
     )

@@ -12,7 +12,7 @@ from .campaigns import Campaign, run_campaign
 from .summary import result_record
 
 
-def test_campaign(campaign: Campaign, fuzz, cuda_device, campaign_budget, record_property) -> None:
+def test_campaign(campaign: Campaign, fuzz, cuda_device, campaign_budget, journal, record_property) -> None:
     if campaign.config.backend == "cuda":
         campaign = replace(campaign, config=replace(campaign.config, device=cuda_device))
     result = run_campaign(
@@ -21,6 +21,8 @@ def test_campaign(campaign: Campaign, fuzz, cuda_device, campaign_budget, record
         fuzz.repro_dir,
         budget_s=campaign_budget,
         database_dir=fuzz.database_dir / campaign.id,
+        seed_override=fuzz.seed,
+        journal=journal,
     )
     record_property("fuzz", json.dumps(result_record(result)))
     replay = f"python -m repro replay {result.trace_path}" if result.trace_path else ""

@@ -2,7 +2,8 @@
 
 A trace holds everything needed to run the episode again: the episode config (zeroer spec,
 geometry, backend), the Hypothesis seed of the run that found it, every op in order (schedule
-choices and delays included) and the findings. The file name is a stable content hash of the
+choices and delays included), the findings, and the machine it was found on (GPU, driver, torch,
+triton). The file name is a stable content hash of the
 config and ops, so the same finding from two workers lands in one file and concurrent writers
 never clobber each other (temp file + rename). Format: docs/trace-format.md.
 
@@ -14,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .environment import environment
 from .episode import EpisodeConfig
 from .oracle import Finding
 
@@ -31,8 +34,48 @@ TRACE_VERSION = 1
 def trace_name(config: EpisodeConfig, ops: list[dict]) -> str:
     body = json.dumps({"config": dataclasses.asdict(config), "ops": ops}, sort_keys=True)
     digest = hashlib.sha256(body.encode()).hexdigest()[:16]
-    safe = config.zeroer.replace("/", "_").replace(":", "_").replace(".", "_")
+    spec = config.zeroer
+    if ".py:" in spec:  # a file's factory: its name, not the whole path
+        spec = Path(spec.rpartition(":")[0]).name + ":" + spec.rpartition(":")[2]
+    safe = spec.replace("/", "_").replace(":", "_").replace(".", "_")
     return f"{safe}-{config.geometry}-{digest}.json"
+
+
+def trace_data(
+    config: EpisodeConfig,
+    ops: list[dict],
+    findings: list[Finding],
+    *,
+    seed: int | None = None,
+    campaign: str | None = None,
+) -> dict[str, Any]:
+    """The JSON object of a trace file (docs/trace-format.md)."""
+    return {
+        "version": TRACE_VERSION,
+        "campaign": campaign,
+        "seed": seed,
+        "config": dataclasses.asdict(config),
+        "ops": ops,
+        "findings": [dataclasses.asdict(f) for f in findings],
+        "environment": environment(),
+    }
+
+
+def write_atomically(path: Path, data: dict[str, Any]) -> Path:
+    """Write ``data`` as JSON to ``path`` through a temp file and a rename: readers never see half
+    a file, and two writers of the same path leave one whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=1)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 def write_trace(
@@ -44,22 +87,9 @@ def write_trace(
     seed: int | None = None,
     campaign: str | None = None,
 ) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    data: dict[str, Any] = {
-        "version": TRACE_VERSION,
-        "campaign": campaign,
-        "seed": seed,
-        "config": dataclasses.asdict(config),
-        "ops": ops,
-        "findings": [dataclasses.asdict(f) for f in findings],
-    }
-    path = directory / trace_name(config, ops)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=1)
-        handle.write("\n")
-    os.replace(tmp, path)
-    return path
+    """Save a finding under ``directory`` with its content-hash name; returns the path."""
+    data = trace_data(config, ops, findings, seed=seed, campaign=campaign)
+    return write_atomically(directory / trace_name(config, ops), data)
 
 
 def read_trace(path: Path) -> dict[str, Any]:

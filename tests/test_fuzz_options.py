@@ -24,7 +24,9 @@ from fuzz.options import (
     gpu_for_worker,
     parse_backend,
     parse_cuda_mode,
+    parse_journal,
     parse_minutes,
+    parse_seed,
     parse_profile,
     parse_zeroer,
 )
@@ -284,9 +286,10 @@ def fake_config(**overrides) -> SimpleNamespace:
     values = {
         "fuzz_backend": "sim", "cuda_mode": "both", "zeroer": None, "fuzz_profile": None, "fuzz_minutes": None,
         "repro_dir": "repro/failures", "fuzz_db": ".hypothesis/fuzz-db", "fuzz_summary": "repro/summary.json",
+        "fuzz_journal": "auto", "hypothesis_seed": None,
     }
     values.update(overrides)
-    return SimpleNamespace(getoption=values.__getitem__)
+    return SimpleNamespace(getoption=lambda name, default=None: values[name])
 
 
 def test_fuzz_options_gathers_every_parsed_value(monkeypatch):
@@ -296,6 +299,23 @@ def test_fuzz_options_gathers_every_parsed_value(monkeypatch):
         backends=["sim"], cuda_modes=("free",), zeroer="ring", profile=PROFILES["nightly"], minutes=2.0,
         repro_dir=Path("repro/failures"), database_dir=Path("/tmp/db"), summary_path=Path("repro/summary.json"),
     )
+
+
+def test_hypothesis_seed_runs_every_campaign_once_with_that_seed_and_the_journal_follows_the_backend():
+    options = fuzz_options(fake_config(hypothesis_seed="1234", fuzz_journal="on"))
+    assert options.seed == 1234 and options.journal is True
+    assert fuzz_options(fake_config()).journal is False  # auto: off on the simulator
+    assert parse_journal("auto", "cuda") is True and parse_journal("off", "cuda") is False
+
+
+def test_a_seed_that_is_not_an_integer_is_a_usage_error():
+    with pytest.raises(pytest.UsageError, match=r"^--hypothesis-seed 'abc' is not an integer; fuzz campaigns need the integer seed a summary lists, e\.g\. --hypothesis-seed 1234$"):
+        parse_seed("abc")
+
+
+def test_an_unknown_journal_mode_is_a_usage_error():
+    with pytest.raises(pytest.UsageError, match=r"^--fuzz-journal 'always' is not one of auto, on, off \(auto: on for the cuda backend\)$"):
+        parse_journal("always", "sim")
 
 
 def test_fuzz_options_checks_minutes_before_the_backend():

@@ -1,0 +1,68 @@
+"""The machine a finding was made on: GPU, driver, torch, triton, Python, Hypothesis.
+
+Recorded in every trace (``environment``) and printed by every exported repro script, because a
+race that shows on one driver or Triton version and not on another is still a lead.
+
+Example::
+
+    describe(environment())   # 'NVIDIA H200, driver 580.159.04, torch 2.11.0+cu130, triton 3.6.0, python 3.12.3'
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import shutil
+import subprocess
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_version() -> str | None:
+    # torch does not expose the driver version; nvidia-smi does when it is installed.
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
+
+
+def environment() -> dict[str, str | None]:
+    """Versions and hardware of this process, as plain JSON values."""
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a dependency
+        triton_version = None
+    try:
+        import hypothesis
+
+        hypothesis_version: str | None = hypothesis.__version__
+    except ImportError:  # exported scripts run without Hypothesis
+        hypothesis_version = None
+    cuda = torch.cuda.is_available()
+    return {
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "driver": _driver_version() if cuda else None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "hypothesis": hypothesis_version,
+        "platform": platform.platform(),
+    }
+
+
+def describe(env: dict[str, str | None] | None) -> str:
+    """One line for a person: GPU and driver (or 'no GPU'), then the library versions."""
+    if not env:
+        return "unknown (the trace did not record its environment)"
+    gpu = f"{env['gpu']}, driver {env.get('driver') or '?'}" if env.get("gpu") else "no GPU"
+    return f"{gpu}, torch {env.get('torch')}, triton {env.get('triton')}, python {env.get('python')}"
