@@ -1,91 +1,120 @@
-"""``python -m repro replay TRACE [--backend sim|cuda] [--mode controlled|free] [--repeat N]``.
+"""``python -m repro {replay,export,regenerate}``: act on a finding.
 
-Replays a trace written by the fuzzer through the same executor the fuzzer used
-(:class:`fuzz.episode.Episode`), prints the findings and exits 1 when the bug shows, 0 when it
-does not, 2 on a bad trace file. Replaying executes nothing from the trace but the ops it lists;
-the only code it imports is the zeroer factory the trace names.
+* ``replay TRACE [--backend sim|cuda] [--mode controlled|free] [--repeat N]`` runs a trace through
+  the fuzzer's own executor, prints the findings and ``reproduced k of N``; exit 1 when the bug
+  shows, 0 when it does not.
+* ``export TRACE -o repro/NAME.py`` writes a standalone script of the trace (no Hypothesis) that
+  exits 1 when the bug shows.
+* ``regenerate CAMPAIGN --seed N [--profile P]`` or ``regenerate --summary FILE`` reruns a
+  campaign with a seed from a summary and writes the same shrunk trace again.
+
+Bad input (a missing or malformed file, an unknown campaign) is one line on stderr, exit 2.
+Replaying runs nothing from a trace but its ops; the only code it imports is the zeroer factory
+the trace names.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
-from fuzz.episode import OPS, Episode, EpisodeConfig
-from fuzz.trace import TRACE_VERSION
+from .export import check_output_name, render_script
+from .regenerate import RegenerateError, Regeneration, from_summary, regenerate
+from .replay import replay
+from .trace_file import TraceError, load_trace
+
+USAGE_ERROR = 2
 
 
-class TraceError(Exception):
-    """A trace file that cannot be replayed; the message names the file and the field."""
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m repro", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("replay", help="replay a trace file")
+    run.add_argument("trace", type=Path)
+    run.add_argument("--backend", choices=("sim", "cuda"), default=None, help="default: the trace's backend")
+    run.add_argument("--mode", choices=("controlled", "free"), default=None, help="cuda: gates (default) or real timing")
+    run.add_argument("--repeat", type=int, default=1)
+    export = sub.add_parser("export", help="write a standalone script of a trace")
+    export.add_argument("trace", type=Path)
+    export.add_argument("-o", "--output", type=Path, required=True, help="e.g. repro/ring_overrun.py")
+    export.add_argument("--title", default=None, help="the script's first line (default: zeroer, geometry and findings)")
+    again = sub.add_parser("regenerate", help="rerun a campaign with a seed from a summary")
+    again.add_argument("campaign", nargs="?", help="campaign id, e.g. single_buffer-tiny-sim-k-torch-shard0")
+    again.add_argument("--seed", type=int, default=None, help="the seed the summary lists")
+    again.add_argument("--profile", default="quick", help="the profile the run used (the summary's totals.profile)")
+    again.add_argument("--summary", type=Path, default=None, help="regenerate every finding of this summary JSON")
+    again.add_argument("--zeroer", default=None, help="the --zeroer SPEC of the run, for a campaign of an outside zeroer")
+    again.add_argument("--repro-dir", type=Path, default=Path("repro/failures"))
+    return parser
 
 
-def load(path: Path) -> tuple[EpisodeConfig, list[dict]]:
+def _replay(args: argparse.Namespace) -> int:
+    if args.repeat < 1:
+        print(f"error: --repeat {args.repeat} must be at least 1", file=sys.stderr)
+        return USAGE_ERROR
+    trace = load_trace(args.trace)
+    changes = {k: v for k, v in (("backend", args.backend), ("mode", args.mode)) if v is not None}
+    config = dataclasses.replace(trace.config, **changes)
+    shown, first = replay(config, trace.ops, args.repeat)
+    for finding in first[:10]:
+        print(finding)
+    where = config.backend + (f" ({config.mode})" if config.backend == "cuda" else "")
+    print(f"reproduced {shown} of {args.repeat} on {where}")
+    return 1 if shown else 0
+
+
+def _export(args: argparse.Namespace) -> int:
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TraceError(f"{path}: no such file") from None
-    except json.JSONDecodeError as error:
-        raise TraceError(f"{path}: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
-    if not isinstance(data, dict):
-        raise TraceError(f"{path}: expected a JSON object at the top level")
-    if data.get("version") != TRACE_VERSION:
-        raise TraceError(f"{path}: field 'version' is {data.get('version')!r}; this replayer reads version {TRACE_VERSION}")
-    for field in ("config", "ops"):
-        if field not in data:
-            raise TraceError(f"{path}: missing field {field!r}")
-    known = {f.name for f in dataclasses.fields(EpisodeConfig)}
-    unknown = sorted(set(data["config"]) - known)
-    if unknown:
-        raise TraceError(f"{path}: field 'config.{unknown[0]}' is not a config field ({', '.join(sorted(known))})")
-    for index, op in enumerate(data["ops"]):
-        if not isinstance(op, dict) or op.get("op") not in OPS:
-            name = op.get("op") if isinstance(op, dict) else op
-            raise TraceError(f"{path}: field 'ops[{index}].op' is {name!r}; known ops: {', '.join(OPS)}")
-    return EpisodeConfig(**data["config"]), data["ops"]
+        check_output_name(args.output)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    trace = load_trace(args.trace)
+    text = render_script(trace, str(args.output), title=args.title)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.output.with_suffix(".py.tmp")
+    tmp.write_text(text)
+    tmp.replace(args.output)
+    print(f"wrote {args.output}: python {args.output} exits 1 when the bug shows")
+    return 0
 
 
-def replay_once(config: EpisodeConfig, ops: list[dict]) -> list:
-    episode = Episode(config)
-    for op in ops:
-        episode.apply(op)
-        if episode.new_hazard_findings():
-            break
-    return episode.finish()
+def _regenerate(args: argparse.Namespace) -> int:
+    if args.summary is not None:
+        if args.campaign or args.seed is not None:
+            raise RegenerateError("give either --summary FILE or CAMPAIGN --seed N, not both")
+        runs = from_summary(args.summary)
+        if not runs:
+            print(f"{args.summary}: no campaign with a finding")
+            return 0
+    else:
+        if not args.campaign or args.seed is None:
+            raise RegenerateError("give CAMPAIGN --seed N (from a summary), or --summary FILE")
+        runs = [Regeneration(args.campaign, args.seed, args.profile)]
+    missed = 0
+    for run in runs:
+        result = regenerate(run, args.repro_dir, args.zeroer)
+        if result.trace_path is None:
+            missed += 1
+            print(f"{run.campaign} seed {run.seed} ({run.profile}): no finding this time")
+            continue
+        same = "" if run.expected_trace is None else (
+            " (the same trace as the summary's)" if Path(run.expected_trace).name == result.trace_path.name else f" (the summary named {run.expected_trace})"
+        )
+        print(f"{run.campaign} seed {run.seed} ({run.profile}): {len(result.violation.trace)} ops -> {result.trace_path}{same}")
+    return 1 if missed < len(runs) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    replay = sub.add_parser("replay", help="replay a trace file")
-    replay.add_argument("trace", type=Path)
-    replay.add_argument("--backend", choices=("sim", "cuda"), default=None, help="default: the trace's backend")
-    replay.add_argument("--mode", choices=("controlled", "free"), default=None)
-    replay.add_argument("--repeat", type=int, default=1)
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
+    handlers = {"replay": _replay, "export": _export, "regenerate": _regenerate}
     try:
-        config, ops = load(args.trace)
-    except TraceError as error:
+        return handlers[args.command](args)
+    except (TraceError, RegenerateError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
-    if args.repeat < 1:
-        print(f"error: --repeat {args.repeat} must be at least 1", file=sys.stderr)
-        return 2
-    changes = {k: v for k, v in (("backend", args.backend), ("mode", args.mode)) if v is not None}
-    config = dataclasses.replace(config, **changes)
-    shown = 0
-    first: list = []
-    for _ in range(args.repeat):
-        findings = replay_once(config, ops)
-        if findings:
-            shown += 1
-            first = first or findings
-    for finding in first[:10]:
-        print(finding)
-    print(f"reproduced {shown} of {args.repeat} on {config.backend}" + (f" ({config.mode})" if config.backend == "cuda" else ""))
-    return 1 if shown else 0
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""``python -m repro export TRACE -o repro/NAME.py``: a trace as a script you can read and run.
+
+The script is nanoGPT-shaped (STYLE.md, "repro scripts"): a docstring with where the finding came
+from and the exact commands, a block of constants, then one straight line per op, in order, each
+an op record handed to :class:`fuzz.episode.Episode` (the executor the fuzzer and the replayer
+use, so the script cannot drift from them). No Hypothesis. It exits 1 when the bug shows, 0 when
+it does not, and takes ``--backend``, ``--mode``, ``--repeat`` and ``--zeroer`` so the same steps
+run on a GPU or against a race-free design.
+
+Comments on the ops (the block ids an ``allocate`` gets, the step a finding names) come from a
+replay on the simulator during the export.
+
+Example::
+
+    text = render_script(load_trace(Path("repro/failures/ring-tiny-0123.json")), "repro/ring_overrun.py")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import keyword
+import re
+from pathlib import Path
+
+from fuzz.environment import describe
+from fuzz.episode import Episode
+
+from .trace_file import Trace
+
+
+def _annotations(trace: Trace) -> dict[int, str]:
+    """Per op index, a short comment from a replay on the simulator (best effort)."""
+    notes: dict[int, str] = {}
+    try:
+        episode = Episode(dataclasses.replace(trace.config, backend="sim", device=None))
+        for index, op in enumerate(trace.ops):
+            result = episode.apply(op)
+            if op["op"] == "allocate":
+                notes[index] = f"zero_block_ids({result}) on stream {op.get('stream', 0)}"
+            elif op["op"] in ("write", "read"):
+                notes[index] = f"{op['op']} block {op['block']} on stream {op.get('stream', 0)}"
+            elif op["op"] == "free":
+                notes[index] = f"free block {op['block']}; its page is poisoned (NaN bytes)"
+            if episode.new_hazard_findings():
+                notes[index] = notes.get(index, op["op"]) + "  <-- the happens-before checker fires here"
+                break
+        episode.rt.close()
+    except Exception as error:  # a zeroer that cannot run here (e.g. cuda-only): no comments
+        notes[-1] = f"(no step comments: replaying on the simulator failed: {error!r})"
+    return notes
+
+
+def _dict_literal(name: str, value: dict | None) -> list[str]:
+    if not value:
+        return [f"{name} = None  # the trace did not record its environment"]
+    return [f"{name} = {{"] + [f"    {k!r}: {v!r}," for k, v in sorted(value.items())] + ["}"]
+
+
+def _headline(trace: Trace, title: str | None) -> str:
+    config = trace.config
+    if title:
+        return title.rstrip(".") + "."
+    kinds: dict[str, object] = {}
+    for finding in trace.findings:
+        kinds.setdefault(finding["kind"], finding.get("block"))
+    found = "; ".join(k + (f" (block {b})" if b is not None else "") for k, b in kinds.items()) or "no recorded finding"
+    return f"{config.zeroer} on {config.geometry}: {found}."
+
+
+def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
+    words, lines, line = text.split(), [], indent
+    for word in words:
+        if len(line) + len(word) + 1 > width and line.strip():
+            lines.append(line.rstrip())
+            line = indent
+        line += word + " "
+    if line.strip():
+        lines.append(line.rstrip())
+    return lines
+
+
+def render_script(trace: Trace, output: str, *, title: str | None = None, today: datetime.date | None = None) -> str:
+    """The text of the standalone script for ``trace``, to be saved at ``output``."""
+    config = trace.config
+    today = today or datetime.date.today()
+    notes = _annotations(trace)
+    run = f"python {output}"
+    head = _wrap(_headline(trace, title), "")
+    lines: list[str] = ["#!/usr/bin/env python3", f'"""{head[0]}', *head[1:], ""]
+    lines += ["Provenance:"]
+    lines += [f"  found by   campaign {trace.campaign or '?'}, Hypothesis seed {trace.seed if trace.seed is not None else '?'}"]
+    backend = "the simulator" if config.backend == "sim" else f"cuda ({config.mode} mode)"
+    lines += [f"  found on   {backend}: {describe(trace.environment)}"]
+    lines += [f"  exported   {today.isoformat()} from {trace.path} by `python -m repro export`"]
+    for finding in trace.findings[:3]:
+        lines += _wrap(f"finding: {finding['message']}", "  ")
+    lines += [
+        "",
+        "Run it from the repository root. Exit status: 1 when the bug shows, 0 when it does not.",
+        f"    {run}                              # the CPU simulator",
+        f"    {run} --backend cuda --repeat 20   # a GPU: gates force the recorded schedule",
+        f"    {run} --zeroer per_call            # the same steps on a race-free design: exits 0",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "import argparse",
+        "import sys",
+        "from pathlib import Path",
+        "",
+        "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root",
+        "",
+        "from fuzz.environment import describe, environment  # noqa: E402",
+        "from fuzz.episode import Episode, EpisodeConfig  # noqa: E402",
+        "",
+        "# -- the episode, as found " + "-" * 70,
+        f"ZEROER = {config.zeroer!r}",
+        f"GEOMETRY = {config.geometry!r}",
+        f"BACKEND = {config.backend!r}  # sim or cuda; --backend overrides",
+        f"MODE = {config.mode!r}  # cuda only: controlled (gates enforce the schedule) or free",
+        f"KERNEL = {config.kernel!r}  # built-in staged designs: torch or triton (None: their default)",
+        f"STREAMS = {config.streams!r}",
+        f"CALLER_FAULT = {config.caller_fault!r}",
+        *_dict_literal("FOUND_ON", trace.environment),
+        "",
+        "",
+        "def steps(episode: Episode) -> None:",
+        '    """The ops in the order the fuzzer ran them (docs/trace-format.md says what each does)."""',
+        "    op = episode.apply",
+    ]
+    if -1 in notes:
+        lines.append(f"    # {notes[-1]}")
+    for index, record in enumerate(trace.ops):
+        call = f"    op({json.dumps(record)})"
+        lines.append(call + (f"  # {notes[index]}" if index in notes else ""))
+    lines += [
+        "",
+        "",
+        "def run_once(config: EpisodeConfig) -> list:",
+        "    episode = Episode(config)",
+        "    steps(episode)",
+        "    return episode.finish()  # one synchronisation, then the oracle checks every read and block",
+        "",
+        "",
+        "def main() -> int:",
+        "    parser = argparse.ArgumentParser(description=__doc__.split('\\n\\n')[0])",
+        "    parser.add_argument('--backend', choices=('sim', 'cuda'), default=BACKEND)",
+        "    parser.add_argument('--mode', choices=('controlled', 'free'), default=MODE)",
+        "    parser.add_argument('--repeat', type=int, default=1, help='run the steps N times and count')",
+        "    parser.add_argument('--zeroer', default=ZEROER, help='another zeroer spec, e.g. a race-free design')",
+        "    args = parser.parse_args()",
+        "    if args.repeat < 1:",
+        "        parser.error(f'--repeat {args.repeat} must be at least 1')",
+        "    kernel = KERNEL if args.zeroer == ZEROER else None",
+        "    config = EpisodeConfig(zeroer=args.zeroer, geometry=GEOMETRY, backend=args.backend, mode=args.mode,",
+        "                           kernel=kernel, streams=STREAMS, caller_fault=CALLER_FAULT)",
+        "    print(f'found on: {describe(FOUND_ON)}')",
+        "    print(f'running on: {describe(environment())}')",
+        "    shown, first = 0, []",
+        "    for _ in range(args.repeat):",
+        "        findings = run_once(config)",
+        "        shown += bool(findings)",
+        "        first = first or findings",
+        "    for finding in first[:10]:",
+        "        print(finding)",
+        "    where = args.backend + (f' ({args.mode})' if args.backend == 'cuda' else '')",
+        "    print(f'{args.zeroer}: reproduced {shown} of {args.repeat} on {where}')",
+        "    return 1 if shown else 0",
+        "",
+        "",
+        "if __name__ == '__main__':",
+        "    sys.exit(main())",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def check_output_name(output: Path) -> None:
+    """The script is imported by nothing, but a module-safe name keeps `python -m` and tests easy."""
+    stem = output.stem
+    if output.suffix != ".py" or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", stem) or keyword.iskeyword(stem):
+        raise ValueError(f"-o {output}: name the script like a Python module, e.g. repro/ring_overrun.py")

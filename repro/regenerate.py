@@ -1,0 +1,82 @@
+"""``python -m repro regenerate``: a failing seed from a summary becomes its shrunk trace again.
+
+A nightly summary lists, for every campaign with a finding, the campaign id and the seeds of its
+Hypothesis runs (the finding came from the last one) and the profile. Rerunning that campaign
+with that seed and profile on the simulator, without an example database, makes the same
+examples, the same failure and the same shrunk trace: the simulator and the shrinker are both
+deterministic. (A finding that came from replaying the example database rather than from
+generation is the one case this cannot cover; the trace file itself is the record then.)
+
+Examples::
+
+    python -m repro regenerate single_buffer-tiny-sim-k-torch-shard0 --seed 1234 --profile nightly
+    python -m repro regenerate --summary repro/summary.json     # every finding the summary lists
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fuzz.campaigns import PROFILES, Campaign, CampaignResult, default_campaigns, run_campaign
+
+
+class RegenerateError(Exception):
+    """A campaign id, seed or summary that cannot be regenerated; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Regeneration:
+    campaign: str
+    seed: int
+    profile: str
+    expected_trace: str | None = None  # the trace path the summary named, if any
+
+
+def find_campaign(campaign_id: str, zeroer: str | None = None) -> Campaign:
+    """The campaign whose id is ``campaign_id``, among the default ones (or ``zeroer``'s)."""
+    candidates = (default_campaigns(["cuda", "sim"], zeroer) if zeroer else []) + default_campaigns(["cuda", "sim"])
+    for campaign in candidates:
+        if campaign.id == campaign_id:
+            return campaign
+    near = [c.id for c in candidates if c.id.split("-")[0] == campaign_id.split("-")[0]][:6]
+    hint = f"; campaigns of that zeroer: {', '.join(near)}" if near else "; `pytest fuzz --collect-only -q` lists them"
+    extra = "" if zeroer else " (a campaign of an outside zeroer also needs --zeroer SPEC)"
+    raise RegenerateError(f"unknown campaign {campaign_id!r}{extra}{hint}")
+
+
+def from_summary(path: Path) -> list[Regeneration]:
+    """Every campaign with a finding in the summary JSON at ``path``."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RegenerateError(f"{path}: no such file") from None
+    except json.JSONDecodeError as error:
+        raise RegenerateError(f"{path}: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
+    try:
+        profile = data["totals"]["profile"]
+        records = data["campaigns"]
+    except (KeyError, TypeError):
+        raise RegenerateError(f"{path}: missing field 'totals.profile' or 'campaigns'; is this a fuzz summary?") from None
+    runs = []
+    for index, record in enumerate(records):
+        if not record.get("found"):
+            continue
+        if not record.get("seeds"):
+            raise RegenerateError(f"{path}: field 'campaigns[{index}].seeds' is empty")
+        runs.append(Regeneration(record["campaign"], int(record["seeds"][-1]), profile, record.get("trace")))
+    return runs
+
+
+def regenerate(run: Regeneration, repro_dir: Path, zeroer: str | None = None) -> CampaignResult:
+    if run.profile not in PROFILES:
+        raise RegenerateError(f"unknown profile {run.profile!r}; choose one of {', '.join(PROFILES)}")
+    campaign = find_campaign(run.campaign, zeroer)
+    if campaign.config.backend != "sim":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RegenerateError(f"campaign {run.campaign!r} runs on cuda and no GPU is visible here; regenerate it on a GPU host")
+    # No database and no budget: one Hypothesis run with exactly this seed.
+    return run_campaign(campaign, PROFILES[run.profile], repro_dir, seed_override=run.seed)

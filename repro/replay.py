@@ -1,0 +1,43 @@
+"""Replaying ops through the fuzzer's executor, once or N times.
+
+The replayer is :class:`fuzz.episode.Episode` itself, so an op means here exactly what it meant
+when the fuzzer ran it. Like the fuzzer's invariant, a replay stops at the first happens-before
+hazard, then synchronises once and lets the oracle check every read and every block.
+
+Example::
+
+    findings = replay_once(EpisodeConfig(zeroer="single_buffer"), ops)
+    shown, first = replay(config, ops, repeat=20)    # on cuda: how often it reproduced
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from fuzz.episode import Episode, EpisodeConfig
+from fuzz.oracle import Finding
+
+
+def replay_once(config: EpisodeConfig, ops: list[dict]) -> list[Finding]:
+    episode = Episode(config)
+    try:
+        for op in ops:
+            episode.apply(op)
+            if episode.new_hazard_findings():
+                break
+        return episode.finish()
+    finally:
+        if not episode.finished:  # an op raised: still open every gate and free the runtime
+            with contextlib.suppress(Exception):
+                episode.rt.close()
+
+
+def replay(config: EpisodeConfig, ops: list[dict], repeat: int = 1) -> tuple[int, list[Finding]]:
+    """Run the ops ``repeat`` times: (how many runs showed a finding, the first run's findings)."""
+    shown, first = 0, []
+    for _ in range(repeat):
+        findings = replay_once(config, ops)
+        if findings:
+            shown += 1
+            first = first or findings
+    return shown, first

@@ -1,0 +1,123 @@
+"""``python -m repro export`` and ``regenerate``, and the curated cases in ``repro/``: the racy
+design must still fail on its trace and the race-free ones must pass on the same trace."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fuzz.campaigns import PROFILES, run_campaign
+from fuzz.episode import EpisodeConfig
+from fuzz.trace import write_trace
+from repro.__main__ import main
+from repro.regenerate import find_campaign
+
+ROOT = Path(__file__).resolve().parents[1]
+RACE = [{"op": "start", "in_flight": 1}, {"op": "allocate", "n": 1, "stream": 0}, {"op": "allocate", "n": 1, "stream": 0}]
+# A curated case is a script in repro/ exported from the trace of the same name in repro/cases/.
+CURATED = sorted(ROOT / "repro" / f"{case.stem}.py" for case in (ROOT / "repro" / "cases").glob("*.json"))
+RACE_FREE = ("per_call", "event_ring", "reference")
+
+
+def run_script(path: Path, *args: str, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Run an exported script's main() in this process (a subprocess costs a torch import)."""
+    spec = importlib.util.spec_from_file_location(f"_repro_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [str(path), *args])
+    return module.main()
+
+
+def test_the_curated_cases_are_the_two_upstream_races():
+    assert [p.name for p in CURATED] == ["ring_overrun.py", "single_buffer_pre_48085.py"]
+    for script in CURATED:
+        assert script.is_file(), f"repro/cases/{script.stem}.json has no exported script {script}"
+
+
+@pytest.mark.parametrize("script", CURATED, ids=lambda p: p.stem)
+def test_a_curated_case_still_fails_on_its_racy_design(script, monkeypatch, capsys):
+    assert run_script(script, monkeypatch=monkeypatch) == 1
+    out = capsys.readouterr().out
+    assert "reproduced 1 of 1 on sim" in out and "non-zero after zeroing: block 1" in out
+
+
+@pytest.mark.parametrize("zeroer", RACE_FREE)
+@pytest.mark.parametrize("script", CURATED, ids=lambda p: p.stem)
+def test_the_race_free_designs_pass_on_the_same_curated_steps(script, zeroer, monkeypatch, capsys):
+    assert run_script(script, "--zeroer", zeroer, monkeypatch=monkeypatch) == 0
+    assert f"{zeroer}: reproduced 0 of 1 on sim" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", CURATED, ids=lambda p: p.stem)
+def test_a_curated_trace_replays_like_its_script(script, capsys):
+    assert main(["replay", str(ROOT / "repro" / "cases" / f"{script.stem}.json")]) == 1
+
+
+def test_an_exported_script_runs_alone_without_hypothesis_and_exits_1(tmp_path):
+    trace = write_trace(tmp_path, EpisodeConfig(zeroer="single_buffer", kernel="torch"), RACE, [], seed=3, campaign="c-shard0")
+    script = tmp_path / "case.py"
+    assert main(["export", str(trace), "-o", str(script)]) == 0
+    text = script.read_text()
+    code = text.split('"""', 2)[2]
+    assert "import hypothesis" not in code and "from hypothesis" not in code
+    assert 'op({"op": "allocate", "n": 1, "stream": 0})  # zero_block_ids([2]) on stream 0  <-- the happens-before checker fires here' in text
+    assert "found by   campaign c-shard0, Hypothesis seed 3" in text
+    # a copy of the repository root layout: the script finds the package one directory up
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    target = ROOT / "repro" / "_test_export_case.py"
+    target.write_text(text)
+    try:
+        run = subprocess.run([sys.executable, str(target)], capture_output=True, text=True, env=env, timeout=120)
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert run.stdout.rstrip().endswith("single_buffer: reproduced 1 of 1 on sim")
+        clean = subprocess.run([sys.executable, str(target), "--zeroer", "per_call"], capture_output=True, text=True, env=env, timeout=120)
+        assert clean.returncode == 0, clean.stdout + clean.stderr
+    finally:
+        target.unlink()
+
+
+def test_export_refuses_an_output_name_that_is_not_a_module_name(tmp_path, capsys):
+    trace = write_trace(tmp_path, EpisodeConfig(zeroer="single_buffer"), RACE, [])
+    assert main(["export", str(trace), "-o", str(tmp_path / "my-case.py")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: -o {tmp_path / 'my-case.py'}: name the script like a Python module")
+    assert not (tmp_path / "my-case.py").exists()
+
+
+def test_export_of_a_missing_trace_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "none.json"), "-o", str(tmp_path / "x.py")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'none.json'}: no such file\n"
+
+
+def test_a_seed_from_a_summary_regenerates_the_same_shrunk_trace(tmp_path, capsys):
+    campaign = find_campaign("single_buffer-tiny-sim-k-torch-shard0")
+    found = run_campaign(campaign, PROFILES["quick"], tmp_path / "first")
+    summary = {
+        "totals": {"profile": "quick"},
+        "campaigns": [{"campaign": campaign.id, "found": True, "seeds": found.seeds, "trace": str(found.trace_path)}],
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["regenerate", "--summary", str(tmp_path / "summary.json"), "--repro-dir", str(tmp_path / "again")]) == 1
+    again = tmp_path / "again" / found.trace_path.name
+    assert json.loads(again.read_text())["ops"] == json.loads(found.trace_path.read_text())["ops"]
+    assert "(the same trace as the summary's)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["regenerate", "nope-tiny-sim-shard0", "--seed", "1"], r"error: unknown campaign 'nope-tiny-sim-shard0' \(a campaign of an outside zeroer also needs --zeroer SPEC\); `pytest fuzz --collect-only -q` lists them"),
+        (["regenerate", "ring-tiny-sim-shard9", "--seed", "1"], r"error: unknown campaign 'ring-tiny-sim-shard9' .*; campaigns of that zeroer: ring-.*"),
+        (["regenerate", "ring-tiny-sim-k-torch-shard0"], r"error: give CAMPAIGN --seed N \(from a summary\), or --summary FILE"),
+        (["regenerate", "ring-tiny-sim-k-torch-shard0", "--seed", "1", "--profile", "weekly"], r"error: unknown profile 'weekly'; choose one of quick, ci, nightly"),
+        (["regenerate", "--summary", "/nonexistent/summary.json"], r"error: /nonexistent/summary.json: no such file"),
+    ],
+)
+def test_regenerate_explains_bad_input_and_exits_2(args, message, capsys):
+    assert main(args) == 2
+    assert __import__("re").match(message + "$", capsys.readouterr().err.strip())
