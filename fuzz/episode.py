@@ -41,13 +41,13 @@ import torch
 from zeroer.geometries import geometry
 from zeroer.impls import StagedZeroer
 from zeroer.layout import build_cache
-from zeroer.registry import REGISTRY, make_zeroer, resolve_factory
+from zeroer.registry import REGISTRY, follows_reallocation, make_zeroer, resolve_factory
 from zeroer.runtime import Event, Runtime, make_runtime
 
 from .oracle import Finding, Shadow
 
 CALLER_FAULTS = ("no-free-fence", "no-zero-wait")
-OPS = ("advance", "allocate", "delay", "end_step", "free", "read", "start", "sync_device", "sync_stream", "write")
+OPS = ("advance", "allocate", "delay", "end_step", "free", "read", "reallocate", "start", "sync_device", "sync_stream", "write")
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ class Episode:
         self.rt = make_runtime(config.backend, mode=config.mode, device=config.device)
         self.streams = [self.rt.default_stream] + [self.rt.new_stream(f"s{i}") for i in range(1, config.streams)]
         self.cache = build_cache(geometry(config.geometry), device=self.rt.device)
+        self._settle_outside_work()  # the cache's poison and guard fill
         self.zeroer = build_zeroer(config, self.cache, self.rt)
         num_blocks = self.cache.spec.num_blocks
         self.shadow = Shadow(num_blocks)
@@ -171,6 +172,14 @@ class Episode:
                 words.clone()  # the read kernel
             warmup() if callable(warmup) else self.zeroer.zero_block_ids([0])
         self.rt.synchronize()
+        self._settle_outside_work()
+
+    def _settle_outside_work(self) -> None:
+        # Work issued outside the runtime (building the cache, the warm-up's direct kernels) runs
+        # on torch's current stream, which the runtime's non-blocking streams are not ordered
+        # with: wait for it so it cannot land on top of the episode's first ops.
+        if self.rt.device.type == "cuda":
+            torch.cuda.current_stream(self.rt.device).synchronize()
 
     def _op_allocate(self, n: int, stream: int = 0) -> list[int]:
         if not 1 <= n <= len(self.free):
@@ -245,6 +254,20 @@ class Episode:
 
     def _op_sync_device(self) -> None:
         self.rt.synchronize()
+
+    def _op_reallocate(self) -> None:
+        # The engine moves its KV cache (a resize, a re-initialisation): the host drains the
+        # device, copies every page to fresh buffers at new addresses and swaps them into the
+        # same KVCache object, whose table then points at the new memory. A zeroer must read
+        # the table when it launches (hazard 19 of the background note; zoo.stale_table does not).
+        if not follows_reallocation(self.config.zeroer, self.zeroer):
+            raise ValueError(f"reallocate: zeroer {self.config.zeroer!r} does not set follows_reallocation = True")
+        self.rt.synchronize()
+        fresh = build_cache(self.cache.spec, device=self.rt.device)
+        for new, old in zip(fresh.raws, self.cache.raws):
+            new.copy_(old)
+        self._settle_outside_work()
+        vars(self.cache).update(vars(fresh))
 
     # -- verdicts ------------------------------------------------------------------------------
     def new_hazard_findings(self) -> list[Finding]:
