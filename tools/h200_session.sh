@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One batched GPU session (docs/gpu-results.md): versions, the CUDA tests, the fuzz campaigns on
-# the cuda backend (controlled and free), simulator traces replayed on the GPU, and the fuzz
-# benchmark. At most 8 files under $OUT (or ./gpu-out).
+# One batched GPU session for the fuzzer and the repro cases (docs/gpu-results.md): versions,
+# where the time of a cuda example goes, the fuzz benchmark in both cuda modes, the curated repro
+# scripts 20 times each, and every fuzz campaign on the cuda backend. At most 8 files under $OUT.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -10,18 +10,23 @@ step() { echo; echo "=== $1 ($(date +%T))"; }
 step versions
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import sys, torch, triton, hypothesis; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "hypothesis", hypothesis.__version__)'
-step "tests (CUDA ones run here)"
-timeout 150 python3 -m pytest tests -q -p no:cacheprovider -n 4 -W ignore 2>&1 | tail -15
-step "fuzz campaigns, cuda backend, geometry tiny"
-timeout 170 python3 -m pytest fuzz -q -p no:cacheprovider -n 4 -W ignore --backend cuda --fuzz-profile ci -k tiny \
-  --repro-dir "$OUT/failures" --fuzz-summary "$OUT/fuzz-summary.json" 2>&1 | tail -22
-step "simulator traces replayed on CUDA (controlled), 20 repeats each"
-python3 -m pytest fuzz -q -p no:cacheprovider --backend sim -k "tiny-sim-k-torch-shard0 and (single_buffer or ring)" \
-  --repro-dir sim-traces --fuzz-summary /tmp/sim-summary.json > /dev/null 2>&1
-for t in sim-traces/*.json; do
-  echo "$t"; timeout 60 python3 -m repro replay "$t" --backend cuda --mode controlled --repeat 20 | tail -1
+step "per-op cost (tools/profile_cuda.py)"
+timeout 120 python3 tools/profile_cuda.py "$OUT/profile" 2>&1 | tail -25
+step "curated repro scripts, 20 repeats each"
+for script in repro/single_buffer_pre_48085.py repro/ring_overrun.py; do
+  for mode in controlled free; do
+    echo "$script --backend cuda --mode $mode --repeat 20"; timeout 60 python3 "$script" --backend cuda --mode $mode --repeat 20 | tail -1
+  done
+  for z in per_call event_ring reference; do
+    echo "$script --backend cuda --zeroer $z --repeat 20"; timeout 60 python3 "$script" --backend cuda --zeroer $z --repeat 20 | tail -1
+  done
 done
-step "fuzz benchmark on CUDA (controlled)"
-timeout 100 python3 -m fuzz.bench --backend cuda --mode controlled --seeds 5 --json "$OUT/bench-cuda.json" 2>&1 | tail -22
+step "fuzz benchmark on CUDA, controlled, 5 seeds"
+timeout 200 python3 -m fuzz.bench --backend cuda --mode controlled --seeds 5 --json "$OUT/bench-cuda-controlled.json" 2>&1 | tail -16
+step "fuzz benchmark on CUDA, free, 5 seeds"
+timeout 150 python3 -m fuzz.bench --backend cuda --mode free --seeds 5 --json "$OUT/bench-cuda-free.json" 2>&1 | tail -16
+step "every fuzz campaign on the cuda backend, ci profile, 4 workers"
+timeout 240 python3 -m pytest fuzz -q -p no:cacheprovider -n 4 -W ignore --backend cuda --fuzz-profile ci \
+  --repro-dir "$OUT/failures" --fuzz-summary "$OUT/fuzz-summary.json" 2>&1 | tail -30
 step done
 } 2>&1 | tee "$OUT/session.log"
