@@ -11,7 +11,7 @@ step versions
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import sys, torch, triton, hypothesis; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "hypothesis", hypothesis.__version__)'
 step "per-op cost (tools/profile_cuda.py)"
-timeout 120 python3 tools/profile_cuda.py "$OUT/profile" 2>&1 | tail -25
+timeout 60 python3 tools/profile_cuda.py "$OUT/profile" 2>&1 | tail -25
 step "curated repro scripts, 20 repeats each"
 for script in repro/single_buffer_pre_48085.py repro/ring_overrun.py; do
   for mode in controlled free; do
@@ -22,11 +22,11 @@ for script in repro/single_buffer_pre_48085.py repro/ring_overrun.py; do
   done
 done
 step "fuzz benchmark on CUDA, controlled, 5 seeds"
-timeout 200 python3 -m fuzz.bench --backend cuda --mode controlled --seeds 5 --json "$OUT/bench-cuda-controlled.json" 2>&1 | tail -16
+timeout 150 python3 -m fuzz.bench --backend cuda --mode controlled --seeds 5 --json "$OUT/bench-cuda-controlled.json" 2>&1 | tail -16
 step "fuzz benchmark on CUDA, free, 5 seeds"
-timeout 150 python3 -m fuzz.bench --backend cuda --mode free --seeds 5 --json "$OUT/bench-cuda-free.json" 2>&1 | tail -16
+timeout 100 python3 -m fuzz.bench --backend cuda --mode free --seeds 5 --json "$OUT/bench-cuda-free.json" 2>&1 | tail -16
 step "every fuzz campaign on the cuda backend, ci profile, 4 workers"
-timeout 240 python3 -m pytest fuzz -q -p no:cacheprovider -n 4 -W ignore --backend cuda --fuzz-profile ci \
+timeout 170 python3 -m pytest fuzz -q -p no:cacheprovider -n 4 -W ignore --backend cuda --fuzz-profile ci \
   --repro-dir "$OUT/failures" --fuzz-summary "$OUT/fuzz-summary.json" 2>&1 | tail -30
 step done
 } 2>&1 | tee "$OUT/session.log"
