@@ -31,6 +31,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from zeroer.registry import follows_reallocation
+
 from .episode import Episode, EpisodeConfig
 from .journal import Journal
 from .oracle import Finding
@@ -127,6 +129,13 @@ class ZeroerMachine(RuleBasedStateMachine):
     @rule()
     def synchronize_device(self) -> None:
         self._apply(op="sync_device")
+
+    # Once per example: a reallocation drains the device, so more would only hide races.
+    @precondition(lambda self: follows_reallocation(self.config.zeroer, self.episode.zeroer)
+                  and not any(op["op"] == "reallocate" for op in self.episode.trace))
+    @rule()
+    def reallocate_cache(self) -> None:
+        self._apply(op="reallocate")
 
     @invariant()
     def no_happens_before_hazard(self) -> None:

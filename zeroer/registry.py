@@ -26,6 +26,7 @@ from .errors import ZeroerError
 from .impls import EventRingZeroer, PerCallZeroer, ReferenceZeroer, RingZeroer, SingleBufferZeroer, Zeroer
 from .layout import KVCache
 from .runtime import Runtime
+from .zoo import ENTRIES as ZOO_ENTRIES
 
 ZeroerFactory = Callable[[KVCache, Runtime], Zeroer]
 
@@ -38,6 +39,9 @@ REGISTRY: dict[str, ZeroerFactory] = {
 }
 RACE_FREE: tuple[str, ...] = ("event_ring", "per_call", "reference")
 RACY: tuple[str, ...] = ("ring", "single_buffer")
+# Broken on purpose, one real bug class each (zeroer/zoo, docs/zoo.md), for `python -m fuzz.detect`.
+REGISTRY.update(ZOO_ENTRIES)
+ZOO: tuple[str, ...] = tuple(sorted(ZOO_ENTRIES))
 
 
 class ZeroerSpecError(ZeroerError, ValueError):
@@ -46,6 +50,23 @@ class ZeroerSpecError(ZeroerError, ValueError):
 
 def zeroer_names() -> list[str]:
     return sorted(REGISTRY)
+
+
+def default_geometry(spec: str) -> str | None:
+    """The geometry a zoo entry's bug shows on (``zoo.ratio_ignored`` -> ``ratio2``), else None."""
+    entry = ZOO_ENTRIES.get(spec)
+    return entry.geometry if entry is not None else None
+
+
+def follows_reallocation(spec: str, zeroer: object) -> bool:
+    """Whether the fuzzer may reallocate the cache under ``zeroer`` (the ``reallocate`` op).
+
+    Registered zeroers read the cache's current address table at every call (the harness keeps
+    the ``KVCache`` object and swaps its buffers), so they must follow; ``zoo.stale_table``
+    does not, which is its bug. An outside zeroer may have captured the table on purpose, as
+    vLLM's does, so it is reallocated under only if it sets ``follows_reallocation = True``.
+    """
+    return bool(getattr(zeroer, "follows_reallocation", spec in REGISTRY))
 
 
 def make_zeroer(name: str, cache: KVCache, runtime: Runtime, **options: Any) -> Zeroer:
