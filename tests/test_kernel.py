@@ -8,6 +8,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,8 +18,8 @@ from hypothesis import strategies as st
 import zeroer.kernel as kernel
 from zeroer.errors import RuntimeUsageError
 from zeroer.geometries import geometry, geometry_names
-from zeroer.kernel import (CUDA_MAX_GRID_X, CUDA_MAX_GRID_YZ, launch_grid, zero_blocks,
-                           zero_blocks_reference)
+from zeroer.kernel import (CUDA_MAX_GRID_X, CUDA_MAX_GRID_YZ, CachedLauncher, LaunchConfig,
+                           launch_config, launch_grid, zero_blocks, zero_blocks_reference)
 from zeroer.layout import GUARD_WORD, POISON_WORD, KVCache, SegmentTable, build_cache
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -198,5 +199,152 @@ def test_compiled_kernel_matches_reference_on_cuda(name):
     # Grid-stride loops compiled, not only interpreted.
     ids = [0, 3, geometry(name).num_blocks - 1]
     by_kernel, by_reference = _zero_both(name, ids, device="cuda", grid=(2, 1, 3))
+    torch.cuda.synchronize()
+    _assert_same_bits_and_clean_guards(by_kernel, by_reference, ids)
+
+
+# -- launch configurations, aligned and unaligned pages, the cached launcher ---------------------
+
+# (offset in words, block stride, page) per segment of one hand-made buffer, 6 blocks each:
+# aligned pages (16-byte address, stride and page in whole 4-word groups) take the kernel's
+# 16-byte-store branch, the others its 4-byte one, in the same launch.
+MIXED_ROWS = [
+    (16, 64, 64),  # aligned
+    (401, 37, 35),  # address 4 bytes past 16, odd stride and page
+    (640, 40, 40),  # aligned
+    (900, 36, 33),  # aligned address and stride, page not whole 4-word groups
+    (1202, 44, 44),  # address 8 bytes past 16
+]
+MIXED_WORDS, MIXED_IDS = 1500, [0, 2, 5]
+
+
+@pytest.mark.parametrize("block_size", [None, 8])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_aligned_and_unaligned_segments_zero_exactly_their_pages(device, block_size):
+    buf = torch.full((MIXED_WORDS,), GUARD_WORD, dtype=torch.int32, device=device)
+    assert buf.data_ptr() % 16 == 0
+    table = SegmentTable.from_rows([buf.data_ptr() + 4 * off for off, _, _ in MIXED_ROWS],
+                                   [stride for _, stride, _ in MIXED_ROWS],
+                                   [page for _, _, page in MIXED_ROWS], device)
+    zero_blocks(table, torch.tensor(MIXED_IDS, dtype=torch.int64, device=device), block_size=block_size)
+    expected = torch.full_like(buf, GUARD_WORD)
+    for off, stride, page in MIXED_ROWS:
+        for b in MIXED_IDS:
+            expected[off + b * stride: off + b * stride + page] = 0
+    assert torch.equal(buf.cpu(), expected.cpu())
+
+
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("config", [(4, 1), (64, 2), (4096, 8)])
+@pytest.mark.parametrize("name", ["mla_indexer", "packed", "tiny"])
+def test_every_launch_config_zeroes_the_same_words_as_the_reference(name, config, cached):
+    block_size, num_warps = config
+    ids = [0, 2, geometry(name).num_blocks - 1]
+    by_kernel = build_cache(geometry(name))
+    by_reference = build_cache(geometry(name))
+    zero_blocks(by_kernel.table, torch.tensor(ids), block_size=block_size, num_warps=num_warps,
+                cached=cached)
+    zero_blocks_reference(by_reference, ids)
+    _assert_same_bits_and_clean_guards(by_kernel, by_reference, ids)
+
+
+def test_launch_config_gives_each_thread_sixteen_words_and_names_bad_values():
+    assert launch_config(8192) == LaunchConfig(block_size=4096, num_warps=8)  # Llama-3-8B pages
+    assert launch_config(10496) == LaunchConfig(block_size=4096, num_warps=8)
+    assert launch_config(2048) == LaunchConfig(block_size=2048, num_warps=4)
+    assert launch_config(33) == LaunchConfig(block_size=64, num_warps=1)
+    assert launch_config(8192, block_size=1024) == LaunchConfig(block_size=1024, num_warps=2)
+    with pytest.raises(RuntimeUsageError, match=r"^block_size=3: a chunk is a power of two of int32 "
+                       r"words up to 65536, e\.g\. 1024, or None for the default$"):
+        launch_config(64, block_size=3)
+    with pytest.raises(RuntimeUsageError, match=r"^num_warps=3: give a power of two from 1 to 32, "
+                       r"e\.g\. 4, or None for the default$"):
+        zero_blocks(build_cache(geometry("tiny")).table, torch.tensor([1]), num_warps=3)
+
+
+class _FakeCompiled:
+    """What Triton's JIT returns, reduced to what CachedLauncher uses; records its launches."""
+
+    def __init__(self, n_params: int) -> None:
+        self.src = SimpleNamespace(signature={f"p{i}": "i32" for i in range(n_params)})
+        self.function, self.packed_metadata = "function-handle", "packed-metadata"
+        self.launches: list[tuple] = []
+
+    def run(self, *launch_args: object) -> None:
+        self.launches.append(launch_args)
+
+    def launch_metadata(self, grid: tuple, stream: int, *args: object) -> tuple:
+        return ("launch-metadata", grid, stream)
+
+
+class _FakeJit:
+    """A JIT function: fn[grid](*args, **options) launches and returns the compiled kernel."""
+
+    def __init__(self, compiled: object) -> None:
+        self.compiled, self.launches = compiled, []
+
+    def __getitem__(self, grid: tuple) -> Callable[..., object]:
+        def launch(*args: object, **options: object) -> object:
+            self.launches.append((grid, args, options))
+            return self.compiled
+
+        return launch
+
+
+HOOKS = SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook="enter", launch_exit_hook="exit"))
+
+
+def test_the_cached_launcher_calls_the_compiled_kernel_as_the_jit_would_after_its_first_launch():
+    compiled = _FakeCompiled(3)
+    jit = _FakeJit(compiled)
+    launcher = CachedLauncher(jit, current_stream=lambda device: 7000 + device, knobs=HOOKS)
+    launcher.launch((1, "config"), (3, 2, 1), ("ptr", 5, 64), num_warps=4)  # compiles: the JIT
+    launcher.launch((1, "config"), (4, 2, 1), ("ptr", 6, 64), num_warps=4)  # direct
+    assert jit.launches == [((3, 2, 1), ("ptr", 5, 64), {"num_warps": 4})]
+    # JITFunction.run's own last call: grid, stream, function, metadata, hooks, every argument.
+    assert compiled.launches == [(4, 2, 1, 7001, "function-handle", "packed-metadata",
+                                  ("launch-metadata", (4, 2, 1), 7001), "enter", "exit", "ptr", 6, 64)]
+    launcher.launch((0, "config"), (1, 1, 1), ("ptr", 1, 64), num_warps=4)  # a new key: the JIT
+    assert len(jit.launches) == 2 and (launcher.jit_launches, launcher.direct_launches) == (2, 1)
+
+
+@pytest.mark.parametrize("why", ["no launch hooks in this triton", "launcher without constexprs",
+                                 "kernel not loaded"])
+def test_the_cached_launcher_keeps_using_the_jit_where_triton_lacks_what_it_needs(why):
+    compiled = _FakeCompiled(2 if why == "launcher without constexprs" else 3)
+    if why == "kernel not loaded":
+        compiled.function = None
+    knobs = SimpleNamespace() if why == "no launch hooks in this triton" else HOOKS
+    jit = _FakeJit(compiled)
+    launcher = CachedLauncher(jit, current_stream=lambda device: 0, knobs=knobs)
+    for _ in range(3):
+        launcher.launch((0,), (1, 1, 1), ("ptr", 5, 64))
+    assert len(jit.launches) == 3 and compiled.launches == []
+
+
+def test_the_cached_launcher_runs_the_interpreter_through_its_fallback():
+    ids = [1, 3]
+    by_kernel, by_reference = build_cache(geometry("tiny")), build_cache(geometry("tiny"))
+    launcher = CachedLauncher(kernel._interpreted)
+    t = by_kernel.table
+    for _ in range(2):
+        launcher.launch((0,), (1, 1, 1), (t.addrs, t.block_strides, t.pages, torch.tensor(ids), 2,
+                                          t.n_segs, 1, 32))
+    zero_blocks_reference(by_reference, ids)
+    _assert_same_bits_and_clean_guards(by_kernel, by_reference, ids)
+    assert (launcher.jit_launches, launcher.direct_launches) == (2, 0)
+
+
+@needs_cuda
+def test_zero_blocks_launches_directly_from_the_second_call_on_cuda():
+    ids = [1, 3, 5]
+    by_kernel, by_reference = build_cache(geometry("kv_outer_bf16"), device="cuda"), \
+        build_cache(geometry("kv_outer_bf16"), device="cuda")
+    before = kernel._launcher.direct_launches
+    for b in ids:  # the first call may compile; the others must not go through the JIT
+        zero_blocks(by_kernel.table, torch.tensor([b], dtype=torch.int64, device="cuda"))
+    assert kernel._launcher.direct_launches >= before + len(ids) - 1
+    zero_blocks(by_kernel.table, torch.tensor(ids, dtype=torch.int64, device="cuda"), cached=False)
+    zero_blocks_reference(by_reference, ids)
     torch.cuda.synchronize()
     _assert_same_bits_and_clean_guards(by_kernel, by_reference, ids)

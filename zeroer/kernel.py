@@ -12,6 +12,11 @@ Triton's interpreter for CPU tensors, in the same process (CI has no GPU; we do 
 TRITON_INTERPRET environment variable). Under that interpreter Triton's @jit'd stdlib helpers
 (`tl.zeros`...) fail, so the kernel uses builtins only.
 
+The launcher is on every zeroer's hot path, so on CUDA it skips Triton's per-call dispatch
+(binding, specialisation, cache key: tens of microseconds of host time) once a configuration has
+been launched: :class:`CachedLauncher` keeps the compiled kernel and calls it directly. Nothing
+is copied to the device per call; the table already lives there and the grid is three ints.
+
 `zero_blocks_reference` zeroes the same words with plain torch indexing, from the spec's
 geometry alone and never from the segment table, so comparing the two checks both the table and
 the kernel.
@@ -30,8 +35,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
@@ -44,9 +50,12 @@ from zeroer.layout import device_index
 if TYPE_CHECKING:
     from zeroer.layout import KVCache, SegmentTable
 
-MAX_BLOCK_SIZE = 1024  # int32 words one program stores per chunk
+MAX_BLOCK_SIZE = 4096  # int32 words one program stores per chunk by default: 16 KiB
+WORDS_PER_THREAD = 16  # default warps give each thread 64 bytes: four 16-byte stores
+MAX_NUM_WARPS = 8
 CUDA_MAX_GRID_X = 2**31 - 1  # CUDA limit on gridDim.x
 CUDA_MAX_GRID_YZ = 65535  # CUDA limit on gridDim.y and gridDim.z
+INT32_MAX = 2**31 - 1  # Triton passes a larger int argument as i64: another compiled kernel
 
 
 def _zero_kv_blocks(
@@ -72,19 +81,76 @@ def _zero_kv_blocks(
             addr = tl.load(seg_addrs_ptr + s).to(tl.int64)
             stride = tl.load(seg_block_strides_ptr + s).to(tl.int64)
             page = tl.load(seg_pages_ptr + s).to(tl.int64)
-            # 64-bit byte offsets: block_id * stride * 4 passes 2**31 on big caches.
-            base = (addr + block_id * stride * 4).to(tl.pointer_type(tl.int32))
             c = tl.program_id(2)
-            while c < max_chunks:
-                cols = tl.arange(0, BLOCK_SIZE).to(tl.int64) + c.to(tl.int64) * BLOCK_SIZE
-                # Masked: never past a page shorter than its stride (packed views, vLLM #50276).
-                tl.store(base + cols, tl.full((BLOCK_SIZE,), 0, tl.int32), mask=cols < page)
-                c += tl.num_programs(2)
+            # 64-bit byte offsets throughout: block_id * stride * 4 passes 2**31 on big caches.
+            # Masked stores: never past a page shorter than its stride (packed views, vLLM #50276).
+            if (addr % 16 == 0) & (stride % 4 == 0) & (page % 4 == 0):
+                # Every realistic cache: pages 16-byte aligned, of whole 4-word groups. Telling the
+                # compiler so turns 4-byte stores into 16-byte ones (st.global.v4.b32; seen in the
+                # sm_90 PTX). Checked here per segment, so the launcher needs no host-side facts.
+                # The pointer is built inside the branch because multiple_of() marks the op that
+                # made its argument, and page // 4 * 4 (== page here) carries the hint for the mask.
+                base4 = tl.multiple_of((addr + block_id * stride * 4).to(tl.pointer_type(tl.int32)), 16)
+                page4 = page // 4 * 4
+                while c < max_chunks:
+                    cols = tl.arange(0, BLOCK_SIZE).to(tl.int64) + c.to(tl.int64) * BLOCK_SIZE
+                    tl.store(base4 + cols, tl.full((BLOCK_SIZE,), 0, tl.int32), mask=cols < page4)
+                    c += tl.num_programs(2)
+            else:
+                # The same loop without the hints (a helper would not run under the interpreter).
+                base = (addr + block_id * stride * 4).to(tl.pointer_type(tl.int32))
+                while c < max_chunks:
+                    cols = tl.arange(0, BLOCK_SIZE).to(tl.int64) + c.to(tl.int64) * BLOCK_SIZE
+                    tl.store(base + cols, tl.full((BLOCK_SIZE,), 0, tl.int32), mask=cols < page)
+                    c += tl.num_programs(2)
             s += tl.num_programs(1)
         i += tl.num_programs(0)
 
 _compiled = triton.jit(_zero_kv_blocks, do_not_specialize=["n_blocks", "n_segs", "max_chunks"])
 _interpreted = InterpretedFunction(_zero_kv_blocks)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The kernel's meta-parameters: words per chunk (a power of two) and warps per program."""
+
+    block_size: int
+    num_warps: int
+
+
+def launch_config(max_page: int, block_size: int | None = None,
+                  num_warps: int | None = None) -> LaunchConfig:
+    """The default (or checked explicit) meta-parameters for pages of at most `max_page` words.
+
+    A chunk covers the largest page up to MAX_BLOCK_SIZE words (16 KiB: few, big programs for
+    KV pages of 32 KiB and more), and the warps give each thread WORDS_PER_THREAD words, i.e.
+    four 16-byte stores. `python -m zeroer.bench` measures the alternatives on the GPU.
+
+    >>> launch_config(8192)
+    LaunchConfig(block_size=4096, num_warps=8)
+    >>> launch_config(32)
+    LaunchConfig(block_size=32, num_warps=1)
+    >>> launch_config(8192, block_size=1024, num_warps=4)
+    LaunchConfig(block_size=1024, num_warps=4)
+    """
+    if block_size is None:
+        block_size = min(triton.next_power_of_2(max_page), MAX_BLOCK_SIZE)
+    elif not _power_of_two(block_size) or block_size > 2**16:
+        raise RuntimeUsageError(
+            f"block_size={block_size!r}: a chunk is a power of two of int32 words up to 65536, "
+            f"e.g. 1024, or None for the default"
+        )
+    if num_warps is None:
+        num_warps = max(1, min(MAX_NUM_WARPS, block_size // (32 * WORDS_PER_THREAD)))
+    elif not _power_of_two(num_warps) or num_warps > 32:
+        raise RuntimeUsageError(
+            f"num_warps={num_warps!r}: give a power of two from 1 to 32, e.g. 4, or None for the default"
+        )
+    return LaunchConfig(block_size, num_warps)
+
+
+def _power_of_two(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and x & (x - 1) == 0
 
 
 def launch_grid(n_blocks: int, n_segs: int, max_chunks: int,
@@ -104,14 +170,94 @@ def launch_grid(n_blocks: int, n_segs: int, max_chunks: int,
             max(1, min(max_chunks, CUDA_MAX_GRID_YZ)))
 
 
+class CachedLauncher:
+    """Launch a `triton.jit` function's compiled kernel directly, skipping the JIT's dispatch.
+
+    `fn[grid](*args)` binds the arguments, works out their specialisation (dtypes, 16-byte
+    alignment, int widths), hashes a cache key and checks globals on every call. The first
+    launch of each `key` goes through it and keeps the compiled kernel it returns; later launches
+    with that key call the kernel's launcher with the very arguments `fn[grid]` would pass. So
+    `key` must capture all Triton specialises on: device, constexprs and options, pointer dtypes
+    and alignment, int widths (:func:`zero_blocks` builds it). `args` are every kernel parameter
+    in order, constexprs included, as Triton 3.3 and later pass them (3.6 and 3.9 checked).
+    Where the installed Triton lacks what this needs (`triton.knobs`, a compiled kernel with
+    `run`, `function`, `packed_metadata`), every launch goes through the JIT.
+
+    Triton settings changed after a first launch (debug, instrumentation) are not seen by
+    later direct launches; :meth:`clear` forgets the kept kernels.
+
+    Example (needs a GPU)::
+
+        launcher = CachedLauncher(my_jit_fn)
+        key = (torch.cuda.current_device(), 1024, 4)
+        launcher.launch(key, (n, 1, 1), (x, n, 1024), num_warps=4)   # through the JIT, compiles
+        launcher.launch(key, (n, 1, 1), (x, n, 1024), num_warps=4)   # direct
+    """
+
+    def __init__(self, fn: Any, *, current_stream: Callable[[int], int] | None = None,
+                 knobs: Any = None) -> None:
+        self.fn = fn
+        self._kernels: dict[Hashable, Any] = {}  # key -> compiled kernel, or None: JIT only
+        self._current_stream = current_stream  # tests inject these; default: Triton's own
+        self._knobs = knobs if knobs is not None else getattr(triton, "knobs", None)
+        self.jit_launches = 0
+        self.direct_launches = 0
+
+    def clear(self) -> None:
+        self._kernels.clear()
+
+    def launch(self, key: Hashable, grid: tuple[int, int, int], args: tuple, **options: Any) -> None:
+        """Launch on the current device's current stream; `key[0]` must be the device index."""
+        kernel = self._kernels.get(key, self)
+        if kernel is not self and kernel is not None:
+            if self._current_stream is None:
+                self._current_stream = triton.runtime.driver.active.get_current_stream
+            stream = self._current_stream(key[0])
+            # Exactly the call JITFunction.run ends with (the hooks are HookChains, never None).
+            runtime = self._knobs.runtime
+            kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+                       kernel.launch_metadata(grid, stream, *args), runtime.launch_enter_hook,
+                       runtime.launch_exit_hook, *args)
+            self.direct_launches += 1
+            return
+        compiled = self.fn[grid](*args, **options)
+        self.jit_launches += 1
+        if kernel is self:  # first launch of this key: keep the kernel if it can be called directly
+            self._kernels[key] = compiled if self._launchable(compiled, len(args)) else None
+
+    def _launchable(self, kernel: Any, n_args: int) -> bool:
+        if self._knobs is None or kernel is None:
+            return False
+        runtime = getattr(self._knobs, "runtime", None)
+        signature = getattr(getattr(kernel, "src", None), "signature", None)
+        return (
+            hasattr(runtime, "launch_enter_hook") and hasattr(runtime, "launch_exit_hook")
+            and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
+            and getattr(kernel, "function", None) is not None
+            # Launchers that take every parameter, constexprs included (Triton >= 3.3).
+            and isinstance(signature, dict) and len(signature) == n_args
+        )
+
+
+_launcher = CachedLauncher(_compiled)
+
+
+def _pointer_key(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.data_ptr() % 16 == 0)  # what Triton specialises a pointer argument on
+
+
 def zero_blocks(table: SegmentTable, block_ids: torch.Tensor,
-                grid: tuple[int, int, int] | None = None) -> None:
+                grid: tuple[int, int, int] | None = None, *, block_size: int | None = None,
+                num_warps: int | None = None, cached: bool = True) -> None:
     """Zero the pages of `block_ids` in every segment of `table`, on `block_ids`' device.
 
     `block_ids` must be an int64 1-D tensor on the table's device. Its *values* are not checked
     here (that would cost a device sync per call, and the ids are read only when the kernel runs):
     the caller validates them, as vLLM's scheduler does. An explicit `grid` replaces the default
-    (tests use small grids to exercise the grid-stride loops under the interpreter).
+    (tests use small grids to exercise the grid-stride loops under the interpreter);
+    `block_size` and `num_warps` replace :func:`launch_config`'s choice (the benchmark sweeps
+    them). `cached=False` launches through Triton's JIT dispatch every time (the benchmark's
+    comparison); the default keeps the compiled kernel (:class:`CachedLauncher`).
     """
     if block_ids.dtype != torch.int64 or block_ids.dim() != 1:
         raise RuntimeUsageError(
@@ -123,18 +269,29 @@ def zero_blocks(table: SegmentTable, block_ids: torch.Tensor,
             f"block_ids is on {block_ids.device} but the segment table is on "
             f"{table.addrs.device}; move the ids with .to({str(table.addrs.device)!r})"
         )
+    config = launch_config(table.max_page, block_size, num_warps)
     n = block_ids.numel()
     if n == 0:
         return  # vLLM launches nothing for an empty list either
-    block_size = min(triton.next_power_of_2(table.max_page), MAX_BLOCK_SIZE)
-    max_chunks = triton.cdiv(table.max_page, block_size)
+    max_chunks = triton.cdiv(table.max_page, config.block_size)
     if grid is None:
         grid = launch_grid(n, table.n_segs, max_chunks, block_ids.device.type)
     elif len(grid) != 3 or not all(isinstance(g, int) and g >= 1 for g in grid):
         raise RuntimeUsageError(f"grid={grid!r}: give three positive ints, e.g. (2, 2, 2)")
-    kernel = _compiled if block_ids.is_cuda else _interpreted
-    kernel[grid](table.addrs, table.block_strides, table.pages, block_ids, n, table.n_segs,
-                 max_chunks, BLOCK_SIZE=block_size)
+    args = (table.addrs, table.block_strides, table.pages, block_ids, n, table.n_segs, max_chunks,
+            config.block_size)
+    if not block_ids.is_cuda:
+        _interpreted[grid](*args)
+        return
+    device = torch.cuda.current_device()
+    if not cached or block_ids.device.index != device:
+        # Another device than the current one: Triton's own dispatch, as before the cache.
+        _compiled[grid](*args, num_warps=config.num_warps)
+        return
+    key = (device, config, _pointer_key(table.addrs), _pointer_key(table.block_strides),
+           _pointer_key(table.pages), block_ids.data_ptr() % 16 == 0,
+           max(n, table.n_segs, max_chunks) <= INT32_MAX)
+    _launcher.launch(key, grid, args, num_warps=config.num_warps)
 
 
 def zero_blocks_reference(cache: KVCache, block_ids: Sequence[int]) -> None:

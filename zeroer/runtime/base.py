@@ -10,6 +10,11 @@ checks, and the happens-before checker (:mod:`zeroer.runtime.hb`), which sees ev
 enqueue time. Backends implement the ``_`` hooks: how an op is enqueued and executed, what an
 event's completion means, where memory comes from.
 
+A runtime whose ``checked`` is False (``CudaRuntime(mode="free", checked=False)``) skips the
+checker, op labels and annotations: the very same zeroer code then runs with little more than
+its own CUDA calls, which is what ``python -m zeroer.bench`` times as a design's cost. Nothing is
+checked there, so it is never used for fuzzing.
+
 Example (works the same with ``make_runtime("cuda")`` on a GPU)::
 
     from zeroer.runtime import make_runtime
@@ -37,6 +42,35 @@ import torch
 
 from ..errors import RuntimeUsageError
 from .hb import HappensBefore, Hazard, OpStamp
+
+# What an unchecked runtime hands its backend instead of a real stamp: no clock, a fixed label.
+UNCHECKED_STAMP = OpStamp(0, 0, (), "an op of an unchecked runtime (no labels)")
+_NO_ANNOTATION = contextlib.nullcontext()  # stateless, so one serves every call
+
+
+def _nothing(*args: object, **kwargs: object) -> None:
+    return None
+
+
+class _NoHappensBefore:
+    """Stands in for :class:`HappensBefore` in an unchecked runtime: records nothing, finds nothing."""
+
+    def __init__(self) -> None:
+        self.hazards: list[Hazard] = []
+        self._threads = 0
+
+    def add_stream(self, name: str) -> int:
+        self._threads += 1
+        return self._threads
+
+    def enqueue(self, thread: int, label: str) -> OpStamp:
+        return UNCHECKED_STAMP
+
+    def snapshot(self, thread: int) -> tuple[int, ...]:
+        return ()
+
+    stream_waits = host_observes = host_observes_stream = host_observes_all = staticmethod(_nothing)
+    name_resource = copy_reads_host = host_write = device_access = staticmethod(_nothing)
 
 
 @dataclass(eq=False)
@@ -121,10 +155,12 @@ class Runtime(ABC):
     backend: str = "?"
     #: whether ``advance`` decides what runs (sim, controlled cuda) or timing does (free cuda)
     scheduled: bool = True
+    #: False: no happens-before checking, labels or annotations (the module docstring says when)
+    checked: bool = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.hb = HappensBefore()
+        self.hb = HappensBefore() if self.checked else _NoHappensBefore()
         self.streams: list[Stream] = []
         self._op_ids = itertools.count(1)
         self._event_ids = itertools.count(1)
@@ -134,9 +170,12 @@ class Runtime(ABC):
         self._current = self.default_stream
 
     # -- labels ------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def annotate(self, origin: str) -> Iterator[None]:
+    def annotate(self, origin: str) -> contextlib.AbstractContextManager[None]:
         """Tag every op enqueued inside with ``origin`` (e.g. ``"zero_block_ids#3"``)."""
+        return self._annotated(origin) if self.checked else _NO_ANNOTATION
+
+    @contextlib.contextmanager
+    def _annotated(self, origin: str) -> Iterator[None]:
         self._origin.append(origin)
         try:
             yield
@@ -144,6 +183,8 @@ class Runtime(ABC):
             self._origin.pop()
 
     def _label(self, what: str, stream: Stream | None = None) -> str:
+        if not self.checked:
+            return what
         label = f"{what}#{next(self._op_ids)}"
         if stream is not None:
             label += f" on stream '{stream.name}'"
@@ -343,6 +384,9 @@ class Runtime(ABC):
         """
         stream = self._resolve(stream)
         stamp = self.hb.enqueue(stream.thread, self._label(name, stream))
+        if not self.checked:  # even no-op calls would cost ~0.1 us per block
+            self._launch(fn, stream, stamp)
+            return stamp
         for buf in reads:
             self.hb.device_access(buf.key, stamp, write=False)
         for buf in writes:

@@ -33,6 +33,11 @@ Rules while a controlled runtime has queued work (gates spin on the GPU):
 * use at most ``CUDA_DEVICE_MAX_CONNECTIONS`` streams (a stream that shares a hardware queue with
   a gated one stalls behind its gate).
 
+``checked=False`` (free mode only) is for measuring a zeroer, not for finding races: no
+happens-before checker, labels or annotations, no allocator clocks, no watchdog around calls
+while no hold is placed, and no stream switch for an op on the stream that is already torch's
+current one (``use_stream``). ``python -m zeroer.bench`` times each design both ways.
+
 A host call stuck behind closed gates longer than ``timeout_s`` is turned into
 :class:`~zeroer.runtime.gate.GateTimeoutError` after every gate has been opened: never a hang.
 
@@ -84,6 +89,7 @@ DEFAULT_TIMEOUT_S = 30.0  # longest one gated op or one guarded host call may ta
 ARENA_BYTES = 1 << 22  # unprotected pinned memory is carved from 4 MiB arenas
 ARENA_ALIGN = 64  # every arena slot starts on 64 bytes, enough for any dtype's view
 POLL_SPIN_S = 2e-4  # busy-poll a done event this long (a gate opens in ~20 us), then back off
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton uses too
 
 def resolve_device(device: int | str | torch.device | None, count: int, current: int) -> torch.device:
     """``device`` as ``torch.device("cuda", index)``; ``None`` or ``"cuda"`` mean ``current``.
@@ -213,9 +219,17 @@ class CudaRuntime(Runtime):
         device: int | str | torch.device | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        checked: bool = True,
     ) -> None:
         if mode not in MODES:
             raise RuntimeUsageError(f"unknown cuda mode {mode!r}; choose one of {', '.join(MODES)}")
+        if not isinstance(checked, bool):
+            raise RuntimeUsageError(f"checked={checked!r}: pass True (the default) or False")
+        if not checked and mode != "free":
+            raise RuntimeUsageError(
+                f"checked=False needs mode='free': the {mode} mode's schedule is built on the "
+                f"bookkeeping that checked=False skips; use CudaRuntime(mode='free', checked=False)"
+            )
         if not torch.cuda.is_available():
             raise RuntimeUsageError(
                 "backend 'cuda' needs a CUDA GPU and torch.cuda.is_available() is False here; "
@@ -231,6 +245,7 @@ class CudaRuntime(Runtime):
         self.device = device
         self.mode = mode
         self.scheduled = mode == "controlled"
+        self.checked = checked  # read by Runtime.__init__
         self.timeout_s = float(timeout_s)
         self.queues: StreamQueues | None = StreamQueues(execute=self._execute) if self.scheduled else None
         self.max_streams = hardware_queues() if self.scheduled else None
@@ -383,8 +398,27 @@ class CudaRuntime(Runtime):
 
     def _issue(self, stream: Stream, what: str, issue: Callable[[], None]) -> None:
         """Free mode: issue the work on ``stream`` now."""
+        if self._fast():
+            if self._is_torch_current(stream):
+                issue()
+            else:
+                with self._on(stream):
+                    issue()
+            return
         with self._guarded(what), self._on(stream):
             issue()
+
+    def _fast(self) -> bool:
+        """Unchecked and nothing held: no gate can spin, so host calls need no watchdog."""
+        return not self.checked and not self._held
+
+    def _is_torch_current(self, stream: Stream) -> bool:
+        # Two C calls (~0.3 us) instead of entering torch.cuda.stream (several us).
+        return (
+            _current_raw_stream is not None
+            and torch.cuda.current_device() == self.device.index
+            and _current_raw_stream(self.device.index) == stream.handle.cuda_stream
+        )
 
     def _execute(self, op: QueuedOp) -> None:
         """The model runs ``op``: open its gate and wait until the GPU has run it."""
@@ -504,6 +538,8 @@ class CudaRuntime(Runtime):
             with self._guarded("allocating unprotected pinned memory"):
                 slot, tensor = self.arena.alloc(n, dtype)
             return HostBuffer(slot, tensor, protected=False)
+        if self._fast():  # no allocator clocks: nothing reads them
+            return HostBuffer(next(self._block_ids), torch.empty(n, dtype=dtype, pin_memory=True), protected=True)
         with self._guarded("allocating pinned memory"):
             tensor = torch.empty(n, dtype=dtype, pin_memory=True)
         address = tensor.data_ptr()
@@ -522,6 +558,8 @@ class CudaRuntime(Runtime):
         if not buf.protected:
             self.arena.free(buf.block)
             return
+        if not self.checked:
+            return
         address = self._block_ptrs.pop(buf.block, None)
         clock = self._copy_clocks.pop(buf.block, None)
         if address is not None and clock is not None:
@@ -529,13 +567,16 @@ class CudaRuntime(Runtime):
 
     def device_buffer(self, n: int, dtype: torch.dtype = torch.int64, *, name: str | None = None) -> DeviceBuffer:
         self._check_usable()
+        if self._fast():
+            with torch.cuda.device(self.device):
+                return super().device_buffer(n, dtype, name=name)
         with self._guarded("allocating a device buffer"), torch.cuda.device(self.device):
             return super().device_buffer(n, dtype, name=name)
 
     # -- work --------------------------------------------------------------------------------
     def _copy(self, action: Callable[[], None], src: HostBuffer, stream: Stream, stamp: OpStamp) -> None:
         self._check_usable()
-        if src.protected:
+        if src.protected and self.checked:
             self._copy_clocks[src.block] = _join(self._copy_clocks.get(src.block), stamp.vc)
         if self.queues is not None:
             self._enqueue(stream, QueuedOp("copy", stamp.label), action)

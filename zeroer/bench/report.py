@@ -1,0 +1,204 @@
+"""What the benchmark reports: versions, the targets with PASS/FAIL, the tables, the JSON file.
+
+Everything here is a pure function of the result dict (except :func:`versions`, which asks the
+machine), so the tables and verdicts can be checked without a GPU and redrawn from a JSON file.
+
+The targets (issue 6), each a ratio of two figures measured in the same run:
+
+* ``kernel_vs_zero``: the Triton kernel reaches at least 90% of the measured ``zero_()``
+  bandwidth for every block count of 256 or more on the Llama-like cache;
+* ``race_free_vs_per_call``: the cheapest race-free design other than ``per_call`` costs at most
+  1/3 of ``per_call``'s host time per call, on the unchecked path, for every id count, GPU idle
+  and busy (the worst case is the value);
+* ``one_block_vs_empty``: zeroing one block of the Llama-like cache takes at most twice the GPU
+  time of an empty kernel launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+SCHEMA = "zeroer-bench/1"
+TARGET_CACHE = "llama"
+
+
+def versions(device: torch.device) -> dict[str, Any]:
+    """Python, torch, triton, and on CUDA the GPU, its driver and the CUDA runtime."""
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "torch_cuda": torch.version.cuda,
+        "git_commit": _command(["git", "rev-parse", "--short", "HEAD"]),
+        "git_dirty": bool(_command(["git", "status", "--porcelain", "--untracked-files=no"])),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        out.update({
+            "gpu": torch.cuda.get_device_name(device),
+            "gpu_capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "gpu_sms": getattr(props, "multi_processor_count", None),
+            "driver": (_command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+                       or "").split("\n")[0] or None,
+        })
+    return out
+
+
+def _command(argv: list[str]) -> str | None:
+    """The command's stripped output, or None when it is missing or fails."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+# -- targets ---------------------------------------------------------------------------------
+
+def _verdict(value: float | None, limit: float, at_least: bool, judged: bool) -> str:
+    if value is None:
+        return "N/A"
+    if not judged:
+        return "SKIP"
+    return "PASS" if (value >= limit if at_least else value <= limit) else "FAIL"
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The three targets with value, limit and verdict (SKIP unless a GPU run, N/A if unmeasured)."""
+    judged = bool(result.get("figures"))
+    out = []
+
+    ratios = [r["kernel_vs_zero"] for r in result.get("bandwidth", [])
+              if r.get("geometry") == TARGET_CACHE and r.get("blocks", 0) >= 256
+              and r.get("kernel_vs_zero") is not None]
+    value = min(ratios) if ratios else None
+    out.append({"name": "kernel_vs_zero", "limit": 0.9, "value": value,
+                "status": _verdict(value, 0.9, True, judged),
+                "description": f"Triton kernel / zero_() bandwidth, >= 256 blocks, {TARGET_CACHE} (worst)",
+                "detail": {str(r["blocks"]): r["kernel_vs_zero"] for r in result.get("bandwidth", [])
+                           if r.get("geometry") == TARGET_CACHE and r.get("kernel_vs_zero") is not None}})
+
+    detail: dict[str, Any] = {}
+    worst = None
+    host = [r for r in result.get("host", []) if r.get("runtime") == "unchecked" and r.get("median_us")]
+    for r in host:
+        if r["design"] != "per_call":
+            continue
+        rivals = [x for x in host if x["verdict"] == "race-free" and x["design"] != "per_call"
+                  and x["ids"] == r["ids"] and x["gpu"] == r["gpu"]]
+        if not rivals:
+            continue
+        best = min(rivals, key=lambda x: x["median_us"])
+        ratio = round(best["median_us"] / r["median_us"], 3)
+        detail[f"{r['ids']} ids, GPU {r['gpu']}"] = {"best": best["design"], "ratio": ratio}
+        worst = ratio if worst is None else max(worst, ratio)
+    out.append({"name": "race_free_vs_per_call", "limit": round(1 / 3, 3), "value": worst,
+                "status": _verdict(worst, 1 / 3, False, judged),
+                "description": "best race-free design / per_call, host time per call, unchecked (worst case)",
+                "detail": detail})
+
+    one = next((r for r in result.get("bandwidth", []) if r.get("geometry") == TARGET_CACHE
+                and r.get("blocks") == 1 and r.get("kernel_us")), None)
+    empty = next((r for r in result.get("launch", []) if r.get("what") == "empty kernel"
+                  and r.get("path") == "cached" and r.get("gpu_us")), None)
+    value = round(one["kernel_us"] / empty["gpu_us"], 3) if one and empty else None
+    out.append({"name": "one_block_vs_empty", "limit": 2.0, "value": value,
+                "status": _verdict(value, 2.0, False, judged),
+                "description": f"GPU time of a one-block zero ({TARGET_CACHE}) / an empty kernel launch",
+                "detail": {"one_block_us": one and one["kernel_us"], "empty_us": empty and empty["gpu_us"]}})
+    return out
+
+
+# -- tables ----------------------------------------------------------------------------------
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain text table, right-aligned numbers."""
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def _problem(row: dict) -> str:
+    return row.get("error") or row.get("skipped") or ""
+
+
+def launch_table(rows: list[dict]) -> str:
+    return table(["what", "blocks", "path", "host us (median)", "p90", "GPU us", "note"],
+                 [[r["what"], r["blocks"], r["path"], r.get("host", {}).get("median_us"),
+                   r.get("host", {}).get("p90_us"), r.get("gpu_us"), _problem(r)] for r in rows])
+
+
+def bandwidth_table(rows: list[dict]) -> str:
+    return table(["geometry", "blocks", "MiB", "kernel us", "GB/s", "zero_ us", "GB/s", "copy us", "GB/s",
+                  "kernel/zero_", "pages ok", "note"],
+                 [[r["geometry"], r["blocks"], round(r["bytes"] / 2**20, 2), r.get("kernel_us"),
+                   r.get("kernel_gbps"), r.get("zero_us"), r.get("zero_gbps"), r.get("copy_us"),
+                   r.get("copy_gbps"), r.get("kernel_vs_zero"), r.get("pages_zeroed"), _problem(r)]
+                  for r in rows])
+
+
+def config_table(rows: list[dict]) -> str:
+    return table(["geometry", "BLOCK_SIZE", "num_warps", "blocks", "kernel us", "GB/s", "note"],
+                 [[r["geometry"], r["block_size"], r["num_warps"], r["blocks"], r.get("kernel_us"),
+                   r.get("kernel_gbps"), _problem(r)] for r in rows])
+
+
+def host_table(rows: list[dict]) -> str:
+    shown = [r for r in rows if "design" in r and r.get("gpu") != "setup" or _problem(r)]
+    return table(["design", "verdict", "runtime", "GPU", "ids", "us/call (median)", "p10", "p90", "hazards",
+                  "busy throughout", "note"],
+                 [[r.get("design", "-"), r.get("verdict"), r.get("runtime"), r.get("gpu"), r.get("ids"),
+                   r.get("median_us"), r.get("p10_us"), r.get("p90_us"),
+                   r.get("hazards") if r.get("runtime") == "checked" else None,
+                   r.get("busy_throughout"), _problem(r)] for r in shown])
+
+
+def targets_table(items: list[dict]) -> str:
+    return table(["target", "value", "limit", "status", "what"],
+                 [[t["name"], t["value"], t["limit"], t["status"], t["description"]] for t in items])
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    """Write `result` to `path` through a temporary file and a rename (never a torn file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def note_for(result: dict[str, Any]) -> str:
+    if result.get("figures"):
+        return "figures from a GPU run"
+    return ("--quick / CPU run: a smoke test of the benchmark, not figures; figures come only from a "
+            "GPU run without --quick")
+
+
