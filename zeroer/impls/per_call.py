@@ -16,21 +16,31 @@ Example::
 
 from __future__ import annotations
 
+from ..runtime import DeviceBuffer
 from .common import StagedZeroer
 
 
 class PerCallZeroer(StagedZeroer):
     name = "per_call"
+    #: staging memory from the caching host allocator; the zoo's unprotected variant sets False
+    staging_protected = True
 
     def zero_block_ids(self, block_ids: list[int]) -> None:
         ids = self._validate(block_ids)
         if not ids:
             return
-        n = len(ids)
         with self.rt.annotate(self._origin(ids)):
-            host = self.rt.host_buffer(n)
-            self.rt.write_host(host, ids)
-            dev = self.rt.device_buffer(n, name="per_call ids")
-            self.rt.copy_h2d(dev, host, n)
-            self._launch_zero(dev, n, ids)
-            self.rt.free_host(host)  # async_tensor_h2d keeps no reference either
+            self._stage_and_zero(ids)
+
+    def _device_ids(self, n: int) -> DeviceBuffer:
+        """Where the ids land on the device: a fresh stream-ordered buffer per call."""
+        return self.rt.device_buffer(n, name=f"{self.name} ids")
+
+    def _stage_and_zero(self, ids: list[int]) -> None:
+        n = len(ids)
+        host = self.rt.host_buffer(n, protected=self.staging_protected)
+        self.rt.write_host(host, ids)
+        dev = self._device_ids(n)
+        self.rt.copy_h2d(dev, host, n)
+        self._launch_zero(dev, n, ids)
+        self.rt.free_host(host)  # async_tensor_h2d keeps no reference either

@@ -19,7 +19,7 @@ Example::
 
 from __future__ import annotations
 
-from ..impls import RingZeroer, SingleBufferZeroer, StagedZeroer
+from ..impls import PerCallZeroer, RingZeroer, SingleBufferZeroer
 from ..impls.single_buffer import DEFAULT_ID_CAP
 from ..layout import KVCache
 from ..runtime import Runtime
@@ -68,7 +68,7 @@ class RingOverrun(ZooEntry, RingZeroer):
         super().__init__(cache, runtime, max_concurrency=max_concurrency, id_cap=id_cap, kernel=kernel)
 
 
-class UnprotectedStaging(ZooEntry, StagedZeroer):
+class UnprotectedStaging(ZooEntry, PerCallZeroer):
     """A fresh staging buffer per call, from pinned memory outside the caching host allocator.
 
     It looks like vLLM's race-free design after **#48399** (``async_tensor_h2d``: stage, copy,
@@ -87,18 +87,7 @@ class UnprotectedStaging(ZooEntry, StagedZeroer):
     upstream = "#48399 design on memory outside the caching allocator (fact 5; TensorRT-LLM#16088)"
     scenario = (start(), allocate(1), allocate(1))
 
+    staging_protected = False  # freed memory is handed out again at once, copy or no copy
+
     def __init__(self, cache: KVCache, runtime: Runtime, *, kernel: str = "torch") -> None:
         super().__init__(cache, runtime, kernel=kernel)
-
-    def zero_block_ids(self, block_ids: list[int]) -> None:
-        ids = self._validate(block_ids)
-        if not ids:
-            return
-        n = len(ids)
-        with self.rt.annotate(self._origin(ids)):
-            host = self.rt.host_buffer(n, protected=False)  # no event guards its reuse
-            self.rt.write_host(host, ids)
-            dev = self.rt.device_buffer(n, name=f"{self.name} ids")
-            self.rt.copy_h2d(dev, host, n)
-            self._launch_zero(dev, n, ids)
-            self.rt.free_host(host)  # handed out again by the next call, copy or no copy

@@ -25,30 +25,18 @@ Example::
 
 from __future__ import annotations
 
-from ..impls import StagedZeroer
+from ..impls import PerCallZeroer
 from ..layout import KVCache
 from ..runtime import DeviceBuffer, Runtime
 from .entry import ZooEntry, advance, allocate, start, write
 
 
-class _FreshHostStaging(StagedZeroer):
-    """Race-free host staging (a protected pinned buffer per call); subclasses pick the device
-    buffer and the stream."""
+class _FreshHostStaging(PerCallZeroer):
+    """Race-free host staging (``per_call``'s fresh protected pinned buffer per call) on the torch
+    kernel; subclasses pick the device buffer and the stream."""
 
     def __init__(self, cache: KVCache, runtime: Runtime, *, kernel: str = "torch") -> None:
         super().__init__(cache, runtime, kernel=kernel)
-
-    def _device_ids(self, n: int) -> DeviceBuffer:
-        return self.rt.device_buffer(n, name=f"{self.name} ids")
-
-    def _stage_and_zero(self, ids: list[int]) -> None:
-        n = len(ids)
-        host = self.rt.host_buffer(n)
-        self.rt.write_host(host, ids)
-        dev = self._device_ids(n)
-        self.rt.copy_h2d(dev, host, n)
-        self._launch_zero(dev, n, ids)
-        self.rt.free_host(host)
 
 
 class SharedDeviceIds(ZooEntry, _FreshHostStaging):
@@ -77,12 +65,6 @@ class SharedDeviceIds(ZooEntry, _FreshHostStaging):
         if n > len(self._dev):
             self._dev = self.rt.device_buffer(2 * n, name=f"{self.name} ids")
         return self._dev  # whichever stream is current: no event orders the reuse
-
-    def zero_block_ids(self, block_ids: list[int]) -> None:
-        ids = self._validate(block_ids)
-        if ids:
-            with self.rt.annotate(self._origin(ids)):
-                self._stage_and_zero(ids)
 
 
 class SideStream(ZooEntry, _FreshHostStaging):
