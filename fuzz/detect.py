@@ -44,7 +44,8 @@ from zeroer.registry import RACE_FREE, REGISTRY, ZOO, default_geometry
 
 from .campaigns import SIM_GEOMETRIES
 from .detect_report import TARGET_CLEAN_STEPS, judge, plot, render_soak, render_summary, render_table, summarize
-from .detect_run import FUZZ, Job, baseline_methods, run_jobs
+from .baselines import METHODS
+from .detect_run import FUZZ, Job, run_jobs
 from .episode import EpisodeConfig
 
 REPORT_VERSION = 1
@@ -151,16 +152,14 @@ def parse_args(argv: list[str], cuda_available: bool) -> DetectArgs:
         if name not in entries:
             entries.append(name)
 
-    available, why = baseline_methods()
-    choices = [FUZZ, *sorted(available)]
+    choices = [FUZZ, *sorted(METHODS)]
     if options["methods"] is None:
         methods = [FUZZ] if backend == "sim" or steps_clean else choices
     else:
         methods = _names("--methods", options["methods"])
         for name in methods:
             if name not in choices:
-                hint = f" ({why})" if why else ""
-                raise DetectUsageError(f"--methods: unknown method {name!r}; available here: {', '.join(choices)}{hint}")
+                raise DetectUsageError(f"--methods: unknown method {name!r}; available here: {', '.join(choices)}")
         if steps_clean and methods != [FUZZ]:
             raise DetectUsageError("--steps-clean soaks with the fuzz method only; drop --methods or use --methods fuzz")
     return DetectArgs(

@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
 import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .baselines import METHODS
 from .campaigns import Campaign, Profile, run_campaign
 from .detect_types import DetectionOutcome
 from .episode import EpisodeConfig
@@ -63,33 +64,12 @@ class FuzzMethod:
         )
 
 
-def baseline_methods() -> tuple[dict[str, Method], str | None]:
-    """``fuzz.baselines.METHODS`` and None, or ``{}`` and why they cannot be imported."""
-    try:
-        from .baselines import METHODS
-    except ModuleNotFoundError as error:
-        if error.name == f"{__package__}.baselines":
-            return {}, "fuzz/baselines.py is not installed"
-        return {}, f"importing fuzz.baselines failed: {error!r}"
-    except Exception as error:  # a broken baselines module must not stop the fuzzer's own run
-        return {}, f"importing fuzz.baselines failed: {error!r}"
-    return dict(METHODS), None
-
-
 def resolve_method(name: str, repro_dir: Path) -> Method:
     if name == FUZZ:
         return FuzzMethod(repro_dir)
-    methods, why = baseline_methods()
-    if name not in methods:
-        raise KeyError(f"method {name!r} is not available" + (f": {why}" if why else ""))
-    method = methods[name]
-    try:
-        accepts_repro_dir = "repro_dir" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        accepts_repro_dir = False
-    if accepts_repro_dir:
-        return lambda config, budget_s, seed: method(config, budget_s, seed, repro_dir=repro_dir)
-    return method
+    if name not in METHODS:
+        raise KeyError(f"method {name!r} is not available; choose {FUZZ} or one of {', '.join(sorted(METHODS))}")
+    return functools.partial(METHODS[name], repro_dir=repro_dir)
 
 
 @dataclass(frozen=True)
