@@ -34,7 +34,13 @@ def _driver_version() -> str | None:
 
 
 def environment() -> dict[str, str | None]:
-    """Versions and hardware of this process, as plain JSON values."""
+    """Versions and hardware of this process, as plain JSON values (a fresh copy each call)."""
+    return dict(_environment())
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> dict[str, str | None]:
+    # Computed once: the journal writes it with every op of a cuda run.
     try:
         import triton
 
