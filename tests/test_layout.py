@@ -9,7 +9,7 @@ import torch
 
 from zeroer.errors import CacheSpecError, RuntimeUsageError
 from zeroer.geometries import GEOMETRIES, geometry, geometry_names
-from zeroer.layout import (DTYPES, GUARD_WORD, POISON_WORD, CacheSpec, TensorSpec, build_cache)
+from zeroer.layout import (DTYPES, POISON_WORD, CacheSpec, TensorSpec, build_cache)
 
 FP8 = "float8_e4m3fn" if hasattr(torch, "float8_e4m3fn") else "int8"
 

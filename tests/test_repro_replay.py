@@ -3,7 +3,6 @@ file is one line naming the file and the field, exit 2."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

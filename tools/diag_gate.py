@@ -1,5 +1,5 @@
 """Where does a gated zero-kernel launch block? Dumps the host stack after 8 s."""
-import faulthandler, sys, time, os
+import faulthandler, sys, time
 faulthandler.dump_traceback_later(8, exit=False)
 import torch
 from zeroer.geometries import geometry
