@@ -35,7 +35,8 @@ class SingleBuffer(ZooEntry, SingleBufferZeroer):
     zeroes call *k+1*'s blocks and call *k*'s new blocks keep the previous tenant's bytes.
     Users saw NaN from stale fp32 Mamba state read as fp8/bf16 KV in hybrid models, spreading
     through ``0 * NaN`` masking to every request sharing the block; only under load, so it looked
-    like nondeterminism. On an H200 ``[1]`` then ``[2]`` zeroed only ``{2}``, 3 runs of 3.
+    like nondeterminism. Measured on an H200 (background note, section 7): ``[1]`` then ``[2]``
+    zeroed only ``{2}``, 3 runs of 3.
     """
 
     name = "zoo.single_buffer"
