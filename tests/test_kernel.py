@@ -249,8 +249,9 @@ def test_every_launch_config_zeroes_the_same_words_as_the_reference(name, config
 
 
 def test_launch_config_gives_each_thread_sixteen_words_and_names_bad_values():
-    assert launch_config(8192) == LaunchConfig(block_size=4096, num_warps=8)  # Llama-3-8B pages
-    assert launch_config(10496) == LaunchConfig(block_size=4096, num_warps=8)
+    assert launch_config(8192) == LaunchConfig(block_size=8192, num_warps=16)  # Llama-3-8B pages
+    assert launch_config(10496) == LaunchConfig(block_size=4096, num_warps=8)  # MLA: chunks 85% full
+    assert launch_config(65536) == LaunchConfig(block_size=8192, num_warps=16)  # 256 KiB pages
     assert launch_config(2048) == LaunchConfig(block_size=2048, num_warps=4)
     assert launch_config(33) == LaunchConfig(block_size=64, num_warps=1)
     assert launch_config(8192, block_size=1024) == LaunchConfig(block_size=1024, num_warps=2)
@@ -329,7 +330,7 @@ def test_the_cached_launcher_runs_the_interpreter_through_its_fallback():
     t = by_kernel.table
     for _ in range(2):
         launcher.launch((0,), (1, 1, 1), (t.addrs, t.block_strides, t.pages, torch.tensor(ids), 2,
-                                          t.n_segs, 1, 32))
+                                          t.n_segs, 1, 32, False))
     zero_blocks_reference(by_reference, ids)
     _assert_same_bits_and_clean_guards(by_kernel, by_reference, ids)
     assert (launcher.jit_launches, launcher.direct_launches) == (2, 0)

@@ -50,9 +50,11 @@ from zeroer.layout import device_index
 if TYPE_CHECKING:
     from zeroer.layout import KVCache, SegmentTable
 
-MAX_BLOCK_SIZE = 4096  # int32 words one program stores per chunk by default: 16 KiB
+MAX_BLOCK_SIZE = 8192  # int32 words one program stores per chunk by default: 32 KiB
 WORDS_PER_THREAD = 16  # default warps give each thread 64 bytes: four 16-byte stores
-MAX_NUM_WARPS = 8
+MAX_NUM_WARPS = 16
+MIN_FILL = 0.8  # share of a page's chunks' stores that must land in the page (launch_config)
+MIN_SPLIT_BLOCK_SIZE = 1024  # launch_config halves a chunk no further than this
 CUDA_MAX_GRID_X = 2**31 - 1  # CUDA limit on gridDim.x
 CUDA_MAX_GRID_YZ = 65535  # CUDA limit on gridDim.y and gridDim.z
 INT32_MAX = 2**31 - 1  # Triton passes a larger int argument as i64: another compiled kernel
@@ -67,6 +69,7 @@ def _zero_kv_blocks(
     n_segs,  # number of segments
     max_chunks,  # ceil(max page / BLOCK_SIZE)
     BLOCK_SIZE: tl.constexpr,  # int32 words per chunk, a power of two
+    SKIP_NEGATIVE: tl.constexpr,  # an id < 0 zeroes nothing (padding; see zero_blocks)
 ):
     # Grid-stride loops on every axis: a grid clamped to CUDA's limits still covers all work
     # (vLLM #52058: 6,870 blocks x 181 segments x 2,336 chunks overflowed a flat grid).
@@ -76,8 +79,13 @@ def _zero_kv_blocks(
     while i < n_blocks:
         # Read when the kernel runs, not when it is enqueued: the value the #48085 race corrupts.
         block_id = tl.load(block_ids_ptr + i).to(tl.int64)
+        seg_end = n_segs
+        if SKIP_NEGATIVE:
+            # A CUDA graph is captured for a fixed number of ids; the graph ring pads the rest
+            # with -1 (zeroer.direct.graph_ring), which must zero nothing rather than a block.
+            seg_end = tl.where(block_id < 0, 0, n_segs)
         s = tl.program_id(1)
-        while s < n_segs:
+        while s < seg_end:
             addr = tl.load(seg_addrs_ptr + s).to(tl.int64)
             stride = tl.load(seg_block_strides_ptr + s).to(tl.int64)
             page = tl.load(seg_pages_ptr + s).to(tl.int64)
@@ -122,11 +130,15 @@ def launch_config(max_page: int, block_size: int | None = None,
                   num_warps: int | None = None) -> LaunchConfig:
     """The default (or checked explicit) meta-parameters for pages of at most `max_page` words.
 
-    A chunk covers the largest page up to MAX_BLOCK_SIZE words (16 KiB: few, big programs for
-    KV pages of 32 KiB and more), and the warps give each thread WORDS_PER_THREAD words, i.e.
-    four 16-byte stores. `python -m zeroer.bench` measures the alternatives on the GPU.
+    A chunk covers the largest page up to MAX_BLOCK_SIZE words (32 KiB: one program per Llama
+    page), and the warps give each thread WORDS_PER_THREAD words, i.e. four 16-byte stores.
+    Measured on an H200 (docs/performance.md): whole 32 KiB pages with 16 warps beat 16 KiB
+    chunks with 8 warps by 2-3% on scattered ids and by 8-10% on adjacent ones.
+    `python -m zeroer.bench` measures the alternatives on the GPU.
 
     >>> launch_config(8192)
+    LaunchConfig(block_size=8192, num_warps=16)
+    >>> launch_config(10496)
     LaunchConfig(block_size=4096, num_warps=8)
     >>> launch_config(32)
     LaunchConfig(block_size=32, num_warps=1)
@@ -135,6 +147,12 @@ def launch_config(max_page: int, block_size: int | None = None,
     """
     if block_size is None:
         block_size = min(triton.next_power_of_2(max_page), MAX_BLOCK_SIZE)
+        # A page longer than a chunk but not a whole number of chunks leaves the last chunk's
+        # stores masked off: halve the chunk while more than a fifth would be (an MLA page of
+        # 10,496 words fills two 8,192-word chunks to 64%, three 4,096-word ones to 85%).
+        while block_size > MIN_SPLIT_BLOCK_SIZE and max_page > block_size and \
+                max_page < MIN_FILL * triton.cdiv(max_page, block_size) * block_size:
+            block_size //= 2
     elif not _power_of_two(block_size) or block_size > 2**16:
         raise RuntimeUsageError(
             f"block_size={block_size!r}: a chunk is a power of two of int32 words up to 65536, "
@@ -248,7 +266,8 @@ def _pointer_key(t: torch.Tensor) -> tuple:
 
 def zero_blocks(table: SegmentTable, block_ids: torch.Tensor,
                 grid: tuple[int, int, int] | None = None, *, block_size: int | None = None,
-                num_warps: int | None = None, cached: bool = True) -> None:
+                num_warps: int | None = None, cached: bool = True,
+                skip_negative: bool = False) -> None:
     """Zero the pages of `block_ids` in every segment of `table`, on `block_ids`' device.
 
     `block_ids` must be an int64 1-D tensor on the table's device. Its *values* are not checked
@@ -258,6 +277,9 @@ def zero_blocks(table: SegmentTable, block_ids: torch.Tensor,
     `block_size` and `num_warps` replace :func:`launch_config`'s choice (the benchmark sweeps
     them). `cached=False` launches through Triton's JIT dispatch every time (the benchmark's
     comparison); the default keeps the compiled kernel (:class:`CachedLauncher`).
+    `skip_negative=True` makes an id below 0 zero nothing: a CUDA graph captures a fixed id count
+    and pads with -1 (:mod:`zeroer.direct.graph_ring`). It is a separate compiled kernel; the
+    default keeps the plain one, in which a negative id is the caller's bug, as it is in vLLM.
     """
     if block_ids.dtype != torch.int64 or block_ids.dim() != 1:
         raise RuntimeUsageError(
@@ -278,8 +300,9 @@ def zero_blocks(table: SegmentTable, block_ids: torch.Tensor,
         grid = launch_grid(n, table.n_segs, max_chunks, block_ids.device.type)
     elif len(grid) != 3 or not all(isinstance(g, int) and g >= 1 for g in grid):
         raise RuntimeUsageError(f"grid={grid!r}: give three positive ints, e.g. (2, 2, 2)")
+    skip = bool(skip_negative)
     args = (table.addrs, table.block_strides, table.pages, block_ids, n, table.n_segs, max_chunks,
-            config.block_size)
+            config.block_size, skip)
     if not block_ids.is_cuda:
         _interpreted[grid](*args)
         return
@@ -288,7 +311,7 @@ def zero_blocks(table: SegmentTable, block_ids: torch.Tensor,
         # Another device than the current one: Triton's own dispatch, as before the cache.
         _compiled[grid](*args, num_warps=config.num_warps)
         return
-    key = (device, config, _pointer_key(table.addrs), _pointer_key(table.block_strides),
+    key = (device, config, skip, _pointer_key(table.addrs), _pointer_key(table.block_strides),
            _pointer_key(table.pages), block_ids.data_ptr() % 16 == 0,
            max(n, table.n_segs, max_chunks) <= INT32_MAX)
     _launcher.launch(key, grid, args, num_warps=config.num_warps)
