@@ -7,13 +7,15 @@ harness's own work around it (docs/zeroer-api.md).
 
     python -m pytest fuzz --backend cuda --cuda-mode free --zeroer examples/torch_cuda_zeroer.py:make_single_buffer
 
-`make_per_call` is the #48399 fix, for comparison.
+`make_per_call` is the #48399 fix, for comparison: ``zeroer.direct.TorchPerCallZeroer``, which
+the fuzzer also runs by its registered name ``torch_per_call``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from zeroer.direct import TorchPerCallZeroer
 from zeroer.impls import validate_block_ids
 from zeroer.kernel import zero_blocks
 from zeroer.layout import KVCache
@@ -34,20 +36,6 @@ class TorchSingleBufferZeroer:
         self.pinned[:n] = torch.tensor(ids, dtype=torch.int64)  # rewritten now: the #48085 race
         self.device_ids[:n].copy_(self.pinned[:n], non_blocking=True)
         zero_blocks(self.table, self.device_ids[:n])
-
-
-class TorchPerCallZeroer:
-    def __init__(self, cache: KVCache) -> None:
-        self.table = cache.table
-        self.num_blocks = cache.spec.num_blocks
-        self.device = cache.device
-
-    def zero_block_ids(self, block_ids: list[int]) -> None:
-        ids = validate_block_ids(block_ids, self.num_blocks)
-        if not ids:
-            return
-        staged = torch.tensor(ids, dtype=torch.int64, pin_memory=True)  # fresh per call (#48399)
-        zero_blocks(self.table, staged.to(self.device, non_blocking=True))
 
 
 def make_single_buffer(cache: KVCache, runtime: object) -> TorchSingleBufferZeroer:

@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import run_state_machine_as_test
 
-from zeroer.registry import RACE_FREE, RACY, REGISTRY, ZOO, default_geometry
+from zeroer.registry import (DIRECT, RACE_FREE, RACY, REGISTRY, ZOO, backends_of, cuda_modes_of, default_geometry,
+                             resolve_factory)
 
 from .episode import EpisodeConfig
 from .journal import Journal
@@ -114,9 +115,13 @@ def default_campaigns(backends: list[str], zeroer: str | None = None) -> list[Ca
     for backend in sorted(backends):
         modes = ("controlled", "free") if backend == "cuda" else ("controlled",)
         geometries = CUDA_GEOMETRIES if backend == "cuda" else SIM_GEOMETRIES
-        names = [zeroer] if zeroer else sorted(RACE_FREE + RACY)
+        names = [zeroer] if zeroer else sorted(RACE_FREE + RACY + (DIRECT if backend == "cuda" else ()))
         for mode in modes:
             for name in names:
+                # The direct designs (zeroer/direct) run on cuda in the free-running mode only.
+                factory = REGISTRY[name] if name in REGISTRY else resolve_factory(name)
+                if backend not in backends_of(factory) or (backend == "cuda" and mode not in cuda_modes_of(factory)):
+                    continue
                 expect = "finds" if (zeroer is None and name in RACY) else "clean"
                 # On the simulator the staged designs use the torch kernel (no interpreter, fast);
                 # the Triton kernel itself is fuzzed in the k-triton campaigns below.

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zeroer.errors import ZeroerError
-from zeroer.registry import resolve_factory, zeroer_names
+from zeroer.registry import backends_of, cuda_modes_of, resolve_factory, zeroer_names
 
 from .campaigns import PROFILES, Profile
 from .journal import JOURNAL_MODES
@@ -61,6 +61,25 @@ def parse_zeroer(value: str | None) -> str | None:
     except ZeroerError as error:
         raise pytest.UsageError(f"--zeroer {value!r}: {error} (built-in zeroers: {', '.join(zeroer_names())})") from None
     return value
+
+
+def check_zeroer_runs_here(value: str | None, backend: str, cuda_modes: tuple[str, ...]) -> None:
+    """A zeroer that cannot run on the chosen backend or cuda mode is a usage error, not 0 tests."""
+    if value is None:
+        return
+    factory = resolve_factory(value)
+    backends = backends_of(factory)
+    if backend not in backends:
+        raise pytest.UsageError(
+            f"--zeroer {value!r} runs on the {' and '.join(backends)} backend only, not {backend!r}; "
+            f"pass --backend {backends[0]}" + (" on a machine with a GPU" if backends == ("cuda",) else "")
+        )
+    modes = cuda_modes_of(factory)
+    if backend == "cuda" and not set(modes) & set(cuda_modes):
+        raise pytest.UsageError(
+            f"--zeroer {value!r} runs in the {' and '.join(modes)} cuda mode only, not "
+            f"{' or '.join(cuda_modes)}; pass --cuda-mode {modes[0]}"
+        )
 
 
 def parse_minutes(value: str | None) -> float | None:
@@ -116,10 +135,13 @@ def fuzz_options(config: pytest.Config) -> FuzzOptions:
     cuda = torch.cuda.is_available()
     minutes = parse_minutes(config.getoption("fuzz_minutes"))
     backend = parse_backend(config.getoption("fuzz_backend"), cuda)
+    cuda_modes = parse_cuda_mode(config.getoption("cuda_mode"))
+    zeroer = parse_zeroer(config.getoption("zeroer"))
+    check_zeroer_runs_here(zeroer, backend, cuda_modes)
     return FuzzOptions(
         backends=[backend],
-        cuda_modes=parse_cuda_mode(config.getoption("cuda_mode")),
-        zeroer=parse_zeroer(config.getoption("zeroer")),
+        cuda_modes=cuda_modes,
+        zeroer=zeroer,
         profile=parse_profile(config.getoption("fuzz_profile"), minutes),
         minutes=minutes,
         repro_dir=Path(config.getoption("repro_dir")),

@@ -20,6 +20,7 @@ import pytest
 from fuzz.campaigns import PROFILES
 from fuzz.options import (
     FuzzOptions,
+    check_zeroer_runs_here,
     fuzz_options,
     gpu_for_worker,
     parse_backend,
@@ -92,6 +93,28 @@ def test_parse_zeroer_accepts_a_file_spec_to_a_factory(tmp_path):
     plugin = tmp_path / "mine.py"
     plugin.write_text("def make(cache, runtime):\n    raise NotImplementedError\n")
     assert parse_zeroer(f"{plugin}:make") == f"{plugin}:make"
+
+
+@pytest.mark.parametrize(("value", "backend", "modes", "message"), [
+    ("graph_ring", "sim", ("controlled",),
+     "--zeroer 'graph_ring' runs on the cuda backend only, not 'sim'; pass --backend cuda on a machine with a GPU"),
+    ("zoo.int32_offset_4gib", "sim", ("controlled",),
+     "--zeroer 'zoo.int32_offset_4gib' runs on the cuda backend only, not 'sim'; pass --backend cuda on a "
+     "machine with a GPU"),
+    ("torch_per_call", "cuda", ("controlled",),
+     "--zeroer 'torch_per_call' runs in the free cuda mode only, not controlled; pass --cuda-mode free"),
+])
+def test_a_zeroer_that_cannot_run_on_the_chosen_backend_or_mode_is_a_usage_error(value, backend, modes, message):
+    with pytest.raises(pytest.UsageError, match=exactly(message)):
+        check_zeroer_runs_here(value, backend, modes)
+
+
+@pytest.mark.parametrize(("value", "backend", "modes"), [
+    (None, "sim", ("controlled",)), ("event_ring", "sim", ("controlled",)), ("graph_ring", "cuda", ("controlled", "free")),
+    ("zoo.int32_offset_4gib", "cuda", ("controlled",)), ("zeroer.impls.reference:ReferenceZeroer", "sim", ("controlled",)),
+])
+def test_a_zeroer_that_runs_on_the_chosen_backend_passes_the_check(value, backend, modes):
+    check_zeroer_runs_here(value, backend, modes)
 
 
 def test_an_unknown_zeroer_name_is_a_usage_error_listing_the_built_ins():

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from .direct import GraphRingZeroer, TorchPerCallZeroer
 from .errors import ZeroerError
 from .impls import EventRingZeroer, PerCallZeroer, ReferenceZeroer, RingZeroer, SingleBufferZeroer, Zeroer
 from .layout import KVCache
@@ -39,6 +40,10 @@ REGISTRY: dict[str, ZeroerFactory] = {
 }
 RACE_FREE: tuple[str, ...] = ("event_ring", "per_call", "reference")
 RACY: tuple[str, ...] = ("ring", "single_buffer")
+# Race-free production forms written straight against torch.cuda (zeroer/direct): cuda only, and
+# the fuzzer's free-running mode only, since they wait on events the controlled mode cannot gate.
+DIRECT: tuple[str, ...] = ("graph_ring", "torch_per_call")
+REGISTRY.update({"graph_ring": GraphRingZeroer, "torch_per_call": TorchPerCallZeroer})
 # Broken on purpose, one real bug class each (zeroer/zoo, docs/zoo.md), for `python -m fuzz.detect`.
 REGISTRY.update(ZOO_ENTRIES)
 ZOO: tuple[str, ...] = tuple(sorted(ZOO_ENTRIES))
@@ -50,6 +55,16 @@ class ZeroerSpecError(ZeroerError, ValueError):
 
 def zeroer_names() -> list[str]:
     return sorted(REGISTRY)
+
+
+def backends_of(factory: object) -> tuple[str, ...]:
+    """Where a zeroer runs: its factory's ``backends`` (zoo entries, the direct designs), else both."""
+    return tuple(getattr(factory, "backends", ("sim", "cuda")))
+
+
+def cuda_modes_of(factory: object) -> tuple[str, ...]:
+    """The cuda modes a zeroer runs in: its factory's ``modes``, else controlled and free."""
+    return tuple(getattr(factory, "modes", ("controlled", "free")))
 
 
 def default_geometry(spec: str) -> str | None:
