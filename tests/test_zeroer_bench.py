@@ -21,7 +21,7 @@ from zeroer.bench.report import SCHEMA, targets
 from zeroer.errors import RuntimeUsageError
 from zeroer.geometries import geometry
 from zeroer.layout import build_cache
-from zeroer.registry import RACE_FREE, RACY, make_zeroer
+from zeroer.registry import DIRECT, RACE_FREE, RACY, make_zeroer
 from zeroer.runtime import SimRuntime
 from zeroer.runtime.cuda import CudaRuntime
 
@@ -49,10 +49,17 @@ def test_the_quick_benchmark_writes_every_table_and_the_targets(tmp_path, capsys
         ("zero_blocks (llama)", "cached")}
     assert {(r["block_size"], r["num_warps"]) for r in report["configs"]} == set(measure.QUICK_CONFIGS)
 
+    assert {(r["geometry"], r["order"]) for r in report["bandwidth"]} == {
+        (g, "random") for g in NAMES} | {("llama", "ascending")}
     cells = {(r["design"], r["runtime"], r["gpu"], r["ids"]) for r in report["host"]}
-    assert cells == {(d, rt, gpu, n) for d in benched_zeroers() for rt in ("unchecked", "checked")
-                     for gpu in ("idle", "busy") for n in (1, 4)}
+    # The direct designs need CUDA: on the CPU each has one row saying so, and no error.
+    assert cells == {(d, rt, gpu, n) for d in benched_zeroers() if d not in DIRECT
+                     for rt in ("unchecked", "checked") for gpu in ("idle", "busy") for n in (1, 4)} | {
+        (d, "direct", "setup", None) for d in DIRECT}
     for row in report["host"]:
+        if row["design"] in DIRECT:
+            assert row["skipped"] == "runs on CUDA only (zeroer/direct)"
+            continue
         assert row["median_us"] > 0 and row["samples"] > 0
         if row["gpu"] == "busy":
             assert row["busy_throughout"] is True
@@ -81,23 +88,25 @@ def test_a_run_past_its_budget_skips_its_rows_and_still_writes_its_json(tmp_path
 def test_a_failing_row_is_recorded_and_the_others_are_measured(tmp_path, monkeypatch):
     real = measure.pick_ids
 
-    def planted(n: int, num_blocks: int) -> list[int]:
+    def planted(n: int, num_blocks: int, order: str = "random") -> list[int]:
         if n == 4:
             raise RuntimeError("planted failure")
-        return real(n, num_blocks)
+        return real(n, num_blocks, order)
 
     monkeypatch.setattr(measure, "pick_ids", planted)
     out = tmp_path / "failed.json"
     argv = ["--quick", "--sections", "bandwidth,host", "--geometry", "llama", "--json", str(out)]
     assert main(argv) == 1
     report = json.loads(out.read_text())
-    by_blocks = {r["blocks"]: r for r in report["bandwidth"]}
-    assert by_blocks[4]["error"] == "RuntimeError: planted failure"
-    assert by_blocks[1]["pages_zeroed"] is True and "error" not in by_blocks[1]
-    for row in report["host"]:
+    for order in measure.ORDERS:
+        by_blocks = {r["blocks"]: r for r in report["bandwidth"] if r["order"] == order}
+        assert by_blocks[4]["error"] == "RuntimeError: planted failure"
+        assert by_blocks[1]["pages_zeroed"] is True and "error" not in by_blocks[1]
+    for row in [r for r in report["host"] if r["design"] not in DIRECT]:
         assert ("error" in row) == (row["ids"] == 4) and (row["ids"] == 4 or row["median_us"] > 0)
     assert {e["section"] for e in report["errors"]} == {"bandwidth", "host"}
-    assert len(report["errors"]) == 1 + 2 * 2 * len(benched_zeroers())  # runtimes x GPU states
+    runtime_designs = [d for d in benched_zeroers() if d not in DIRECT]
+    assert len(report["errors"]) == 2 + 2 * 2 * len(runtime_designs)  # orders; runtimes x GPU states
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -201,6 +210,33 @@ def test_the_targets_are_judged_on_ratios_measured_in_the_same_run():
     assert {status for _, status in _statuses(cpu).values()} == {"SKIP"}
     missing = dict(_result(), bandwidth=[], launch=[], host=[])
     assert {status for _, status in _statuses(missing).values()} == {"N/A"}
+
+
+def test_the_host_target_compares_designs_as_they_ship_and_the_kernel_target_scattered_ids():
+    result = _result()
+    # Adjacent ids are shown, not judged: a slow row there must not fail the kernel target.
+    result["bandwidth"].append({"geometry": "llama", "order": "ascending", "blocks": 256, "bytes": 2**29,
+                                "kernel_us": 100.0, "kernel_gbps": 100.0, "zero_gbps": 4600.0,
+                                "kernel_vs_zero": 0.5})
+    for gpu, base, ours in (("idle", 40.0, 8.0), ("busy", 50.0, 15.0)):
+        result["host"] += [
+            {"design": "torch_per_call", "verdict": "race-free", "runtime": "direct", "gpu": gpu, "ids": 1,
+             "median_us": base},
+            {"design": "graph_ring", "verdict": "race-free", "runtime": "direct", "gpu": gpu, "ids": 1,
+             "median_us": ours}]
+    host = next(t for t in targets(result) if t["name"] == "race_free_vs_per_call")
+    # The baseline is vLLM's own code; event_ring on the unchecked runtime (9 us) is a rival too,
+    # the best one with the GPU busy here.
+    assert (host["value"], host["status"]) == (0.2, "PASS")
+    assert host["detail"]["1 ids, GPU busy"]["best"] == "event_ring"
+    assert host["detail"]["baseline"] == "torch_per_call"
+    assert host["detail"]["1 ids, GPU idle"] == {"best": "graph_ring", "ratio": 0.2, "best_us": 8.0,
+                                                "per_call_us": 40.0}
+    assert host["detail"]["through the runtime: event_ring / per_call"] == {"1 ids, GPU idle": 0.3,
+                                                                            "1 ids, GPU busy": 0.3}
+    kernel = next(t for t in targets(result) if t["name"] == "kernel_vs_zero")
+    assert (kernel["value"], kernel["status"]) == (0.957, "PASS")
+    assert kernel["detail"]["256 ascending"] == 0.5
 
 
 def test_the_figures_are_drawn_from_the_json_file(tmp_path):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..registry import RACE_FREE, RACY, REGISTRY
+from ..registry import DIRECT, RACE_FREE, RACY, REGISTRY
 from . import measure, report
 from .caches import NAMES, bench_cache
 from .measure import HOST_CACHE, Context
@@ -37,8 +37,8 @@ GPU_COMMAND = "python -m zeroer.bench --json docs/data/h200-zeroer-bench.json --
 
 
 def benched_zeroers() -> list[str]:
-    """Every registered design with a verdict: race-free or racy."""
-    return sorted(n for n in REGISTRY if n in RACE_FREE or n in RACY)
+    """Every registered design with a verdict: race-free (the direct forms too) or racy."""
+    return sorted(n for n in REGISTRY if n in RACE_FREE or n in RACY or n in DIRECT)
 
 
 def _int_list(option: str) -> Callable[[str], list[int]]:

@@ -15,6 +15,7 @@ A row that raises gets ``error`` (and the run goes on); a row past the budget ge
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import random
@@ -28,7 +29,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ..kernel import CachedLauncher, launch_config, zero_blocks
 from ..layout import KVCache, build_cache
-from ..registry import RACE_FREE, RACY, REGISTRY
+from ..registry import DIRECT, RACE_FREE, RACY, REGISTRY
 from ..runtime import Runtime, SimRuntime
 from .caches import bench_cache, bytes_per_block, describe
 from .timing import Budget, Timer, host_samples, summarize
@@ -36,10 +37,11 @@ from .timing import Budget, Timer, host_samples, summarize
 HOST_CACHE = "llama"  # the cache the designs zero in the host table
 LAUNCH_SAMPLES, QUICK_LAUNCH_SAMPLES = 200, 3
 IDLE_SAMPLES, IDLE_WARMUP, QUICK_IDLE_SAMPLES = 100, 10, 3
+DIRECT_ROUNDS = 4  # interleaved rounds of the direct designs (each takes its share of the samples)
 BUSY_CALLS, BUSY_ROUNDS = 32, 4  # calls queued behind one sleep; counted rounds (one more warms up)
 QUICK_BUSY_CALLS, QUICK_BUSY_ROUNDS = 3, 1
 MAX_DELAY_UNITS = 3000  # CudaRuntime.delay units (~0.1 ms each): at most ~0.3 s of sleep per round
-CONFIGS = ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8))  # (BLOCK_SIZE, num_warps)
+CONFIGS = ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16), (8192, 32))  # (BLOCK_SIZE, num_warps)
 QUICK_CONFIGS = ((256, 2), (4096, 8))
 CONFIG_BLOCKS, QUICK_CONFIG_BLOCKS = (1, 256, 4096), (1, 4)
 ERROR_CHARS = 600
@@ -97,8 +99,17 @@ class Context:
             torch.cuda.synchronize()
 
 
-def pick_ids(n: int, num_blocks: int) -> list[int]:
-    """`n` distinct ids, never the null block, the same for every run (seeded by `n`)."""
+ORDERS = ("random", "ascending")  # how the zeroed ids lie in the cache (bandwidth table)
+
+
+def pick_ids(n: int, num_blocks: int, order: str = "random") -> list[int]:
+    """`n` distinct ids, never the null block, the same for every run (seeded by `n`).
+
+    ``random``: scattered over the cache, as after a long run of allocations and frees;
+    ``ascending``: blocks 1..n, adjacent in memory, as in a fresh cache's free queue.
+    """
+    if order == "ascending":
+        return list(range(1, n + 1))
     return random.Random(n).sample(range(1, num_blocks), n)
 
 
@@ -180,7 +191,7 @@ def bandwidth_rows(ctx: Context, name: str) -> tuple[list[dict], dict]:
             setup()
         cache, buf = state["cache"], state["ceiling"]
         n, nbytes = row["blocks"], row["bytes"]
-        ids = pick_ids(n, cache.spec.num_blocks)
+        ids = pick_ids(n, cache.spec.num_blocks, row["order"])
         cache.poison(ids)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=ctx.device)
         row["kernel_us"], row["gpu_timer"] = ctx.timer.gpu_us(lambda: zero_blocks(cache.table, ids_t))
@@ -196,8 +207,12 @@ def bandwidth_rows(ctx: Context, name: str) -> tuple[list[dict], dict]:
         row["kernel_vs_zero"] = round(row["kernel_gbps"] / row["zero_gbps"], 3) if row["zero_gbps"] else None
 
     per_block = bytes_per_block(bench_cache(name, ctx.quick))
-    for n in ctx.blocks:
-        rows.append(run_row(ctx, "bandwidth", {"geometry": name, "blocks": n, "bytes": n * per_block}, measure))
+    # Scattered ids on every cache; adjacent ones too on the target cache, to tell the kernel's
+    # own cost from what scattered 32 KiB pages cost the memory (docs/performance.md).
+    for order in ORDERS if name == HOST_CACHE else ORDERS[:1]:
+        for n in ctx.blocks:
+            rows.append(run_row(ctx, "bandwidth", {"geometry": name, "order": order, "blocks": n,
+                                                   "bytes": n * per_block}, measure))
     if "cache" in state:
         def guards(row: dict) -> None:
             row["guard_violations"] = state["cache"].guard_violations()[:5]
@@ -287,13 +302,79 @@ def host_rows(ctx: Context) -> list[dict]:
         try:
             with rt.use_stream(rt.default_stream):
                 for name in ctx.zeroers:
-                    rows += _design_rows(ctx, rt, path, name)
+                    if name not in DIRECT:
+                        rows += _design_rows(ctx, rt, path, name)
+                if path == "unchecked":
+                    # Straight against torch.cuda: on torch's current stream, which use_stream
+                    # made the runtime's, so the runtime's sleep keeps the GPU busy for them too.
+                    rows += _direct_rows(ctx, rt, [name for name in ctx.zeroers if name in DIRECT])
         finally:
             try:  # whatever the budget says: a runtime left open keeps its watchdog thread
                 rt.close()
             except Exception as exc:  # noqa: BLE001
                 ctx.errors.append({"section": "host", "runtime": path, "closing": True,
                                    "error": f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]})
+    return rows
+
+
+def _direct_rows(ctx: Context, rt: Runtime, names: list[str]) -> list[dict]:
+    """The direct designs, measured side by side in interleaved rounds.
+
+    Their target is a ratio between two of them, and on a shared host the time per call drifts
+    by tens of percent within a minute (seen on the H200 host), so each round measures every
+    design once, in turn, and the rounds' samples are pooled.
+    """
+    base = {name: {"design": name, "verdict": "race-free", "runtime": "direct"} for name in names}
+    if ctx.device.type != "cuda":
+        return [dict(base[name], ids=None, gpu="setup", skipped="runs on CUDA only (zeroer/direct)")
+                for name in names]
+    cache = ctx.cache(HOST_CACHE)
+    made: dict[str, Any] = {}
+    rows = []
+    for name in names:
+        def build(row: dict, name: str = name) -> None:
+            made[name] = REGISTRY[name](cache, rt)
+            made[name].warmup()
+            rt.synchronize()
+
+        built = run_row(ctx, "host", dict(base[name], ids=None, gpu="setup"), build)
+        if name not in made:
+            rows.append(built)
+    rounds, idle_samples = (1, QUICK_IDLE_SAMPLES) if ctx.quick else (DIRECT_ROUNDS, IDLE_SAMPLES // DIRECT_ROUNDS)
+    for n in ctx.ids:
+        ids = pick_ids(n, cache.spec.num_blocks)
+        idle_us: dict[str, float | None] = {}
+        for gpu in ("idle", "busy"):
+            samples: dict[str, list[float]] = {name: [] for name in made}
+            busy_throughout = dict.fromkeys(made, True)
+
+            def measure(row: dict, gpu: str = gpu, samples: dict = samples, busy_throughout: dict = busy_throughout,
+                        idle_us: dict = idle_us, ids: list[int] = ids) -> None:
+                for _ in range(rounds):
+                    for name, z in made.items():
+                        call = functools.partial(z.zero_block_ids, ids)
+                        if gpu == "idle":
+                            if not ctx.quick:
+                                host_samples(call, IDLE_WARMUP, before=rt.synchronize)
+                            samples[name] += host_samples(call, idle_samples, before=rt.synchronize)
+                        else:
+                            got, busy = _busy_calls(ctx, rt, call, idle_us.get(name))
+                            samples[name] += got
+                            busy_throughout[name] = busy_throughout[name] and busy
+                rt.synchronize()
+
+            together = run_row(ctx, "host", {"designs": list(made), "ids": n, "gpu": gpu}, measure)
+            for name in made:
+                row = dict(base[name], ids=n, gpu=gpu, rounds=rounds)
+                if "error" in together or "skipped" in together:
+                    row.update({k: together[k] for k in ("error", "skipped") if k in together})
+                else:
+                    row.update(summarize(samples[name]))
+                    if gpu == "busy":
+                        row["busy_throughout"] = busy_throughout[name]
+                    else:
+                        idle_us[name] = row["median_us"]
+                rows.append(row)
     return rows
 
 

@@ -4,10 +4,12 @@ The GPU host may lack matplotlib: the run then writes its JSON and says so, and 
 drawn later anywhere with ``python -m zeroer.bench plot RESULT.json --png-dir docs/img``.
 
 * ``zeroer-bandwidth.png``: write bandwidth against blocks per call, one panel per cache, with the
-  ``zero_()`` and device-to-device copy ceilings measured in the same run;
+  ``zero_()`` and device-to-device copy ceilings measured in the same run (scattered ids, and
+  adjacent ids too where measured);
 * ``zeroer-host-per-call.png``: host microseconds per ``zero_block_ids`` call against the number
-  of ids, GPU idle and busy, solid for the unchecked path (the design's cost) and dashed for the
-  checked runtime the fuzzer runs, with the empty kernel launch as a horizontal line.
+  of ids, GPU idle and busy, solid for the design's own cost (the unchecked runtime, or straight
+  through torch for the direct designs) and dashed for the checked runtime the fuzzer runs, with
+  the empty kernel launch as a horizontal line.
 """
 
 from __future__ import annotations
@@ -54,9 +56,15 @@ def make_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     if geometries:
         fig, axes = plt.subplots(1, len(geometries), figsize=(5 * len(geometries), 4), squeeze=False)
         for ax, name in zip(axes[0], geometries):
-            rows = sorted((r for r in bandwidth if r["geometry"] == name), key=lambda r: r["blocks"])
+            rows = sorted((r for r in bandwidth if r["geometry"] == name
+                           and r.get("order", "random") == "random"), key=lambda r: r["blocks"])
             x = [r["blocks"] for r in rows]
-            ax.plot(x, [r["kernel_gbps"] for r in rows], "o-", label="zero_blocks (Triton)")
+            ax.plot(x, [r["kernel_gbps"] for r in rows], "o-", label="zero_blocks, scattered ids")
+            adjacent = sorted((r for r in bandwidth if r["geometry"] == name and r.get("order") == "ascending"),
+                              key=lambda r: r["blocks"])
+            if adjacent:
+                ax.plot([r["blocks"] for r in adjacent], [r["kernel_gbps"] for r in adjacent], "s-",
+                        label="zero_blocks, adjacent ids")
             ax.plot(x, [r.get("zero_gbps") for r in rows], "--", color="black", label="zero_() ceiling")
             ax.plot(x, [r.get("copy_gbps") for r in rows], ":", color="gray", label="D2D copy (bytes written)")
             ax.set_xscale("log", base=2)
@@ -81,13 +89,13 @@ def make_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
         for ax, gpu in zip(axes[0], ("idle", "busy")):
             for i, design in enumerate(designs):
-                for runtime, style in (("unchecked", "-"), ("checked", "--")):
+                for runtime, style in (("unchecked", "-"), ("direct", "-"), ("checked", "--")):
                     rows = sorted((r for r in host if r["design"] == design and r["gpu"] == gpu
                                    and r["runtime"] == runtime), key=lambda r: r["ids"])
                     if rows:
                         ax.plot([r["ids"] for r in rows], [r["median_us"] for r in rows], style, marker="o",
                                 color=colors[i % len(colors)],
-                                label=design if runtime == "unchecked" else None)
+                                label=design if runtime != "checked" else None)
             if empty and empty["host"].get("median_us"):
                 ax.axhline(empty["host"]["median_us"], color="black", lw=0.8, ls=":", label="empty kernel launch")
             ax.set_xscale("log")

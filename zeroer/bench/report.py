@@ -6,10 +6,12 @@ machine), so the tables and verdicts can be checked without a GPU and redrawn fr
 The targets (issue 6), each a ratio of two figures measured in the same run:
 
 * ``kernel_vs_zero``: the Triton kernel reaches at least 90% of the measured ``zero_()``
-  bandwidth for every block count of 256 or more on the Llama-like cache;
-* ``race_free_vs_per_call``: the cheapest race-free design other than ``per_call`` costs at most
-  1/3 of ``per_call``'s host time per call, on the unchecked path, for every id count, GPU idle
-  and busy (the worst case is the value);
+  bandwidth for every count of 256 or more scattered blocks on the Llama-like cache (adjacent
+  blocks are measured too, and shown, not judged);
+* ``race_free_vs_per_call``: the cheapest race-free design other than per_call costs at most 1/3
+  of per_call's host time per call, both as they would ship (``torch_per_call``, vLLM's code,
+  against the direct designs and the unchecked runtime), for every id count, GPU idle and busy
+  (the worst case is the value);
 * ``one_block_vs_empty``: zeroing one block of the Llama-like cache takes at most twice the GPU
   time of an empty kernel launch.
 """
@@ -80,37 +82,20 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     judged = bool(result.get("figures"))
     out = []
 
-    ratios = [r["kernel_vs_zero"] for r in result.get("bandwidth", [])
-              if r.get("geometry") == TARGET_CACHE and r.get("blocks", 0) >= 256
-              and r.get("kernel_vs_zero") is not None]
+    target_rows = [r for r in result.get("bandwidth", []) if r.get("geometry") == TARGET_CACHE
+                   and r.get("kernel_vs_zero") is not None]
+    # Judged on scattered ids ("random"; files from before the orders were added have none).
+    ratios = [r["kernel_vs_zero"] for r in target_rows
+              if r.get("order", "random") == "random" and r.get("blocks", 0) >= 256]
     value = min(ratios) if ratios else None
     out.append({"name": "kernel_vs_zero", "limit": 0.9, "value": value,
                 "status": _verdict(value, 0.9, True, judged),
-                "description": f"Triton kernel / zero_() bandwidth, >= 256 blocks, {TARGET_CACHE} (worst)",
-                "detail": {str(r["blocks"]): r["kernel_vs_zero"] for r in result.get("bandwidth", [])
-                           if r.get("geometry") == TARGET_CACHE and r.get("kernel_vs_zero") is not None}})
+                "description": f"Triton kernel / zero_() bandwidth, >= 256 scattered blocks, {TARGET_CACHE} (worst)",
+                "detail": {f"{r['blocks']} {r.get('order', 'random')}": r["kernel_vs_zero"] for r in target_rows}})
 
-    detail: dict[str, Any] = {}
-    worst = None
-    host = [r for r in result.get("host", []) if r.get("runtime") == "unchecked" and r.get("median_us")]
-    for r in host:
-        if r["design"] != "per_call":
-            continue
-        rivals = [x for x in host if x["verdict"] == "race-free" and x["design"] != "per_call"
-                  and x["ids"] == r["ids"] and x["gpu"] == r["gpu"]]
-        if not rivals:
-            continue
-        best = min(rivals, key=lambda x: x["median_us"])
-        ratio = round(best["median_us"] / r["median_us"], 3)
-        detail[f"{r['ids']} ids, GPU {r['gpu']}"] = {"best": best["design"], "ratio": ratio}
-        worst = ratio if worst is None else max(worst, ratio)
-    out.append({"name": "race_free_vs_per_call", "limit": round(1 / 3, 3), "value": worst,
-                "status": _verdict(worst, 1 / 3, False, judged),
-                "description": "best race-free design / per_call, host time per call, unchecked (worst case)",
-                "detail": detail})
-
+    out.append(_host_target(result, judged))
     one = next((r for r in result.get("bandwidth", []) if r.get("geometry") == TARGET_CACHE
-                and r.get("blocks") == 1 and r.get("kernel_us")), None)
+                and r.get("order", "random") == "random" and r.get("blocks") == 1 and r.get("kernel_us")), None)
     empty = next((r for r in result.get("launch", []) if r.get("what") == "empty kernel"
                   and r.get("path") == "cached" and r.get("gpu_us")), None)
     value = round(one["kernel_us"] / empty["gpu_us"], 3) if one and empty else None
@@ -119,6 +104,46 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "description": f"GPU time of a one-block zero ({TARGET_CACHE}) / an empty kernel launch",
                 "detail": {"one_block_us": one and one["kernel_us"], "empty_us": empty and empty["gpu_us"]}})
     return out
+
+
+def _host_target(result: dict[str, Any], judged: bool) -> dict[str, Any]:
+    """Best race-free design / per_call, host time per call, each as it would ship.
+
+    The baseline is vLLM's own per_call code (``torch_per_call``, straight through torch); the
+    rivals are every other race-free design, direct or on the unchecked runtime. Files or CPU
+    runs without direct rows fall back to per_call and the designs on the unchecked runtime.
+    The ratio of the designs through our runtime is kept in the detail for comparison.
+    """
+    host = [r for r in result.get("host", []) if r.get("median_us") and r.get("runtime") in ("direct", "unchecked")]
+    baseline = "torch_per_call" if any(r["design"] == "torch_per_call" for r in host) else "per_call"
+    per_call_names = ("per_call", "torch_per_call")
+    detail: dict[str, Any] = {"baseline": baseline}
+    worst = None
+    for r in host:
+        if r["design"] != baseline:
+            continue
+        rivals = [x for x in host if x["verdict"] == "race-free" and x["design"] not in per_call_names
+                  and x["ids"] == r["ids"] and x["gpu"] == r["gpu"]]
+        if not rivals:
+            continue
+        best = min(rivals, key=lambda x: x["median_us"])
+        ratio = round(best["median_us"] / r["median_us"], 3)
+        detail[f"{r['ids']} ids, GPU {r['gpu']}"] = {"best": best["design"], "ratio": ratio,
+                                                    "best_us": best["median_us"], "per_call_us": r["median_us"]}
+        worst = ratio if worst is None else max(worst, ratio)
+    through = {}
+    for r in host:
+        if r["design"] == "per_call" and r["runtime"] == "unchecked":
+            ours = next((x for x in host if x["design"] == "event_ring" and x["runtime"] == "unchecked"
+                         and x["ids"] == r["ids"] and x["gpu"] == r["gpu"]), None)
+            if ours:
+                through[f"{r['ids']} ids, GPU {r['gpu']}"] = round(ours["median_us"] / r["median_us"], 3)
+    if through:
+        detail["through the runtime: event_ring / per_call"] = through
+    return {"name": "race_free_vs_per_call", "limit": round(1 / 3, 3), "value": worst,
+            "status": _verdict(worst, 1 / 3, False, judged),
+            "description": f"best race-free design / {baseline}, host time per call (worst case)",
+            "detail": detail}
 
 
 # -- tables ----------------------------------------------------------------------------------
@@ -152,9 +177,9 @@ def launch_table(rows: list[dict]) -> str:
 
 
 def bandwidth_table(rows: list[dict]) -> str:
-    return table(["geometry", "blocks", "MiB", "kernel us", "GB/s", "zero_ us", "GB/s", "copy us", "GB/s",
+    return table(["geometry", "ids", "blocks", "MiB", "kernel us", "GB/s", "zero_ us", "GB/s", "copy us", "GB/s",
                   "kernel/zero_", "pages ok", "note"],
-                 [[r["geometry"], r["blocks"], round(r["bytes"] / 2**20, 2), r.get("kernel_us"),
+                 [[r["geometry"], r.get("order", "random"), r["blocks"], round(r["bytes"] / 2**20, 2), r.get("kernel_us"),
                    r.get("kernel_gbps"), r.get("zero_us"), r.get("zero_gbps"), r.get("copy_us"),
                    r.get("copy_gbps"), r.get("kernel_vs_zero"), r.get("pages_zeroed"), _problem(r)]
                   for r in rows])
