@@ -8,10 +8,11 @@ another stream overwriting device ids a queued kernel still reads). When every s
 ring grows, up to ``max_slots``, then waits for the oldest.
 
 What makes it cheap is what a call does not do. vLLM #48399's fresh pinned tensor costs an
-allocator round trip, a torch copy and a Triton launch through Python, about 30-55 us of host
-time on an H200 host. Here, per call:
+allocator round trip, a torch copy and a Triton launch through Python, 27 to 62 us of host
+time on an H200 host (docs/performance.md; 8 to 41 us here). Here, per call:
 
-* the ids go into the slot's pinned memory through a NumPy view;
+* a list of plain ints is packed into the slot's pinned memory with one ``struct`` call and
+  range-checked there (other input goes through ``validate_block_ids`` first);
 * one ``cuGraphLaunch`` replays the slot's graph for the smallest power of two >= n ids: the
   host-to-device copy of the slot and the zero kernel, captured once; the ids past n are -1,
   which the kernel's ``skip_negative`` variant skips (a graph's id count is fixed);
@@ -67,7 +68,7 @@ def _packer(n: int) -> struct.Struct:
 @dataclass
 class _Slot:
     host: torch.Tensor  # pinned int64[max_graph_ids]
-    host_np: Any  # a NumPy view of it: the cheapest way to write Python ints into it
+    host_np: Any  # a NumPy view of it: what struct packs into and NumPy range-checks
     dev: torch.Tensor  # int64[max_graph_ids] on the GPU, read by the zero kernel
     event: torch.cuda.Event  # recorded behind the last graph that read this slot
     event_handle: int
