@@ -200,3 +200,32 @@ def test_bad_runtime_arguments_name_the_value():
     other = SimRuntime()
     with pytest.raises(RuntimeUsageError, match=r"^Stream\('x'\) is not a stream of this sim runtime"):
         rt.launch(lambda: None, stream=other.new_stream("x"))
+
+
+def test_annotations_nest_and_name_the_origin_of_every_op_enqueued_inside():
+    rt = SimRuntime()
+    with rt.annotate("zero_block_ids#1"):
+        first = rt.launch(lambda: None, name="copy")
+        with rt.annotate("inner"):
+            second = rt.launch(lambda: None, name="kernel")
+        third = rt.launch(lambda: None, name="kernel")
+    fourth = rt.launch(lambda: None, name="kernel")
+    assert first.label == "copy#1 on stream 'main' (zero_block_ids#1)"
+    assert second.label == "kernel#2 on stream 'main' (inner)"
+    assert third.label == "kernel#3 on stream 'main' (zero_block_ids#1)"
+    assert fourth.label == "kernel#4 on stream 'main'"
+
+
+def test_use_stream_makes_a_stream_current_and_restores_the_previous_one_even_on_error():
+    rt = SimRuntime()
+    side = rt.new_stream("side")
+    with rt.use_stream(side) as current:
+        assert current is side and rt.current_stream() is side
+        with rt.use_stream(rt.default_stream):
+            assert rt.current_stream() is rt.default_stream
+        assert rt.launch(lambda: None).thread == side.thread
+    with pytest.raises(ZeroDivisionError), rt.use_stream(side):
+        1 / 0
+    assert rt.current_stream() is rt.default_stream
+    with pytest.raises(RuntimeUsageError, match=r"^Stream\('x'\) is not a stream of this sim runtime"):
+        rt.use_stream(SimRuntime().new_stream("x"))

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,7 +45,7 @@ from .hb import HappensBefore, Hazard, OpStamp
 
 # What an unchecked runtime hands its backend instead of a real stamp: no clock, a fixed label.
 UNCHECKED_STAMP = OpStamp(0, 0, (), "an op of an unchecked runtime (no labels)")
-_NO_ANNOTATION = contextlib.nullcontext()  # stateless, so one serves every call
+_NO_CONTEXT = contextlib.nullcontext()  # stateless, so one serves every call (annotations, stream scopes)
 
 
 def _nothing(*args: object, **kwargs: object) -> None:
@@ -149,6 +149,48 @@ class Hold:
     payload: dict = field(default_factory=dict)
 
 
+class _Annotation:
+    """``Runtime.annotate``'s context: a plain class, as it wraps every zero call and fuzzer op
+    (a ``contextlib.contextmanager`` generator costs several times more to enter and leave)."""
+
+    __slots__ = ("_stack", "_origin")
+
+    def __init__(self, stack: list[str], origin: str) -> None:
+        self._stack, self._origin = stack, origin
+
+    def __enter__(self) -> None:
+        self._stack.append(self._origin)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.pop()
+
+
+class _StreamScope:
+    """``Runtime.use_stream``'s context (a plain class for the same reason as :class:`_Annotation`)."""
+
+    __slots__ = ("_rt", "_stream", "_previous", "_handle")
+
+    def __init__(self, rt: "Runtime", stream: Stream) -> None:
+        self._rt, self._stream = rt, stream
+
+    def __enter__(self) -> Stream:
+        rt = self._rt
+        self._previous, rt._current = rt._current, self._stream
+        try:
+            self._handle = rt._use_stream_handle(self._stream)
+            self._handle.__enter__()
+        except BaseException:
+            rt._current = self._previous
+            raise
+        return self._stream
+
+    def __exit__(self, *exc: object) -> bool | None:
+        try:
+            return self._handle.__exit__(*exc)
+        finally:
+            self._rt._current = self._previous
+
+
 class Runtime(ABC):
     """Streams, events, host buffers, copies, launches and synchronisation on one device."""
 
@@ -172,15 +214,7 @@ class Runtime(ABC):
     # -- labels ------------------------------------------------------------------------------
     def annotate(self, origin: str) -> contextlib.AbstractContextManager[None]:
         """Tag every op enqueued inside with ``origin`` (e.g. ``"zero_block_ids#3"``)."""
-        return self._annotated(origin) if self.checked else _NO_ANNOTATION
-
-    @contextlib.contextmanager
-    def _annotated(self, origin: str) -> Iterator[None]:
-        self._origin.append(origin)
-        try:
-            yield
-        finally:
-            self._origin.pop()
+        return _Annotation(self._origin, origin) if self.checked else _NO_CONTEXT
 
     def _label(self, what: str, stream: Stream | None = None) -> str:
         if not self.checked:
@@ -230,16 +264,10 @@ class Runtime(ABC):
     def current_stream(self) -> Stream:
         return self._current
 
-    @contextlib.contextmanager
-    def use_stream(self, stream: Stream) -> Iterator[Stream]:
+    def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager[Stream]:
         """Make ``stream`` current inside the block, like ``torch.cuda.stream``."""
         self._check_stream(stream)
-        previous, self._current = self._current, stream
-        try:
-            with self._use_stream_handle(stream):
-                yield stream
-        finally:
-            self._current = previous
+        return _StreamScope(self, stream)
 
     def _resolve(self, stream: Stream | None) -> Stream:
         if stream is None:
@@ -450,7 +478,7 @@ class Runtime(ABC):
         return None
 
     def _use_stream_handle(self, stream: Stream) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        return _NO_CONTEXT  # nothing to switch
 
     def _new_event_handle(self, event: Event) -> object:
         return None
