@@ -168,7 +168,7 @@ def stress_loop(
                     live.extend(outcome)
                 elif op["op"] == "free":
                     live.remove(op["block"])
-                episode.new_hazard_findings()  # as the fuzzer's invariant does; counted, not reported
+                episode.new_hazard_findings()  # as the fuzzer does after every op; counted, not reported
             hooks.finishing(episode)
             findings = value_findings(episode.finish())
             result.hazards += sum(f.kind == "hazard" for f in episode.findings)

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import time
@@ -182,6 +183,30 @@ def run_campaign(
     result = CampaignResult(campaign)
     start = time.perf_counter()
     budget = budget_s if budget_s is not None else profile.budget_s
+    # Every full garbage collection re-scans the ~300k objects torch and the imports left
+    # behind, which cost 13-20% of a simulator campaign (cProfile). Frozen, they are skipped;
+    # what the campaign itself allocates is collected as usual, and unfreeze() hands the rest
+    # back afterwards.
+    gc.freeze()
+    try:
+        _run_until_done(campaign, profile, result, start, budget, database_dir, seed_override, journal)
+    finally:
+        gc.unfreeze()
+    result.seconds = time.perf_counter() - start
+    if journal is not None:
+        journal.discard()  # the run ended without a crash
+    if result.violation is not None:
+        result.trace_path = write_trace(
+            repro_dir, result.violation.config, result.violation.trace, result.violation.findings,
+            seed=result.seeds[-1], campaign=campaign.id,
+        )
+    return result
+
+
+def _run_until_done(campaign: Campaign, profile: Profile, result: CampaignResult, start: float,
+                    budget: float | None, database_dir: Path | None, seed_override: int | None,
+                    journal: Journal | None) -> None:
+    """Run Hypothesis until a finding, the budget, or (without a budget) one run."""
     run_index = 0
     while True:
         machine = machine_for(campaign.config, journal=journal)
@@ -207,15 +232,6 @@ def run_campaign(
         run_index += 1
         if result.found or budget is None or time.perf_counter() - start >= budget or seed_override is not None:
             break
-    result.seconds = time.perf_counter() - start
-    if journal is not None:
-        journal.discard()  # the run ended without a crash
-    if result.violation is not None:
-        result.trace_path = write_trace(
-            repro_dir, result.violation.config, result.violation.trace, result.violation.findings,
-            seed=result.seeds[-1], campaign=campaign.id,
-        )
-    return result
 
 
 def _count_into(machine: type[ZeroerMachine], result: CampaignResult, start: float) -> None:

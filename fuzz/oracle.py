@@ -76,6 +76,21 @@ class Finding:
         return prefix + self.message
 
 
+def all_rows_match(segments: list[torch.Tensor], expect: list[int]) -> bool:
+    """Whether row ``i`` of every segment tensor holds only the word ``expect[i]``.
+
+    Each tensor is ``(len(expect), words)``, e.g. ``KVCache.pages(seg)``. A cheap yes-or-no on
+    every block or read at once; :meth:`Shadow.verify` then finds and phrases what differs.
+    """
+    column = None
+    for words in segments:
+        if column is None or column.device != words.device:
+            column = torch.tensor(expect, dtype=torch.int32, device=words.device).unsqueeze(1)
+        if words.dtype != torch.int32 or not torch.equal(words, column.expand_as(words)):
+            return False
+    return True
+
+
 class Shadow:
     """The expected contents of every block, and the verdict on what was observed."""
 

@@ -1,7 +1,7 @@
 """Replaying ops through the fuzzer's executor, once or N times.
 
 The replayer is :class:`fuzz.episode.Episode` itself, so an op means here exactly what it meant
-when the fuzzer ran it. Like the fuzzer's invariant, a replay stops at the first happens-before
+when the fuzzer ran it. Like the fuzzer, a replay stops at the first happens-before
 hazard, then synchronises once and lets the oracle check every read and every block.
 
 Example::

@@ -12,10 +12,11 @@ import re
 import pytest
 import torch
 
-from fuzz.episode import CALLER_FAULTS, OPS, Episode, EpisodeConfig
-from fuzz.oracle import STAMP_BASE, Shadow, describe_word, stamp
+from fuzz.episode import CALLER_FAULTS, OPS, CachePool, Episode, EpisodeConfig
+from fuzz.oracle import STAMP_BASE, Shadow, all_rows_match, describe_word, stamp
+from zeroer.geometries import geometry
 from zeroer.kernel import zero_blocks_reference
-from zeroer.layout import GUARD_WORD, POISON_WORD, KVCache
+from zeroer.layout import GUARD_WORD, POISON_WORD, KVCache, build_cache
 from zeroer.runtime import Runtime
 
 
@@ -361,3 +362,79 @@ def test_the_shadow_keeps_only_the_last_four_history_notes_in_a_message():
     words = torch.full((4,), 9, dtype=torch.int32)
     finding = shadow.verify(1, 0, [words], "here", [f"n{i}" for i in range(6)])
     assert finding.message.endswith("History: n2; n3; n4; n5")
+
+
+def test_all_rows_match_says_whether_every_row_holds_its_expected_word():
+    pages = torch.tensor([[0, 0], [-1, -1], [7, 7]], dtype=torch.int32)
+    assert all_rows_match([pages, pages[:, :1]], [0, -1, 7])
+    assert not all_rows_match([pages], [0, -1, 8])
+    pages[1, 1] = 0
+    assert not all_rows_match([pages], [0, -1, 7])
+
+
+def test_the_end_check_names_only_the_block_that_differs_among_clean_ones():
+    # The compare of every block at once fails; the block-by-block pass then names just that one.
+    config = EpisodeConfig(zeroer=local("make_zeroer_that_also_zeroes_the_block_after"))
+    findings = run(config, [{"op": "start"}, {"op": "allocate", "n": 2, "stream": 0}])
+    assert [(f.kind, f.block) for f in findings] == [("stray write", 3)]
+
+
+# -- the fuzzer's cache pool ----------------------------------------------------------------------
+
+
+def pristine_words(config: EpisodeConfig) -> list[torch.Tensor]:
+    return [raw.clone() for raw in build_cache(geometry(config.geometry)).raws]
+
+
+def test_a_recycled_cache_comes_back_with_the_words_of_a_freshly_built_one():
+    config, pool = EpisodeConfig(zeroer="reference"), CachePool()
+    episode = Episode(config, caches=pool)
+    cache = episode.cache
+    ops = [
+        {"op": "start"},
+        {"op": "allocate", "n": 2, "stream": 0},
+        {"op": "write", "block": 1, "stream": 1},
+        {"op": "free", "block": 2},
+    ]
+    for op in ops:
+        episode.apply(op)
+    cache.raws[0][0] = 0  # even a smashed guard word is restored
+    episode.finish()
+    again = Episode(config, caches=pool)
+    assert again.cache is cache
+    assert all(torch.equal(a, b) for a, b in zip(cache.raws, pristine_words(config)))
+    for op in ops:
+        again.apply(op)
+    assert again.finish() == []
+
+
+def test_the_pool_hands_a_cache_out_again_only_after_its_episode_closed():
+    config, pool = EpisodeConfig(zeroer="reference"), CachePool()
+    first, second = Episode(config, caches=pool), Episode(config, caches=pool)
+    assert first.cache is not second.cache
+    first.close()
+    assert Episode(config, caches=pool).cache is first.cache
+
+
+def test_a_reallocated_episode_keeps_its_old_buffers_until_it_closes_then_recycles_both():
+    config, pool = EpisodeConfig(zeroer="reference"), CachePool()
+    episode = Episode(config, caches=pool)
+    episode.apply({"op": "start"})
+    old_raws = list(episode.cache.raws)
+    episode.apply({"op": "reallocate"})
+    other = Episode(config, caches=pool)  # must not get the old buffers: a stale zeroer may write there
+    assert all(raw is not old for raw in other.cache.raws for old in old_raws)
+    other.close()
+    assert episode.finish() == []
+    recycled = [Episode(config, caches=pool).cache for _ in range(3)]
+    assert {id(raw) for c in recycled for raw in c.raws} >= {id(raw) for raw in old_raws}
+
+
+def test_a_pooled_episode_reports_exactly_what_a_fresh_one_does():
+    config = EpisodeConfig(zeroer="single_buffer", kernel="torch")
+    pool = CachePool()
+    for _ in range(2):  # the second run gets the first one's cache back
+        episode = Episode(config, caches=pool)
+        for op in TWO_ZEROS_THEN_A_READ:
+            episode.apply(op)
+        assert [f.message for f in episode.finish()] == [f.message for f in run(config, TWO_ZEROS_THEN_A_READ)]

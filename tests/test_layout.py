@@ -238,3 +238,21 @@ def test_geometry_names_are_sorted_and_tiny_is_the_smallest_preset():
     sizes = {n: sum(r.numel() for r in build_cache(geometry(n)).raws) for n in names}
     assert min(sizes, key=sizes.get) == "tiny"
     assert all(geometry(n).name == n for n in names)
+
+
+def test_fill_pages_takes_lists_tuples_and_tensors_alike_and_names_a_bad_id():
+    by_list, by_tensor = build_cache(geometry("tiny")), build_cache(geometry("tiny"))
+    by_list.fill_pages([1, 3], 7)
+    by_list.fill_pages((5,), 7)
+    by_tensor.fill_pages(torch.tensor([1, 3, 5]), 7)
+    assert all(torch.equal(a, b) for a, b in zip(by_list.raws, by_tensor.raws))
+    with pytest.raises(RuntimeUsageError, match=r"^block id 8 is out of range for a cache of 8 blocks \(valid: 0..7\)$"):
+        by_list.fill_pages([1, 8], 7)
+    with pytest.raises(RuntimeUsageError, match=r"^block id -1 is out of range"):
+        by_list.fill_pages((-1,), 7)
+
+
+def test_element_size_matches_torch_for_every_dtype():
+    for name in DTYPES:
+        spec = TensorSpec(("layer",), name, (16, 1, 8))
+        assert spec.element_size == torch.empty((), dtype=spec.torch_dtype).element_size()

@@ -128,7 +128,7 @@ class TensorSpec:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def parts(self) -> int:
@@ -385,6 +385,10 @@ class KVCache:
         return [self.pages(s)[block] for s in range(len(self.segments))]
 
     def _check_blocks(self, blocks: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        if type(blocks) in (list, tuple) and all(_is_int(b) and 0 <= b < self.spec.num_blocks for b in blocks):
+            # What the fuzzer passes on every write, free and poison: checked in Python, one
+            # tensor made (five tensor ops and a mask index otherwise, per call).
+            return torch.tensor(blocks, dtype=torch.int64)
         ids = torch.as_tensor(blocks, dtype=torch.int64).reshape(-1).cpu()
         bad = ids[(ids < 0) | (ids >= self.spec.num_blocks)]
         if bad.numel():
