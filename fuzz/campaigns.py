@@ -120,7 +120,7 @@ def default_campaigns(backends: list[str], zeroer: str | None = None) -> list[Ca
         for mode in modes:
             for name in names:
                 # The direct designs (zeroer/direct) run on cuda in the free-running mode only.
-                factory = REGISTRY[name] if name in REGISTRY else resolve_factory(name)
+                factory = resolve_factory(name)
                 if backend not in backends_of(factory) or (backend == "cuda" and mode not in cuda_modes_of(factory)):
                     continue
                 expect = "finds" if (zeroer is None and name in RACY) else "clean"
@@ -142,7 +142,7 @@ def default_campaigns(backends: list[str], zeroer: str | None = None) -> list[Ca
             # One self-check per zoo entry on the simulator: the fuzzer must still find each bug
             # class; `python -m fuzz.detect` measures how fast (docs/detection.md).
             for name in ZOO if backend == "sim" else ():
-                if backend in REGISTRY[name].backends:
+                if backend in backends_of(REGISTRY[name]):
                     config = EpisodeConfig(zeroer=name, geometry=default_geometry(name), backend=backend)
                     campaigns.append(Campaign(config, 0, "finds"))
     return sorted(campaigns, key=lambda c: c.id)

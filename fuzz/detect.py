@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from zeroer.geometries import GEOMETRIES
-from zeroer.registry import RACE_FREE, REGISTRY, ZOO, default_geometry
+from zeroer.registry import RACE_FREE, REGISTRY, ZOO, backends_of, default_geometry
 
 from .campaigns import SIM_GEOMETRIES
 from .detect_report import TARGET_CLEAN_STEPS, judge, plot, render_soak, render_summary, render_table, summarize
@@ -143,8 +143,8 @@ def parse_args(argv: list[str], cuda_available: bool) -> DetectArgs:
             raise DetectUsageError(f"--entries: unknown entry {name!r}; choose from: {', '.join(known)}")
         if steps_clean and name in ZOO:
             raise DetectUsageError(f"--entries: {name!r} is a zoo entry; --steps-clean soaks race-free implementations only ({', '.join(RACE_FREE)})")
-        if name in ZOO and backend not in REGISTRY[name].backends:
-            reason = f"runs on {', '.join(REGISTRY[name].backends)} only (geometry {default_geometry(name)!r})"
+        if name in ZOO and backend not in backends_of(REGISTRY[name]):
+            reason = f"runs on {', '.join(backends_of(REGISTRY[name]))} only (geometry {default_geometry(name)!r})"
             if options["entries"] is not None:
                 raise DetectUsageError(f"--entries: {name!r} {reason}; use --backend cuda")
             skipped.append({"entry": name, "reason": reason})

@@ -28,6 +28,7 @@ from .impls import EventRingZeroer, PerCallZeroer, ReferenceZeroer, RingZeroer, 
 from .layout import KVCache
 from .runtime import Runtime
 from .zoo import ENTRIES as ZOO_ENTRIES
+from .zoo.entry import BOTH
 
 ZeroerFactory = Callable[[KVCache, Runtime], Zeroer]
 
@@ -59,7 +60,7 @@ def zeroer_names() -> list[str]:
 
 def backends_of(factory: object) -> tuple[str, ...]:
     """Where a zeroer runs: its factory's ``backends`` (zoo entries, the direct designs), else both."""
-    return tuple(getattr(factory, "backends", ("sim", "cuda")))
+    return tuple(getattr(factory, "backends", BOTH))
 
 
 def cuda_modes_of(factory: object) -> tuple[str, ...]:

@@ -73,12 +73,7 @@ def make_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.set_ylabel("GB/s written")
             ax.set_title(name)
             ax.grid(True, alpha=0.3)
-        axes[0][0].legend(fontsize=8)
-        fig.suptitle(_title(result, "Zero kernel bandwidth"), fontsize=10)
-        fig.tight_layout()
-        paths.append(out_dir / BANDWIDTH_PNG)
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(plt, fig, axes, _title(result, "Zero kernel bandwidth"), out_dir / BANDWIDTH_PNG))
 
     host = [r for r in result.get("host", []) if r.get("median_us") and r.get("ids")]
     if host:
@@ -107,10 +102,15 @@ def make_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.set_ylabel("host us per call (median)")
             ax.set_title(f"GPU {gpu} (solid: design, dashed: checked runtime)", fontsize=9)
             ax.grid(True, alpha=0.3)
-        axes[0][0].legend(fontsize=8)
-        fig.suptitle(_title(result, "zero_block_ids host cost"), fontsize=10)
-        fig.tight_layout()
-        paths.append(out_dir / HOST_PNG)
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(plt, fig, axes, _title(result, "zero_block_ids host cost"), out_dir / HOST_PNG))
     return paths
+
+
+def _save(plt: Any, fig: Any, axes: Any, title: str, path: Path) -> Path:
+    """Legend on the first panel, the title, and the PNG written; returns its path."""
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

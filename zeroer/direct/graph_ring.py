@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
-from ..impls.common import validate_block_ids
+from ..impls.common import is_plain_int_list, validate_block_ids
 from ..kernel import zero_blocks
 from ..layout import KVCache, SegmentTable
-from .driver import CUDA_ERROR_NOT_READY, CUDA_SUCCESS, Driver, load_driver
+from .driver import CUDA_SUCCESS, Driver, load_driver
 
 DEFAULT_SLOTS = 2
 DEFAULT_MAX_SLOTS = 64
@@ -56,7 +56,6 @@ DEFAULT_MAX_GRAPH_IDS = 1024
 PAD = -1  # an id the skip_negative kernel zeroes nothing for
 ID_BYTES = 8  # int64
 SMALL = 64  # up to this many ids, Python's min/max beat NumPy's on the staged copy
-_PLAIN_INTS = {int}  # type(True) is bool: a list holding a bool takes validate_block_ids's path
 
 
 @functools.cache
@@ -134,8 +133,7 @@ class GraphRingZeroer:
 
     # -- the call ------------------------------------------------------------------------------
     def zero_block_ids(self, block_ids: Iterable[int] | None) -> None:
-        if (type(block_ids) is list and 0 < len(block_ids) <= self.max_graph_ids
-                and set(map(type, block_ids)) == _PLAIN_INTS):
+        if is_plain_int_list(block_ids) and len(block_ids) <= self.max_graph_ids:
             # vLLM's call, a list of plain ints: packed straight into an idle slot and
             # range-checked there, which is cheaper than checking the list and then converting it.
             # A bad id raises before anything is queued; the slot is left idle.
@@ -226,11 +224,8 @@ class GraphRingZeroer:
                      event, int(event.cuda_event))
 
     def _idle(self, slot: _Slot) -> bool:
-        if slot.busy:
-            status = self._event_query(slot.event_handle)
-            if status and status != CUDA_ERROR_NOT_READY:
-                status = self._driver.recover("cuEventQuery", status, self.index, slot.event_handle)
-            slot.busy = status != CUDA_SUCCESS
+        if slot.busy and self._driver.event_done(slot.event_handle, self.index):
+            slot.busy = False
         return not slot.busy
 
     def _acquire(self) -> _Slot:

@@ -28,6 +28,14 @@ KERNELS = ("torch", "triton")
 _PLAIN_INTS = {int}  # bool is a subclass of int, but type(True) is bool: bools take the slow path
 
 
+def is_plain_int_list(block_ids: object) -> bool:
+    """Whether ``block_ids`` is what vLLM passes: a non-empty list of plain ints (no bools).
+
+    Checked at C speed (``set(map(type, ...))``), for the fast paths of the id check.
+    """
+    return type(block_ids) is list and set(map(type, block_ids)) == _PLAIN_INTS
+
+
 @runtime_checkable
 class Zeroer(Protocol):
     """vLLM's KVBlockZeroer call."""
@@ -43,7 +51,7 @@ def validate_block_ids(block_ids: Iterable[int] | None, num_blocks: int) -> list
     """
     if block_ids is None:
         return []
-    if type(block_ids) is list and block_ids and set(map(type, block_ids)) == _PLAIN_INTS:
+    if is_plain_int_list(block_ids):
         # What vLLM passes: a list of plain ints. Checked with C-speed builtins, since this runs
         # on every scheduling step (256 ids: a few microseconds, not a Python loop's tens); any
         # other input, or an id out of range, takes the loop below for its exact message.
@@ -148,6 +156,7 @@ __all__ = [
     "KERNELS",
     "StagedZeroer",
     "Zeroer",
+    "is_plain_int_list",
     "validate_block_ids",
     "zero_blocks_torch",
 ]
