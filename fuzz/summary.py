@@ -23,6 +23,7 @@ def result_record(result: CampaignResult) -> dict:
         "first_finding_s": None if result.first_finding_s is None else round(result.first_finding_s, 3),
         "first_finding_examples": result.first_finding_examples,
         "found": result.found,
+        "reproduced": result.reproduced,
         "trace": None if result.trace_path is None else str(result.trace_path),
         "trace_ops": None if violation is None else len(violation.trace),
         "findings": [] if violation is None else [str(f) for f in violation.findings[:5]],
@@ -48,7 +49,8 @@ def render_summary(records: list[dict], profile: str) -> tuple[str, dict]:
     for r in records:
         if r["found"]:
             verdict = "found (expected)" if r["expect"] == "finds" else "VIOLATION"
-            lines.append(f"  {r['campaign']}: {verdict} after {r['first_finding_s']} s, {r['trace_ops']} ops -> {r['trace']}")
+            flaky = "" if r.get("reproduced", True) else " (did not show again on replay: timing-dependent)"
+            lines.append(f"  {r['campaign']}: {verdict}{flaky} after {r['first_finding_s']} s, {r['trace_ops']} ops -> {r['trace']}")
         elif r["expect"] == "finds":
             lines.append(f"  {r['campaign']}: MISSED a known race in {r['examples']} examples")
     return "\n".join(lines), {"totals": totals, "campaigns": records}

@@ -28,7 +28,10 @@ def test_campaign(campaign: Campaign, fuzz, cuda_device, campaign_budget, journa
     replay = f"python -m repro replay {result.trace_path}" if result.trace_path else ""
     if campaign.expect == "clean":
         if result.found:
-            pytest.fail(f"{result.violation}\ntrace: {result.trace_path}\n{replay}", pytrace=False)
+            flaky = "" if result.reproduced else (
+                "\n(it did not show again when Hypothesis replayed the program: timing-dependent; the trace "
+                "is the program that showed it)")
+            pytest.fail(f"{result.violation}{flaky}\ntrace: {result.trace_path}\n{replay}", pytrace=False)
         return
     if not result.found:
         pytest.fail(

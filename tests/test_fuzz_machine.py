@@ -50,3 +50,36 @@ def test_a_campaign_hands_the_objects_it_froze_back_to_the_garbage_collector(tmp
     result = run_campaign(Campaign(EpisodeConfig(zeroer="single_buffer", kernel="torch"), expect="finds"),
                           PROFILES["quick"], tmp_path)
     assert result.found and gc.get_freeze_count() == 0
+
+
+
+def test_a_finding_hypothesis_calls_flaky_is_kept_with_its_program(tmp_path, monkeypatch):
+    # A timing-dependent race on the free-running GPU may show once and not when Hypothesis
+    # replays it; Hypothesis then raises FlakyFailure around the original error. That is still a
+    # finding, kept with the program that showed it, not an error that loses the trace.
+    import fuzz.campaigns as campaigns
+    from fuzz.summary import render_summary, result_record
+    from hypothesis.errors import FlakyFailure
+
+    config = EpisodeConfig(zeroer="reference")
+    original = ZeroerViolation([], [{"op": "start", "in_flight": 1}], config)
+
+    def flaky_run(machine, settings):
+        raise FlakyFailure("did not fail on replay", [original])
+
+    monkeypatch.setattr(campaigns, "run_state_machine_as_test", flaky_run)
+    result = campaigns.run_campaign(campaigns.Campaign(config, expect="clean"), campaigns.PROFILES["quick"],
+                                    tmp_path)
+    assert result.found and not result.reproduced and result.violation is original
+    assert result.trace_path is not None and result.trace_path.exists()
+    text, data = render_summary([result_record(result)], "quick")
+    assert "VIOLATION (did not show again on replay: timing-dependent)" in text
+    assert data["campaigns"][0]["reproduced"] is False
+
+    # A Flaky error with no finding inside is Hypothesis's own problem: it is not swallowed.
+    def other_flaky(machine, settings):
+        raise FlakyFailure("something else", [ValueError("not ours")])
+
+    monkeypatch.setattr(campaigns, "run_state_machine_as_test", other_flaky)
+    with pytest.raises(FlakyFailure):
+        campaigns.run_campaign(campaigns.Campaign(config, expect="clean"), campaigns.PROFILES["quick"], tmp_path)
