@@ -118,10 +118,11 @@ def default_campaigns(backends: list[str], zeroer: str | None = None) -> list[Ca
     for backend in sorted(backends):
         modes = ("controlled", "free") if backend == "cuda" else ("controlled",)
         geometries = CUDA_GEOMETRIES if backend == "cuda" else SIM_GEOMETRIES
-        names = [zeroer] if zeroer else sorted(RACE_FREE + RACY + (DIRECT if backend == "cuda" else ()))
+        names = [zeroer] if zeroer else sorted(RACE_FREE + RACY + DIRECT)
         for mode in modes:
             for name in names:
-                # The direct designs (zeroer/direct) run on cuda in the free-running mode only.
+                # Each where it runs: torch_per_call on cuda in the free-running mode only;
+                # graph_ring everywhere, in its CUDA form only in the free-running mode.
                 factory = resolve_factory(name)
                 if backend not in backends_of(factory) or (backend == "cuda" and mode not in cuda_modes_of(factory)):
                     continue

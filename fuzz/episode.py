@@ -89,7 +89,8 @@ class _Capture:
 def build_zeroer(config: EpisodeConfig, cache: Any, rt: Runtime) -> Any:
     if config.zeroer in REGISTRY:
         options = {}
-        if config.kernel is not None and issubclass(REGISTRY[config.zeroer], StagedZeroer):
+        factory = REGISTRY[config.zeroer]  # a class, or a factory function (graph_ring)
+        if config.kernel is not None and isinstance(factory, type) and issubclass(factory, StagedZeroer):
             options["kernel"] = config.kernel
         return make_zeroer(config.zeroer, cache, rt, **options)
     return resolve_factory(config.zeroer)(cache, rt)
@@ -372,6 +373,11 @@ class Episode:
 
     def close(self) -> None:
         """Let every queued op run, release the runtime and give the caches back to the pool."""
+        close = getattr(self.zeroer, "close", None)
+        if callable(close):
+            # Now, not when the garbage collector gets to it: graph_ring's graphs destroyed in
+            # the middle of a later example's graph capture would break that capture.
+            close()
         self.rt.close()
         self.finished = True
         if self._caches is not None:  # only now can nothing write to them any more

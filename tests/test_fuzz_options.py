@@ -96,8 +96,8 @@ def test_parse_zeroer_accepts_a_file_spec_to_a_factory(tmp_path):
 
 
 @pytest.mark.parametrize(("value", "backend", "modes", "message"), [
-    ("graph_ring", "sim", ("controlled",),
-     "--zeroer 'graph_ring' runs on the cuda backend only, not 'sim'; pass --backend cuda on a machine with a GPU"),
+    ("torch_per_call", "sim", ("controlled",),
+     "--zeroer 'torch_per_call' runs on the cuda backend only, not 'sim'; pass --backend cuda on a machine with a GPU"),
     ("zoo.int32_offset_4gib", "sim", ("controlled",),
      "--zeroer 'zoo.int32_offset_4gib' runs on the cuda backend only, not 'sim'; pass --backend cuda on a "
      "machine with a GPU"),
@@ -111,6 +111,7 @@ def test_a_zeroer_that_cannot_run_on_the_chosen_backend_or_mode_is_a_usage_error
 
 @pytest.mark.parametrize(("value", "backend", "modes"), [
     (None, "sim", ("controlled",)), ("event_ring", "sim", ("controlled",)), ("graph_ring", "cuda", ("controlled", "free")),
+    ("graph_ring", "sim", ("controlled",)),
     ("zoo.int32_offset_4gib", "cuda", ("controlled",)), ("zeroer.impls.reference:ReferenceZeroer", "sim", ("controlled",)),
 ])
 def test_a_zeroer_that_runs_on_the_chosen_backend_passes_the_check(value, backend, modes):
