@@ -37,7 +37,9 @@ from .oracle import Finding
 from .trace import write_trace
 
 STEPS_PER_EPISODE = 25  # the fuzzer's step count per example (quick and ci profiles)
-MAX_ALLOCATE = 3  # blocks per allocate, as the fuzzer's allocate_blocks rule draws them
+# Blocks per allocate, as the fuzzer's allocate_blocks rule draws them: 1..3 or 4..8, each half
+# the time, capped at the free count.
+SMALL_ALLOCATE, MAX_ALLOCATE = 3, 8
 MAX_IN_FLIGHT = 3  # as the fuzzer's start rule draws it
 DEFAULT_REPRO_DIR = Path("repro/failures/baselines")
 NO_FINDING = "no finding"
@@ -108,7 +110,8 @@ def draw_op(rng: random.Random, episode: Episode, live: list[int]) -> dict:
     name = rng.choice(sorted(enabled))
     streams = len(episode.streams)
     if name == "allocate":
-        return {"op": name, "n": rng.randint(1, min(MAX_ALLOCATE, len(episode.free))), "stream": rng.randrange(streams)}
+        n = rng.randint(1, SMALL_ALLOCATE) if rng.random() < 0.5 else rng.randint(SMALL_ALLOCATE + 1, MAX_ALLOCATE)
+        return {"op": name, "n": min(n, len(episode.free)), "stream": rng.randrange(streams)}
     if name in ("read", "write"):
         return {"op": name, "block": rng.choice(live), "stream": rng.randrange(streams)}
     if name == "free":
