@@ -5,7 +5,8 @@
 #              (tools/h200_scatter_ceiling.py);
 #   verify     after the fix: the CUDA tests, the guard's counter-check
 #              (tools/h200_gc_capture_check.py), the benchmark, graph_ring's campaigns again;
-#   campaigns  every cuda campaign on the default (quick) profile.
+#   campaigns  every cuda campaign on the default (quick) profile;
+#   all        verify and campaigns in one call (HUNT_MINUTES sets the hunt's length).
 # Traces of findings come back as one archive.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -36,6 +37,17 @@ elif [ "$part" = verify ]; then
   timeout 60 python3 tools/h200_gc_capture_check.py 2>&1 | grep -v "^\[W" | tail -5
   step "zeroer benchmark"
   timeout 150 python3 -m zeroer.bench --json "$OUT/zeroer-bench.json" --max-seconds 120 2>&1 | tail -75
+  hunt
+elif [ "$part" = all ]; then
+  step "the whole test suite"
+  timeout 200 python3 -m pytest tests -q -p no:cacheprovider -n 8 -W ignore -rfE --tb=short 2>&1 | tail -30
+  step "the garbage-collector guard, switched off"
+  timeout 60 python3 tools/h200_gc_capture_check.py 2>&1 | grep -v "^\[W" | tail -5
+  step "zeroer benchmark"
+  timeout 150 python3 -m zeroer.bench --json "$OUT/zeroer-bench.json" --max-seconds 120 2>&1 | tail -75
+  step "every cuda campaign, quick profile"
+  timeout 240 python3 -m pytest fuzz -q -p no:cacheprovider -n 4 -W ignore --backend cuda --tb=short -rfE \
+    --repro-dir /tmp/hunt --fuzz-summary "$OUT/fuzz-cuda-summary.json" 2>&1 | tail -40
   hunt
 else
   step "every cuda campaign, quick profile"
