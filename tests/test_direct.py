@@ -112,6 +112,17 @@ def _assert_same_on(rt, by_design, by_reference) -> None:
     assert rt.hazards == []
 
 
+def _move(cache):
+    """What the fuzzer's reallocate op does: fresh buffers, swapped into the same KVCache object.
+    Returns the old buffers and copies of them, to check that nothing wrote there afterwards."""
+    fresh = build_cache(cache.spec, device=cache.device)
+    for new, old in zip(fresh.raws, cache.raws):
+        new.copy_(old)
+    stale = cache.raws
+    vars(cache).update(vars(fresh))
+    return stale, [t.clone() for t in stale]
+
+
 def test_the_modelled_graph_ring_zeroes_exactly_the_requested_blocks():
     rt, by_design, by_reference = _sim_pair()
     z = ModelledGraphRing(by_design, rt)
@@ -153,12 +164,7 @@ def test_the_modelled_graph_ring_recaptures_when_the_cache_moves():
     z.zero_block_ids([1])
     zero_blocks_reference(by_reference, [1])
     rt.synchronize()
-    fresh = build_cache(by_design.spec)
-    for new, old in zip(fresh.raws, by_design.raws):
-        new.copy_(old)
-    stale = by_design.raws
-    vars(by_design).update(vars(fresh))
-    before = [t.clone() for t in stale]
+    stale, before = _move(by_design)
     z.zero_block_ids([2])
     zero_blocks_reference(by_reference, [2])
     _assert_same_on(rt, by_design, by_reference)
@@ -213,6 +219,23 @@ def test_the_fuzzer_finds_a_graph_ring_that_breaks_a_rule(mutant):
                     phases=(Phase.generate,), suppress_health_check=list(HealthCheck))
     with pytest.raises(ZeroerViolation):
         run_state_machine_as_test(machine, settings=fast)
+
+
+def test_the_fast_id_check_returns_what_the_full_one_returns():
+    rng = random.Random(7)
+    for n in (1, 2, 16, 256):
+        ids = [rng.randrange(64) for _ in range(n)]
+        got = validate_block_ids(ids, 64)
+        assert got == ids and got is not ids  # a copy: the caller may reuse its list
+    # Inputs the fast path hands to the full check, which converts or names them.
+    assert validate_block_ids([np.int64(3), 4], 64) == [3, 4]
+    assert validate_block_ids((1, 2), 64) == [1, 2]
+    with pytest.raises(TypeError, match=r"^block id at position 1 is True \(bool\); block ids must be ints$"):
+        validate_block_ids([1, True], 64)
+    with pytest.raises(ValueError, match=r"^block id 64 is out of range for a cache of 64 blocks \(valid: 0..63\)$"):
+        validate_block_ids([1, 64], 64)
+    with pytest.raises(ValueError, match=r"^block id -1 is out of range"):
+        validate_block_ids([-1, 5], 64)
 
 
 # -- GPU -------------------------------------------------------------------------------------------
@@ -286,13 +309,7 @@ def test_graph_ring_recaptures_its_graphs_when_the_cache_moves():
     z.zero_block_ids([1])
     zero_blocks_reference(by_reference, [1])
     torch.cuda.synchronize()
-    # What the fuzzer's reallocate op does: fresh buffers, swapped into the same KVCache object.
-    fresh = build_cache(by_design.spec, device="cuda")
-    for new, old in zip(fresh.raws, by_design.raws):
-        new.copy_(old)
-    stale = by_design.raws
-    vars(by_design).update(vars(fresh))
-    before = [t.clone() for t in stale]
+    stale, before = _move(by_design)
     z.zero_block_ids([2])
     zero_blocks_reference(by_reference, [2])
     _assert_same(by_design, by_reference)

@@ -20,6 +20,14 @@ hunt() {
     --fuzz-minutes "$MIN" --repro-dir /tmp/hunt --fuzz-db /tmp/hunt-db --fuzz-summary "$OUT/hunt-summary.json" \
     --tb=long -rfE 2>&1 | tail -150
 }
+verify() {
+  step "the whole test suite"
+  timeout 200 python3 -m pytest tests -q -p no:cacheprovider -n 8 -W ignore -rfE --tb=short 2>&1 | tail -30
+  step "the garbage-collector guard, switched off"
+  timeout 60 python3 tools/h200_gc_capture_check.py 2>&1 | grep -v "^\[W" | tail -5
+  step "zeroer benchmark"
+  timeout 150 python3 -m zeroer.bench --json "$OUT/zeroer-bench.json" --max-seconds 120 2>&1 | tail -75
+}
 {
 step "versions ($part)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -31,20 +39,10 @@ if [ "$part" = hunt ]; then
   timeout 150 python3 tools/h200_scatter_ceiling.py "$OUT" 2>&1 | tail -40
   hunt
 elif [ "$part" = verify ]; then
-  step "the whole test suite"
-  timeout 200 python3 -m pytest tests -q -p no:cacheprovider -n 8 -W ignore -rfE --tb=short 2>&1 | tail -30
-  step "the garbage-collector guard, switched off"
-  timeout 60 python3 tools/h200_gc_capture_check.py 2>&1 | grep -v "^\[W" | tail -5
-  step "zeroer benchmark"
-  timeout 150 python3 -m zeroer.bench --json "$OUT/zeroer-bench.json" --max-seconds 120 2>&1 | tail -75
+  verify
   hunt
 elif [ "$part" = all ]; then
-  step "the whole test suite"
-  timeout 200 python3 -m pytest tests -q -p no:cacheprovider -n 8 -W ignore -rfE --tb=short 2>&1 | tail -30
-  step "the garbage-collector guard, switched off"
-  timeout 60 python3 tools/h200_gc_capture_check.py 2>&1 | grep -v "^\[W" | tail -5
-  step "zeroer benchmark"
-  timeout 150 python3 -m zeroer.bench --json "$OUT/zeroer-bench.json" --max-seconds 120 2>&1 | tail -75
+  verify
   step "every cuda campaign, quick profile"
   timeout 240 python3 -m pytest fuzz -q -p no:cacheprovider -n 4 -W ignore --backend cuda --tb=short -rfE \
     --repro-dir /tmp/hunt --fuzz-summary "$OUT/fuzz-cuda-summary.json" 2>&1 | tail -40
