@@ -50,6 +50,7 @@ from ..layout import KVCache
 from ..runtime import Runtime
 from .driver import CUDA_ERROR_NOT_READY, CUDA_SUCCESS, Driver, load_driver
 from .modelled_graph_ring import ModelledGraphRing
+from .per_call import TorchPerCallZeroer
 from .ring_protocol import (DEFAULT_MAX_GRAPH_IDS, DEFAULT_MAX_SLOTS, DEFAULT_SLOTS, PAD, GraphRingProtocol,
                             RingSlot, graph_size)
 
@@ -103,6 +104,7 @@ class GraphRingZeroer(GraphRingProtocol):
         # Launch through the driver where torch hands out the executable graph, else replay().
         self._raw_exec = hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec")
         self._capture_stream = torch.cuda.Stream(self.device)
+        self._unstaged = TorchPerCallZeroer(cache)  # calls of more than max_graph_ids ids
         with torch.cuda.device(self.index):
             # Compile the skip_negative kernel now, zeroing nothing: capture must not compile
             # (it loads a module), and the first call should not pay for it.
@@ -220,11 +222,9 @@ class GraphRingZeroer(GraphRingProtocol):
             self._driver.recover("cuEventRecord", status, self.index, slot.event_handle, stream)
 
     def _zero_unstaged(self, ids: list[int]) -> None:
-        # What per_call does: the pinned allocator keeps the tensor until the copy has read it.
-        self.unstaged_calls += 1
-        staged = torch.tensor(ids, dtype=torch.int64, pin_memory=True)
+        # torch_per_call's staging: the pinned allocator keeps the tensor until the copy has read it.
         with torch.cuda.device(self.index):
-            zero_blocks(self.cache.table, staged.to(self.device, non_blocking=True))
+            self._unstaged.zero_block_ids(ids)
 
 
 def make_graph_ring(cache: KVCache, runtime: Runtime | None = None, **options: Any) -> GraphRingProtocol:

@@ -27,6 +27,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from ..impls.per_call import PerCallZeroer
 from ..kernel import zero_blocks
 from ..layout import KVCache, SegmentTable
 from ..runtime import Runtime
@@ -66,6 +67,7 @@ class ModelledGraphRing(GraphRingProtocol):
             )
         self.rt = runtime
         self._calls = itertools.count(1)
+        self._unstaged = PerCallZeroer(cache, runtime)  # calls of more than max_graph_ids ids
         self._open_slots()
 
     def _zero_ids(self, ids: list[int]) -> None:
@@ -108,16 +110,4 @@ class ModelledGraphRing(GraphRingProtocol):
 
     def _zero_unstaged(self, ids: list[int]) -> None:
         # per_call's staging: a fresh block from the caching host allocator, dropped once queued.
-        self.unstaged_calls += 1
-        n = len(ids)
-        host = self.rt.host_buffer(n)
-        self.rt.write_host(host, ids)
-        dev = self.rt.device_buffer(n, name="graph_ring unstaged ids")
-        self.rt.copy_h2d(dev, host, n)
-        view, table = dev.tensor[:n], self.cache.table
-
-        def run() -> None:
-            zero_blocks(table, view)
-
-        self.rt.launch(run, name="zero_kernel", reads=[dev], blocks_written=ids)
-        self.rt.free_host(host)
+        self._unstaged.zero_block_ids(ids)

@@ -96,6 +96,7 @@ class GraphRingProtocol:
     def _zero_ids(self, ids: list[int]) -> None:
         """Zero checked, non-empty ``ids``."""
         if len(ids) > self.max_graph_ids:
+            self.unstaged_calls += 1
             self._zero_unstaged(ids)
             return
         slot = self._acquire()
@@ -205,5 +206,6 @@ class GraphRingProtocol:
         raise NotImplementedError
 
     def _zero_unstaged(self, ids: list[int]) -> None:
-        """More ids than the largest graph: stage them in fresh pinned memory, as per_call does."""
+        """More ids than the largest graph: stage them in fresh pinned memory (each form hands
+        them to its per_call counterpart)."""
         raise NotImplementedError
