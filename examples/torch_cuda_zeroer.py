@@ -7,7 +7,7 @@ harness's own work around it (docs/zeroer-api.md).
 
     python -m pytest fuzz --backend cuda --cuda-mode free --zeroer examples/torch_cuda_zeroer.py:make_single_buffer
 
-`make_per_call` is the #48399 fix, for comparison: ``zeroer.direct.TorchPerCallZeroer``, which
+`make_per_call` is the #48399 fix, for comparison: ``zeroer.designs.TorchPerCallZeroer``, which
 the fuzzer also runs by its registered name ``torch_per_call``.
 """
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from zeroer.direct import TorchPerCallZeroer
-from zeroer.impls import validate_block_ids
+from zeroer.designs import TorchPerCallZeroer
+from zeroer.designs import validate_block_ids
 from zeroer.kernel import zero_blocks
-from zeroer.layout import KVCache
+from zeroer.cache.layout import KVCache
 
 
 class TorchSingleBufferZeroer:

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from .campaigns import default_campaigns
-from .journal import Journal, rescue
-from .options import fuzz_options, gpu_for_worker
-from .summary import render_summary
+from fuzz.engine.campaigns import default_campaigns
+from fuzz.engine.journal import Journal, rescue
+from fuzz.options import fuzz_options, gpu_for_worker
+from fuzz.engine.summary import render_summary
 
 _RESULTS: list[dict] = []
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from zeroer.errors import ZeroerError
-from zeroer.registry import backends_of, cuda_modes_of, resolve_factory, zeroer_names
+from zeroer.registry import load_zeroer, zeroer_names
 
-from .campaigns import PROFILES, Profile
-from .journal import JOURNAL_MODES
+from fuzz.engine.campaigns import PROFILES, Profile
+from fuzz.engine.journal import JOURNAL_MODES
 
 BACKEND_CHOICES = ("auto", "cuda", "sim")
 CUDA_MODE_CHOICES = ("both", "controlled", "free")
@@ -33,7 +33,7 @@ class FuzzOptions:
     repro_dir: Path
     database_dir: Path
     summary_path: Path
-    journal: bool = False  # save each op before it runs (fuzz/journal.py)
+    journal: bool = False  # save each op before it runs (fuzz/engine/journal.py)
     seed: int | None = None  # --hypothesis-seed: one run of each campaign with this seed
 
 
@@ -57,7 +57,7 @@ def parse_zeroer(value: str | None) -> str | None:
     if value is None:
         return None
     try:
-        resolve_factory(value)
+        load_zeroer(value)
     except ZeroerError as error:
         raise pytest.UsageError(f"--zeroer {value!r}: {error} (built-in zeroers: {', '.join(zeroer_names())})") from None
     return value
@@ -67,14 +67,14 @@ def check_zeroer_runs_here(value: str | None, backend: str, cuda_modes: tuple[st
     """A zeroer that cannot run on the chosen backend or cuda mode is a usage error, not 0 tests."""
     if value is None:
         return
-    factory = resolve_factory(value)
-    backends = backends_of(factory)
+    capabilities = load_zeroer(value).capabilities
+    backends = capabilities.backends
     if backend not in backends:
         raise pytest.UsageError(
             f"--zeroer {value!r} runs on the {' and '.join(backends)} backend only, not {backend!r}; "
             f"pass --backend {backends[0]}" + (" on a machine with a GPU" if backends == ("cuda",) else "")
         )
-    modes = cuda_modes_of(factory)
+    modes = capabilities.cuda_modes
     if backend == "cuda" and not set(modes) & set(cuda_modes):
         raise pytest.UsageError(
             f"--zeroer {value!r} runs in the {' and '.join(modes)} cuda mode only, not "

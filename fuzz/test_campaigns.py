@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from .campaigns import Campaign, run_campaign
-from .summary import result_record
+from fuzz.engine.campaigns import Campaign, run_campaign
+from fuzz.engine.summary import result_record
 
 
 def test_campaign(campaign: Campaign, fuzz, cuda_device, campaign_budget, journal, record_property) -> None:

@@ -24,9 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .environment import environment
-from .episode import EpisodeConfig
-from .oracle import Finding
+from fuzz.environment import environment
+from fuzz.engine.episode import EpisodeConfig
+from fuzz.engine.oracle import Finding
 
 TRACE_VERSION = 1
 

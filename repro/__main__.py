@@ -20,10 +20,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from .export import check_output_name, render_script
-from .regenerate import RegenerateError, Regeneration, from_summary, regenerate
-from .replay import replay
-from .trace_file import TraceError, load_trace
+from repro.export import check_output_name, render_script
+from repro.regenerate import RegenerateError, Regeneration, from_summary, regenerate
+from repro.replay import replay
+from repro.trace_file import TraceError, load_trace
 
 USAGE_ERROR = 2
 
@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--repeat", type=int, default=1)
     export = sub.add_parser("export", help="write a standalone script of a trace")
     export.add_argument("trace", type=Path)
-    export.add_argument("-o", "--output", type=Path, required=True, help="e.g. repro/ring_overrun.py")
+    export.add_argument("-o", "--output", type=Path, required=True, help="e.g. repro/cases/ring_overrun.py")
     export.add_argument("--title", default=None, help="the script's first line (default: zeroer, geometry and findings)")
     again = sub.add_parser("regenerate", help="rerun a campaign with a seed from a summary")
     again.add_argument("campaign", nargs="?", help="campaign id, e.g. single_buffer-tiny-sim-k-torch-shard0")

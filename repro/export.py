@@ -2,7 +2,7 @@
 
 The script is nanoGPT-shaped (STYLE.md, "repro scripts"): a docstring with where the finding came
 from and the exact commands, a block of constants, then one straight line per op, in order, each
-an op record handed to :class:`fuzz.episode.Episode` (the executor the fuzzer and the replayer
+an op record handed to :class:`fuzz.engine.episode.Episode` (the executor the fuzzer and the replayer
 use, so the script cannot drift from them). No Hypothesis. It exits 1 when the bug shows, 0 when
 it does not, and takes ``--backend``, ``--mode``, ``--repeat`` and ``--zeroer`` so the same steps
 run on a GPU or against a race-free design.
@@ -12,7 +12,7 @@ replay on the simulator during the export.
 
 Example::
 
-    text = render_script(load_trace(Path("repro/failures/ring-tiny-0123.json")), "repro/ring_overrun.py")
+    text = render_script(load_trace(Path("repro/failures/ring-tiny-0123.json")), "repro/cases/ring_overrun.py")
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import re
 from pathlib import Path
 
 from fuzz.environment import describe
-from fuzz.episode import Episode
+from fuzz.engine.episode import Episode
 
-from .trace_file import Trace
+from repro.trace_file import Trace
 
 
 def _annotations(trace: Trace) -> dict[int, str]:
@@ -113,7 +113,7 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root",
         "",
         "from fuzz.environment import describe, environment  # noqa: E402",
-        "from fuzz.episode import Episode, EpisodeConfig  # noqa: E402",
+        "from fuzz.engine.episode import Episode, EpisodeConfig  # noqa: E402",
         "",
         "# -- the episode, as found " + "-" * 70,
         f"ZEROER = {config.zeroer!r}",
@@ -181,4 +181,4 @@ def check_output_name(output: Path) -> None:
     """The script is imported by nothing, but a module-safe name keeps `python -m` and tests easy."""
     stem = output.stem
     if output.suffix != ".py" or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", stem) or keyword.iskeyword(stem):
-        raise ValueError(f"-o {output}: name the script like a Python module, e.g. repro/ring_overrun.py")
+        raise ValueError(f"-o {output}: name the script like a Python module, e.g. repro/cases/ring_overrun.py")

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuzz.campaigns import PROFILES, Campaign, CampaignResult, default_campaigns, run_campaign
+from fuzz.engine.campaigns import PROFILES, Campaign, CampaignResult, default_campaigns, run_campaign
 
 
 class RegenerateError(Exception):

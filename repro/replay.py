@@ -1,6 +1,6 @@
 """Replaying ops through the fuzzer's executor, once or N times.
 
-The replayer is :class:`fuzz.episode.Episode` itself, so an op means here exactly what it meant
+The replayer is :class:`fuzz.engine.episode.Episode` itself, so an op means here exactly what it meant
 when the fuzzer ran it. Like the fuzzer, a replay stops at the first happens-before
 hazard, then synchronises once and lets the oracle check every read and every block.
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 
-from fuzz.episode import Episode, EpisodeConfig
-from fuzz.oracle import Finding
+from fuzz.engine.episode import Episode, EpisodeConfig
+from fuzz.engine.oracle import Finding
 
 
 def replay_once(config: EpisodeConfig, ops: list[dict]) -> list[Finding]:

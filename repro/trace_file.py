@@ -1,7 +1,7 @@
 """Reading a trace file for replay or export: one-line errors that name the file and the field.
 
 Reading never runs code from the file: it checks the JSON and builds an
-:class:`~fuzz.episode.EpisodeConfig` and a list of op records. The only code a replay imports is
+:class:`~fuzz.engine.episode.EpisodeConfig` and a list of op records. The only code a replay imports is
 the zeroer factory that ``config.zeroer`` names.
 
 Example::
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.episode import OPS, EpisodeConfig
+from fuzz.engine.episode import OPS, EpisodeConfig
 from fuzz.trace import TRACE_VERSION
 
 

@@ -5,7 +5,7 @@ Loaded by path (``tests/graph_ring_mutants.py:NAME``), as ``--zeroer`` loads an 
 
 from __future__ import annotations
 
-from zeroer.direct.modelled_graph_ring import ModelledGraphRing
+from zeroer.designs.modelled_graph_ring import ModelledGraphRing
 
 
 class ReusesBusySlots(ModelledGraphRing):

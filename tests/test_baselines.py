@@ -1,4 +1,4 @@
-"""The detection benchmark's baselines (fuzz/baselines.py): a plain stress loop, CSAN over it, and
+"""The detection benchmark's baselines (fuzz/bench/detect/baselines/__init__.py): a plain stress loop, CSAN over it, and
 one hand-written vLLM-style interleaving. CPU-only except the two tests marked for a GPU."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from fuzz.baseline_handwritten import VLLM_STALL_UNITS
-from fuzz.baseline_sanitizer import (
+from fuzz.bench.detect.baselines.handwritten import VLLM_STALL_UNITS
+from fuzz.bench.detect.baselines.sanitizer import (
     RESULT_PREFIX,
     child_main,
     describe_pointer,
@@ -19,10 +19,10 @@ from fuzz.baseline_sanitizer import (
     parse_csan_report,
     run_child,
 )
-from fuzz.baseline_stress import STRESS_OPS, BaselineUsageError, value_findings
-from fuzz.baselines import METHODS, main, run_method
-from fuzz.episode import Episode, EpisodeConfig
-from fuzz.oracle import Finding
+from fuzz.bench.detect.baselines.stress import STRESS_OPS, BaselineUsageError, value_findings
+from fuzz.bench.detect.baselines import METHODS, main, run_method
+from fuzz.engine.episode import Episode, EpisodeConfig
+from fuzz.engine.oracle import Finding
 from fuzz.trace import read_trace
 
 CUDA = torch.cuda.is_available()
@@ -170,7 +170,7 @@ def test_a_csan_report_names_the_tensor_it_is_about(zeroer, where):
     episode = Episode(EpisodeConfig(zeroer=zeroer, kernel="torch"))
     cache_word = episode.cache.pages(0)[3].data_ptr()
     assert describe_pointer(episode, cache_word) == "KV-cache tensor 0; CSAN tracks whole tensors, not blocks"
-    buffers = episode.zeroer._slots[1].dev if zeroer == "event_ring" else episode.zeroer._dev
+    buffers = episode.zeroer.zeroer._slots[1].dev if zeroer == "event_ring" else episode.zeroer.zeroer._dev
     assert describe_pointer(episode, buffers.tensor.data_ptr()) == where
     assert describe_pointer(episode, 8) == "not the KV cache nor a buffer the zeroer keeps"
     episode.finish()
@@ -199,12 +199,12 @@ def test_the_command_line_names_a_bad_method_and_a_bad_budget(capsys):
         main(["nope", "--zeroer", "reference"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "python -m fuzz.baselines: error: unknown baseline method 'nope'; choose one of: handwritten, sanitizer, stress"
+        "python -m fuzz.bench.detect.baselines: error: unknown baseline method 'nope'; choose one of: handwritten, sanitizer, stress"
     )
     with pytest.raises(SystemExit):
         main(["stress", "--budget", "0"])
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "python -m fuzz.baselines: error: budget_s=0.0 must be a positive, finite number of seconds (e.g. 10)"
+        "python -m fuzz.bench.detect.baselines: error: budget_s=0.0 must be a positive, finite number of seconds (e.g. 10)"
     )
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from zeroer.geometries import geometry
-from zeroer.layout import build_cache
+from zeroer.cache.geometries import geometry
+from zeroer.cache.layout import build_cache
 from zeroer.registry import RACE_FREE, RACY, make_zeroer
 from zeroer.runtime import EagerSchedule, SimRuntime, make_runtime
 

@@ -1,4 +1,4 @@
-"""``python -m fuzz.detect``: the command line, the verdict, the report, and a small real run.
+"""``python -m fuzz.bench.detect``: the command line, the verdict, the report, and a small real run.
 
 The real runs are bounded: three cheap zoo entries and one race-free implementation with one seed
 and a short budget, and a clean soak of a few hundred steps (docs/detection.md has the full
@@ -11,10 +11,10 @@ import re
 
 import pytest
 
-from fuzz.detect import CLEAN_GEOMETRIES, DetectUsageError, entry_config, main, parse_args
-from fuzz.detect_report import TARGET_FIRST_FINDING_S, judge, render_table, summarize
-from fuzz.detect_run import Job, run_job
-from fuzz.episode import EpisodeConfig
+from fuzz.bench.detect.cli import CLEAN_GEOMETRIES, DetectUsageError, entry_config, main, parse_args
+from fuzz.bench.detect.report import TARGET_FIRST_FINDING_S, judge, render_table, summarize
+from fuzz.bench.detect.run import Job, run_job
+from fuzz.engine.episode import EpisodeConfig
 from zeroer.registry import RACE_FREE, ZOO
 
 

@@ -1,4 +1,4 @@
-"""The direct designs (zeroer/direct): graph_ring (ours) and torch_per_call (vLLM #48399).
+"""The direct designs (zeroer/designs): graph_ring (ours) and torch_per_call (vLLM #48399).
 
 On the CPU: their bad-input messages, where they are registered to run, and the id check they
 share with every design. On a GPU: they zero exactly the requested blocks, in every path the
@@ -18,17 +18,17 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from fuzz.campaigns import default_campaigns
-from fuzz.episode import Episode, EpisodeConfig
-from fuzz.machine import ZeroerViolation, machine_for
-from zeroer.direct import GraphRingProtocol, GraphRingZeroer, ModelledGraphRing, TorchPerCallZeroer, make_graph_ring
-from zeroer.direct.ring_protocol import graph_size
+from fuzz.engine.campaigns import default_campaigns
+from fuzz.engine.episode import Episode, EpisodeConfig
+from fuzz.engine.machine import ZeroerViolation, machine_for
+from zeroer.designs import GraphRingProtocol, GraphRingZeroer, ModelledGraphRing, TorchPerCallZeroer, make_graph_ring
+from zeroer.designs.graph_ring_protocol import graph_size
 from zeroer.runtime import make_runtime
-from zeroer.geometries import geometry
-from zeroer.impls import validate_block_ids
+from zeroer.cache.geometries import geometry
+from zeroer.designs import validate_block_ids
 from zeroer.kernel import zero_blocks_reference
-from zeroer.layout import build_cache
-from zeroer.registry import DIRECT, REGISTRY, backends_of, cuda_modes_of
+from zeroer.cache.layout import build_cache
+from zeroer.registry import BUILTINS, DIRECT, load_zeroer
 
 from graph_ring_mutants import SkipsPadding  # tests/ is on sys.path under pytest
 
@@ -69,9 +69,11 @@ def test_where_the_direct_designs_are_fuzzed():
     assert DIRECT == ("graph_ring", "torch_per_call")
     # torch_per_call: cuda, free-running only. graph_ring: its protocol everywhere, real graphs
     # in the free-running mode.
-    assert backends_of(REGISTRY["torch_per_call"]) == ("cuda",) and cuda_modes_of(REGISTRY["torch_per_call"]) == ("free",)
-    assert REGISTRY["graph_ring"] is make_graph_ring
-    assert backends_of(make_graph_ring) == ("sim", "cuda") and cuda_modes_of(make_graph_ring) == ("controlled", "free")
+    torch_per_call = load_zeroer("torch_per_call").capabilities
+    assert torch_per_call.backends == ("cuda",) and torch_per_call.cuda_modes == ("free",)
+    assert BUILTINS["graph_ring"].factory is make_graph_ring
+    graph_ring = load_zeroer("graph_ring").capabilities
+    assert graph_ring.backends == ("sim", "cuda") and graph_ring.cuda_modes == ("controlled", "free")
     cuda = {(c.config.zeroer, c.config.mode, c.expect) for c in default_campaigns(["cuda"])}
     assert {("graph_ring", "free", "clean"), ("graph_ring", "controlled", "clean"),
             ("torch_per_call", "free", "clean")} <= cuda
@@ -79,14 +81,14 @@ def test_where_the_direct_designs_are_fuzzed():
     sim = {(c.config.zeroer, c.config.geometry, c.expect) for c in default_campaigns(["sim"])}
     assert {("graph_ring", g, "clean") for g in ("tiny", "mixed_dtypes", "ratio2")} <= sim
     assert not [z for z, _, _ in sim if z == "torch_per_call"]
-    assert backends_of(REGISTRY["event_ring"]) == ("sim", "cuda")
-    assert cuda_modes_of(REGISTRY["event_ring"]) == ("controlled", "free")
+    event_ring = load_zeroer("event_ring").capabilities
+    assert event_ring.backends == ("sim", "cuda") and event_ring.cuda_modes == ("controlled", "free")
 
 
 def test_make_graph_ring_models_the_graphs_on_the_simulator():
     z = make_graph_ring(build_cache(geometry("tiny")), make_runtime("sim"), slots=3)
     assert isinstance(z, ModelledGraphRing) and isinstance(z, GraphRingProtocol) and z.slot_count == 3
-    assert z.name == "graph_ring" and z.follows_reallocation
+    assert z.name == "graph_ring" and z.capabilities.follows_reallocation
 
 
 def test_graph_size_is_the_next_power_of_two():
@@ -201,7 +203,7 @@ def test_an_episode_closes_its_graph_ring_and_the_ring_lets_its_graphs_go():
     episode = Episode(EpisodeConfig(zeroer="graph_ring", geometry="tiny"))
     episode.apply({"op": "start", "in_flight": 2})
     episode.apply({"op": "allocate", "n": 3, "stream": 1})
-    ring = episode.zeroer
+    ring = episode.zeroer.zeroer
     assert isinstance(ring, ModelledGraphRing) and any(slot.graphs for slot in ring._slots)
     episode.finish()
     episode.close()
@@ -259,7 +261,7 @@ def _assert_same(by_design, by_reference) -> None:
 @pytest.mark.parametrize("name", DIRECT)
 def test_a_direct_design_zeroes_exactly_the_requested_blocks(name):
     by_design, by_reference = _cuda_pair()
-    z = REGISTRY[name](by_design, None)
+    z = BUILTINS[name].factory(by_design, None)
     last = by_design.spec.num_blocks - 1
     calls = [[1], [2, 3, 4], [5, 5, 6], [last], list(range(7, 7 + 9)), [], None]  # 3 and 9 ids: padded graphs
     for ids in calls:
@@ -378,7 +380,7 @@ def test_graph_ring_keeps_the_garbage_collector_out_of_its_capture(monkeypatch):
     # forced where one could start on its own inside the capture: only while gc is enabled.
     import gc
 
-    import zeroer.direct.graph_ring as graph_ring
+    import zeroer.designs.graph_ring as graph_ring
 
     by_design, by_reference = _cuda_pair()
     z = GraphRingZeroer(by_design)

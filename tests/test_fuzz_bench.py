@@ -1,4 +1,4 @@
-"""``python -m fuzz.bench --quick`` still runs and writes its report (the numbers themselves are
+"""``python -m fuzz.bench.speed --quick`` still runs and writes its report (the numbers themselves are
 measured by hand and recorded in docs/fuzzing.md, never asserted in a timed test)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_the_quick_benchmark_runs_and_reports_every_zeroer_and_race(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [sys.executable, "-m", "fuzz.bench", "--quick", "--backend", "sim", "--json", str(out)],
+        [sys.executable, "-m", "fuzz.bench.speed", "--quick", "--backend", "sim", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fuzz.episode import EpisodeConfig
-from fuzz.machine import ZeroerViolation, machine_for
+from fuzz.engine.episode import EpisodeConfig
+from fuzz.engine.machine import ZeroerViolation, machine_for
 
 
 def test_a_hazard_is_raised_by_the_op_that_caused_it_not_at_the_end():
@@ -45,7 +45,7 @@ def test_a_clean_program_runs_every_rule_and_checks_the_values_at_teardown():
 def test_a_campaign_hands_the_objects_it_froze_back_to_the_garbage_collector(tmp_path):
     import gc
 
-    from fuzz.campaigns import PROFILES, Campaign, run_campaign
+    from fuzz.engine.campaigns import PROFILES, Campaign, run_campaign
 
     result = run_campaign(Campaign(EpisodeConfig(zeroer="single_buffer", kernel="torch"), expect="finds"),
                           PROFILES["quick"], tmp_path)
@@ -57,8 +57,8 @@ def test_a_finding_hypothesis_calls_flaky_is_kept_with_its_program(tmp_path, mon
     # A timing-dependent race on the free-running GPU may show once and not when Hypothesis
     # replays it; Hypothesis then raises FlakyFailure around the original error. That is still a
     # finding, kept with the program that showed it, not an error that loses the trace.
-    import fuzz.campaigns as campaigns
-    from fuzz.summary import render_summary, result_record
+    import fuzz.engine.campaigns as campaigns
+    from fuzz.engine.summary import render_summary, result_record
     from hypothesis.errors import FlakyFailure
 
     config = EpisodeConfig(zeroer="reference")

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fuzz.campaigns import PROFILES
+from fuzz.engine.campaigns import PROFILES
 from fuzz.options import (
     FuzzOptions,
     check_zeroer_runs_here,
@@ -84,7 +84,7 @@ def test_an_unknown_cuda_mode_is_a_usage_error_listing_the_modes():
 # -- --zeroer ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [None, *zeroer_names(), "zeroer.impls.reference:ReferenceZeroer"])
+@pytest.mark.parametrize("value", [None, *zeroer_names(), "zeroer.designs.reference:ReferenceZeroer"])
 def test_parse_zeroer_accepts_nothing_a_built_in_name_or_a_module_spec(value):
     assert parse_zeroer(value) == value
 
@@ -112,7 +112,7 @@ def test_a_zeroer_that_cannot_run_on_the_chosen_backend_or_mode_is_a_usage_error
 @pytest.mark.parametrize(("value", "backend", "modes"), [
     (None, "sim", ("controlled",)), ("event_ring", "sim", ("controlled",)), ("graph_ring", "cuda", ("controlled", "free")),
     ("graph_ring", "sim", ("controlled",)),
-    ("zoo.int32_offset_4gib", "cuda", ("controlled",)), ("zeroer.impls.reference:ReferenceZeroer", "sim", ("controlled",)),
+    ("zoo.int32_offset_4gib", "cuda", ("controlled",)), ("zeroer.designs.reference:ReferenceZeroer", "sim", ("controlled",)),
 ])
 def test_a_zeroer_that_runs_on_the_chosen_backend_passes_the_check(value, backend, modes):
     check_zeroer_runs_here(value, backend, modes)
@@ -141,10 +141,10 @@ def test_a_module_spec_that_cannot_be_imported_is_a_usage_error_naming_the_modul
 
 
 def test_a_module_spec_without_the_attribute_is_a_usage_error_naming_it():
-    spec = "zeroer.impls.reference:NoSuchFactory"
+    spec = "zeroer.designs.reference:NoSuchFactory"
     with pytest.raises(
         pytest.UsageError,
-        match=exactly(f"--zeroer {spec!r}: zeroer {spec!r}: 'zeroer.impls.reference' has no attribute 'NoSuchFactory' (built-in zeroers: {BUILT_INS})"),
+        match=exactly(f"--zeroer {spec!r}: zeroer {spec!r}: 'zeroer.designs.reference' has no attribute 'NoSuchFactory' (built-in zeroers: {BUILT_INS})"),
     ):
         parse_zeroer(spec)
 

@@ -1,7 +1,7 @@
 """The oracle and the episode executor on hand-written op lists, without Hypothesis.
 
 Each test is one short program of op records, the form the fuzzer's rules and the replayer
-produce, run through :class:`fuzz.episode.Episode`; the findings are then read as a person would
+produce, run through :class:`fuzz.engine.episode.Episode`; the findings are then read as a person would
 read them. The two deliberately buggy zeroers below are plugged in through the file-spec path
 (``path/to/file.py:factory``) that an outside zeroer uses."""
 
@@ -12,11 +12,11 @@ import re
 import pytest
 import torch
 
-from fuzz.episode import CALLER_FAULTS, OPS, CachePool, Episode, EpisodeConfig
-from fuzz.oracle import STAMP_BASE, Shadow, all_rows_match, describe_word, stamp
-from zeroer.geometries import geometry
+from fuzz.engine.episode import CALLER_FAULTS, OPS, CachePool, Episode, EpisodeConfig
+from fuzz.engine.oracle import STAMP_BASE, Shadow, all_rows_match, describe_word, stamp
+from zeroer.cache.geometries import geometry
 from zeroer.kernel import zero_blocks_reference
-from zeroer.layout import GUARD_WORD, POISON_WORD, KVCache, build_cache
+from zeroer.cache.layout import GUARD_WORD, POISON_WORD, KVCache, build_cache
 from zeroer.runtime import Runtime
 
 

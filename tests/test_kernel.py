@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 import zeroer.kernel as kernel
 from zeroer.errors import RuntimeUsageError
-from zeroer.geometries import geometry, geometry_names
+from zeroer.cache.geometries import geometry, geometry_names
 from zeroer.kernel import (CUDA_MAX_GRID_X, CUDA_MAX_GRID_YZ, CachedLauncher, LaunchConfig,
                            launch_config, launch_grid, zero_blocks, zero_blocks_reference)
-from zeroer.layout import GUARD_WORD, POISON_WORD, KVCache, SegmentTable, build_cache
+from zeroer.cache.layout import GUARD_WORD, POISON_WORD, KVCache, SegmentTable, build_cache
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

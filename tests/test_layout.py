@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from zeroer.errors import CacheSpecError, RuntimeUsageError
-from zeroer.geometries import GEOMETRIES, geometry, geometry_names
-from zeroer.layout import (DTYPES, POISON_WORD, CacheSpec, TensorSpec, build_cache)
+from zeroer.cache.geometries import GEOMETRIES, geometry, geometry_names
+from zeroer.cache.layout import (DTYPES, POISON_WORD, CacheSpec, TensorSpec, build_cache)
 
 FP8 = "float8_e4m3fn" if hasattr(torch, "float8_e4m3fn") else "int8"
 

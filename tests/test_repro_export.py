@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.campaigns import PROFILES, run_campaign
-from fuzz.episode import EpisodeConfig
+from fuzz.engine.campaigns import PROFILES, run_campaign
+from fuzz.engine.episode import EpisodeConfig
 from fuzz.trace import write_trace
 from repro.__main__ import main
 from repro.regenerate import find_campaign
@@ -21,7 +21,7 @@ from repro.regenerate import find_campaign
 ROOT = Path(__file__).resolve().parents[1]
 RACE = [{"op": "start", "in_flight": 1}, {"op": "allocate", "n": 1, "stream": 0}, {"op": "allocate", "n": 1, "stream": 0}]
 # A curated case is a script in repro/ exported from the trace of the same name in repro/cases/.
-CURATED = sorted(ROOT / "repro" / f"{case.stem}.py" for case in (ROOT / "repro" / "cases").glob("*.json"))
+CURATED = sorted(ROOT / "repro" / "cases" / f"{case.stem}.py" for case in (ROOT / "repro" / "cases").glob("*.json"))
 RACE_FREE = ("per_call", "event_ring", "reference")
 
 

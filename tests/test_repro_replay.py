@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.episode import EpisodeConfig
+from fuzz.engine.episode import EpisodeConfig
 from fuzz.trace import write_trace
 from repro.__main__ import main
 

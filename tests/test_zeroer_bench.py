@@ -1,4 +1,4 @@
-"""``python -m zeroer.bench``: the quick run writes every table and the targets, bad input is a
+"""``python -m fuzz.bench.kernel``: the quick run writes every table and the targets, bad input is a
 usage error that names the value and the fix, the targets are judged from the numbers, a failing
 or late row never loses the report, and the unchecked fast path the benchmark times zeroes the
 same blocks as the checked runtime the fuzzer runs.
@@ -14,13 +14,13 @@ import re
 import pytest
 import torch
 
-import zeroer.bench.measure as measure
-from zeroer.bench.caches import NAMES
-from zeroer.bench.cli import benched_zeroers, main
-from zeroer.bench.report import SCHEMA, targets
+import fuzz.bench.kernel.measure as measure
+from fuzz.bench.kernel.caches import NAMES
+from fuzz.bench.kernel.cli import benched_zeroers, main
+from fuzz.bench.kernel.report import SCHEMA, targets
 from zeroer.errors import RuntimeUsageError
-from zeroer.geometries import geometry
-from zeroer.layout import build_cache
+from zeroer.cache.geometries import geometry
+from zeroer.cache.layout import build_cache
 from zeroer.registry import DIRECT, RACE_FREE, RACY, make_zeroer
 from zeroer.runtime import SimRuntime
 from zeroer.runtime.cuda import CudaRuntime
@@ -58,7 +58,7 @@ def test_the_quick_benchmark_writes_every_table_and_the_targets(tmp_path, capsys
         (d, "direct", "setup", None) for d in DIRECT}
     for row in report["host"]:
         if row["design"] in DIRECT:
-            assert row["skipped"] == "runs on CUDA only (zeroer/direct)"
+            assert row["skipped"] == "runs on CUDA only (zeroer/designs)"
             continue
         assert row["median_us"] > 0 and row["samples"] > 0
         if row["gpu"] == "busy":
@@ -129,7 +129,7 @@ def test_bad_arguments_are_usage_errors_that_name_the_value_and_the_fix(argv, me
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == 2
-    assert re.search(rf"^python -m zeroer\.bench: error: {re.escape(message)}$",
+    assert re.search(rf"^python -m fuzz\.bench\.kernel: error: {re.escape(message)}$",
                      capsys.readouterr().err, re.MULTILINE)
 
 
@@ -147,7 +147,7 @@ def test_the_full_benchmark_without_a_gpu_points_to_the_quick_run(capsys):
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip().endswith(
         "error: no CUDA GPU here (torch.cuda.is_available() is False) and the full benchmark measures "
-        "a GPU; run python -m zeroer.bench --quick for the CPU smoke test")
+        "a GPU; run python -m fuzz.bench.kernel --quick for the CPU smoke test")
 
 
 def test_plot_refuses_a_missing_or_foreign_file(tmp_path, capsys):
@@ -155,12 +155,12 @@ def test_plot_refuses_a_missing_or_foreign_file(tmp_path, capsys):
         main(["plot", str(tmp_path / "missing.json"), "--png-dir", str(tmp_path)])
     assert exited.value.code == 2
     assert f"error: {str(tmp_path / 'missing.json')!r} does not exist; give a JSON file written by " \
-           f"python -m zeroer.bench --json PATH" in capsys.readouterr().err
+           f"python -m fuzz.bench.kernel --json PATH" in capsys.readouterr().err
     other = tmp_path / "other.json"
     other.write_text("{}")
     with pytest.raises(SystemExit):
         main(["plot", str(other), "--png-dir", str(tmp_path)])
-    assert "is not a zeroer.bench result" in capsys.readouterr().err
+    assert "is not a fuzz.bench.kernel result" in capsys.readouterr().err
 
 
 # -- targets and figures from the numbers ----------------------------------------------------------

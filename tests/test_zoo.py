@@ -2,7 +2,7 @@
 designs do not on the same program.
 
 Every zoo entry carries a hand-written ``scenario`` (op records, run through the fuzzer's
-executor :class:`fuzz.episode.Episode` on the lazy simulator), and the findings below are what a
+executor :class:`fuzz.engine.episode.Episode` on the lazy simulator), and the findings below are what a
 person reading the entry's docstring would expect: the value oracle sees the bug, not only the
 happens-before checker."""
 
@@ -13,17 +13,18 @@ import re
 import pytest
 import torch
 
-from fuzz.campaigns import default_campaigns
-from fuzz.episode import Episode, EpisodeConfig
-from zeroer.geometries import geometry, geometry_names
+from fuzz.engine.campaigns import default_campaigns
+from fuzz.engine.episode import Episode, EpisodeConfig
+from zeroer.cache.geometries import geometry, geometry_names
 from zeroer.kernel import zero_blocks_reference
-from zeroer.layout import build_cache
-from zeroer.registry import RACE_FREE, REGISTRY, ZOO, default_geometry, follows_reallocation
+from zeroer.cache.layout import build_cache
+from zeroer.protocol import Capabilities
+from zeroer.registry import BUILTINS, RACE_FREE, ZOO, default_geometry, load_zeroer
 from zeroer.runtime import SimRuntime
 from zeroer.zoo import ENTRIES, Int32Offset, KernelModelZeroer
 from zeroer.zoo.arithmetic import calibrated_offset_bits
 
-SIM_ZOO = sorted(name for name in ZOO if "sim" in REGISTRY[name].backends)
+SIM_ZOO = sorted(name for name in ZOO if load_zeroer(name).capabilities.runs_on("sim"))
 
 # What each entry's scenario must show in the values (hazards aside), written from its docstring.
 VALUE_FINDINGS = {
@@ -66,10 +67,10 @@ def test_the_zoo_has_at_least_twelve_entries_on_the_simulator_and_each_has_a_fin
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_every_entry_is_registered_under_its_name_with_a_geometry_and_an_upstream_analog(name):
     entry = ENTRIES[name]
-    assert name.startswith("zoo.") and entry.name == name and REGISTRY[name] is entry
+    assert name.startswith("zoo.") and entry.name == name and BUILTINS[name].factory is entry
     assert name not in RACE_FREE
     assert default_geometry(name) == entry.geometry and geometry(entry.geometry).name == entry.geometry
-    assert set(entry.backends) <= {"sim", "cuda"} and entry.backends
+    assert set(entry.capabilities.backends) <= {"sim", "cuda"} and entry.capabilities.backends
     assert entry.upstream and entry.scenario and entry.scenario[0]["op"] == "start"
     assert re.search(r"#\d{4,5}|hazard \d+|fact \d+", entry.__doc__ or entry.__mro__[1].__doc__), "no upstream analog named"
 
@@ -127,7 +128,7 @@ def test_the_unscaled_int32_geometry_puts_blocks_8_and_9_past_4_gib_and_is_not_a
     assert page_bytes == 2**29 and len(spec.tensors) == 1 and not spec.tensors[0].kv_outer
     assert [b for b in range(spec.num_blocks) if b * page_bytes >= 2**32] == [8, 9]
     assert "int32_wrap" not in geometry_names()
-    assert ENTRIES["zoo.int32_offset_4gib"].backends == ("cuda",)
+    assert ENTRIES["zoo.int32_offset_4gib"].capabilities.backends == ("cuda",)
 
 
 def test_bad_zoo_options_are_value_errors_that_name_the_value():
@@ -137,7 +138,7 @@ def test_bad_zoo_options_are_value_errors_that_name_the_value():
     with pytest.raises(ValueError, match=exactly(
             "zoo.ratio_ignored models the zero kernel in torch to plant its bug; kernel='triton' is not available, "
             "use kernel='torch'")):
-        REGISTRY["zoo.ratio_ignored"](cache, rt, kernel="triton")
+        BUILTINS["zoo.ratio_ignored"].factory(cache, rt, kernel="triton")
 
 
 # -- the reallocate op and campaigns --------------------------------------------------------------
@@ -161,6 +162,8 @@ def test_reallocating_moves_every_page_and_keeps_its_contents():
 class _Outside:
     """An outside zeroer that captured the table (as vLLM's does) and says nothing about it."""
 
+    capabilities = Capabilities(api="runtime")
+
     def __init__(self, cache, runtime) -> None:
         self.cache, self.rt = cache, runtime
 
@@ -169,15 +172,22 @@ class _Outside:
         self.rt.launch(lambda: zero_blocks_reference(cache, ids), blocks_written=ids)
 
 
+class _OutsideThatFollows(_Outside):
+    capabilities = Capabilities(api="runtime", follows_reallocation=True)
+
+
 def test_an_outside_zeroer_is_reallocated_under_only_if_it_says_it_follows():
     spec = f"{__file__}:_Outside"
     episode = Episode(EpisodeConfig(zeroer=spec))
-    assert not follows_reallocation(spec, episode.zeroer)
-    with pytest.raises(ValueError, match=exactly(f"reallocate: zeroer {spec!r} does not set follows_reallocation = True")):
+    assert not episode.loaded.capabilities.follows_reallocation
+    message = f"reallocate: zeroer {spec!r} does not declare Capabilities(follows_reallocation=True)"
+    with pytest.raises(ValueError, match=exactly(message)):
         episode.apply({"op": "reallocate"})
-    episode.zeroer.follows_reallocation = True
-    assert follows_reallocation(spec, episode.zeroer)
-    assert all(follows_reallocation(name, object()) for name in ZOO + RACE_FREE)
+    follows = Episode(EpisodeConfig(zeroer=f"{__file__}:_OutsideThatFollows"))
+    follows.apply({"op": "start", "in_flight": 1})
+    follows.apply({"op": "reallocate"})
+    assert not follows.finish()
+    assert all(load_zeroer(name).capabilities.follows_reallocation for name in ZOO + RACE_FREE)
 
 
 def test_pytest_fuzz_runs_a_zoo_entry_on_its_geometry_and_one_self_check_per_entry_by_default():

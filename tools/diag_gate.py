@@ -2,8 +2,8 @@
 import faulthandler, sys, time
 faulthandler.dump_traceback_later(8, exit=False)
 import torch
-from zeroer.geometries import geometry
-from zeroer.layout import build_cache
+from zeroer.cache.geometries import geometry
+from zeroer.cache.layout import build_cache
 from zeroer.registry import make_zeroer
 from zeroer.runtime import make_runtime
 kernel = sys.argv[1] if len(sys.argv) > 1 else "triton"

@@ -11,9 +11,9 @@ import types
 
 import torch
 
-import zeroer.direct.graph_ring as graph_ring
-from zeroer.geometries import geometry
-from zeroer.layout import build_cache
+import zeroer.designs.graph_ring as graph_ring
+from zeroer.cache.geometries import geometry
+from zeroer.cache.layout import build_cache
 
 cache = build_cache(geometry("kv_outer_bf16"), device="cuda")
 z = graph_ring.GraphRingZeroer(cache)

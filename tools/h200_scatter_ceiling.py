@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from zeroer.bench.caches import _llama
-from zeroer.bench.measure import pick_ids
+from fuzz.bench.kernel.caches import _llama
+from fuzz.bench.kernel.measure import pick_ids
 from zeroer.kernel import zero_blocks
-from zeroer.layout import build_cache
+from zeroer.cache.layout import build_cache
 
 LOG = open(f"{sys.argv[1]}/scatter-ceiling.jsonl", "w")
 

@@ -16,7 +16,7 @@ if [ "$part" = part1 ]; then
 step "tests of the direct designs and the kernel"
 timeout 120 python3 -m pytest tests/test_direct.py tests/test_kernel.py -q -p no:cacheprovider -W ignore 2>&1 | tail -15
 step "zeroer benchmark"
-timeout 200 python3 -m zeroer.bench --json "$OUT/zeroer-bench.json" --max-seconds 180 2>&1 | tail -75
+timeout 200 python3 -m fuzz.bench.kernel --json "$OUT/zeroer-bench.json" --max-seconds 180 2>&1 | tail -75
 step "the whole test suite"
 timeout 200 python3 -m pytest tests -q -p no:cacheprovider -n 8 -W ignore 2>&1 | tail -12
 else

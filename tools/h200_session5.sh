@@ -26,7 +26,7 @@ verify() {
   step "the garbage-collector guard, switched off"
   timeout 60 python3 tools/h200_gc_capture_check.py 2>&1 | grep -v "^\[W" | tail -5
   step "zeroer benchmark"
-  timeout 150 python3 -m zeroer.bench --json "$OUT/zeroer-bench.json" --max-seconds 120 2>&1 | tail -75
+  timeout 150 python3 -m fuzz.bench.kernel --json "$OUT/zeroer-bench.json" --max-seconds 120 2>&1 | tail -75
 }
 {
 step "versions ($part)"

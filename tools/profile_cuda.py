@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from fuzz.campaigns import PROFILES, Campaign, run_campaign
-from fuzz.episode import Episode, EpisodeConfig
+from fuzz.engine.campaigns import PROFILES, Campaign, run_campaign
+from fuzz.engine.episode import Episode, EpisodeConfig
 
 
 def per_op(mode: str) -> None:

@@ -12,11 +12,11 @@ import time
 
 import torch
 
-from zeroer.bench.caches import bench_cache
-from zeroer.bench.measure import pick_ids
-from zeroer.direct import GraphRingZeroer, TorchPerCallZeroer
-from zeroer.direct.graph_ring import _packer
-from zeroer.layout import build_cache
+from fuzz.bench.kernel.caches import bench_cache
+from fuzz.bench.kernel.measure import pick_ids
+from zeroer.designs import GraphRingZeroer, TorchPerCallZeroer
+from zeroer.designs.graph_ring import _packer
+from zeroer.cache.layout import build_cache
 
 out = open(f"{sys.argv[1]}/profile-graph-ring.jsonl", "w")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from fuzz.campaigns import PROFILES, default_campaigns, run_campaign
+from fuzz.engine.campaigns import PROFILES, default_campaigns, run_campaign
 
 SEEDS = range(1, 11)
 

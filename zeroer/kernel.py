@@ -1,6 +1,6 @@
 """The Triton zero kernel, its launcher, and a pure-torch reference to check it against.
 
-The model. The kernel reads an address table of segments (see `zeroer.layout`): for every
+The model. The kernel reads an address table of segments (see `zeroer.cache.layout`): for every
 requested logical block `b` and every segment `s` it stores int32 zeros over
 `[addr_s + b * block_stride_s * 4, + page_s * 4)` bytes, in chunks of BLOCK_SIZE words, with
 masked stores so a chunk never runs past a page that is shorter than its stride (vLLM #50276).
@@ -24,8 +24,8 @@ the kernel.
 Example:
 
     >>> import torch
-    >>> from zeroer.geometries import geometry
-    >>> from zeroer.layout import build_cache
+    >>> from zeroer.cache.geometries import geometry
+    >>> from zeroer.cache.layout import build_cache
     >>> kernel_cache, ref_cache = build_cache(geometry("tiny")), build_cache(geometry("tiny"))
     >>> zero_blocks(kernel_cache.table, torch.tensor([1, 5], dtype=torch.int64))
     >>> zero_blocks_reference(ref_cache, [1, 5])
@@ -45,10 +45,10 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from zeroer.errors import RuntimeUsageError
-from zeroer.layout import device_index
+from zeroer.cache.layout import device_index
 
 if TYPE_CHECKING:
-    from zeroer.layout import KVCache, SegmentTable
+    from zeroer.cache.layout import KVCache, SegmentTable
 
 MAX_BLOCK_SIZE = 8192  # int32 words one program stores per chunk by default: 32 KiB
 WORDS_PER_THREAD = 16  # default warps give each thread 64 bytes: four 16-byte stores
@@ -82,7 +82,7 @@ def _zero_kv_blocks(
         seg_end = n_segs
         if SKIP_NEGATIVE:
             # A CUDA graph is captured for a fixed number of ids; the graph ring pads the rest
-            # with -1 (zeroer.direct.graph_ring), which must zero nothing rather than a block.
+            # with -1 (zeroer.designs.graph_ring), which must zero nothing rather than a block.
             seg_end = tl.where(block_id < 0, 0, n_segs)
         s = tl.program_id(1)
         while s < seg_end:
@@ -134,7 +134,7 @@ def launch_config(max_page: int, block_size: int | None = None,
     page), and the warps give each thread WORDS_PER_THREAD words, i.e. four 16-byte stores.
     Measured on an H200 (docs/performance.md): whole 32 KiB pages with 16 warps beat 16 KiB
     chunks with 8 warps by 2-3% on scattered ids and by 8-10% on adjacent ones.
-    `python -m zeroer.bench` measures the alternatives on the GPU.
+    `python -m fuzz.bench.kernel` measures the alternatives on the GPU.
 
     >>> launch_config(8192)
     LaunchConfig(block_size=8192, num_warps=16)
@@ -278,7 +278,7 @@ def zero_blocks(table: SegmentTable, block_ids: torch.Tensor,
     them). `cached=False` launches through Triton's JIT dispatch every time (the benchmark's
     comparison); the default keeps the compiled kernel (:class:`CachedLauncher`).
     `skip_negative=True` makes an id below 0 zero nothing: a CUDA graph captures a fixed id count
-    and pads with -1 (:mod:`zeroer.direct.graph_ring`). It is a separate compiled kernel; the
+    and pads with -1 (:mod:`zeroer.designs.graph_ring`). It is a separate compiled kernel; the
     default keeps the plain one, in which a negative id is the caller's bug, as it is in vLLM.
     """
     if block_ids.dtype != torch.int64 or block_ids.dim() != 1:

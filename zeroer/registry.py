@@ -1,145 +1,204 @@
-"""Names for zeroers, and how an outside zeroer plugs in.
+"""The built-in zeroers by name, and how a zeroer named on a command line is loaded.
 
-A zeroer is built by a *factory* ``factory(cache, runtime) -> zeroer``: ``cache`` is the
-:class:`~zeroer.layout.KVCache` to zero, ``runtime`` the :class:`~zeroer.runtime.Runtime` whose
-current stream each call must be ordered on; the returned object has
-``zero_block_ids(block_ids: list[int]) -> None``. The built-in designs are registered by name;
-``resolve_factory`` also accepts ``module:attr`` and ``path/to/file.py:attr``, which is how vLLM's
-own class (behind a small adapter) or a new design is fuzzed (docs/zeroer-api.md).
+Every built-in is one :class:`Builtin` row: its name, its factory and what its campaigns must show
+(``race-free``: no finding; ``racy``: the fuzzer must find its race), plus, for a zoo entry, the
+geometry its bug shows on. ``load_zeroer`` accepts a built-in name, ``module:attr`` or
+``path/to/file.py:attr`` and checks the factory and its declared :class:`~zeroer.protocol.Capabilities`
+once (:func:`zeroer.protocol.check_factory`); :meth:`LoadedZeroer.build` then builds and binds a
+zeroer, under interception when it is a plain torch zeroer (:mod:`zeroer.intercept`).
 
 Example::
 
-    z = make_zeroer("event_ring", cache, rt)
-    factory = resolve_factory("my_pkg.zeroers:make_mine")
+    loaded = load_zeroer("event_ring")
+    zeroer = loaded.build(cache, rt)            # a BoundZeroer: zero_block_ids, warmup, close
+    load_zeroer("examples/torch_zeroers.py:single_pinned_buffer").capabilities.api    # 'torch'
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import importlib.util
-import inspect
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .direct import TorchPerCallZeroer, make_graph_ring
-from .errors import ZeroerError
-from .impls import EventRingZeroer, PerCallZeroer, ReferenceZeroer, RingZeroer, SingleBufferZeroer, Zeroer
-from .layout import KVCache
-from .runtime import Runtime
-from .zoo import ENTRIES as ZOO_ENTRIES
-from .zoo.entry import BOTH
+from zeroer.cache.layout import KVCache
+from zeroer.designs import (EventRingZeroer, PerCallZeroer, ReferenceZeroer, RingZeroer, SingleBufferZeroer,
+                            StagedZeroer, TorchPerCallZeroer, make_graph_ring)
+from zeroer.protocol import BoundZeroer, Capabilities, ZeroerFactory, ZeroerSpecError, check_factory
+from zeroer.runtime import Runtime
+from zeroer.zoo import ENTRIES as ZOO_ENTRIES
 
-ZeroerFactory = Callable[[KVCache, Runtime], Zeroer]
+VERDICTS = ("race-free", "racy")
 
-REGISTRY: dict[str, ZeroerFactory] = {
-    "event_ring": EventRingZeroer,
-    "per_call": PerCallZeroer,
-    "reference": ReferenceZeroer,
-    "ring": RingZeroer,
-    "single_buffer": SingleBufferZeroer,
+
+@dataclass(frozen=True)
+class Builtin:
+    """One built-in zeroer: what it is called, how it is built, what the fuzzer must conclude."""
+
+    name: str
+    factory: ZeroerFactory
+    verdict: str  # "race-free" or "racy"
+    zoo_geometry: str | None = None  # a zoo entry: the geometry its bug shows on
+    direct: bool = False  # written straight against torch.cuda, as an engine ships it (measured on that path)
+
+    @property
+    def is_zoo(self) -> bool:
+        return self.zoo_geometry is not None
+
+
+BUILTINS: dict[str, Builtin] = {
+    b.name: b
+    for b in (
+        Builtin("event_ring", EventRingZeroer, "race-free"),
+        Builtin("per_call", PerCallZeroer, "race-free"),
+        Builtin("reference", ReferenceZeroer, "race-free"),
+        Builtin("ring", RingZeroer, "racy"),
+        Builtin("single_buffer", SingleBufferZeroer, "racy"),
+        # Race-free production forms written straight against torch (zeroer/designs/torch_per_call.py,
+        # graph_ring.py); graph_ring's factory picks its form from the runtime.
+        Builtin("graph_ring", make_graph_ring, "race-free", direct=True),
+        Builtin("torch_per_call", TorchPerCallZeroer, "race-free", direct=True),
+        # Broken on purpose, one real bug class each (zeroer/zoo, docs/zoo.md).
+        *(Builtin(name, cls, "racy", cls.geometry) for name, cls in sorted(ZOO_ENTRIES.items())),
+    )
 }
-RACE_FREE: tuple[str, ...] = ("event_ring", "per_call", "reference")
-RACY: tuple[str, ...] = ("ring", "single_buffer")
-# Race-free production forms written straight against torch.cuda (zeroer/direct), measured on
-# that direct path. torch_per_call runs on cuda in the free-running mode only (it waits on
-# events the controlled mode cannot gate); graph_ring's factory picks its form from the runtime:
-# CUDA graphs through the driver there, its protocol modelled on the runtime everywhere else.
-DIRECT: tuple[str, ...] = ("graph_ring", "torch_per_call")
-REGISTRY.update({"graph_ring": make_graph_ring, "torch_per_call": TorchPerCallZeroer})
-# Broken on purpose, one real bug class each (zeroer/zoo, docs/zoo.md), for `python -m fuzz.detect`.
-REGISTRY.update(ZOO_ENTRIES)
-ZOO: tuple[str, ...] = tuple(sorted(ZOO_ENTRIES))
 
 
-class ZeroerSpecError(ZeroerError, ValueError):
-    """A ``--zeroer`` value that names no usable factory."""
+def builtin_names(*, verdict: str | None = None, zoo: bool | None = None, direct: bool | None = None) -> tuple[str, ...]:
+    """Built-in names, sorted, filtered by verdict, by whether they are zoo entries and direct designs."""
+    return tuple(
+        sorted(
+            name for name, b in BUILTINS.items()
+            if (verdict is None or b.verdict == verdict) and (zoo is None or b.is_zoo == zoo)
+            and (direct is None or b.direct == direct)
+        )
+    )
+
+
+# Views of the table that many callers need.
+RACE_FREE = builtin_names(verdict="race-free", zoo=False, direct=False)  # on the runtime: every backend
+RACY = builtin_names(verdict="racy", zoo=False)  # the upstream races: their campaigns must find them
+DIRECT = builtin_names(direct=True)
+ZOO = builtin_names(zoo=True)
 
 
 def zeroer_names() -> list[str]:
-    return sorted(REGISTRY)
-
-
-def backends_of(factory: object) -> tuple[str, ...]:
-    """Where a zeroer runs: its factory's ``backends`` (zoo entries, the direct designs), else both."""
-    return tuple(getattr(factory, "backends", BOTH))
-
-
-def cuda_modes_of(factory: object) -> tuple[str, ...]:
-    """The cuda modes a zeroer runs in: its factory's ``modes``, else controlled and free."""
-    return tuple(getattr(factory, "modes", ("controlled", "free")))
+    return sorted(BUILTINS)
 
 
 def default_geometry(spec: str) -> str | None:
     """The geometry a zoo entry's bug shows on (``zoo.ratio_ignored`` -> ``ratio2``), else None."""
-    entry = ZOO_ENTRIES.get(spec)
-    return entry.geometry if entry is not None else None
+    entry = BUILTINS.get(spec)
+    return entry.zoo_geometry if entry is not None else None
 
 
-def follows_reallocation(spec: str, zeroer: object) -> bool:
-    """Whether the fuzzer may reallocate the cache under ``zeroer`` (the ``reallocate`` op).
+@dataclass(frozen=True)
+class LoadedZeroer:
+    """A checked factory and what it declares; :meth:`build` makes zeroers from it."""
 
-    Registered zeroers read the cache's current address table at every call (the harness keeps
-    the ``KVCache`` object and swaps its buffers), so they must follow; ``zoo.stale_table``
-    does not, which is its bug. An outside zeroer may have captured the table on purpose, as
-    vLLM's does, so it is reallocated under only if it sets ``follows_reallocation = True``.
-    """
-    return bool(getattr(zeroer, "follows_reallocation", spec in REGISTRY))
+    spec: str
+    factory: ZeroerFactory
+    capabilities: Capabilities
+
+    @property
+    def builtin(self) -> Builtin | None:
+        return BUILTINS.get(self.spec)
+
+    def build(self, cache: KVCache, runtime: Runtime, **options: Any) -> BoundZeroer:
+        """Build a zeroer for ``cache`` on ``runtime``; ``options`` go to a built-in's constructor.
+
+        A plain torch zeroer (``api="torch"``) is built, warmed up and called under interception
+        (:func:`zeroer.intercept.bind`), on every backend.
+        """
+        if self.capabilities.api == "torch":
+            from zeroer.intercept import bind  # the layer above the designs; imported only when used
+
+            return bind(self, cache, runtime, **options)
+        return BoundZeroer(self.factory(cache, runtime, **options), self.spec, self.capabilities)
 
 
-def make_zeroer(name: str, cache: KVCache, runtime: Runtime, **options: Any) -> Zeroer:
-    """Build the registered zeroer ``name``; ``options`` go to its constructor."""
-    if name not in REGISTRY:
+def make_zeroer(name: str, cache: KVCache, runtime: Runtime, **options: Any) -> Any:
+    """Build the built-in zeroer ``name`` itself (not bound); ``options`` go to its constructor."""
+    if name not in BUILTINS:
         raise ZeroerSpecError(f"unknown zeroer {name!r}; built-in zeroers: {', '.join(zeroer_names())}")
-    return REGISTRY[name](cache, runtime, **options)
+    return BUILTINS[name].factory(cache, runtime, **options)
 
 
-def resolve_factory(spec: str) -> ZeroerFactory:
-    """A built-in name, ``module:attr`` or ``path/to/file.py:attr`` -> a checked factory."""
-    if spec in REGISTRY:
-        return REGISTRY[spec]
+def kernel_options(spec: str, kernel: str | None) -> dict[str, Any]:
+    """The ``kernel=`` option for the built-in staged designs (torch or triton), else nothing."""
+    entry = BUILTINS.get(spec)
+    factory = entry.factory if entry is not None else None
+    if kernel is None or not (isinstance(factory, type) and issubclass(factory, StagedZeroer)):
+        return {}
+    return {"kernel": kernel}
+
+
+@functools.lru_cache(maxsize=None)
+def load_zeroer(spec: str) -> LoadedZeroer:
+    """A built-in name, ``module:attr`` or ``path/to/file.py:attr`` -> a checked :class:`LoadedZeroer`."""
+    if spec in BUILTINS:
+        factory = BUILTINS[spec].factory
+        return LoadedZeroer(spec, factory, check_factory(factory, spec))
     if ":" not in spec:
         raise ZeroerSpecError(
             f"unknown zeroer {spec!r}; use a built-in name ({', '.join(zeroer_names())}), "
             f"'module:attr' or 'path/to/file.py:attr'"
         )
     target, _, attr = spec.rpartition(":")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ZeroerSpecError(f"zeroer {spec!r}: file {target!r} does not exist")
-        module_name = f"_zeroer_plugin_{abs(hash(str(path.resolve())))}"
-        loader_spec = importlib.util.spec_from_file_location(module_name, path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise ZeroerSpecError(f"zeroer {spec!r}: cannot import {target!r} as a Python file")
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[module_name] = module
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as exc:  # the user's module failed: say which and why
-            raise ZeroerSpecError(f"zeroer {spec!r}: importing {target!r} failed: {exc!r}") from exc
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as exc:
-            raise ZeroerSpecError(f"zeroer {spec!r}: cannot import module {target!r}: {exc!r}") from exc
+    module = _import_file(spec, target) if target.endswith(".py") else _import_module(spec, target)
     factory = getattr(module, attr, None)
     if factory is None:
         raise ZeroerSpecError(f"zeroer {spec!r}: {target!r} has no attribute {attr!r}")
-    check_factory(factory, spec)
-    return factory
+    return LoadedZeroer(spec, factory, check_factory(factory, spec))
 
 
-def check_factory(factory: object, spec: str) -> None:
-    """A factory must be callable as ``factory(cache, runtime)``."""
-    if not callable(factory):
-        raise ZeroerSpecError(f"zeroer {spec!r} is {type(factory).__name__}, not a factory(cache, runtime)")
+def _import_file(spec: str, target: str) -> Any:
+    path = Path(target)
+    if not path.is_file():
+        raise ZeroerSpecError(f"zeroer {spec!r}: file {target!r} does not exist")
+    # A stable module name: the same file imported twice is one module.
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    module_name = f"_zeroer_plugin_{path.stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise ZeroerSpecError(f"zeroer {spec!r}: cannot import {target!r} as a Python file")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module
     try:
-        inspect.signature(factory).bind(object(), object())
-    except TypeError as exc:
-        raise ZeroerSpecError(
-            f"zeroer {spec!r} has signature {inspect.signature(factory)}; a factory must accept "
-            f"(cache, runtime): {exc}"
-        ) from None
-    except ValueError:  # builtins without a signature: accept and let the call decide
-        pass
+        _exec_module(loader_spec.loader, module)
+    except Exception as exc:  # the user's module failed: say which and why
+        del sys.modules[module_name]
+        raise ZeroerSpecError(f"zeroer {spec!r}: importing {target!r} failed: {exc!r}") from exc
+    return module
+
+
+def _import_module(spec: str, target: str) -> Any:
+    try:
+        with _import_scope():
+            return importlib.import_module(target)
+    except Exception as exc:
+        raise ZeroerSpecError(f"zeroer {spec!r}: cannot import module {target!r}: {exc!r}") from exc
+
+
+def _exec_module(loader: Any, module: Any) -> None:
+    with _import_scope():
+        loader.exec_module(module)
+
+
+def _import_scope() -> Any:
+    """What a user's module is imported under: torch.cuda as a plain torch zeroer sees it while
+    it runs (vLLM decides ``PIN_MEMORY`` from ``torch.cuda.is_available()`` at import)."""
+    from zeroer.intercept import import_scope
+
+    return import_scope()
+
+
+def resolve_factory(spec: str) -> ZeroerFactory:
+    """The factory ``spec`` names, checked (see :func:`load_zeroer`)."""
+    return load_zeroer(spec).factory

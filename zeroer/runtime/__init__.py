@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import RuntimeUsageError
-from .base import DeviceBuffer, Event, Hold, HostBuffer, Runtime, Stream
-from .hb import HappensBefore, Hazard
-from .sim import EagerSchedule, LazySchedule, RandomSchedule, Schedule, SimRuntime
+from zeroer.errors import RuntimeUsageError
+from zeroer.runtime.base import DeviceBuffer, Event, Hold, HostBuffer, Runtime, Stream
+from zeroer.runtime.hb import HappensBefore, Hazard
+from zeroer.runtime.sim import EagerSchedule, LazySchedule, RandomSchedule, Schedule, SimRuntime
 
 BACKENDS = ("auto", "cuda", "sim")
 CUDA_MODES = ("controlled", "free")
@@ -45,7 +45,7 @@ def make_runtime(
         return SimRuntime(schedule=schedule)
     if mode not in CUDA_MODES:
         raise RuntimeUsageError(f"unknown cuda mode {mode!r}; choose one of {', '.join(CUDA_MODES)}")
-    from .cuda import CudaRuntime
+    from zeroer.runtime.cuda import CudaRuntime
 
     return CudaRuntime(mode=mode, device=device)
 

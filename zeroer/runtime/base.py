@@ -12,7 +12,7 @@ event's completion means, where memory comes from.
 
 A runtime whose ``checked`` is False (``CudaRuntime(mode="free", checked=False)``) skips the
 checker, op labels and annotations: the very same zeroer code then runs with little more than
-its own CUDA calls, which is what ``python -m zeroer.bench`` times as a design's cost. Nothing is
+its own CUDA calls, which is what ``python -m fuzz.bench.kernel`` times as a design's cost. Nothing is
 checked there, so it is never used for fuzzing.
 
 Example (works the same with ``make_runtime("cuda")`` on a GPU)::
@@ -40,8 +40,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import RuntimeUsageError
-from .hb import HappensBefore, Hazard, OpStamp
+from zeroer.errors import RuntimeUsageError
+from zeroer.runtime.hb import HappensBefore, Hazard, OpStamp
 
 # What an unchecked runtime hands its backend instead of a real stamp: no clock, a fixed label.
 UNCHECKED_STAMP = OpStamp(0, 0, (), "an op of an unchecked runtime (no labels)")
@@ -468,6 +468,11 @@ class Runtime(ABC):
     def pending(self, stream: Stream) -> int:
         """Ops queued on ``stream`` and not yet executed (0 where the runtime cannot know)."""
         return 0
+
+    def ungated(self) -> contextlib.AbstractContextManager[None]:
+        """Run what is enqueued inside at once (the controlled cuda mode's warm-up scope; see
+        :meth:`zeroer.runtime.cuda.ControlledCudaRuntime.ungated`); elsewhere a plain scope."""
+        return _NO_CONTEXT
 
     def close(self) -> None:
         """Let every queued op run and release backend resources."""

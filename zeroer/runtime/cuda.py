@@ -36,7 +36,7 @@ Rules while a controlled runtime has queued work (gates spin on the GPU):
 ``checked=False`` (free mode only) is for measuring a zeroer, not for finding races: no
 happens-before checker, labels or annotations, no allocator clocks, no watchdog around calls
 while no hold is placed, and no stream switch for an op on the stream that is already torch's
-current one (``use_stream``). ``python -m zeroer.bench`` times each design both ways.
+current one (``use_stream``). ``python -m fuzz.bench.kernel`` times each design both ways.
 
 A host call stuck behind closed gates longer than ``timeout_s`` is turned into
 :class:`~zeroer.runtime.gate.GateTimeoutError` after every gate has been opened: never a hang.
@@ -66,9 +66,9 @@ from typing import Callable
 
 import torch
 
-from ..errors import DeadlockError, RuntimeUsageError
-from .base import DeviceBuffer, Event, Hold, HostBuffer, Runtime, Stream
-from .gate import (
+from zeroer.errors import DeadlockError, RuntimeUsageError
+from zeroer.runtime.base import DeviceBuffer, Event, Hold, HostBuffer, Runtime, Stream
+from zeroer.runtime.gate import (
     GatePool,
     GateTimeoutError,
     Watchdog,
@@ -79,9 +79,9 @@ from .gate import (
     release_streams,
     spare_stream,
 )
-from .hb import OpStamp
-from .queues import QueuedOp, StreamQueues
-from .sim import SimHostAllocator
+from zeroer.runtime.hb import OpStamp
+from zeroer.runtime.queues import QueuedOp, StreamQueues
+from zeroer.runtime.sim import SimHostAllocator
 
 MODES = ("controlled", "free")
 DELAY_CYCLES_PER_UNIT = 200_000  # torch.cuda._sleep cycles per delay unit: ~0.1 ms at ~2 GHz (H200)

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import DeadlockError, RuntimeUsageError
+from zeroer.errors import DeadlockError, RuntimeUsageError
 
 try:  # triton is optional: the simulator and every CPU test must import this module without it
     import triton

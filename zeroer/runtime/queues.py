@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import DeadlockError
+from zeroer.errors import DeadlockError
 
 
 @dataclass

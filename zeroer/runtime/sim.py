@@ -38,9 +38,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from .base import Event, Hold, HostBuffer, Runtime, Stream
-from .hb import OpStamp
-from .queues import QueuedOp, StreamQueues
+from zeroer.runtime.base import Event, Hold, HostBuffer, Runtime, Stream
+from zeroer.runtime.hb import OpStamp
+from zeroer.runtime.queues import QueuedOp, StreamQueues
 
 
 class Schedule(Protocol):

@@ -9,7 +9,7 @@ its bug shows (:mod:`zeroer.zoo.entry`). Families, one module each:
 * :mod:`~zeroer.zoo.arithmetic`: the kernel's offset width, block ratio and grid;
 * :mod:`~zeroer.zoo.table`: the segment address table.
 
-``python -m fuzz.detect`` runs the fuzzer against every entry (docs/detection.md);
+``python -m fuzz.bench.detect`` runs the fuzzer against every entry (docs/detection.md);
 ``pytest fuzz --zeroer zoo.side_stream`` fuzzes one on its geometry; docs/zoo.md lists them.
 
 Example::
@@ -20,12 +20,12 @@ Example::
 
 from __future__ import annotations
 
-from .arithmetic import Int32Offset, Int32Offset4GiB, LastChunkSkipped, RatioIgnored
-from .entry import ZooEntry
-from .kernel_model import KernelModelZeroer
-from .staging import RingOverrun, SingleBuffer, UnprotectedStaging
-from .streams import CapturedStream, DeferredZero, SharedDeviceIds, SideStream
-from .table import PackedOverrun, SharedKOnly, StaleTable
+from zeroer.zoo.arithmetic import Int32Offset, Int32Offset4GiB, LastChunkSkipped, RatioIgnored
+from zeroer.zoo.entry import ZooEntry
+from zeroer.zoo.kernel_model import KernelModelZeroer
+from zeroer.zoo.staging import RingOverrun, SingleBuffer, UnprotectedStaging
+from zeroer.zoo.streams import CapturedStream, DeferredZero, SharedDeviceIds, SideStream
+from zeroer.zoo.table import PackedOverrun, SharedKOnly, StaleTable
 
 _CLASSES: tuple[type[ZooEntry], ...] = (
     SingleBuffer,

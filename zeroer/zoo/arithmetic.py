@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import KVCache
-from ..runtime import Runtime
-from .entry import ZooEntry, allocate, start, write
-from .kernel_model import KernelModelZeroer, store_zeros
+from zeroer.cache.layout import KVCache
+from zeroer.protocol import Capabilities
+from zeroer.runtime import Runtime
+from zeroer.zoo.entry import ZooEntry, allocate, start, write
+from zeroer.zoo.kernel_model import KernelModelZeroer, store_zeros
 
 MAX_BLOCK_SIZE = 1024  # int32 words per program at most, as in vLLM's kernel
 
@@ -86,12 +87,12 @@ class Int32Offset4GiB(Int32Offset):
 
     Geometry ``int32_wrap``: ten 512 MiB pages in one segment; blocks 8 and 9 sit past 4 GiB and
     wrap onto blocks 0 and 1. Too big for the simulator (and for the CPU CI); run it with
-    ``python -m fuzz.detect --backend cuda --entries zoo.int32_offset_4gib``.
+    ``python -m fuzz.bench.detect --backend cuda --entries zoo.int32_offset_4gib``.
     """
 
     name = "zoo.int32_offset_4gib"
     geometry = "int32_wrap"
-    backends = ("cuda",)
+    capabilities = Capabilities(api="runtime", backends=("cuda",), follows_reallocation=True)
     scenario = (start(), allocate(3), allocate(3), allocate(3))  # the third call's 8 and 9 wrap
 
     def __init__(self, cache: KVCache, runtime: Runtime, *, offset_bits: int = 32, kernel: str = "torch") -> None:

@@ -1,14 +1,13 @@
 """What every zoo entry declares besides its bug: where the bug shows and how to show it.
 
-A zoo entry is a zeroer class with one real bug. Besides ``zero_block_ids`` it carries data the
-detection run (``python -m fuzz.detect``), ``pytest fuzz --zeroer zoo.NAME`` and the tests use:
+A zoo entry is a zeroer class with one real bug (its ``capabilities`` come from the design it
+breaks: :mod:`zeroer.protocol`). Besides ``zero_block_ids`` it carries data the
+detection run (``python -m fuzz.bench.detect``), ``pytest fuzz --zeroer zoo.NAME`` and the tests use:
 
 * ``name``: its registered name, ``zoo.<bug>``;
-* ``geometry``: the KV-cache preset on which the bug can show (``zeroer.geometries``);
-* ``backends``: where it is meant to run (``("cuda",)`` for an entry whose geometry is too big
-  for the simulator);
+* ``geometry``: the KV-cache preset on which the bug can show (``zeroer.cache.geometries``);
 * ``upstream``: the vLLM issue or PR it is modelled on, in a few words;
-* ``scenario``: a short hand-written program of op records (``fuzz.episode``) on which it
+* ``scenario``: a short hand-written program of op records (``fuzz.engine.episode``) on which it
   misbehaves and every race-free design does not (``tests/test_zoo.py``).
 
 Example::
@@ -22,15 +21,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-BOTH = ("sim", "cuda")
-
 
 class ZooEntry:
     """Mixin with the declarations above; see the module docstring."""
 
     name: ClassVar[str] = "zoo.?"
     geometry: ClassVar[str] = "tiny"
-    backends: ClassVar[tuple[str, ...]] = BOTH
     upstream: ClassVar[str] = ""
     scenario: ClassVar[tuple[dict, ...]] = ()
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..impls import PerCallZeroer
-from ..layout import WORD_BYTES, KVCache, Segment
-from ..runtime import DeviceBuffer, Runtime
+from zeroer.designs import PerCallZeroer
+from zeroer.cache.layout import WORD_BYTES, KVCache, Segment
+from zeroer.runtime import DeviceBuffer, Runtime
 
 
 @dataclass(frozen=True)

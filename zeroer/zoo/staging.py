@@ -19,11 +19,11 @@ Example::
 
 from __future__ import annotations
 
-from ..impls import PerCallZeroer, RingZeroer, SingleBufferZeroer
-from ..impls.single_buffer import DEFAULT_ID_CAP
-from ..layout import KVCache
-from ..runtime import Runtime
-from .entry import ZooEntry, allocate, start
+from zeroer.designs import PerCallZeroer, RingZeroer, SingleBufferZeroer
+from zeroer.designs.single_buffer import DEFAULT_ID_CAP
+from zeroer.cache.layout import KVCache
+from zeroer.runtime import Runtime
+from zeroer.zoo.entry import ZooEntry, allocate, start
 
 
 class SingleBuffer(ZooEntry, SingleBufferZeroer):

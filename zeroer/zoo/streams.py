@@ -25,10 +25,10 @@ Example::
 
 from __future__ import annotations
 
-from ..impls import PerCallZeroer
-from ..layout import KVCache
-from ..runtime import DeviceBuffer, Runtime
-from .entry import ZooEntry, advance, allocate, start, write
+from zeroer.designs import PerCallZeroer
+from zeroer.cache.layout import KVCache
+from zeroer.runtime import DeviceBuffer, Runtime
+from zeroer.zoo.entry import ZooEntry, advance, allocate, start, write
 
 
 class _FreshHostStaging(PerCallZeroer):

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import KVCache
-from ..runtime import Runtime
-from .entry import ZooEntry, allocate, start
-from .kernel_model import KernelModelZeroer, SegmentWords, segment_words, store_zeros
+from zeroer.cache.layout import KVCache
+from zeroer.runtime import Runtime
+from zeroer.zoo.entry import ZooEntry, allocate, start
+from zeroer.zoo.kernel_model import KernelModelZeroer, SegmentWords, segment_words, store_zeros
 
 
 class PackedOverrun(ZooEntry, KernelModelZeroer):

@@ -1,0 +1,5 @@
+import sys
+
+from fuzz.bench.detect.cli import main
+
+sys.exit(main())

@@ -1,0 +1,90 @@
+"""The baselines this fuzzer is compared against in the detection benchmark (docs/baselines.md).
+
+Each is a function ``method(config, budget_s, seed) -> DetectionOutcome`` over the same
+:class:`~fuzz.engine.episode.EpisodeConfig` entries the fuzzer runs:
+
+* ``stress`` (:mod:`fuzz.bench.detect.baselines.stress`): a plain random loop over the fuzzer's ops, with no
+  Hypothesis, no ``advance`` and no ``delay``; value findings only;
+* ``sanitizer`` (:mod:`fuzz.bench.detect.baselines.sanitizer`): that loop on cuda under PyTorch's CUDA
+  sanitizer (``TORCH_CUDA_SANITIZER=1``), in a child process; a detection is a CSAN report;
+* ``handwritten`` (:mod:`fuzz.bench.detect.baselines.handwritten`): one fixed interleaving in the style of
+  vLLM's ``tests/v1/worker/test_kv_block_zeroer.py``, run once.
+
+From the command line, mostly for debugging::
+
+    PYTHONPATH=. python -m fuzz.bench.detect.baselines stress --zeroer single_buffer --kernel torch --budget 5 --seed 1
+    python -m fuzz.bench.detect.baselines sanitizer --zeroer single_buffer --backend cuda --budget 30
+
+Example::
+
+    from fuzz.bench.detect.baselines import METHODS
+    outcome = METHODS["handwritten"](EpisodeConfig(zeroer="single_buffer"), 10.0, 0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+from fuzz.bench.detect.baselines.handwritten import handwritten
+from fuzz.bench.detect.baselines.sanitizer import child_main, sanitizer
+from fuzz.bench.detect.baselines.stress import DEFAULT_REPRO_DIR, BaselineUsageError, stress
+from fuzz.bench.detect.outcome import DetectionOutcome
+from fuzz.engine.episode import EpisodeConfig
+
+Method = Callable[[EpisodeConfig, float, int], DetectionOutcome]
+
+METHODS: dict[str, Method] = {
+    "handwritten": handwritten,
+    "sanitizer": sanitizer,
+    "stress": stress,
+}
+CHILD = "stress-child"  # internal: the sanitizer's child process
+
+
+def run_method(
+    name: str, config: EpisodeConfig, budget_s: float, seed: int, *, repro_dir: Path | None = None
+) -> DetectionOutcome:
+    """Run the baseline called ``name``; an unknown name is a :class:`BaselineUsageError`."""
+    if name not in METHODS:
+        raise BaselineUsageError(f"unknown baseline method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
+    return METHODS[name](config, budget_s, seed, repro_dir=repro_dir)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fuzz.bench.detect.baselines", description=__doc__.split("\n\n")[0])
+    parser.add_argument("method", help=f"one of: {', '.join(sorted(METHODS))}")
+    parser.add_argument("--zeroer", default="reference", help="a built-in name, module:attr or path/file.py:attr")
+    parser.add_argument("--geometry", default="tiny")
+    parser.add_argument("--backend", default="auto", help="sim, cuda or auto (the sanitizer always uses cuda)")
+    parser.add_argument("--kernel", default=None, help="built-in staged designs: torch or triton")
+    parser.add_argument("--budget", type=float, default=10.0, help="seconds (default 10)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repro-dir", type=Path, default=DEFAULT_REPRO_DIR)
+    parser.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # the sanitizer's child
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.config_json is not None:
+            config = EpisodeConfig(**json.loads(args.config_json))
+        else:
+            config = EpisodeConfig(zeroer=args.zeroer, geometry=args.geometry, backend=args.backend, kernel=args.kernel)
+        if args.method == CHILD:
+            return child_main(config, args.budget, args.seed, args.repro_dir)
+        outcome = run_method(args.method, config, args.budget, args.seed, repro_dir=args.repro_dir)
+    except (BaselineUsageError, ValueError) as exc:
+        parser.error(str(exc))  # exit status 2, the message names the value
+    runs = "once" if args.method == "handwritten" else f"seed {args.seed}, budget {args.budget:g} s"  # print only what applies
+    print(f"{args.method} on zeroer {config.zeroer!r}, geometry {config.geometry}, {runs}")
+    for field in dataclasses.fields(outcome):
+        print(f"  {field.name}: {getattr(outcome, field.name)}")
+    return 0
+

@@ -1,0 +1,5 @@
+import sys
+
+from fuzz.bench.detect.baselines import main
+
+sys.exit(main())

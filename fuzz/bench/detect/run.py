@@ -1,0 +1,154 @@
+"""Running detection methods: the fuzzer as a method, the baselines, jobs and worker processes.
+
+A *job* is one method on one zeroer with one seed; :func:`run_job` runs it and returns a plain
+dict (it crosses process boundaries). The fuzzer's method, :class:`FuzzMethod`, runs the same
+:func:`~fuzz.engine.campaigns.run_campaign` as ``pytest fuzz``: Hypothesis runs of ``max_examples``
+examples each, repeated with the next seed of the campaign until a finding or the budget, so the
+seeds are fresh per seed index and entry yet deterministic (a campaign's seed is a digest of its
+id, ``<zeroer>-<geometry>-<backend>-shard<seed>``).
+
+:func:`run_jobs` runs jobs in this process, or in ``jobs`` spawned worker processes (spawn, not
+fork: a forked torch can hang in its thread pools); results come back in job order.
+
+Example::
+
+    method = FuzzMethod(Path("/tmp/traces"))
+    outcome = method(EpisodeConfig(zeroer="zoo.single_buffer"), 30.0, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import multiprocessing
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fuzz.bench.detect.baselines import METHODS
+from fuzz.engine.campaigns import Campaign, Profile, run_campaign
+from fuzz.bench.detect.outcome import DetectionOutcome
+from fuzz.engine.episode import EpisodeConfig
+
+Method = Callable[[EpisodeConfig, float, int], DetectionOutcome]
+
+FUZZ = "fuzz"
+RUN_EXAMPLES = 200  # examples per Hypothesis run: the budget is checked between runs
+STEPS = 25  # rules per example, as the quick and ci profiles
+
+
+@dataclass(frozen=True)
+class FuzzMethod:
+    """The fuzzer as a detection method; traces of findings go to ``repro_dir``."""
+
+    repro_dir: Path
+    run_examples: int = RUN_EXAMPLES
+    steps: int = STEPS
+
+    def __call__(self, config: EpisodeConfig, budget_s: float | None, seed: int) -> DetectionOutcome:
+        """Fuzz until a finding or ``budget_s`` seconds (None: one run of ``run_examples``)."""
+        profile = Profile("detect", max_examples=self.run_examples, steps=self.steps, budget_s=budget_s)
+        result = run_campaign(Campaign(config, shard=seed, expect="clean"), profile, self.repro_dir, budget_s=budget_s)
+        violation = result.violation
+        return DetectionOutcome(
+            found=result.found,
+            seconds=None if result.first_finding_s is None else round(result.first_finding_s, 3),
+            examples=result.first_finding_examples if result.found else result.examples,
+            steps=result.steps,
+            trace_len=None if violation is None else len(violation.trace),
+            repro=None if result.trace_path is None else str(result.trace_path),
+            message=str(violation.findings[0]).splitlines()[0] if violation and violation.findings else "no finding",
+        )
+
+
+def resolve_method(name: str, repro_dir: Path) -> Method:
+    if name == FUZZ:
+        return FuzzMethod(repro_dir)
+    if name not in METHODS:
+        raise KeyError(f"method {name!r} is not available; choose {FUZZ} or one of {', '.join(sorted(METHODS))}")
+    return functools.partial(METHODS[name], repro_dir=repro_dir)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One method on one zeroer with one seed."""
+
+    method: str
+    entry: str
+    kind: str  # "zoo" or "race-free"
+    seed: int
+    config: EpisodeConfig
+    budget_s: float | None  # None: one Hypothesis run (the clean-steps soak)
+    repro_dir: str
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Run ``job``; a method that raises is recorded as an error, never a finding."""
+    started = time.perf_counter()
+    try:
+        if job.budget_s is None:  # the clean-steps soak: one fixed-size fuzz run, counted in steps
+            outcome = FuzzMethod(Path(job.repro_dir))(job.config, None, job.seed)
+        else:
+            outcome = resolve_method(job.method, Path(job.repro_dir))(job.config, job.budget_s, job.seed)
+    except Exception as error:  # report and go on: one broken entry must not hide the others
+        outcome = DetectionOutcome(False, None, None, 0, None, None, "the method raised", error=f"{type(error).__name__}: {error}")
+    record = {
+        "method": job.method,
+        "entry": job.entry,
+        "kind": job.kind,
+        "seed": job.seed,
+        "geometry": job.config.geometry,
+        **dataclasses.asdict(outcome),
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+    return record
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker: the simulator's tensors are tiny
+
+
+def run_jobs(jobs: Iterable[Job], workers: int, *, stop: Callable[[list[dict]], bool] | None = None) -> Iterator[dict]:
+    """Yield each job's record as it completes, in ``workers`` processes (1: in this one).
+
+    ``stop(records_so_far)`` is asked after each record; once it is true no further job starts
+    (jobs already running finish and are yielded).
+    """
+    done: list[dict] = []
+    pending = iter(jobs)
+    if workers <= 1:
+        for job in pending:
+            record = run_job(job)
+            done.append(record)
+            yield record
+            if stop is not None and stop(done):
+                return
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker) as pool:
+        running: set[Future] = set()
+        stopped = False
+
+        def fill() -> None:
+            while not stopped and len(running) < workers:
+                job = next(pending, None)
+                if job is None:
+                    return
+                running.add(pool.submit(run_job, job))
+
+        fill()
+        while running:
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                running.discard(future)
+                record = future.result()
+                done.append(record)
+                yield record
+                if stop is not None and stop(done):
+                    stopped = True
+            fill()

@@ -1,0 +1,5 @@
+import sys
+
+from fuzz.bench.kernel.cli import main
+
+sys.exit(main())

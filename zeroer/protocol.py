@@ -1,0 +1,192 @@
+"""What a zeroer is, what its factory may declare, and the one place both are checked.
+
+A zeroer is any object with vLLM's call ``zero_block_ids(block_ids) -> None`` (:class:`Zeroer`).
+It may also have ``warmup()`` (compile and load its kernels, as vLLM's ``warmup`` does: the
+harness calls it before any gated work) and ``close()`` (wait for its queued work and release what
+it holds: the harness calls it at the end of every episode). A *factory* builds one:
+``factory(cache, runtime) -> zeroer``, where ``cache`` is the KV cache to zero and ``runtime`` the
+stream runtime whose current stream orders every call.
+
+What a factory may declare is one :class:`Capabilities` record, as its ``capabilities``
+attribute (a class attribute when the factory is the zeroer class itself). Nothing else about a
+zeroer is looked up by name anywhere else: :func:`check_factory` reads the record once when the
+zeroer is loaded, and :class:`BoundZeroer` resolves the optional hooks once when it is built.
+
+Example::
+
+    class MyZeroer:
+        capabilities = Capabilities(backends=("sim", "cuda"), geometries=("tiny", "ratio2"))
+
+        def __init__(self, cache, runtime): ...
+        def zero_block_ids(self, block_ids): ...
+
+    check_factory(MyZeroer, "my_zeroer.py:MyZeroer").api     # 'torch': it is intercepted
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from zeroer.errors import ZeroerError
+
+APIS = ("torch", "runtime")
+ALL_BACKENDS = ("sim", "cuda")
+ALL_CUDA_MODES = ("controlled", "free")
+
+
+class ZeroerSpecError(ZeroerError, ValueError):
+    """A zeroer spec, factory or declaration that cannot be used; the message says how to fix it."""
+
+
+@runtime_checkable
+class Zeroer(Protocol):
+    """vLLM's ``KVBlockZeroer`` call: enqueue the zeroing of ``block_ids`` on the current stream."""
+
+    def zero_block_ids(self, block_ids: Sequence[int] | None) -> None: ...
+
+
+ZeroerFactory = Callable[[Any, Any], Zeroer]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a zeroer's factory declares about it (every field has the default an engine's class needs).
+
+    * ``api``: ``"torch"`` (the default) for a zeroer written in plain torch, Triton and
+      ``torch.cuda``, as vLLM's is: while it runs, the harness intercepts its pinned allocations,
+      copies, kernel launches, streams and events and routes them to the runtime
+      (docs/fuzz-your-zeroer.md). ``"runtime"`` for a zeroer written against
+      :mod:`zeroer.runtime` (every built-in design): it is called as it is.
+    * ``backends`` and ``cuda_modes``: where it can run.
+    * ``follows_reallocation``: it reads the cache's address table on every call, so the fuzzer
+      may move the cache under it (the ``reallocate`` op); vLLM's class captures the table once,
+      so the default is False.
+    * ``geometries``: the KV-cache presets it supports (``zeroer.cache.geometries``); None means
+      every one. The fuzzer skips the others and says why.
+    """
+
+    api: str = "torch"
+    backends: tuple[str, ...] = ALL_BACKENDS
+    cuda_modes: tuple[str, ...] = ALL_CUDA_MODES
+    follows_reallocation: bool = False
+    geometries: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("backends", "cuda_modes", "geometries"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ZeroerSpecError(f"Capabilities({name}={value!r}): pass a tuple of names, e.g. {name}=({value!r},)")
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        if self.api not in APIS:
+            raise ZeroerSpecError(
+                f"Capabilities(api={self.api!r}) is not an api; choose 'torch' (plain torch and Triton, "
+                f"intercepted) or 'runtime' (written against zeroer.runtime)"
+            )
+        _check_subset("backends", self.backends, ALL_BACKENDS)
+        _check_subset("cuda_modes", self.cuda_modes, ALL_CUDA_MODES)
+        if not isinstance(self.follows_reallocation, bool):
+            raise ZeroerSpecError(f"Capabilities(follows_reallocation={self.follows_reallocation!r}): pass True or False")
+        if self.geometries is not None:
+            from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES  # the presets live above this module
+
+            known = {**GEOMETRIES, **LARGE_GEOMETRIES}
+            unknown = [g for g in self.geometries if g not in known]
+            if unknown or not self.geometries:
+                raise ZeroerSpecError(
+                    f"Capabilities(geometries={self.geometries!r}): "
+                    + (f"{unknown[0]!r} is not a geometry" if unknown else "name at least one geometry")
+                    + f"; known: {', '.join(sorted(known))} (or None for every one)"
+                )
+
+    def supports_geometry(self, name: str) -> bool:
+        return self.geometries is None or name in self.geometries
+
+    def runs_on(self, backend: str, mode: str | None = None) -> bool:
+        """Whether it runs on ``backend`` (and, on cuda, in ``mode``)."""
+        if backend not in self.backends:
+            return False
+        return backend != "cuda" or mode is None or mode in self.cuda_modes
+
+
+def _check_subset(name: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise ZeroerSpecError(
+            f"Capabilities({name}={values!r}): "
+            + (f"{bad[0]!r} is not one of {', '.join(allowed)}" if bad else f"name at least one of {', '.join(allowed)}")
+        )
+
+
+def check_factory(factory: object, spec: str) -> Capabilities:
+    """Check that ``factory`` can build zeroers and return what it declares (the defaults if nothing)."""
+    if not callable(factory):
+        raise ZeroerSpecError(f"zeroer {spec!r} is {type(factory).__name__}, not a factory(cache, runtime)")
+    try:
+        inspect.signature(factory).bind(object(), object())
+    except TypeError as exc:
+        raise ZeroerSpecError(
+            f"zeroer {spec!r} has signature {inspect.signature(factory)}; a factory must accept "
+            f"(cache, runtime): {exc}"
+        ) from None
+    except ValueError:  # builtins without a signature: accept and let the call decide
+        pass
+    declared = getattr(factory, "capabilities", None)  # the one place a declaration is read
+    if declared is None:
+        return Capabilities()
+    if not isinstance(declared, Capabilities):
+        raise ZeroerSpecError(
+            f"zeroer {spec!r} declares capabilities = {declared!r} ({type(declared).__name__}); "
+            f"declare a zeroer.protocol.Capabilities(...) instead"
+        )
+    return declared
+
+
+def _hook(zeroer: object, name: str, spec: str) -> Callable[[], None] | None:
+    hook = getattr(zeroer, name, None)
+    if hook is not None and not callable(hook):
+        raise ZeroerSpecError(
+            f"zeroer {spec!r}: its {name} attribute is a {type(hook).__name__}, not a method; "
+            f"define {name}(self) -> None or remove it"
+        )
+    return hook
+
+
+class BoundZeroer:
+    """A built zeroer with its optional hooks resolved once: ``warmup`` falls back to zeroing the
+    null block 0 (what vLLM's warm-up does), ``close`` to nothing.
+
+    Example::
+
+        bound = BoundZeroer(factory(cache, rt), "event_ring", capabilities)
+        bound.warmup(); bound.zero_block_ids([3]); bound.close()
+    """
+
+    __slots__ = ("zeroer", "spec", "capabilities", "zero_block_ids", "_warmup", "_close")
+
+    def __init__(self, zeroer: object, spec: str, capabilities: Capabilities) -> None:
+        call = getattr(zeroer, "zero_block_ids", None)
+        if not callable(call):
+            raise ZeroerSpecError(
+                f"zeroer {spec!r}: its factory returned a {type(zeroer).__name__}, which has no "
+                f"zero_block_ids(block_ids) method; return an object that has one"
+            )
+        self.zeroer = zeroer
+        self.spec = spec
+        self.capabilities = capabilities
+        self.zero_block_ids: Callable[[Sequence[int] | None], None] = call
+        self._warmup = _hook(zeroer, "warmup", spec)
+        self._close = _hook(zeroer, "close", spec)
+
+    def warmup(self) -> None:
+        if self._warmup is not None:
+            self._warmup()
+        else:
+            self.zero_block_ids([0])
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
