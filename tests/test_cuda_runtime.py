@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -19,23 +22,35 @@ import torch
 
 from zeroer.errors import DeadlockError, RuntimeUsageError
 from zeroer.runtime import make_runtime
-from zeroer.runtime.cuda import DELAY_CYCLES_PER_UNIT, CudaRuntime, PinnedArena, resolve_device
-from zeroer.runtime.gate import (
+from zeroer.runtime.cuda import (
+    DELAY_CYCLES_PER_UNIT,
+    ControlledCudaRuntime,
+    CudaRuntime,
+    CudaRuntimeBase,
+    FreeCudaRuntime,
+    PinnedArena,
+    resolve_device,
+)
+from zeroer.runtime.cuda import real_cuda
+from zeroer.runtime.cuda.gate import (
     GatePool,
     GateTimeoutError,
     Watchdog,
     gate_available,
     hardware_queues,
+    request_hardware_queues,
     spare_stream,
 )
 
 needs_cuda = pytest.mark.skipif(not gate_available(), reason="needs CUDA (and triton)")
+# At collection, before any test of this worker creates its CUDA context: a stream that shares a
+# hardware queue with a gated one (an observer reading results, say) stalls behind its gate.
 
 TIMEOUT_S = 3.0  # the runtime's own limit per gated op / guarded call in these tests
 DEADLINE_S = 10.0  # within()'s limit for a runtime call; it must exceed TIMEOUT_S
 
 
-def within(seconds: float, fn: Callable[[], Any], rt: CudaRuntime | None = None) -> Any:
+def within(seconds: float, fn: Callable[[], Any], rt: CudaRuntimeBase | None = None) -> Any:
     """Call ``fn`` in a thread; if it has not returned after ``seconds``, open every gate of ``rt``
     (so the GPU and the thread can finish) and fail the test instead of hanging the suite."""
     box: dict[str, Any] = {}
@@ -100,6 +115,27 @@ def test_hardware_queues_reads_cuda_device_max_connections(monkeypatch):
     assert hardware_queues() == 16
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "lots")
     assert hardware_queues() == 8  # CUDA's default
+
+
+def test_hardware_queues_are_requested_only_while_cuda_has_not_started_and_nobody_chose(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "16")  # restored (or removed again) at teardown
+    assert request_hardware_queues() == "already set" and hardware_queues() == 16
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    monkeypatch.setattr(real_cuda, "is_initialized", lambda: True)
+    assert request_hardware_queues() == "too late" and hardware_queues() == 8
+    monkeypatch.setattr(real_cuda, "is_initialized", lambda: False)
+    assert request_hardware_queues() == "set" and hardware_queues() == 32
+    assert request_hardware_queues() == "already set"
+
+
+def test_importing_the_cuda_backend_leaves_the_environment_alone():
+    code = (
+        "import os, zeroer.runtime.cuda, zeroer.runtime.cuda.gate; "
+        "print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
 
 
 def test_the_arena_reuses_a_freed_slot_of_the_same_size_class_at_once_newest_first():
@@ -235,7 +271,7 @@ def test_a_nested_guard_keeps_the_outer_deadline():
 def test_the_gate_kernel_spins_until_the_host_writes_its_flag():
     """The kernel's logic, run by the Triton interpreter on CPU memory."""
     interpreter = pytest.importorskip("triton.runtime.interpreter")
-    from zeroer.runtime import gate as gate_module
+    from zeroer.runtime.cuda import gate as gate_module
 
     kernel = interpreter.InterpretedFunction(gate_module._gate_kernel.fn)
     pool = GatePool(2, pin_memory=False)
@@ -254,9 +290,9 @@ def test_the_gate_kernel_spins_until_the_host_writes_its_flag():
 @pytest.fixture
 def runtimes():
     """Builds runtimes and closes them all at teardown, gates open, whatever the test did."""
-    made: list[CudaRuntime] = []
+    made: list[CudaRuntimeBase] = []
 
-    def make(mode: str = "controlled", **options: Any) -> CudaRuntime:
+    def make(mode: str = "controlled", **options: Any) -> CudaRuntimeBase:
         rt = CudaRuntime(mode=mode, timeout_s=options.pop("timeout_s", TIMEOUT_S), **options)
         made.append(rt)
         return rt
@@ -304,6 +340,19 @@ def fill(buf, value: int, observer: torch.cuda.Stream) -> None:
 
 def device_idle_within(seconds: float) -> None:
     within(seconds, torch.cuda.synchronize)
+
+
+@needs_cuda
+def test_cuda_runtime_builds_the_class_of_its_mode(runtimes):
+    controlled, free = runtimes("controlled"), runtimes("free")
+    assert isinstance(controlled, ControlledCudaRuntime) and controlled.scheduled and controlled.mode == "controlled"
+    assert isinstance(free, FreeCudaRuntime) and not free.scheduled and free.mode == "free"
+    assert controlled.hardware_queue_request in ("set", "already set", "too late")
+    built = make_runtime("cuda", mode="free")
+    try:
+        assert isinstance(built, FreeCudaRuntime)
+    finally:
+        within(DEADLINE_S, built.close, built)
 
 
 @needs_cuda

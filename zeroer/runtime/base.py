@@ -426,6 +426,45 @@ class Runtime(ABC):
         self._launch(fn, stream, stamp)
         return stamp
 
+    def run_now(
+        self,
+        fn: Callable[[], None],
+        *,
+        name: str = "op",
+        stream: Stream | None = None,
+        reads: Iterable[DeviceBuffer] = (),
+        writes: Iterable[DeviceBuffer] = (),
+        blocks_read: Iterable[int] = (),
+        blocks_written: Iterable[int] = (),
+    ) -> None:
+        """Run ``fn`` as one op on ``stream`` that the host waits for, as a synchronising CUDA call
+        does (``.item()``, a blocking copy): the stream's queued work runs first, then ``fn``, and
+        the host has then seen the stream up to and including it. ``fn`` may block the host (it
+        runs while the stream is idle, never behind a gate). Accesses are declared as for
+        :meth:`launch`."""
+        stream = self._resolve(stream)
+        self.synchronize_stream(stream)
+        stamp = self.hb.enqueue(stream.thread, self._label(name, stream))
+        if self.checked:
+            for buf in reads:
+                self.hb.device_access(buf.key, stamp, write=False)
+            for buf in writes:
+                self.hb.device_access(buf.key, stamp, write=True)
+            for block in blocks_read:
+                self.hb.device_access(("block", int(block)), stamp, write=False)
+            for block in blocks_written:
+                self.hb.device_access(("block", int(block)), stamp, write=True)
+        self._run_now(fn, stream, stamp)
+        self.hb.host_observes_stream(stream.thread)
+
+    def query_stream(self, stream: Stream | None = None) -> bool:
+        """True when every op queued on ``stream`` has run; the host then knows they did."""
+        stream = self._resolve(stream)
+        done = self._stream_done(stream)
+        if done:
+            self.hb.host_observes_stream(stream.thread)
+        return done
+
     def delay(self, stream: Stream | None, amount: int) -> None:
         """Hold ``stream`` back by ``amount`` units to widen race windows.
 
@@ -487,6 +526,16 @@ class Runtime(ABC):
 
     def _new_event_handle(self, event: Event) -> object:
         return None
+
+    def _run_now(self, fn: Callable[[], None], stream: Stream, stamp: OpStamp) -> None:
+        """``run_now``'s device part, called once ``stream`` is idle: by default one launch and a sync."""
+        self._launch(fn, stream, stamp)
+        self._sync_stream(stream)
+
+    def _stream_done(self, stream: Stream) -> bool:
+        """Whether ``stream`` has nothing queued that has not run (queue-model backends answer from
+        the model)."""
+        return self.pending(stream) == 0
 
     @abstractmethod
     def _record(self, event: Event, stream: Stream, stamp: OpStamp) -> None: ...

@@ -119,6 +119,10 @@ class HappensBefore:
         if snapshot is not None:
             self._join(self._clocks[HOST], snapshot)
 
+    def host_has_seen(self, stamp: OpStamp) -> bool:
+        """Whether the host has observed ``stamp``'s op complete (by a sync, a query or an allocator)."""
+        return _ordered(stamp, self._clocks[HOST])
+
     def host_observes_stream(self, thread: int) -> None:
         self._join(self._clocks[HOST], self._clocks[thread])
 
@@ -132,6 +136,12 @@ class HappensBefore:
 
     def _name(self, key: Key) -> str:
         return self._resource_names.get(key, f"{key[0]} {key[1]}")
+
+    def forget(self, key: Key) -> None:
+        """``key`` names new memory from now on (an allocator handed its address out again after
+        waiting for its events itself): its access history starts over."""
+        self._resources.pop(key, None)
+        self._host_readers.pop(key, None)
 
     def copy_reads_host(self, key: Key, stamp: OpStamp) -> None:
         """A non-blocking copy ``stamp`` reads host buffer ``key`` when its stream reaches it."""

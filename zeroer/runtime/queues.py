@@ -106,8 +106,10 @@ class StreamQueues:
         if op.remaining > 0:
             return
         self._queues[stream].popleft()
-        self._execute(op)
-        self.executed[stream] += 1
+        try:
+            self._execute(op)
+        finally:  # an op that raised has still left its queue: the counts must say so
+            self.executed[stream] += 1
 
     def advance(self, stream: int, k: int = 1) -> int:
         """Run up to ``k`` steps of ``stream``; stop at a blocked op. Return the steps taken."""

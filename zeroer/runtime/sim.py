@@ -40,6 +40,7 @@ import torch
 
 from zeroer.runtime.base import Event, Hold, HostBuffer, Runtime, Stream
 from zeroer.runtime.hb import OpStamp
+from zeroer.runtime.host_memory import size_class
 from zeroer.runtime.queues import QueuedOp, StreamQueues
 
 
@@ -84,11 +85,11 @@ class RandomSchedule:
 class SimHostAllocator:
     """Pinned host memory with PyTorch's caching-host-allocator reuse rule.
 
-    Blocks are sized in powers of two of bytes, like PyTorch's. A freed protected block goes back
-    to a free list together with the events recorded on it; ``alloc`` takes the oldest free block
-    of the right size whose events have all completed (the allocator has then *observed* them,
-    which the happens-before checker learns), else a new block. Unprotected blocks have no events
-    and are reused newest-first at once.
+    Blocks are sized in powers of two of bytes, like PyTorch's (:func:`size_class`). A freed
+    protected block goes back to a free list together with the events recorded on it; ``alloc``
+    takes the oldest free block of the right size whose events have all completed (the allocator
+    has then *observed* them, which the happens-before checker learns), else a new block.
+    Unprotected blocks have no events and are reused newest-first at once.
     """
 
     def __init__(self, rt: "SimRuntime") -> None:
@@ -99,13 +100,9 @@ class SimHostAllocator:
         self._events: dict[int, list[Event]] = {}
         self.reused = 0  # blocks handed out again (tests read this)
 
-    @staticmethod
-    def _size_class(nbytes: int) -> int:
-        return 1 << max(nbytes - 1, 0).bit_length()
-
     def alloc(self, n: int, dtype: torch.dtype, protected: bool) -> HostBuffer:
         nbytes = n * dtype.itemsize
-        size = self._size_class(nbytes)
+        size = size_class(nbytes)
         free = self._free.setdefault((protected, size), [])
         chosen = None
         if protected:

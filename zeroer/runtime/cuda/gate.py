@@ -7,8 +7,9 @@ pinned memory is mapped into the device's address space (UVA) and the kernel's v
 goes over the bus on every iteration. Measured on an H200 with triton 3.6: a non-blocking copy
 queued behind a gate read its pinned source only after the release, which took about 20 us.
 
-The controlled cuda runtime (:mod:`zeroer.runtime.cuda`) puts one gate in front of every op, so
-the device runs exactly what its scheduling model decides and nothing else.
+The controlled cuda runtime (:mod:`zeroer.runtime.cuda.controlled`) puts one gate in front of
+every op, so the device runs exactly what its scheduling model decides and nothing else; the
+free-running one (:mod:`zeroer.runtime.cuda.free`) gates only its holds.
 
 What spinning kernels cost, and how this module keeps the GPU from hanging:
 
@@ -20,9 +21,10 @@ What spinning kernels cost, and how this module keeps the GPU from hanging:
   host memory, because the stuck call holds the context lock and any CUDA call would queue
   behind it.
 * Streams share ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues, and a stream that shares one with
-  a gated stream stalls behind its gate; this module asks for 32 queues before CUDA starts. And
-  ``torch.cuda.Stream()`` deals out a pool of 32 streams round-robin, so it can return a gated
-  one: :func:`spare_stream` skips the streams a live runtime owns.
+  a gated stream stalls behind its gate; :func:`request_hardware_queues` asks for 32 queues if
+  CUDA has not started yet (importing this module changes nothing). And ``torch.cuda.Stream()``
+  deals out a pool of 32 streams round-robin, so it can return a gated one: :func:`spare_stream`
+  skips the streams a live runtime owns.
 * A flag must outlive the kernel that reads it: flags return to the pool only once their kernel
   has finished (``recycle`` after a synchronisation, or ``retire`` with an event), and a pool
   dropped with gates still queued leaks its flag memory on purpose (:func:`abandon`).
@@ -30,7 +32,7 @@ What spinning kernels cost, and how this module keeps the GPU from hanging:
 Example (needs a GPU)::
 
     import torch
-    from zeroer.runtime.gate import GatePool
+    from zeroer.runtime.cuda.gate import GatePool
     pool = GatePool()
     side = torch.cuda.Stream()
     x = torch.zeros(1, device="cuda")
@@ -51,10 +53,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from zeroer.errors import DeadlockError, RuntimeUsageError
+from zeroer.runtime.cuda import real_cuda
 
 try:  # triton is optional: the simulator and every CPU test must import this module without it
     import triton
@@ -64,6 +68,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None
 
 FLAGS_PER_CHUNK = 1 << 16  # 256 KiB of pinned int32 flags; another chunk is added when all are in use
+REQUESTED_HARDWARE_QUEUES = 32  # CUDA_DEVICE_MAX_CONNECTIONS to ask for: the most the driver allows
 REAP_BATCH = 1024  # retired gates are checked for reuse this many at a time
 WATCHDOG_POLL_S = 0.05  # how often the watchdog thread looks at the armed deadline
 
@@ -95,7 +100,7 @@ else:  # pragma: no cover - depends on the environment
 
 def gate_available() -> bool:
     """True when gates can run here: triton imports and a CUDA GPU is present."""
-    return triton is not None and torch.cuda.is_available()
+    return triton is not None and real_cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,7 @@ class GatePool:
 
     def _carve(self) -> Gate:
         # Gates are made one at a time: building all 65,536 up front cost 150 ms per runtime,
-        # most of a fuzz example's time on an H200 (tools/profile_cuda.py).
+        # most of a fuzz example's time on an H200 (docs/runtime.md, "Why gates are made on demand").
         if self._fresh == self.flags_per_chunk:
             # Allocating pinned memory while gates spin may wait for the GPU; callers run this
             # under the watchdog.
@@ -189,7 +194,7 @@ class GatePool:
         self._retiring.append((gate, event))
 
     # -- kernel ------------------------------------------------------------------------------
-    def launch(self, gate: Gate, stream: torch.cuda.Stream) -> None:
+    def launch(self, gate: Gate, stream: real_cuda.Stream) -> None:
         """Enqueue the gate kernel for ``gate`` on ``stream``: work behind it waits for :meth:`open`."""
         if _gate_kernel is None:
             raise RuntimeUsageError(
@@ -200,7 +205,7 @@ class GatePool:
                 "this GatePool was built with pin_memory=False, so no GPU can read its flags; "
                 "use GatePool() for gates on a GPU"
             )
-        with torch.cuda.stream(stream):
+        with real_cuda.stream(stream):
             _gate_kernel[(1,)](gate.address, num_warps=1)
 
     def chunks(self) -> list[torch.Tensor]:
@@ -217,8 +222,33 @@ class GatePool:
 # Streams are spread over CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); a stream that
 # shares a queue with a gated one stalls behind its spinning gate (a false dependency). Ask for the
 # maximum while the CUDA context does not exist yet: the driver reads it when creating it.
-if not torch.cuda.is_initialized():
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+def request_hardware_queues() -> Literal["set", "already set", "too late"]:
+    """Ask for 32 hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``) while it can still matter.
+
+    Returns what it did:
+
+    * ``"set"``: the variable was unset and CUDA not initialised in this process; it is now 32;
+    * ``"already set"``: someone (the user, an earlier call) chose a value; it is left alone;
+    * ``"too late"``: CUDA is initialised, so the driver has read the variable (or will ignore it):
+      nothing is changed and streams share the default 8 queues.
+
+    Call it before anything in the process touches CUDA: ``torch.cuda.is_available()`` creates no
+    context, but most other calls (``current_device()``, a stream, an allocation) may. The
+    controlled runtime calls it before its first CUDA call, and ``pytest fuzz`` calls it in
+    ``pytest_configure`` so that every xdist worker asks before its context exists.
+
+    Example::
+
+        from zeroer.runtime.cuda.gate import request_hardware_queues
+        request_hardware_queues()      # "set" in a fresh process without the variable
+    """
+    if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:
+        return "already set"
+    if real_cuda.is_initialized():
+        return "too late"
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(REQUESTED_HARDWARE_QUEUES)
+    return "set"
+
 
 # (device index, cuda_stream) of every stream a live CudaRuntime owns. torch.cuda.Stream() hands
 # out a pool of 32 streams round-robin, so a later Stream() can be one of ours, gate and all.
@@ -233,14 +263,14 @@ def hardware_queues() -> int:
         return 8
 
 
-def spare_stream(device: int | str | torch.device | None = None) -> torch.cuda.Stream:
+def spare_stream(device: int | str | torch.device | None = None) -> real_cuda.Stream:
     """A pool stream that no live ``CudaRuntime`` owns: safe to read gated results on.
 
     Example: after ``rt.advance(s, 1)``, ``with torch.cuda.stream(spare_stream()): dev.tensor.cpu()``
     sees that op's result without waiting for the ops still held behind gates.
     """
     for _ in range(128):  # four laps of torch's pool of 32 streams per priority
-        stream = torch.cuda.Stream(device)
+        stream = real_cuda.Stream(device)
         if (stream.device.index, stream.cuda_stream) not in _STREAMS_IN_USE:
             return stream
     raise RuntimeUsageError(
@@ -248,7 +278,7 @@ def spare_stream(device: int | str | torch.device | None = None) -> torch.cuda.S
     )
 
 
-def claim_stream(device: torch.device) -> tuple[torch.cuda.Stream, tuple[int, int]]:
+def claim_stream(device: torch.device) -> tuple[real_cuda.Stream, tuple[int, int]]:
     """A spare pool stream, now owned by the caller until :func:`release_streams` (with the key)."""
     stream = spare_stream(device)
     key = (stream.device.index, stream.cuda_stream)

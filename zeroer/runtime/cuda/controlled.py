@@ -1,0 +1,263 @@
+"""The controlled cuda runtime: the GPU takes exactly the simulator's scheduling decisions.
+
+``CudaRuntime(mode="controlled")`` (``scheduled = True``) keeps the simulator's model
+(:class:`StreamQueues`, one model stream per stream, the same op kinds and labels; nothing runs
+until ``advance`` or a host sync asks, like the simulator's lazy schedule). Every op is issued on
+its real stream when it is enqueued, behind its own closed gate (:mod:`zeroer.runtime.cuda.gate`),
+and followed by a "done" event. When the model executes an op, the host opens that op's gate and
+waits for its done event. So an op has really run when the model says so, and nothing runs
+before: a copy reads its pinned source at ``advance``, not at enqueue. Event queries answer from
+the model, which matches the device because the model only moves while the host waits for it.
+Host syncs run the model's least progress first (so a held stream raises
+:class:`~zeroer.errors.DeadlockError` instead of hanging the GPU), then the real sync, which is
+then immediate.
+
+Rules while a controlled runtime has queued work (gates spin on the GPU):
+
+* do not synchronise the device yourself (``torch.cuda.synchronize()``, ``.item()``, ``.cpu()``
+  of gated data): use the runtime's ``synchronize*``, which open the gates they need first, or
+  read on :func:`~zeroer.runtime.cuda.gate.spare_stream` after ``advance``;
+* launch every kernel once before gating it (inside :meth:`ControlledCudaRuntime.ungated`, or
+  before any op is queued): a kernel's first launch loads its module, which waits for the GPU to
+  drain (NVIDIA/nvbench#136); ``CUDA_MODULE_LOADING=EAGER`` does that up front for torch's kernels;
+* use at most ``CUDA_DEVICE_MAX_CONNECTIONS`` streams (a stream that shares a hardware queue with
+  a gated one stalls behind its gate); the runtime asks for 32 queues before it first touches CUDA
+  (:func:`~zeroer.runtime.cuda.gate.request_hardware_queues`), which only helps if nothing in the
+  process initialised CUDA earlier.
+
+Example (needs a GPU)::
+
+    from zeroer.runtime import make_runtime
+    rt = make_runtime("cuda", mode="controlled")
+    host, dev = rt.host_buffer(1), rt.device_buffer(1)
+    rt.write_host(host, [1])
+    rt.copy_h2d(dev, host)              # issued now, behind a closed gate
+    rt.write_host(host, [2])            # the copy has not read host: a hazard is recorded
+    rt.advance(rt.default_stream, 1)    # opens the gate: the copy reads [2]
+    rt.synchronize()
+    assert dev.tensor.tolist() == [2] and rt.hazards
+    rt.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Callable
+
+import torch
+
+from zeroer.errors import RuntimeUsageError
+from zeroer.runtime.base import Event, Hold, HostBuffer, Stream
+from zeroer.runtime.cuda import real_cuda
+from zeroer.runtime.cuda.common import DEFAULT_TIMEOUT_S, CudaRuntimeBase
+from zeroer.runtime.cuda.gate import hardware_queues, request_hardware_queues
+from zeroer.runtime.hb import OpStamp
+from zeroer.runtime.queues import QueuedOp, StreamQueues
+
+
+class ControlledCudaRuntime(CudaRuntimeBase):
+    """The cuda backend with every op gated and run when its model says. See the module docstring."""
+
+    mode = "controlled"
+    scheduled = True
+    #: what :func:`~zeroer.runtime.cuda.gate.request_hardware_queues` did when this runtime was
+    #: built ("too late": something in the process had initialised CUDA first)
+    hardware_queue_request: str
+    max_streams: int  # the hardware queues its streams share, so the most streams it may have
+
+    def __init__(
+        self,
+        device: int | str | torch.device | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        checked: bool = True,
+    ) -> None:
+        # The base __init__ creates the "main" stream through our hooks: the model exists first.
+        self.queues = StreamQueues(execute=self._execute)
+        self._ungated = False  # inside ungated(): ops run at once, with no gate
+        super().__init__(device, timeout_s=timeout_s, checked=checked)
+
+    def _before_cuda_starts(self) -> None:
+        # The driver reads CUDA_DEVICE_MAX_CONNECTIONS once, when it creates the context, and the
+        # next call (resolving the device) may create it: ask now. What happened is kept for
+        # diagnosis ("too late" means something else initialised CUDA first).
+        self.hardware_queue_request = request_hardware_queues()
+        self.max_streams = hardware_queues()
+
+    # -- the gated model ---------------------------------------------------------------------
+    def _enqueue(self, stream: Stream, op: QueuedOp, issue: Callable[[], None] | None = None) -> int:
+        """Issue ``op`` behind a fresh closed gate and queue it in the model."""
+        if self._ungated:
+            return self._run_ungated(stream, op, issue)
+        with self._guarded(op.label), self._on(stream):
+            gate = self.gates.acquire()
+            self.gates.launch(gate, stream.handle)
+            try:
+                if issue is not None:
+                    issue()
+            except BaseException as exc:
+                # The op never reaches the model, so nothing would open its gate: open it now;
+                # whatever it issued runs in stream order.
+                self.gates.open(gate)
+                with contextlib.suppress(Exception):
+                    marker = real_cuda.Event()
+                    marker.record(stream.handle)
+                    self.gates.retire(gate, marker)
+                exc.add_note(f"{op.label} was not queued; its gate was opened")
+                raise
+            done = real_cuda.Event()
+            done.record(stream.handle)
+        op.payload["gate"], op.payload["done"] = gate, done
+        return self.queues.enqueue(stream.index, op)
+
+    def _run_ungated(self, stream: Stream, op: QueuedOp, issue: Callable[[], None] | None) -> int:
+        """Inside :meth:`ungated`: issue ``op`` with no gate and let the model execute it at once."""
+        if op.kind == "hold":
+            raise RuntimeUsageError(
+                f"{op.label}: a hold inside ungated() could never stop anything; place it outside"
+            )
+        with self._guarded(op.label), self._on(stream):
+            if issue is not None:
+                issue()
+            done = real_cuda.Event()
+            done.record(stream.handle)
+        op.payload["gate"], op.payload["done"] = None, done
+        position = self.queues.enqueue(stream.index, op)
+        # Every stream was idle on entry and each op runs at once, so nothing can block this one.
+        self.queues.advance(stream.index, op.remaining)
+        return position
+
+    @contextlib.contextmanager
+    def ungated(self) -> Iterator[None]:
+        """Run every op enqueued inside at once and without a gate, as if advanced right away.
+
+        For warm-ups: the first launch of a kernel loads its module, which waits for the GPU to
+        drain and so never returns while a gate spins (NVIDIA/nvbench#136). Needs an idle
+        runtime.
+
+        Example::
+
+            with rt.ungated():
+                zeroer.warmup()        # compiles and loads the zero kernel
+        """
+        self._check_usable()
+        busy = [f"'{s.name}' ({self.queues.pending(s.index)})" for s in self.streams if self.queues.pending(s.index)]
+        if busy:
+            raise RuntimeUsageError(
+                f"ungated() needs an idle runtime, but ops are queued on stream(s) {', '.join(busy)}; "
+                f"call synchronize() first"
+            )
+        self._ungated = True
+        try:
+            yield
+        finally:
+            self._ungated = False
+
+    def _execute(self, op: QueuedOp) -> None:
+        """The model runs ``op``: open its gate and wait until the GPU has run it."""
+        gate, done = op.payload["gate"], op.payload["done"]
+        if gate is not None:
+            self.gates.open(gate)
+        self._poll(done.query, op.label)
+        if gate is not None:
+            self.gates.recycle(gate)
+
+    # -- streams -----------------------------------------------------------------------------
+    def _new_stream_handle(self, stream: Stream) -> object:
+        self._check_usable()
+        if stream.index >= self.max_streams:
+            raise RuntimeUsageError(
+                f"stream {stream.name!r} would be stream {stream.index + 1} of a controlled runtime, "
+                f"over the {self.max_streams} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) that "
+                f"streams share: a stream sharing a queue with a gated one stalls behind its gate. "
+                f"Use at most {self.max_streams} streams, or set CUDA_DEVICE_MAX_CONNECTIONS=32 "
+                f"before CUDA initialises"
+            )
+        handle = super()._new_stream_handle(stream)
+        self.queues.add_stream(stream.name)
+        return handle
+
+    def pending(self, stream: Stream) -> int:
+        return self.queues.pending(stream.index)
+
+    # -- events ------------------------------------------------------------------------------
+    def _record(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
+        self._check_usable()
+        handle = event.handle
+
+        def issue() -> None:
+            handle.record(stream.handle)
+
+        event.position = self._enqueue(stream, QueuedOp("record", stamp.label), issue)
+
+    def _wait(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
+        self._check_usable()
+        recorded = event.stream is not None  # CUDA treats a never-recorded event as complete
+        handle = event.handle
+
+        def issue() -> None:
+            if recorded:
+                stream.handle.wait_event(handle)
+
+        # The model opens this gate only once the awaited position has executed, so the device
+        # never blocks on the wait itself.
+        target = (event.stream.index, event.position) if recorded else None
+        self._enqueue(stream, QueuedOp("wait", stamp.label, wait_for=target), issue)
+
+    def _event_done(self, event: Event) -> bool:
+        self._check_usable()
+        return self.queues.completed(event.stream.index, event.position)
+
+    def _sync_event(self, event: Event) -> None:
+        self._check_usable()
+        self.queues.run_until(event.stream.index, event.position)
+        self._poll(event.handle.query, f"synchronising {event!r}")
+
+    def _sync_stream(self, stream: Stream) -> None:
+        self._check_usable()
+        self.queues.drain(stream.index)
+        self._poll(stream.handle.query, f"synchronising stream '{stream.name}'")
+
+    def _sync_all(self) -> None:
+        # Only this runtime's streams: torch.cuda.synchronize() would also wait for another
+        # runtime's closed gates.
+        self._check_usable()
+        self.queues.drain_all()
+        for stream in self.streams:
+            self._poll(stream.handle.query, f"synchronising stream '{stream.name}'")
+
+    # -- work --------------------------------------------------------------------------------
+    def _copy(self, action: Callable[[], None], src: HostBuffer, stream: Stream, stamp: OpStamp) -> None:
+        self._check_usable()
+        self._note_copy(src, stamp)
+        self._enqueue(stream, QueuedOp("copy", stamp.label), action)
+
+    def _launch(self, fn: Callable[[], None], stream: Stream, stamp: OpStamp) -> None:
+        self._check_usable()
+        self._enqueue(stream, QueuedOp("kernel", stamp.label), fn)
+
+    def _delay(self, stream: Stream, amount: int, stamp: OpStamp) -> None:
+        self._check_usable()
+        # The model makes the stream take ``amount`` steps; the gate alone enforces that.
+        self._enqueue(stream, QueuedOp("sleep", stamp.label, remaining=amount))
+
+    def _hold(self, hold: Hold, stamp: OpStamp) -> None:
+        self._check_usable()
+        # Its gate opens once the host released the hold AND the model runs it.
+        op = QueuedOp("hold", stamp.label)
+        hold.payload["op"] = op
+        self._enqueue(hold.stream, op)
+
+    def _release(self, hold: Hold) -> None:
+        self._check_usable()
+        self.queues.release(hold.payload["op"])
+
+    def _stream_done(self, stream: Stream) -> bool:
+        # The model moves only while the host waits for the device, so it answers for both.
+        self._check_usable()
+        return self.queues.pending(stream.index) == 0
+
+    def _advance(self, stream: Stream, ops: int) -> int:
+        self._check_usable()
+        return self.queues.advance(stream.index, ops)
