@@ -11,6 +11,7 @@ from fuzz.engine.campaigns import default_campaigns
 from fuzz.engine.journal import Journal, rescue
 from fuzz.options import fuzz_options, gpu_for_worker
 from fuzz.engine.summary import render_summary
+from zeroer.runtime.cuda.gate import request_hardware_queues
 
 _RESULTS: list[dict] = []
 
@@ -29,6 +30,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    request_hardware_queues()  # before this worker's CUDA context exists: gated streams need their own queues
     config._fuzz_options = fuzz_options(config)  # raises pytest.UsageError on bad values
 
 
@@ -109,8 +111,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     text, data = render_summary(_RESULTS, options.profile.name)
     terminalreporter.write_sep("=", "fuzz summary")
     terminalreporter.write_line(text)
-    options.summary_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = options.summary_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, options.summary_path)
+    from fuzz.atomic_file import write_json_atomically
+
+    write_json_atomically(options.summary_path, data)
     terminalreporter.write_line(f"summary written to {options.summary_path}")

@@ -20,10 +20,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from fuzz.atomic_file import write_text_atomically
+from fuzz.trace import TraceError, load_trace
 from repro.export import check_output_name, render_script
 from repro.regenerate import RegenerateError, Regeneration, from_summary, regenerate
 from repro.replay import replay
-from repro.trace_file import TraceError, load_trace
 
 USAGE_ERROR = 2
 
@@ -73,10 +74,7 @@ def _export(args: argparse.Namespace) -> int:
         return USAGE_ERROR
     trace = load_trace(args.trace)
     text = render_script(trace, str(args.output), title=args.title)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.output.with_suffix(".py.tmp")
-    tmp.write_text(text)
-    tmp.replace(args.output)
+    write_text_atomically(args.output, text)
     print(f"wrote {args.output}: python {args.output} exits 1 when the bug shows")
     return 0
 

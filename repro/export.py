@@ -26,8 +26,7 @@ from pathlib import Path
 
 from fuzz.environment import describe
 from fuzz.engine.episode import Episode
-
-from repro.trace_file import Trace
+from fuzz.trace import Trace
 
 
 def _annotations(trace: Trace) -> dict[int, str]:
@@ -81,6 +80,17 @@ def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
     return lines
 
 
+def _root_parents(output: str) -> int:
+    """How many directories above the script the repository root is. The script is run from the
+    root, so that is the directories in ``output`` below the current one (``repro/cases/x.py``: 2);
+    a script written outside it is taken to sit one directory down, like ``repro/x.py``."""
+    here = Path.cwd().resolve()
+    try:
+        return len((here / output).resolve().relative_to(here).parts) - 1
+    except ValueError:
+        return 1
+
+
 def render_script(trace: Trace, output: str, *, title: str | None = None, today: datetime.date | None = None) -> str:
     """The text of the standalone script for ``trace``, to be saved at ``output``."""
     config = trace.config
@@ -110,7 +120,7 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "import sys",
         "from pathlib import Path",
         "",
-        "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root",
+        f"sys.path.insert(0, str(Path(__file__).resolve().parents[{_root_parents(output)}]))  # the repository root",
         "",
         "from fuzz.environment import describe, environment  # noqa: E402",
         "from fuzz.engine.episode import Episode, EpisodeConfig  # noqa: E402",

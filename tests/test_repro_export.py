@@ -3,9 +3,12 @@ design must still fail on its trace and the race-free ones must pass on the same
 
 from __future__ import annotations
 
+import ast
+import datetime
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +17,14 @@ import pytest
 
 from fuzz.engine.campaigns import PROFILES, run_campaign
 from fuzz.engine.episode import EpisodeConfig
-from fuzz.trace import write_trace
+from fuzz.trace import load_trace, write_trace
 from repro.__main__ import main
+from repro.export import render_script
 from repro.regenerate import find_campaign
 
 ROOT = Path(__file__).resolve().parents[1]
 RACE = [{"op": "start", "in_flight": 1}, {"op": "allocate", "n": 1, "stream": 0}, {"op": "allocate", "n": 1, "stream": 0}]
-# A curated case is a script in repro/ exported from the trace of the same name in repro/cases/.
+# A curated case is a script in repro/cases/ exported from the trace of the same name beside it.
 CURATED = sorted(ROOT / "repro" / "cases" / f"{case.stem}.py" for case in (ROOT / "repro" / "cases").glob("*.json"))
 RACE_FREE = ("per_call", "event_ring", "reference")
 
@@ -52,6 +56,17 @@ def test_a_curated_case_still_fails_on_its_racy_design(script, monkeypatch, caps
 def test_the_race_free_designs_pass_on_the_same_curated_steps(script, zeroer, monkeypatch, capsys):
     assert run_script(script, "--zeroer", zeroer, monkeypatch=monkeypatch) == 0
     assert f"{zeroer}: reproduced 0 of 1 on sim" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", CURATED, ids=lambda p: p.stem)
+def test_a_curated_script_is_a_fresh_export_of_its_trace(script, monkeypatch):
+    # Regenerate with: python -m repro export repro/cases/NAME.json -o repro/cases/NAME.py --title "..."
+    text = script.read_text()
+    title = " ".join(ast.get_docstring(ast.parse(text)).split("\n\n")[0].split())
+    exported = datetime.date.fromisoformat(re.search(r"exported   (\S+) ", text).group(1))
+    monkeypatch.chdir(ROOT)  # the export writes paths relative to the repository root
+    trace = load_trace(Path("repro") / "cases" / f"{script.stem}.json")
+    assert render_script(trace, f"repro/cases/{script.name}", title=title, today=exported) == text
 
 
 @pytest.mark.parametrize("script", CURATED, ids=lambda p: p.stem)

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +39,8 @@ from typing import Any
 import hypothesis
 import torch
 
+from fuzz.atomic_file import write_json_atomically
+from fuzz.bench.stats import spread
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig
 
@@ -108,25 +108,19 @@ def measure_throughput(bench: BenchConfig, repro_dir: Path) -> list[dict[str, An
             for s in bench.seeds
         ]
         rates = [r.steps / r.seconds for r in results if r.seconds > 0]
-        spread = _spread(rates)
+        rate = spread(rates)
         rows.append({
             "zeroer": zeroer,
             "campaign": campaign.id,
             "examples": sum(r.examples for r in results),
             "steps": sum(r.steps for r in results),
             "seconds": round(sum(r.seconds for r in results), 3),
-            "steps_per_s": None if spread["median"] is None else round(spread["median"], 1),
-            "steps_per_s_min": None if spread["min"] is None else round(spread["min"], 1),
-            "steps_per_s_max": None if spread["max"] is None else round(spread["max"], 1),
+            "steps_per_s": None if rate["median"] is None else round(rate["median"], 1),
+            "steps_per_s_min": None if rate["min"] is None else round(rate["min"], 1),
+            "steps_per_s_max": None if rate["max"] is None else round(rate["max"], 1),
             "found": any(r.found for r in results),  # a race-free zeroer should never find anything
         })
     return rows
-
-
-def _spread(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"median": None, "min": None, "max": None}
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
 
 def measure_races(bench: BenchConfig, repro_dir: Path) -> list[dict[str, Any]]:
@@ -151,10 +145,10 @@ def measure_races(bench: BenchConfig, repro_dir: Path) -> list[dict[str, Any]]:
             "zeroer": zeroer,
             "campaign": campaign.id,
             "found": f"{len(found)}/{len(runs)}",
-            "first_finding_s": _spread([r["first_finding_s"] for r in found]),
-            "first_finding_examples": _spread([r["first_finding_examples"] for r in found]),
-            "total_s": _spread([r["total_s"] for r in found]),
-            "shrunk_ops": _spread([r["shrunk_ops"] for r in found]),
+            "first_finding_s": spread([r["first_finding_s"] for r in found]),
+            "first_finding_examples": spread([r["first_finding_examples"] for r in found]),
+            "total_s": spread([r["total_s"] for r in found]),
+            "shrunk_ops": spread([r["shrunk_ops"] for r in found]),
             "runs": runs,
         })
     return rows
@@ -228,8 +222,8 @@ def _fmt(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _mmm(spread: dict[str, Any]) -> str:
-    return f"{_fmt(spread['median'])} ({_fmt(spread['min'])}-{_fmt(spread['max'])})"
+def _mmm(s: dict[str, Any]) -> str:
+    return f"{_fmt(s['median'])} ({_fmt(s['min'])}-{_fmt(s['max'])})"
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -328,10 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_bench(bench, argv)
     print(render_markdown(report))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        os.replace(tmp, args.json)  # temp + rename: a reader never sees half a report
+        write_json_atomically(args.json, report)  # a reader never sees half a report
         print(f"\nJSON written to {args.json}")
     return 0
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fuzz.engine.episode import EpisodeConfig
-from fuzz.trace import trace_data, trace_name, write_atomically
+from fuzz.trace import read_trace, trace_data, trace_name, write_trace_data
 
 JOURNAL_MODES = ("auto", "on", "off")
 
@@ -50,7 +50,7 @@ class Journal:
     def record(self, config: EpisodeConfig, ops: list[dict]) -> None:
         data = trace_data(config, ops, [], seed=self.seed, campaign=self.campaign)
         data["status"] = "in-flight"
-        write_atomically(self.path, data)
+        write_trace_data(self.path, data)
 
     def discard(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -65,7 +65,7 @@ def rescue(repro_dir: Path, worker: str, campaign: str) -> Path | None:
     """
     path = journal_path(repro_dir, worker)
     try:
-        data = json.loads(path.read_text())
+        data = read_trace(path)
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     if data.get("campaign") != campaign or not data.get("ops"):
@@ -79,6 +79,6 @@ def rescue(repro_dir: Path, worker: str, campaign: str) -> Path | None:
         "caller_fault": False,
     }]
     config = EpisodeConfig(**data["config"])
-    target = write_atomically(repro_dir / trace_name(config, data["ops"]), data)
+    target = write_trace_data(repro_dir / trace_name(config, data["ops"]), data)
     path.unlink()
     return target

@@ -5,7 +5,7 @@
 Provenance:
   found by   campaign ring-tiny-sim-k-torch-shard0, Hypothesis seed 2002243699
   found on   the simulator: no GPU, torch 2.13.0+cpu, triton 3.9.0, python 3.11.7
-  exported   2026-12-02 from repro/cases/ring_overrun.json by `python -m repro export`
+  exported   2026-12-03 from repro/cases/ring_overrun.json by `python -m repro export`
   finding: hazard at step 4: host write to pinned host buffer 2 by ring.zero_block_ids#4([3])
   [slot 1] while copy#3 on stream 'main' (ring.zero_block_ids#2([1]) [slot 1]) may not have
   read it yet: no event or synchronisation observed by the host orders the copy before the
@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from fuzz.environment import describe, environment  # noqa: E402
 from fuzz.engine.episode import Episode, EpisodeConfig  # noqa: E402

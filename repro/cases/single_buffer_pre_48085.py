@@ -5,7 +5,7 @@ its queued copy ran, so block 1 is never zeroed.
 Provenance:
   found by   campaign single_buffer-tiny-sim-k-torch-shard0, Hypothesis seed 435646881
   found on   the simulator: no GPU, torch 2.13.0+cpu, triton 3.9.0, python 3.11.7
-  exported   2026-12-02 from repro/cases/single_buffer_pre_48085.json by `python -m repro export`
+  exported   2026-12-03 from repro/cases/single_buffer_pre_48085.json by `python -m repro export`
   finding: hazard at step 3: host write to pinned host buffer 1 by
   single_buffer.zero_block_ids#3([2]) while copy#3 on stream 'main'
   (single_buffer.zero_block_ids#2([1])) may not have read it yet: no event or synchronisation
@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from fuzz.environment import describe, environment  # noqa: E402
 from fuzz.engine.episode import Episode, EpisodeConfig  # noqa: E402

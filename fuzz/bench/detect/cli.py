@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
 import sys
 import time
@@ -42,6 +41,7 @@ from typing import Any, Iterator
 from zeroer.cache.geometries import GEOMETRIES
 from zeroer.registry import RACE_FREE, ZOO, default_geometry, load_zeroer
 
+from fuzz.atomic_file import write_json_atomically
 from fuzz.engine.campaigns import SIM_GEOMETRIES
 from fuzz.bench.detect.report import TARGET_CLEAN_STEPS, judge, plot, render_soak, render_summary, render_table, summarize
 from fuzz.bench.detect.baselines import METHODS
@@ -279,13 +279,6 @@ def run_soak(args: DetectArgs, argv: list[str]) -> dict[str, Any]:
     }
 
 
-def write_json(report: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, path)  # temp + rename: a reader never sees half a report
-
-
 def _try_plot(report: dict, png: Path) -> str | None:
     """Draw ``report`` to ``png``; the reason when matplotlib is missing."""
     try:
@@ -338,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(render_summary(report["summary"]))
     if args.json is not None:
-        write_json(report, args.json)
+        write_json_atomically(args.json, report)  # a reader never sees half a report
         print(f"JSON written to {args.json}")
     if args.png is not None and not args.steps_clean:
         why = _try_plot(report, args.png)

@@ -20,23 +20,18 @@ Example::
 
 from __future__ import annotations
 
-import statistics
+import io
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from fuzz.atomic_file import write_bytes_atomically
+from fuzz.bench.stats import spread
 
 TARGET_FIRST_FINDING_S = 60.0  # median seconds to the first finding, per zoo entry (issue 5)
 TARGET_DETECTION_RATE = 1.0  # every zoo entry, on every seed
 TARGET_CLEAN_STEPS = 1_000_000  # steps on race-free implementations without a finding (simulator)
 FUZZ = "fuzz"
-
-
-def spread(values: list[float | int | None]) -> dict[str, float | None]:
-    """Median, min and max of the values that are not None."""
-    present = [v for v in values if v is not None]
-    if not present:
-        return {"median": None, "min": None, "max": None}
-    return {"median": round(float(statistics.median(present)), 3), "min": min(present), "max": max(present)}
 
 
 def summarize(records: list[dict]) -> list[dict[str, Any]]:
@@ -223,6 +218,7 @@ def plot(report: dict, png: Path) -> None:
     ax.set_title(f"Time to detection, {backend}, {len(report['seeds'])} seeds, budget {budget:g} s")
     ax.legend(loc="lower right", fontsize="small")
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format=png.suffix[1:] or None, dpi=120)  # the format the name asks for, as savefig(png) would
     plt.close(fig)
+    write_bytes_atomically(png, image.getvalue())

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from zeroer.registry import BUILTINS, DIRECT, RACE_FREE, RACY
+from fuzz.atomic_file import write_json_atomically
 from fuzz.bench.kernel import measure, report
 from fuzz.bench.kernel.caches import NAMES, bench_cache
 from fuzz.bench.kernel.measure import HOST_CACHE, Context
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
         result["errors"] = ctx.errors
         result["targets"] = report.targets(result)
         if args.json:
-            report.write_json(result, args.json)
+            write_json_atomically(args.json, result, default=str)  # a reader never sees half a file
 
     def section(title: str, fill: Callable[[], None], render: Callable[[], str]) -> None:
         print(f"\n== {title} [{budget.elapsed():.1f} s]", flush=True)

@@ -14,8 +14,11 @@ drawn later anywhere with ``python -m fuzz.bench.kernel plot RESULT.json --png-d
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
+
+from fuzz.atomic_file import write_bytes_atomically
 
 BANDWIDTH_PNG = "zeroer-bandwidth.png"
 HOST_PNG = "zeroer-host-per-call.png"
@@ -107,10 +110,11 @@ def make_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def _save(plt: Any, fig: Any, axes: Any, title: str, path: Path) -> Path:
-    """Legend on the first panel, the title, and the PNG written; returns its path."""
+    """Legend on the first panel, the title, and the PNG written (atomically); returns its path."""
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=120)
     plt.close(fig)
-    return path
+    return write_bytes_atomically(path, image.getvalue())

@@ -1,4 +1,4 @@
-"""What the benchmark reports: versions, the targets with PASS/FAIL, the tables, the JSON file.
+"""What the benchmark reports: versions, the targets with PASS/FAIL, the tables.
 
 Everything here is a pure function of the result dict (except :func:`versions`, which asks the
 machine), so the tables and verdicts can be checked without a GPU and redrawn from a JSON file.
@@ -18,11 +18,8 @@ The targets (issue 6), each a ratio of two figures measured in the same run:
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -204,20 +201,6 @@ def host_table(rows: list[dict]) -> str:
 def targets_table(items: list[dict]) -> str:
     return table(["target", "value", "limit", "status", "what"],
                  [[t["name"], t["value"], t["limit"], t["status"], t["description"]] for t in items])
-
-
-def write_json(result: dict[str, Any], path: Path) -> None:
-    """Write `result` to `path` through a temporary file and a rename (never a torn file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def note_for(result: dict[str, Any]) -> str:

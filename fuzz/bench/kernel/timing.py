@@ -6,7 +6,8 @@ figure is device time, not launch overhead. Should do_bench fail (its API has mo
 Triton releases), a plain median over CUDA-event pairs is used instead and the row says so.
 
 Host time is `time.perf_counter_ns` around each call, one call per sample, reported as the
-median (and the 10th/90th percentiles) over samples.
+median and the 10th/90th percentiles over samples (linear interpolation between the closest
+ranks: :mod:`fuzz.bench.stats`).
 
 On CPU (`--quick`) GPU time is a perf_counter median of a few calls of the interpreted kernel:
 it shows the code runs, it is not a figure.
@@ -20,12 +21,13 @@ Example::
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from fuzz.bench.stats import median, percentile
 
 DO_BENCH_WARMUP_MS = 25
 DO_BENCH_REP_MS = 100
@@ -60,7 +62,7 @@ class Timer:
     def gpu_us(self, fn: Callable[[], object]) -> tuple[float, str]:
         """(median microseconds, how it was measured)."""
         if self.device.type != "cuda":
-            return statistics.median(host_samples(fn, CPU_REPS)), "perf_counter median (CPU, not a figure)"
+            return median(host_samples(fn, CPU_REPS)), "perf_counter median (CPU, not a figure)"
         try:
             from triton.testing import do_bench
 
@@ -81,7 +83,7 @@ def _event_median_us(fn: Callable[[], object]) -> float:
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in pairs) * 1000.0
+    return median(start.elapsed_time(end) for start, end in pairs) * 1000.0
 
 
 def host_samples(fn: Callable[[], object], n: int,
@@ -99,13 +101,9 @@ def host_samples(fn: Callable[[], object], n: int,
 
 
 def summarize(samples: list[float]) -> dict[str, float | int | None]:
-    """Median, 10th and 90th percentiles (microseconds, 2 decimals) and the sample count."""
+    """Median, 10th and 90th percentiles (microseconds, 2 decimals; :mod:`fuzz.bench.stats` says
+    how the percentiles interpolate) and the sample count."""
     if not samples:
         return {"median_us": None, "p10_us": None, "p90_us": None, "samples": 0}
-    ordered = sorted(samples)
-
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
-
-    return {"median_us": round(statistics.median(ordered), 2), "p10_us": at(0.1),
-            "p90_us": at(0.9), "samples": len(ordered)}
+    return {"median_us": round(median(samples), 2), "p10_us": round(percentile(samples, 10), 2),
+            "p90_us": round(percentile(samples, 90), 2), "samples": len(samples)}

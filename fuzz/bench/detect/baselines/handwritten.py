@@ -1,6 +1,6 @@
 """Baseline (d): one hand-written interleaving in the style of vLLM's unit test.
 
-vLLM's ``tests/v1/worker/test_kv_block_zeroer.py`` (#48085, background note section 4) has one
+vLLM's ``tests/v1/worker/test_kv_block_zeroer.py`` (added by #48085) has one
 race test: stall the stream with ``torch.cuda._sleep(10_000_000)`` so the first non-blocking
 copy stays pending, call ``zero_block_ids([1])`` and ``zero_block_ids([2])`` back to back,
 synchronise, and check that rows 1 and 2 are zero and rows 0 and 3 untouched. This baseline is

@@ -7,7 +7,7 @@ torch is imported, so it must be a fresh interpreter). A **detection is a CSAN r
 past value findings and mentions the first one after the CSAN report in the message.
 
 CSAN sees torch operators on CUDA tensors and the stream/event calls torch makes; it keys each
-access by the tensor's first address. So (background note, section 3.2; docs/baselines.md):
+access by the tensor's first address. So (docs/baselines.md):
 
 * it cannot see the host writing a pinned buffer (a CPU tensor) that a queued copy still reads,
   which is the vLLM #48085 race itself;
