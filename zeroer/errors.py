@@ -1,7 +1,7 @@
 """The project's small error hierarchy.
 
 Every message names the bad value and says what would be valid, so a user can fix the
-input without reading our code (see ../shared/STYLE.md, point 6).
+input without reading our code (see docs/contract.md for the messages a zeroer raises).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ SHARDS = 2
 # Self-checks ("finds") stop at their first finding, so a larger budget costs time only when the
 # fuzzer is about to miss; races that need a freed block to come back round the FIFO free queue
 # (the no-free-fence caller fault) took up to 315 examples over seeds 1..10 once the reallocate
-# rule joined the others (tools/selfcheck_seeds.py), so 20x keeps a margin over a ci run's 40.
+# rule joined the others (python -m fuzz.bench.selfcheck), so 20x keeps a margin over a ci run's 40.
 FINDS_BUDGET_FACTOR = 20
 
 

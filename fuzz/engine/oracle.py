@@ -3,7 +3,7 @@
 Each logical block is ``free`` or ``live`` and has one expected int32 word for all of its pages
 in every segment: ``0`` once zeroed, its owner's stamp once written, the NaN poison once freed
 (fp32 Mamba state left behind, the reason vLLM zeroes at all, #35219). Because the harness keeps
-every promise of the caller (``shared/background/zeroer-contract.md``), program order fixes the
+every promise of the caller (the contract, docs/contract.md), program order fixes the
 value every read must see, so any other value is the zeroer's fault:
 
 * **non-zero after zeroing**: a block read (or found at the end) with anything but zeros after it

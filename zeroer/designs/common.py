@@ -2,7 +2,7 @@
 
 A zeroer exposes vLLM's ``zero_block_ids(block_ids: list[int]) -> None``: stream-ordered on the
 runtime's current stream, returning without waiting for the device (the contract in
-``shared/background/zeroer-contract.md``). The designs differ only in how they stage the ids on
+docs/contract.md). The designs differ only in how they stage the ids on
 the device; :class:`StagedZeroer` holds everything else.
 
 Checking happens before anything is enqueued, so bad input writes nothing (contract 5)::

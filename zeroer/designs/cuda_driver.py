@@ -4,7 +4,7 @@ Why not torch: on an H200 host (docs/performance.md) ``CUDAGraph.replay()`` cost
 ``Event.record()`` about 10 us, 7 of them spent building a Python object for the current stream;
 the driver's calls on the raw handles torch already holds, through ctypes, measured 3.6 to 6.2 us
 (``cuGraphLaunch``, 1 to 256 ids) and 1.1 to 1.3 us (``cuEventRecord``) on the same host
-(``tools/profile_graph_ring.py``). The
+(docs/performance.md, "Where graph_ring's time goes"). The
 handles are interchangeable: a ``cudaStream_t`` is a ``CUstream``, a ``cudaEvent_t`` a
 ``CUevent``, a ``cudaGraphExec_t`` a ``CUgraphExec``.
 

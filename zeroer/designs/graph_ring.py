@@ -185,7 +185,7 @@ class GraphRingZeroer(GraphRingProtocol):
         # thread, and one that destroys a CUDA graph (CUDAGraph.reset) or waits on an event (a
         # dropped ring's close) is an operation a capturing thread may not make: the capture is
         # invalidated and capture_end raises "operation not permitted when stream is capturing".
-        # Seen on the H200 (docs/gpu-results.md): graphs of earlier fuzz examples collected mid-capture.
+        # Seen on the H200 (docs/zeroer-api.md): graphs of earlier fuzz examples collected mid-capture.
         collecting = gc.isenabled()
         gc.disable()
         try:

@@ -2,10 +2,10 @@
 
 Each call writes the ids into the same pinned buffer on the host *now*, then queues a
 non-blocking copy that reads it when the stream gets there. If the stream is still behind
-(async scheduling, spec-decode drafting: section 2.3 of the background note), the next call
-rewrites the buffer first, the earlier copy moves the later ids, and the earlier blocks are never
-zeroed. A shorter later list corrupts only a prefix: ``[1, 2, 3]`` then ``[4]`` zeroes
-``{2, 3, 4}`` and leaks block 1 (measured on an H200).
+(async scheduling, spec-decode drafting: vLLM #48085), the next call rewrites the buffer
+first, the earlier copy moves the later ids, and the earlier blocks are never zeroed. A shorter
+later list corrupts only a prefix: ``[1, 2, 3]`` then ``[4]`` zeroes ``{2, 3, 4}`` and leaks
+block 1 (measured on an H200).
 
 Example::
 
@@ -42,7 +42,7 @@ class SingleBufferZeroer(StagedZeroer):
         with self.rt.annotate(self._origin(ids)):
             if n > self.id_cap:
                 # Growth is benign: the caching host allocator keeps the old block until its
-                # copy's event completes (background note, section 2.2).
+                # copy's event completes (pytorch/pytorch#130785).
                 self.rt.free_host(self._host)
                 self.id_cap = 2 * n
                 self._host = self.rt.host_buffer(self.id_cap)

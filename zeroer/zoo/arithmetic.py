@@ -40,8 +40,8 @@ class Int32Offset(ZooEntry, KernelModelZeroer):
     32-bit arithmetic (ids staged as int32 to halve the copy, a 32-bit stride constant), the
     product wraps once a segment passes 4 GiB: the ids at the top of the cache zero pages at its
     bottom, and their own pages keep the previous tenant's bytes. vLLM's kernel computes it in
-    64 bits on purpose ("64-bit arithmetic", background note 1.5; the address table itself went
-    from int64 to uint64 in #37197), and #52058 is the same class of overflow in the grid size.
+    64 bits on purpose (since #35219; the address table itself went from int64 to uint64 in
+    #37197), and #52058 is the same class of overflow in the grid size.
     Symptom: NaN from unzeroed pages only on large caches (many blocks or huge pages), and live
     KV of low blocks wiped.
 
@@ -105,9 +105,9 @@ class RatioIgnored(ZooEntry, KernelModelZeroer):
     With virtual block splitting a scheduler block covers ``ratio`` kernel blocks
     (``ratio = spec.block_size // kernel_block_size``; logical block ``b`` is kernel blocks
     ``b*ratio .. b*ratio + ratio - 1``), and vLLM's constructor multiplies the page by the ratio
-    (``page_size_el = kernel_block_el * ratio``, background note 1.4, step 5). Forgetting it zeroes
-    one kernel page at ``b * kernel_page``: half of logical block ``b // 2`` when ratio is 2, the
-    wrong block's data wiped, and ``b``'s own pages left stale. The upstream analog is that line
+    (``page_size_el = kernel_block_el * ratio``). Forgetting it zeroes one kernel page at
+    ``b * kernel_page``: half of logical block ``b // 2`` when ratio is 2, the wrong block's data
+    wiped, and ``b``'s own pages left stale. The upstream analog is that line
     of the constructor, there since the zeroer's introduction in vLLM #35219; no issue reported
     this exact bug. Symptom: NaN in models whose attention
     backend uses a smaller kernel block than the scheduler (FlashInfer/TRT-LLM kernel block 16 or

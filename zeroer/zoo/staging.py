@@ -1,7 +1,7 @@
 """Zoo family 1: host staging memory rewritten before the copy that reads it has run.
 
 A non-blocking host-to-device copy reads its pinned source when the stream *executes* it, not
-when it is enqueued (background note, section 8, fact 1). Every entry here writes the ids of a
+when it is enqueued (the mechanism of vLLM #48085). Every entry here writes the ids of a
 later call into host memory that an earlier, still queued copy has yet to read, so the earlier
 kernel zeroes the later call's blocks and the earlier blocks keep their stale bytes. They differ
 in why the memory is reused: one persistent buffer, a ring too shallow for the calls in flight,
@@ -35,8 +35,8 @@ class SingleBuffer(ZooEntry, SingleBufferZeroer):
     zeroes call *k+1*'s blocks and call *k*'s new blocks keep the previous tenant's bytes.
     Users saw NaN from stale fp32 Mamba state read as fp8/bf16 KV in hybrid models, spreading
     through ``0 * NaN`` masking to every request sharing the block; only under load, so it looked
-    like nondeterminism. Measured on an H200 (background note, section 7): ``[1]`` then ``[2]``
-    zeroed only ``{2}``, 3 runs of 3.
+    like nondeterminism. Measured on an H200 (docs/results.md): ``[1]`` then ``[2]``
+    zeroed only ``{2}``, on every run.
     """
 
     name = "zoo.single_buffer"
@@ -77,8 +77,8 @@ class UnprotectedStaging(ZooEntry, PerCallZeroer):
     not manage (a ``cudaHostRegister``-ed numpy array wrapped with ``torch.from_blob``, a UVA
     buffer). PyTorch's allocator keeps a freed pinned block until the event recorded behind its
     copy completes (pytorch/pytorch#130785); this pool hands it out again at once, so the next
-    call writes its ids into the bytes the previous copy has not read yet (background note,
-    section 8, fact 5). The same failure as #48085, behind code that reads as the fix. The
+    call writes its ids into the bytes the previous copy has not read yet (docs/contract.md,
+    promise 3). The same failure as #48085, behind code that reads as the fix. The
     closest upstream report: NVIDIA/TensorRT-LLM#16088, KV block offsets clobbered because "the
     CPU runs an iteration ahead, so either input can be clobbered before the previous
     iteration's still-pending gather kernel drains".

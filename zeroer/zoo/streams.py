@@ -1,6 +1,6 @@
 """Zoo family 2: the zero lands on the wrong stream, or at the wrong time.
 
-The contract (``shared/background/zeroer-contract.md``, promise 1) puts the zero on the stream
+The contract (docs/contract.md, promise 1) puts the zero on the stream
 that is current at the call, ordered after the work already on it and before the work enqueued
 after it. The harness's caller relies on exactly that: it fences a freed block's last access
 onto the current stream before the call (promise a) and makes later users of the block wait for
@@ -43,13 +43,13 @@ class SharedDeviceIds(ZooEntry, _FreshHostStaging):
     """Fresh pinned memory per call, but one persistent device id buffer for every call.
 
     Safe while every call is on one stream: stream order puts each copy after the previous
-    kernel's read. With calls on two streams (background note, section 8, fact 7: "GPU-side
-    ``idx``/``_ids_gpu``: safe only with same-stream use"), call *k+1*'s copy on stream B
-    overwrites the buffer while call *k*'s kernel on stream A has not read it, and call *k* zeroes
-    call *k+1*'s blocks. Upstream analogs: the persistent ``_ids_gpu`` of vLLM's zeroer before
-    #48399 (and each slot of the #48085 ring), and the cross-stream buffer races of #51571/#51599
-    (MRV1 async Mamba-align D2H). Symptom: blocks handed out unzeroed (NaN in hybrid models) and
-    another stream's blocks zeroed twice.
+    kernel's read. With calls on two streams (vLLM's device-side ``idx``/``_ids_gpu`` is safe
+    only with same-stream use), call *k+1*'s copy on stream B overwrites the buffer while call
+    *k*'s kernel on stream A has not read it, and call *k* zeroes call *k+1*'s blocks. Upstream
+    analogs: the persistent ``_ids_gpu`` of vLLM's zeroer before #48399 (and each slot of the
+    #48085 ring), and the cross-stream buffer races of #51571/#51599 (MRV1 async Mamba-align
+    D2H). Symptom: blocks handed out unzeroed (NaN in hybrid models) and another stream's blocks
+    zeroed twice.
     """
 
     name = "zoo.shared_device_ids"
@@ -75,8 +75,8 @@ class SideStream(ZooEntry, _FreshHostStaging):
     event back. The caller then writes the new block on its current stream, correctly assuming
     stream order, and the zero can land after the write and wipe it; a read sees the previous
     tenant's bytes. Upstream analog: kekzl/imp#1652, zeroing on the legacy stream 0 while decode
-    ran on a non-blocking stream (background note, section 6.2); the Triton kernel is "launched
-    on torch's current stream" for exactly this reason (section 1.5). Symptom: freshly written KV
+    ran on a non-blocking stream; vLLM's Triton kernel is launched on torch's current stream
+    for exactly this reason (docs/contract.md, promise 1). Symptom: freshly written KV
     zeroed (garbled output) or unzeroed pages read (NaN).
     """
 

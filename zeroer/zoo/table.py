@@ -1,10 +1,10 @@
 """Zoo family 4: the segment address table (what to zero, and where it lives).
 
 vLLM's constructor turns the KV tensors into a table of segments, each an absolute address, a
-block stride and a page span (background note, section 1.4). These entries get the table wrong:
-a page span taken from the stride of a packed view, a shared tensor's second half left out, and
-a table captured once and kept after the cache moved. Like family 3 they stage ids race-free and
-zero through the torch model of the kernel (:mod:`zeroer.zoo.kernel_model`).
+block stride and a page span (vLLM #35219; stride and span apart since #50276). These entries
+get the table wrong: a page span taken from the stride of a packed view, a shared tensor's second
+half left out, and a table captured once and kept after the cache moved. Like family 3 they
+stage ids race-free and zero through the torch model of the kernel (:mod:`zeroer.zoo.kernel_model`).
 
 Example::
 
@@ -50,7 +50,7 @@ class SharedKOnly(ZooEntry, KernelModelZeroer):
 
     A tensor bound to several layers (``KVCacheTensor.shared_by``: here an attention layer and a
     linear-attention layer of a hybrid model over one raw buffer) must be zeroed once and fully
-    (background note, hazard 15). This table takes the layout from the first view that reaches
+    (docs/contract.md, promise 1). This table takes the layout from the first view that reaches
     the tensor as if it were block-outer (one segment where the K/V-outer attention view needs
     two), and the de-duplication by ``data_ptr`` then skips the view that would have added V.
     Unshared tensors are unaffected. The upstream analogs are the ``seen_ptrs`` de-duplication
@@ -75,11 +75,11 @@ class StaleTable(ZooEntry, KernelModelZeroer):
     vLLM builds its table of absolute addresses once, in the constructor, and relies on the
     cache never moving: the zeroer's own tensors live outside the CuMem pool "so the bookkeeping
     GPU tensors are not discarded during sleep/wake", and sleep/wake preserves virtual addresses
-    (background note 1.3, hazard 19: "test invalidation (reallocated KV) as a negative case").
-    If the cache is reallocated anyway (a resize, a re-initialisation, a sleep mode that frees
-    the address range), the zeroer keeps zeroing the old memory: new blocks keep their stale
-    bytes and freed memory, possibly another allocation by now, is written. No upstream issue;
-    the hazard is by design. The model keeps the old buffers alive and zeroes them (a GPU would
+    (the worker init of vLLM #35219; docs/contract.md, "Where this project refines it"). If the
+    cache is reallocated anyway (a resize, a re-initialisation, a sleep mode that frees the
+    address range), the zeroer keeps zeroing the old memory: new blocks keep their stale bytes
+    and freed memory, possibly another allocation by now, is written. No upstream issue; the
+    hazard is by design. The model keeps the old buffers alive and zeroes them (a GPU would
     write freed memory); the fuzzer's ``reallocate`` op moves the cache.
     """
 

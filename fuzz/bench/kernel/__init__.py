@@ -16,7 +16,8 @@ Figures can be drawn later from the JSON, where matplotlib is installed::
 
 Modules: :mod:`.caches` (the benchmark's KV caches), :mod:`.timing` (how things are timed),
 :mod:`.measure` (one function per table), :mod:`.report` (targets, tables, JSON),
-:mod:`.plots` (figures), :mod:`.cli` (the command line).
+:mod:`.plots` (figures), :mod:`.cli` (the command line); :mod:`.scatter` is a separate
+command, ``python -m fuzz.bench.kernel.scatter``: what limits the kernel on scattered pages.
 """
 
 from fuzz.bench.kernel.cli import main
