@@ -215,7 +215,7 @@ def test_the_command_line_prints_the_outcome(capsys, tmp_path):
     assert "  found: True" in out and "  message: non-zero after zeroing: block 1," in out
 
 
-# -- on a GPU (run on the H200, docs/gpu-results.md) -----------------------------------------------
+# -- on a GPU (run on the H200, docs/results.md) ---------------------------------------------------
 @pytest.mark.skipif(not CUDA, reason="CUDA required")
 def test_on_a_gpu_the_handwritten_stall_catches_single_buffer_and_not_per_call(tmp_path):
     found = METHODS["handwritten"](EpisodeConfig(zeroer="single_buffer", backend="cuda"), 1.0, 0, repro_dir=tmp_path)

@@ -1,6 +1,6 @@
 """The zeroer designs on fixed interleavings of the simulator.
 
-The racy designs lose blocks exactly as measured on an H200 (background note, section 7); the
+The racy designs lose blocks exactly as measured on an H200 (docs/results.md); the
 race-free ones are correct on the same interleavings; the happens-before checker flags the racy
 ones even on a schedule where their values come out right, and stays quiet on the others."""
 
@@ -251,7 +251,7 @@ def test_design_options_are_checked():
         make_zeroer("event_ring", cache, rt, slots=2, max_slots=1)
 
 
-# -- on a real GPU, free-running: real timing, shaped only by delays (background note, section 7) --
+# -- on a real GPU, free-running: real timing, shaped only by delays (docs/results.md) --
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["single_buffer", "per_call", "event_ring"])
 def test_a_delayed_stream_shows_the_single_buffer_race_on_a_gpu_and_not_the_fixes(name):

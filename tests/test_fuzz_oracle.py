@@ -17,6 +17,7 @@ from fuzz.engine.oracle import STAMP_BASE, Shadow, all_rows_match, describe_word
 from zeroer.cache.geometries import geometry
 from zeroer.kernel import zero_blocks_reference
 from zeroer.cache.layout import GUARD_WORD, POISON_WORD, KVCache, build_cache
+from zeroer.protocol import Capabilities
 from zeroer.runtime import Runtime
 
 
@@ -85,6 +86,11 @@ class _GuardSmashingZeroer:
 
 def make_guard_smashing_zeroer(cache: KVCache, runtime: Runtime) -> _GuardSmashingZeroer:
     return _GuardSmashingZeroer(cache, runtime)
+
+
+for _factory in (make_zeroer_that_also_zeroes_the_block_before, make_zeroer_that_also_zeroes_the_block_after,
+                 make_guard_smashing_zeroer):
+    _factory.capabilities = Capabilities(api="runtime")  # written against the runtime: not intercepted
 
 
 def local(factory: str) -> str:

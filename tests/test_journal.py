@@ -60,6 +60,9 @@ class Crasher(PerCallZeroer):
 
 def make(cache, runtime):
     return Crasher(cache, runtime, kernel="torch")
+
+
+make.capabilities = Crasher.capabilities  # a runtime-API zeroer: not intercepted
 '''
 
 

@@ -170,6 +170,11 @@ def _import_file(spec: str, target: str) -> Any:
         raise ZeroerSpecError(f"zeroer {spec!r}: cannot import {target!r} as a Python file")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
+    # As when the file is run as a script: its own directory is importable, so it may import its
+    # sibling modules by name.
+    directory = str(path.resolve().parent)
+    if directory not in sys.path:
+        sys.path.append(directory)
     try:
         _exec_module(loader_spec.loader, module)
     except Exception as exc:  # the user's module failed: say which and why

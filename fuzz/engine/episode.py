@@ -5,7 +5,7 @@ The fuzzer's rules, and later the replayer, build op records such as
 only place that says what an op means (STYLE.md, "ops as data, one executor").
 
 The caller plays an inference engine's scheduler and model runner and keeps every promise of
-``shared/background/zeroer-contract.md``:
+the contract (docs/contract.md):
 
 * (a) before a freed block is passed to ``zero_block_ids`` on stream ``S``, ``S`` waits for the
   event recorded after the block's last access (vLLM's deferred-free fence, #45357);
@@ -295,7 +295,7 @@ class Episode:
         # The engine moves its KV cache (a resize, a re-initialisation): the host drains the
         # device, copies every page to fresh buffers at new addresses and swaps them into the
         # same KVCache object, whose table then points at the new memory. A zeroer must read
-        # the table when it launches (hazard 19 of the background note; zoo.stale_table does not).
+        # the table when it launches (docs/contract.md; zoo.stale_table does not).
         if not self.loaded.capabilities.follows_reallocation:
             raise ValueError(
                 f"reallocate: zeroer {self.config.zeroer!r} does not declare "

@@ -1,16 +1,140 @@
-"""Interception of plain torch zeroers (work in progress in this commit: see the next ones)."""
+"""Plain torch zeroers under full control: their torch, Triton and ``torch.cuda`` calls, intercepted.
+
+vLLM's ``KVBlockZeroer`` is plain torch and Triton: pinned tensors written through a numpy view,
+non-blocking copies, a Triton ``kernel[grid](...)`` launch writing through raw addresses, torch.cuda
+streams and events. A zeroer whose factory declares nothing (``Capabilities(api="torch")``, the
+default) is bound here: while its constructor, ``warmup``, ``zero_block_ids`` and ``close`` run,
+all of that is routed to the harness's runtime (:mod:`zeroer.intercept.session` says how), so it
+gets what a runtime-API zeroer gets: the simulator on CPU, forced schedules in the controlled
+cuda mode, the happens-before checker, shrinking and replay.
+
+Which mechanism covers which call (docs/fuzz-your-zeroer.md has the table):
+
+* ``TorchFunctionMode`` (:mod:`.torch_mode`): pinned allocations, device factories, ``.to``,
+  ``.cuda``, ``.pin_memory``, ``is_pinned``, indexing, ``record_stream``;
+* aten ops: a tensor subclass's ``__torch_dispatch__`` on the simulator (:mod:`.sim_tensor`,
+  :mod:`.sim_ops`), a ``TorchDispatchMode`` on CUDA (:mod:`.cuda_ops`);
+* patched, in one place and undone on exit: ``torch.cuda``'s streams, events and synchronisation
+  (:mod:`.cuda_api`) and ``JITFunction.run`` (:mod:`.triton_launch`);
+* shadow copies of the zeroer's pinned buffers for host writes no torch op sees (:mod:`.host_memory`);
+* refused with a clear error: GPU packages other than torch, CUDA libraries through ctypes
+  (:mod:`.unroutable`).
+
+Example::
+
+    loaded = load_zeroer("examples/torch_zeroers.py:single_pinned_buffer")   # zeroer.registry
+    zeroer = loaded.build(cache, runtime)        # calls bind(): an InterceptedZeroer
+    with runtime.use_stream(stream):
+        zeroer.zero_block_ids([3, 4])            # queued on the simulated stream
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from zeroer.cache.layout import KVCache
+from zeroer.intercept.errors import InterceptError, unroutable
+from zeroer.protocol import BoundZeroer
+from zeroer.runtime import Runtime
+
+WARMUP_SIZES = range(1, 9)  # the controlled mode compiles every id count the fuzzer draws, ungated
 
 
-def import_scope() -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext()
+class _RuntimeRefused:
+    """What a plain torch zeroer's factory gets as ``runtime``: it must not need one."""
+
+    def __init__(self, spec: str) -> None:
+        self._spec = spec
+
+    def __getattr__(self, name: str) -> Any:
+        raise InterceptError(
+            f"zeroer {self._spec!r} is loaded as a plain torch zeroer (its factory declares no "
+            f"Capabilities(api='runtime')), but it uses runtime.{name}; a zeroer written against "
+            f"zeroer.runtime declares capabilities = Capabilities(api='runtime') on its factory"
+        )
+
+    def __repr__(self) -> str:
+        return "<no runtime: this zeroer is intercepted>"
 
 
-def bind(loaded: Any, cache: Any, runtime: Any, **options: Any) -> Any:
-    from zeroer.protocol import BoundZeroer
+class InterceptedZeroer(BoundZeroer):
+    """A plain torch zeroer whose every call runs inside its :class:`InterceptSession`."""
 
-    return BoundZeroer(loaded.factory(cache, runtime, **options), loaded.spec, loaded.capabilities)
+    __slots__ = ("session", "_calls_left")
+
+    def __init__(self, zeroer: object, spec: str, capabilities: Any, session: Any) -> None:
+        super().__init__(zeroer, spec, capabilities)
+        self.session = session
+        call = self.zero_block_ids
+
+        def zero_block_ids(block_ids: Sequence[int] | None) -> None:
+            with session.running("zero_block_ids", _ids_of(block_ids)):
+                call(block_ids)
+
+        self.zero_block_ids = zero_block_ids
+
+    def warmup(self) -> None:
+        with self.session.running("warmup"):
+            super().warmup()
+        if self.session.backend == "cuda" and self.session.rt.scheduled:
+            # Every kernel variant the fuzzer's calls can need, compiled now, while nothing is gated:
+            # a first launch loads a module, which waits for the GPU to drain (zeroer.runtime.cuda).
+            for n in WARMUP_SIZES:
+                self.zero_block_ids([0] * n)  # duplicates are harmless (contract 5): block 0 only
+
+    def close(self) -> None:
+        with self.session.running("close"):
+            super().close()
+
+
+def _ids_of(block_ids: Any) -> list[int]:
+    """The ids of a call as plain ints, for labels only (the zeroer checks its own input)."""
+    if block_ids is None:
+        return []
+    try:
+        if isinstance(block_ids, torch.Tensor):
+            return [int(i) for i in block_ids.reshape(-1).tolist()] if block_ids.device.type == "cpu" else []
+        return [int(i) for i in block_ids]
+    except (TypeError, ValueError):
+        return []
+
+
+def bind(loaded: Any, cache: KVCache, runtime: Runtime, **options: Any) -> InterceptedZeroer:
+    """Build ``loaded``'s zeroer for ``cache`` on ``runtime`` under interception."""
+    from zeroer.intercept.session import InterceptSession
+    from zeroer.intercept.unroutable import check_no_gpu_packages
+
+    if runtime.scheduled:
+        check_no_gpu_packages(loaded.spec, runtime.backend)
+    session = InterceptSession(runtime, loaded.spec)
+    if runtime.backend == "sim":
+        from zeroer.intercept.cache_view import SimCacheView
+
+        seen: Any = SimCacheView(cache, session)
+    else:
+        session.cuda_ops.note_cache([raw.untyped_storage().data_ptr() for raw in cache.raws])
+        seen = cache
+    with session.running("__init__"):
+        zeroer = loaded.factory(seen, _RuntimeRefused(loaded.spec), **options)
+    return InterceptedZeroer(zeroer, loaded.spec, loaded.capabilities, session)
+
+
+@contextlib.contextmanager
+def import_scope() -> Iterator[None]:
+    """Import a zeroer's module as its code will run: on a machine without a GPU,
+    ``torch.cuda.is_available()`` says True (vLLM decides ``PIN_MEMORY`` with it at import)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = original  # type: ignore[assignment]
+
+
+__all__ = ["InterceptError", "InterceptedZeroer", "bind", "import_scope", "unroutable"]

@@ -1,0 +1,222 @@
+"""Plain torch zeroers under interception, on the simulator: judged rightly, and told what cannot be routed."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fuzz.engine.campaigns import PROFILES, Campaign, run_campaign
+from fuzz.engine.episode import Episode, EpisodeConfig
+from zeroer.cache.geometries import geometry
+from zeroer.cache.layout import build_cache
+from zeroer.intercept import InterceptError
+from zeroer.intercept.sim_tensor import SimCudaTensor
+from zeroer.protocol import check_factory
+from zeroer.registry import LoadedZeroer
+from zeroer.runtime import make_runtime
+
+import torch_zeroers  # tests/, with examples/ on sys.path (tests/conftest.py)
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = "examples/engine_zeroers.py"
+EXAMPLE_VERDICTS = {
+    "single_pinned_buffer": "racy",
+    "pinned_ring": "racy",
+    "fresh_pinned_per_call": "race-free",
+    "event_guarded_ring": "race-free",
+}
+VARIANTS = {**{n: "racy" for n in torch_zeroers.RACY}, **{n: "race-free" for n in torch_zeroers.RACE_FREE}}
+
+
+def exactly(message: str) -> str:
+    return "^" + re.escape(message) + "$"
+
+
+def campaign_of(spec: str, verdict: str, geometry_name: str = "tiny") -> Campaign:
+    return Campaign(EpisodeConfig(zeroer=spec, geometry=geometry_name), 0, "finds" if verdict == "racy" else "clean")
+
+
+# -- verdicts ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EXAMPLE_VERDICTS))
+def test_each_engine_example_is_judged_rightly_on_the_simulator(name, tmp_path):
+    verdict = EXAMPLE_VERDICTS[name]
+    result = run_campaign(campaign_of(f"{EXAMPLES}:{name}", verdict), PROFILES["quick"], tmp_path)
+    assert result.found == (verdict == "racy"), result.violation
+    if result.found:
+        assert len(result.violation.trace) <= 4, result.violation.trace  # shrunk to a few ops
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_each_torch_variant_is_judged_rightly_on_the_simulator(name, tmp_path):
+    verdict = VARIANTS[name]
+    result = run_campaign(campaign_of(f"tests/torch_zeroers.py:{name}", verdict), PROFILES["quick"], tmp_path)
+    assert result.found == (verdict == "racy"), result.violation
+
+
+def test_a_numpy_write_under_a_pending_copy_is_a_hazard_naming_the_call_and_the_op():
+    episode = Episode(EpisodeConfig(zeroer=f"{EXAMPLES}:single_pinned_buffer"))
+    episode.apply({"op": "start", "in_flight": 1})
+    episode.apply({"op": "allocate", "n": 1, "stream": 0})
+    episode.apply({"op": "allocate", "n": 1, "stream": 0})
+    [finding] = episode.new_hazard_findings()
+    assert finding.message.startswith(
+        "hazard at step 3: host write to pinned host buffer p1 of the zeroer (torch.empty(pin_memory=True)) by the "
+        "host code of examples/engine_zeroers.py:single_pinned_buffer.zero_block_ids#4([2]) between the start of "
+        "the call and Tensor.copy_ while copy_ (h2d)#"
+    )
+    assert "(examples/engine_zeroers.py:single_pinned_buffer.zero_block_ids#3([1])) may not have read it yet" in finding.message
+    episode.close()
+
+
+def test_a_kernel_aimed_outside_every_allocation_is_reported_not_run():
+    episode = Episode(EpisodeConfig(zeroer="tests/torch_zeroers.py:wild_kernel"))
+    episode.apply({"op": "start", "in_flight": 1})
+    [finding] = episode.new_hazard_findings()
+    assert re.search(r"illegal address: kernel triton _zero_kv_blocks_kernel stores 32 word\(s\) outside every "
+                     r"allocation, the first at 0x[0-9a-f]+ \((\d+ bytes (past the end of|before the start of) .+|no "
+                     r"memory near it)\); on a GPU this is cudaErrorIllegalAddress, here the access was skipped$",
+                     finding.message), finding.message
+    assert not episode.cache.guard_violations()  # the store was skipped
+    episode.close()
+
+
+def test_the_exported_script_of_an_intercepted_finding_imports_the_users_module_and_shows_the_race(tmp_path):
+    from repro.replay import replay
+
+    result = run_campaign(campaign_of(f"{EXAMPLES}:single_pinned_buffer", "racy"), PROFILES["quick"], tmp_path)
+    shown, first = replay(result.violation.config, result.violation.trace, repeat=20)
+    assert shown == 20 and first
+
+
+# -- what a plain torch zeroer sees ---------------------------------------------------------------
+class _Probe:
+    """Records what torch says while it is built and called."""
+
+    def __init__(self, cache, runtime) -> None:
+        self.seen = {"available": torch.cuda.is_available(), "cache_is_cuda": cache.layer_tensors[
+            next(iter(cache.layer_tensors))].is_cuda}
+        host = torch.arange(4, dtype=torch.int64)
+        self.moved = host.to("cuda")
+        self.host_ptr = host.data_ptr()
+        self.stream = torch.cuda.current_stream()
+
+    def zero_block_ids(self, block_ids) -> None:
+        self.seen["current"] = torch.cuda.current_stream()
+
+
+def _bind(factory, geometry_name: str = "tiny", spec: str = "probe"):
+    rt = make_runtime("sim")
+    cache = build_cache(geometry(geometry_name), device=rt.device)
+    return rt, cache, LoadedZeroer(spec, factory, check_factory(factory, spec)).build(cache, rt)
+
+
+def test_a_plain_torch_zeroer_sees_cuda_and_a_host_move_never_aliases_host_memory():
+    rt, cache, bound = _bind(_Probe)
+    probe = bound.zeroer
+    assert probe.seen == {"available": True, "cache_is_cuda": True}
+    assert isinstance(probe.moved, SimCudaTensor) and probe.moved.is_cuda
+    assert probe.moved.data_ptr() != probe.host_ptr
+    side = rt.new_stream("side")
+    with rt.use_stream(side):
+        bound.zero_block_ids([1])
+    assert probe.seen["current"].runtime_stream is side
+    assert torch.cuda.is_available() is False or torch.cuda.device_count() >= 1  # put back after the call
+
+
+def test_the_patches_are_undone_when_the_zeroer_raises():
+    class Raises(_Probe):
+        def zero_block_ids(self, block_ids) -> None:
+            raise RuntimeError("boom")
+
+    stream_class, run = torch.cuda.Stream, __import__("triton").runtime.jit.JITFunction.run
+    rt, cache, bound = _bind(Raises)
+    with pytest.raises(RuntimeError, match="^boom$"):
+        bound.zero_block_ids([1])
+    assert torch.cuda.Stream is stream_class and __import__("triton").runtime.jit.JITFunction.run is run
+    assert torch.Tensor.record_stream is torch._C.TensorBase.record_stream
+
+
+# -- what cannot be routed ---------------------------------------------------------------------
+def _refused(body):
+    class Refuses(_Probe):
+        def zero_block_ids(self, block_ids) -> None:
+            body(self)
+
+    return _bind(Refuses)[2]
+
+
+REFUSED = [
+    (lambda z: ctypes.CDLL("libcudart.so"),
+     "ctypes.CDLL('libcudart.so') inside an intercepted zeroer: raw CUDA calls (cudaMemcpyAsync, kernel launches) "
+     "bypass torch, so the harness can neither simulate nor gate them; run this zeroer on a GPU in the free-running "
+     "mode instead (pytest fuzz --zeroer SPEC --backend cuda --cuda-mode free), where its calls run as they are"),
+    (lambda z: __import__("cupy"),
+     "importing 'cupy' inside an intercepted zeroer: its CUDA calls bypass torch, so the harness can neither "
+     "simulate nor gate them; run this zeroer on a GPU in the free-running mode instead (pytest fuzz --zeroer SPEC "
+     "--backend cuda --cuda-mode free), where its calls run as they are"),
+    (lambda z: torch.cuda.CUDAGraph(),
+     "torch.cuda.CUDAGraph: the harness cannot order or schedule it; run this zeroer on a GPU in the free-running "
+     "mode instead (pytest fuzz --zeroer SPEC --backend cuda --cuda-mode free), where its calls run as they are"),
+    (lambda z: torch.cuda.Event(enable_timing=True),
+     "torch.cuda.Event(enable_timing=True, interprocess=False): timing and interprocess events have no meaning on "
+     "the harness's schedule; create the event without them (the zeroer contract needs ordering only)"),
+    (lambda z: torch.cuda.set_stream(torch.cuda.Stream()),
+     "torch.cuda.set_stream: a zeroer may not change the caller's current stream for good; use `with "
+     "torch.cuda.stream(s):` around the work instead"),
+]
+
+
+@pytest.mark.parametrize("body, message", REFUSED, ids=["ctypes-cudart", "cupy", "cuda-graph", "timing-event", "set-stream"])
+def test_what_cannot_be_routed_is_an_error_naming_the_call_and_the_way_forward(body, message):
+    bound = _refused(body)
+    with pytest.raises(InterceptError, match=exactly(message)):
+        bound.zero_block_ids([1])
+
+
+def test_a_pageable_tensor_passed_to_a_kernel_is_refused_as_cuda_would():
+    from engine_zeroers import FreshPinnedPerCall
+
+    class Pageable(FreshPinnedPerCall):
+        def zero_block_ids(self, block_ids) -> None:
+            self._launch(torch.tensor(list(block_ids), dtype=torch.int64))
+
+    with pytest.raises(InterceptError, match=exactly(
+            "triton _zero_kv_blocks_kernel: argument 'block_ids_ptr': it is a pageable CPU tensor, which a GPU "
+            "kernel cannot read; pass a device tensor, or pinned memory (pin_memory=True)")):
+        _bind(lambda cache, runtime: Pageable(cache))[2].zero_block_ids([1])
+
+
+def test_a_torch_zeroer_that_uses_the_runtime_is_told_to_declare_it():
+    def factory(cache, runtime):
+        runtime.new_stream("mine")
+
+    with pytest.raises(InterceptError, match=exactly(
+            "zeroer 'probe' is loaded as a plain torch zeroer (its factory declares no Capabilities(api='runtime')), "
+            "but it uses runtime.new_stream; a zeroer written against zeroer.runtime declares capabilities = "
+            "Capabilities(api='runtime') on its factory")):
+        _bind(factory)
+
+
+# -- the simulated allocator's stream rule -------------------------------------------------------------
+def test_a_freed_block_is_reused_on_its_stream_only_and_after_record_stream_only_once_the_other_stream_ran():
+    from zeroer.intercept.session import InterceptSession
+
+    rt = make_runtime("sim")
+    session = InterceptSession(rt, "probe")
+    memory, main, side = session.memory, rt.default_stream, rt.new_stream("side")
+    first = memory.alloc(64, main, "a")
+    block = first.block
+    del first
+    assert memory.alloc(64, side, "b").block is not block  # another stream: never handed over
+    again = memory.alloc(64, main, "c")
+    assert again.block is block and memory.reused == 1
+    memory.record_stream(again, side)
+    rt.launch(lambda: None, stream=side)  # side has queued work when the block is freed
+    del again
+    assert memory.alloc(64, main, "d").block is not block  # waits for side's event
+    rt.synchronize()
+    assert memory.alloc(64, main, "e").block is block

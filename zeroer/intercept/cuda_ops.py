@@ -1,0 +1,156 @@
+"""CUDA's own tensors under interception: every aten op on one, routed to the runtime's stream.
+
+On the cuda backend a plain torch zeroer's tensors are real CUDA tensors. This
+``TorchDispatchMode`` sees every aten op while the zeroer runs and acts on its kind
+(:func:`zeroer.intercept.ops.kind`): views and allocations run at once (torch allocates on its
+current stream, which is the runtime's); queued ops are issued as one runtime op each, so in the
+controlled mode they wait behind the op's gate until the fuzzer's schedule runs them, and in the
+free-running mode they are issued at once; host copies follow
+:func:`~zeroer.intercept.ops.copy_kind` (a non-blocking copy from pageable memory is staged into
+fresh pinned memory first, as CUDA would stage it, so no driver staging can wait behind a gate);
+synchronising ops run after the current stream has (``Runtime.run_now``).
+
+The happens-before checker names device memory by storage address. PyTorch's caching allocator
+reuses an address only for later work on the stream it was allocated on, unless ``record_stream``
+tied it to others, in which case it waits for their events first (which the checker cannot see):
+such an address starts a fresh history when torch hands it out again.
+
+Example (inside an intercepted call on a GPU)::
+
+    ids = torch.empty(8, dtype=torch.int64, device="cuda")      # at once
+    ids[:2].copy_(pinned[:2], non_blocking=True)                 # one gated op on the current stream
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from zeroer.intercept.errors import unroutable
+from zeroer.intercept.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
+from zeroer.runtime import Stream
+
+
+def _cuda_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.is_cuda]
+
+
+class CudaOps(TorchDispatchMode):
+    """See the module docstring."""
+
+    def __init__(self, session: Any) -> None:
+        super().__init__()
+        self.session = session
+        self._cache_storages: set[int] = set()
+        self._recorded: set[int] = set()  # storages record_stream tied to another stream
+
+    def note_cache(self, storages: list[int]) -> None:
+        self._cache_storages = set(storages)
+
+    def key(self, tensor: torch.Tensor) -> tuple:
+        return ("cudamem", tensor.untyped_storage().data_ptr())
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        self._recorded.add(tensor.untyped_storage().data_ptr())
+
+    def _fresh(self, tensors: list[torch.Tensor]) -> None:
+        """Tensors torch just allocated: an address record_stream had tied elsewhere starts anew."""
+        for tensor in tensors:
+            address = tensor.untyped_storage().data_ptr()
+            if address in self._recorded:
+                self._recorded.discard(address)
+                self.session.rt.hb.forget(("cudamem", address))
+
+    def _accesses(self, tensors: list[torch.Tensor], written: list[torch.Tensor]) -> tuple[list, list, bool]:
+        write_keys = {self.key(t) for t in written}
+        cache = any(k[1] in self._cache_storages for k in write_keys)
+        writes = [k for k in write_keys if k[1] not in self._cache_storages]
+        reads = sorted({self.key(t) for t in tensors} - write_keys - {("cudamem", s) for s in self._cache_storages})
+        return reads, writes, cache
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = _cuda_tensors(args, kwargs)
+        device = kwargs.get("device")
+        on_device = bool(tensors) or (device is not None and torch.device(device).type == "cuda")
+        if not on_device:
+            return func(*args, **kwargs)  # host work: the zeroer's own business
+        what = kind(func)
+        if what in ("view", "alloc"):
+            result = func(*args, **kwargs)
+            if what == "alloc":
+                self._fresh([result])
+            return result
+        if what == "unsupported":
+            raise unroutable(f"{func} on a CUDA tensor", "it changes the tensor's shape or storage in place")
+        if what == "copy":
+            non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+            return self._copy(func, args, kwargs, args[0], args[1], non_blocking)
+        if what == "to_copy":
+            source = args[0]
+            target = torch.device(device) if device is not None else source.device
+            non_blocking = bool(kwargs.get("non_blocking", False))
+            if source.is_cuda and target.type == "cpu":
+                return self._copy(func, args, kwargs, None, source, non_blocking, pin=bool(kwargs.get("pin_memory")))
+            if not source.is_cuda and target.type == "cuda":
+                return self._copy(func, args, kwargs, None, source, non_blocking, to_device=True)
+        positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        written = [positional[i] for i in written_args(func) if isinstance(positional[i], torch.Tensor) and positional[i].is_cuda]
+        reads, writes, cache = self._accesses(tensors, written)
+        box: list[Any] = []
+
+        def issue() -> None:
+            box.append(func(*args, **kwargs))
+
+        name = str(func).replace("aten.", "").replace(".default", "")
+        if what == "blocking" or index_needs_host(func, args):
+            self.session.run_now(issue, name=name, reads=reads, writes=writes, cache_written=cache)
+        else:
+            self.session.enqueue(issue, name=name, reads=reads, writes=writes, cache_written=cache)
+        result = box[0]
+        aliased = aliased_returns(func)
+        outputs = result if isinstance(result, (tuple, list)) else (result,)
+        self._fresh([o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.is_cuda
+                     and (i >= len(aliased) or aliased[i] is None)])
+        return result
+
+    def _copy(self, func: Any, args: tuple, kwargs: dict, dst: torch.Tensor | None, src: torch.Tensor,
+              non_blocking: bool, *, pin: bool = False, to_device: bool = False) -> Any:
+        """``copy_(dst, src)``, or ``_to_copy(src)`` (``dst`` None) across devices."""
+        device_dst = to_device or (dst is not None and dst.is_cuda)
+        device_src = src.is_cuda
+        host_side = src if device_dst and not device_src else dst if device_src and not device_dst else None
+        pinned = self.session.host.lookup(host_side) if host_side is not None else None
+        if host_side is None and dst is None and not device_src and not to_device:
+            pinned = None
+        how = copy_kind(device_dst=device_dst, device_src=device_src, non_blocking=non_blocking,
+                        pinned=pinned is not None or (pin and not device_dst))
+        if how == "h2d-staged":
+            staged = src.pin_memory()  # CUDA stages pageable bytes before returning; we stage them in pinned memory
+            args = (args[0], staged, *args[2:]) if dst is not None else (staged, *args[1:])
+        tensors = [t for t in (dst, src) if isinstance(t, torch.Tensor) and t.is_cuda]
+        written = [dst] if dst is not None and dst.is_cuda else []
+        reads, writes, cache = self._accesses(tensors, written)
+        box: list[Any] = []
+
+        def issue() -> None:
+            box.append(func(*args, **kwargs))
+
+        name = f"copy ({how})"
+        if how == "sync":
+            self.session.run_now(issue, name=name, reads=reads, writes=writes, cache_written=cache)
+        else:
+            stamp = self.session.enqueue(issue, name=name, reads=reads, writes=writes, cache_written=cache)
+            if how == "h2d-async" and pinned is not None:
+                self.session.host.note_read(pinned, src, stamp)
+            elif how == "d2h-async" and pinned is not None:
+                self.session.host.note_device_write(pinned)
+        result = box[0]
+        if dst is None and isinstance(result, torch.Tensor) and result.is_cuda:
+            self._fresh([result])
+        if dst is None and pin and isinstance(result, torch.Tensor) and not result.is_cuda:
+            self.session.host.register(result, "pinned result of .to()")
+        return result

@@ -1,0 +1,121 @@
+"""What an aten op does to device memory and the stream, as CUDA would run it.
+
+Every op a plain torch zeroer runs on a device tensor falls in one kind; the simulator
+(:mod:`zeroer.intercept.sim_ops`) and the CUDA router (:mod:`zeroer.intercept.cuda_ops`) act on
+the kind, so both backends agree on what an op means:
+
+* ``view``: metadata only (``x[1:3]``, ``x.view(...)``): made at once, no device work;
+* ``alloc``: stream-ordered allocation with no contents (``torch.empty``): no device work;
+* ``copy`` / ``to_copy``: ``copy_`` and ``.to()``/``.cpu()``: their meaning depends on the devices,
+  on ``non_blocking`` and on whether host memory is pinned (:func:`copy_kind`);
+* ``blocking``: the host needs a result (``.item()``, ``nonzero``: the output's shape depends on
+  the data): CUDA synchronises the current stream, then the op runs;
+* ``unsupported``: changes a tensor's metadata in place (``t_``, ``resize_``, ``set_``);
+* ``queued``: everything else: enqueued on the current stream, run when it gets there.
+
+Example::
+
+    kind(torch.ops.aten.slice.Tensor)        # 'view'
+    kind(torch.ops.aten.index_fill_.int_Scalar)   # 'queued'
+    copy_kind(device_dst=True, device_src=False, non_blocking=True, pinned=True)   # 'h2d-async'
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _ops(*names: str) -> set:
+    """The aten overloads ``names`` ("op.overload") that this torch has."""
+    found = set()
+    for name in names:
+        op, _, overload = name.partition(".")
+        packet = getattr(aten, op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return found
+
+
+_ALLOC = _ops("empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
+              "new_empty_strided.default", "empty_permuted.default")
+_COPY = _ops("copy_.default")
+_TO_COPY = _ops("_to_copy.default")
+_UNSUPPORTED = _ops("set_.source_Storage", "set_.source_Tensor", "set_.default", "resize_.default",
+                    "resize_as_.default", "set_.source_Storage_storage_offset")
+# Output shape depends on the data: CUDA copies a count to the host, which synchronises.
+_DATA_SHAPED = _ops("nonzero.default", "masked_select.default", "repeat_interleave.Tensor", "unique_dim.default",
+                    "_unique2.default", "_unique.default", "unique_consecutive.default")
+
+
+@functools.lru_cache(maxsize=None)
+def kind(func: Any) -> str:
+    """One of ``view``, ``alloc``, ``copy``, ``to_copy``, ``blocking``, ``unsupported``, ``queued``."""
+    if func in _COPY:
+        return "copy"
+    if func in _TO_COPY:
+        return "to_copy"
+    if func in _ALLOC:
+        return "alloc"
+    if func in _UNSUPPORTED or torch.Tag.inplace_view in func.tags:
+        return "unsupported"
+    if getattr(func, "is_view", False):
+        return "view"
+    if torch.Tag.data_dependent_output in func.tags or func in _DATA_SHAPED:
+        return "blocking"
+    return "queued"
+
+
+def index_needs_host(func: Any, args: tuple) -> bool:
+    """``x[mask]`` with a boolean mask: its shape is the mask's count, which the host must read."""
+    if func is not aten.index.Tensor and func is not aten.index_put_.default and func is not aten.index_put.default:
+        return False
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
+
+def copy_kind(*, device_dst: bool, device_src: bool, non_blocking: bool, pinned: bool) -> str:
+    """How CUDA runs a copy between these memories.
+
+    * ``d2d``: queued on the current stream;
+    * ``h2d-async``: non-blocking from pinned memory: queued, reads the host bytes when it runs;
+    * ``h2d-staged``: non-blocking from pageable memory: the bytes are staged before the call
+      returns, the transfer is queued;
+    * ``d2h-async``: non-blocking into pinned memory: queued, writes the host bytes when it runs;
+    * ``sync``: any other host copy: the current stream is synchronised and the copy done then
+      (a blocking copy, or a non-blocking one to pageable memory, which CUDA makes synchronous);
+    * ``host``: host to host, no device involved.
+    """
+    if device_dst and device_src:
+        return "d2d"
+    if not device_dst and not device_src:
+        return "host"
+    if not non_blocking:
+        return "sync"
+    if device_dst:
+        return "h2d-async" if pinned else "h2d-staged"
+    return "d2h-async" if pinned else "sync"
+
+
+def written_args(func: Any) -> list[int]:
+    """Positions of the arguments ``func`` writes (its schema's ``(a!)`` annotations)."""
+    return [i for i, arg in enumerate(func._schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
+
+
+def aliased_returns(func: Any) -> list[int | None]:
+    """For each return of ``func``, the position of the argument it aliases (in-place, out=), else None."""
+    arguments = func._schema.arguments
+    result: list[int | None] = []
+    for ret in func._schema.returns:
+        match = None
+        if ret.alias_info is not None:
+            for i, arg in enumerate(arguments):
+                if arg.alias_info is not None and set(arg.alias_info.before_set) & set(ret.alias_info.before_set):
+                    match = i
+                    break
+        result.append(match)
+    return result

@@ -1,0 +1,170 @@
+"""One intercepted zeroer's world: its runtime, memory, streams, and the scope its code runs in.
+
+:meth:`InterceptSession.running` is the scope every call of the zeroer runs in (its constructor,
+``warmup``, each ``zero_block_ids``, ``close``). Inside it:
+
+* a ``TorchFunctionMode`` (:mod:`zeroer.intercept.torch_mode`) sees every torch call: device
+  factories, pinned allocations, ``.to``/``.cuda``/``.pin_memory``, indexing of device tensors,
+  ``record_stream``;
+* on the simulator, device tensors are :class:`~zeroer.intercept.sim_tensor.SimCudaTensor` and
+  their aten ops reach :class:`~zeroer.intercept.sim_ops.SimOps`; on CUDA, a
+  ``TorchDispatchMode`` (:mod:`zeroer.intercept.cuda_ops`) routes the aten ops on CUDA tensors;
+* ``torch.cuda``'s streams, events and synchronisation are stand-ins over the runtime
+  (:mod:`zeroer.intercept.cuda_api`) and ``JITFunction.run`` is wrapped
+  (:mod:`zeroer.intercept.triton_launch`); both patches are undone on exit, even on error;
+* every boundary between the zeroer's code and the harness compares the pinned bytes that queued
+  work will read with what they were (:mod:`zeroer.intercept.host_memory`).
+
+Everything the zeroer enqueues goes through :meth:`enqueue` (one runtime op) or :meth:`run_now`
+(a synchronising op), labelled with the call it belongs to, so a race report names the call and
+the op, exactly as for a runtime-API zeroer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, Iterator
+
+import torch
+
+from zeroer.intercept.cuda_api import CudaApi, patched
+from zeroer.intercept.host_memory import HostMemory
+from zeroer.intercept.sim_memory import SIM_DEVICE, Block, SimDeviceMemory
+from zeroer.intercept.triton_launch import TritonLaunches
+from zeroer.intercept.unroutable import unroutable_guard
+from zeroer.runtime import Runtime
+from zeroer.runtime.hb import OpStamp
+
+
+class InterceptSession:
+    """See the module docstring. ``spec`` names the zeroer in labels and messages."""
+
+    def __init__(self, runtime: Runtime, spec: str) -> None:
+        self.rt = runtime
+        self.spec = spec
+        self.backend = runtime.backend
+        self.device = SIM_DEVICE if self.backend == "sim" else runtime.device
+        self.host = HostMemory(runtime)
+        self.cuda_api = CudaApi(self)
+        self.triton = TritonLaunches(self)
+        self.memory: SimDeviceMemory | None = None
+        self.sim_ops: Any = None
+        self.cuda_ops: Any = None
+        if self.backend == "sim":
+            from zeroer.intercept.sim_ops import SimOps
+
+            self.memory = SimDeviceMemory(runtime)
+            self.sim_ops = SimOps(self)
+        else:
+            from zeroer.intercept.cuda_ops import CudaOps
+
+            self.cuda_ops = CudaOps(self)
+        from zeroer.intercept.torch_mode import InterceptMode
+
+        self.mode = InterceptMode(self)
+        self.call: str = "construction"  # what the zeroer is doing now: its label in reports
+        self.ids: tuple[int, ...] = ()  # the ids of the zero call in progress
+        self._last: str = "the start of the call"
+        self._calls = itertools.count(1)
+        self._depth = 0
+
+    # -- the scope ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def running(self, what: str, ids: Sequence[int] = ()) -> Iterator[None]:
+        """Run the zeroer's ``what`` (e.g. ``"zero_block_ids"``) under interception."""
+        if self._depth:  # a zeroer method calling another (warmup -> zero_block_ids): one scope
+            yield
+            return
+        number = next(self._calls)
+        shown = list(ids) if len(ids) <= 8 else [*ids[:8], "..."]
+        self.call = f"{self.spec}.{what}#{number}" + (f"({shown})" if what == "zero_block_ids" else "")
+        self.ids = tuple(int(i) for i in ids)
+        self._last = "the start of the call"
+        self.host.check(f"the host, before {self.call}")
+        self._depth += 1
+        try:
+            with contextlib.ExitStack() as scope:
+                scope.enter_context(self.rt.annotate(self.call))
+                # On CUDA this also makes the runtime's current stream torch's: what torch allocates
+                # and launches inside lands there.
+                scope.enter_context(self.rt.use_stream(self.rt.current_stream()))
+                scope.enter_context(unroutable_guard(self))
+                scope.enter_context(patched(torch.cuda, self.cuda_api.patches()))
+                from triton.runtime.jit import JITFunction
+
+                scope.enter_context(patched(JITFunction, self.triton.patches()))
+                scope.enter_context(patched(torch.Tensor, self.mode.patches()))
+                if self.cuda_ops is not None:
+                    scope.enter_context(self.cuda_ops)
+                scope.enter_context(self.mode)
+                yield
+                self.boundary("the end of the call")
+        finally:
+            self._depth -= 1
+            self.call, self.ids = "the harness", ()
+
+    def boundary(self, what: str) -> None:
+        """The zeroer reached ``what``: check the pinned bytes pending reads will see."""
+        self.host.check(f"the host code of {self.call} between {self._last} and {what}")
+        self._last = what
+
+    # -- device work -------------------------------------------------------------------------------
+    def _declare(self, reads: Sequence[Any], writes: Sequence[Any], cache_written: bool) -> dict[str, Any]:
+        blocks = self.ids if cache_written else ()
+        return {"reads": [_Key(k) for k in reads], "writes": [_Key(k) for k in writes], "blocks_written": blocks}
+
+    def enqueue(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
+                cache_written: bool = False) -> OpStamp:
+        """One queued op on the current stream; ``reads``/``writes`` are memory keys or blocks."""
+        return self.rt.launch(fn, name=name, **self._declare(reads, writes, cache_written))
+
+    def run_now(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
+                cache_written: bool = False) -> None:
+        """A synchronising op: the current stream is run first, then ``fn`` (``Runtime.run_now``)."""
+        self.rt.run_now(fn, name=name, **self._declare(reads, writes, cache_written))
+
+    # -- memory ------------------------------------------------------------------------------------
+    def memory_key(self, tensor: torch.Tensor) -> Any | None:
+        """What the happens-before checker calls ``tensor``'s device memory (None: host memory)."""
+        if self.sim_ops is not None:
+            from zeroer.intercept.sim_tensor import SimCudaTensor
+
+            return tensor._alloc.block if isinstance(tensor, SimCudaTensor) else None
+        return self.cuda_ops.key(tensor) if tensor.is_cuda else None
+
+    def address_ranges(self) -> list[tuple[int, int, Any]]:
+        """[start, end) of every byte the zeroer's kernels may touch on the simulator, sorted."""
+        ranges = list(self.memory.ranges()) if self.memory is not None else []
+        for buffer in self.host.buffers():
+            storage = buffer.base.untyped_storage()
+            ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), buffer))
+        return sorted(ranges, key=lambda r: r[0])
+
+    def describe_address(self, address: int) -> str:
+        nearest = None
+        for start, end, owner in self.address_ranges():
+            if start <= address < end:
+                return f"inside {_name(owner)}"
+            gap = address - end if address >= end else start - address
+            if nearest is None or gap < nearest[0]:
+                nearest = (gap, "past the end of" if address >= end else "before the start of", owner)
+        if nearest is None:
+            return "no memory near it"
+        return f"{nearest[0]} bytes {nearest[1]} {_name(nearest[2])}"
+
+
+class _Key:
+    """A memory key in the shape ``Runtime.launch`` reads (an object with ``.key``)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Any) -> None:
+        self.key = key.key if hasattr(key, "key") else key
+
+
+def _name(owner: Any) -> str:
+    if isinstance(owner, Block):
+        return f"device block d{owner.id} ({owner.name})"
+    return getattr(owner, "name", repr(owner))

@@ -1,0 +1,250 @@
+"""The simulator's meaning of every aten op on a :class:`SimCudaTensor`, as CUDA would run it.
+
+:func:`zeroer.intercept.ops.kind` says what an op does; this module does it on the simulator:
+views at once, allocations from :class:`~zeroer.intercept.sim_memory.SimDeviceMemory` on the
+current stream, queued ops as one runtime op each (their outputs allocated now, from the op's
+meta kernel, and filled when the stream reaches them), copies by :func:`~zeroer.intercept.ops.copy_kind`,
+and blocking ops after the current stream has run (``Runtime.run_now``). Each queued op declares the
+device blocks it reads and writes to the happens-before checker; one that writes the KV cache
+declares the blocks of the zero call it belongs to.
+
+Example (what ``idx.copy_(pinned[:n], non_blocking=True)`` becomes)::
+
+    session.sim_ops.dispatch(torch.ops.aten.copy_.default, (idx, pinned_view, True), {})
+    # -> a queued op "copy_ (h2d)" that reads pinned_view's bytes when the stream reaches it
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from zeroer.intercept.errors import unroutable
+from zeroer.intercept.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
+from zeroer.intercept.sim_memory import Allocation, Block
+from zeroer.intercept.sim_tensor import SimCudaTensor, uncloak
+
+
+def _inner(value: Any) -> Any:
+    return value._inner if isinstance(value, SimCudaTensor) else value
+
+
+def _host_snapshot(value: Any) -> Any:
+    # A CPU tensor handed to a device op is copied at the call (CUDA moves it before returning).
+    if isinstance(value, torch.Tensor) and not isinstance(value, SimCudaTensor) and value.device.type == "cpu":
+        return value.clone()
+    return value
+
+
+def _device_or_snapshot(value: Any) -> Any:
+    """A device tensor's memory (read when the op runs), a host tensor's bytes now."""
+    return value._inner if isinstance(value, SimCudaTensor) else _host_snapshot(value)
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    return value
+
+
+def storage_bytes(size: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
+    """Bytes a tensor of ``size`` and ``stride`` spans (0 for an empty one)."""
+    if any(s == 0 for s in size):
+        return 0
+    return (sum((s - 1) * st for s, st in zip(size, stride)) + 1) * itemsize
+
+
+class SimOps:
+    """Routes aten ops on simulated CUDA tensors for one session (see the module docstring)."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.memory = session.memory
+
+    # -- tensors ---------------------------------------------------------------------------------
+    def wrap(self, inner: torch.Tensor, allocation: Allocation) -> SimCudaTensor:
+        return SimCudaTensor(inner, allocation, self.session)
+
+    def new(self, size: tuple[int, ...], dtype: torch.dtype, stride: tuple[int, ...] | None = None,
+            name: str = "") -> SimCudaTensor:
+        """A fresh device tensor, allocated on the current stream."""
+        if stride is None:
+            stride = torch.empty(size, device="meta").stride()
+        nbytes = storage_bytes(tuple(size), tuple(stride), dtype.itemsize)
+        where = self.session.call
+        allocation = self.memory.alloc(nbytes, self.session.rt.current_stream(), f"{name or 'a tensor'} in {where}")
+        return self.wrap(self.memory.tensor(allocation, tuple(size), dtype, tuple(stride)), allocation)
+
+    def _like(self, meta: torch.Tensor, name: str) -> SimCudaTensor:
+        return self.new(tuple(meta.size()), meta.dtype, tuple(meta.stride()), name)
+
+    # -- dispatch --------------------------------------------------------------------------------
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = tree_map(uncloak, args), tree_map(uncloak, kwargs)
+        what = kind(func)
+        if what == "view":
+            return self._view(func, args, kwargs)
+        if what == "unsupported":
+            raise unroutable(f"{func} on a simulated CUDA tensor", "it changes the tensor's shape or storage in place")
+        if what == "alloc":
+            return self._alloc(func, args, kwargs)
+        if what == "copy":
+            dst, src = args[0], args[1]
+            non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+            return self.copy(dst, src, non_blocking)
+        if what == "to_copy":
+            return self._to_copy(args[0], **kwargs)
+        if what == "blocking" or index_needs_host(func, args):
+            return self._blocking(func, args, kwargs)
+        return self._queued(func, args, kwargs)
+
+    def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        base = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, SimCudaTensor))
+        out = func(*tree_map(_inner, args), **tree_map(_inner, kwargs))
+        return tree_map(lambda t: self.wrap(t, base._alloc) if isinstance(t, torch.Tensor) else t, out)
+
+    def _alloc(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        meta = func(*tree_map(_meta, args), **tree_map(_meta, {**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
+        return self._like(meta, f"{func}")
+
+    def _accesses(self, tensors: list[SimCudaTensor], written: list[SimCudaTensor]) -> tuple[list, list, bool]:
+        """(blocks read, blocks written, whether the KV cache is written)."""
+        write_blocks = {id(t._alloc.block): t._alloc.block for t in written}
+        reads = [t._alloc.block for t in tensors if id(t._alloc.block) not in write_blocks]
+        cache = any(b.cache_tensor is not None for b in write_blocks.values())
+        writes = [b for b in write_blocks.values() if b.cache_tensor is None]
+        return _unique(reads), writes, cache
+
+    def _queued(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            metas = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+        except Exception:  # no meta kernel, or a data-dependent shape: run it as CUDA would a sync op
+            return self._blocking(func, args, kwargs)
+        outs_meta = metas if isinstance(metas, (tuple, list)) else (metas,)
+        aliased = aliased_returns(func)
+        positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        results: list[Any] = []
+        fresh: list[tuple[int, SimCudaTensor]] = []
+        for i, meta in enumerate(outs_meta):
+            source = aliased[i] if i < len(aliased) else None
+            if source is not None:
+                results.append(positional[source])
+            elif isinstance(meta, torch.Tensor):
+                out = self._like(meta, f"output of {func}")
+                fresh.append((i, out))
+                results.append(out)
+            else:
+                results.append(meta)
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, SimCudaTensor)]
+        written = [positional[i] for i in written_args(func) if isinstance(positional[i], SimCudaTensor)]
+        reads, writes, cache = self._accesses(tensors, written + [out for _, out in fresh])
+        inner_args = tree_map(_device_or_snapshot, args)
+        inner_kwargs = tree_map(_device_or_snapshot, kwargs)
+        targets = [(i, out._inner) for i, out in fresh]
+
+        def run() -> None:
+            res = func(*inner_args, **inner_kwargs)
+            res = res if isinstance(res, (tuple, list)) else (res,)
+            for i, target in targets:
+                target.copy_(res[i])
+
+        self.session.enqueue(run, name=_op_name(func), reads=reads, writes=writes, cache_written=cache)
+        if isinstance(metas, (tuple, list)):
+            return type(metas)(results) if isinstance(metas, tuple) else results
+        return results[0]
+
+    def _blocking(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, SimCudaTensor)]
+        positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        written = [positional[i] for i in written_args(func) if isinstance(positional[i], SimCudaTensor)]
+        reads, writes, cache = self._accesses(tensors, written)
+        box: list[Any] = []
+
+        def run() -> None:
+            box.append(func(*tree_map(_inner, args), **tree_map(_inner, kwargs)))
+
+        self.session.run_now(run, name=_op_name(func), reads=reads, writes=writes, cache_written=cache)
+        aliased = aliased_returns(func)
+        result = box[0]
+        if not isinstance(result, (tuple, list)):
+            return self._adopt_result(result, aliased[0] if aliased else None, positional)
+        return type(result)(self._adopt_result(r, aliased[i] if i < len(aliased) else None, positional)
+                            for i, r in enumerate(result))
+
+    def _adopt_result(self, value: Any, source: int | None, positional: list) -> Any:
+        if source is not None:
+            return positional[source]
+        if isinstance(value, torch.Tensor):
+            out = self.new(tuple(value.size()), value.dtype, name="result of a synchronising op")
+            out._inner.copy_(value)  # the op already ran, after a sync: its result is there now
+            return out
+        return value
+
+    # -- copies ----------------------------------------------------------------------------------
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        device_dst, device_src = isinstance(dst, SimCudaTensor), isinstance(src, SimCudaTensor)
+        host_side = src if device_dst and not device_src else dst if device_src and not device_dst else None
+        pinned = self.session.host.lookup(host_side) if host_side is not None else None
+        how = copy_kind(device_dst=device_dst, device_src=device_src, non_blocking=non_blocking,
+                        pinned=pinned is not None)
+        target, source = _inner(dst), _inner(src)
+        tensors = [t for t in (dst, src) if isinstance(t, SimCudaTensor)]
+        written = [dst] if device_dst else []
+        reads, writes, cache = self._accesses(tensors, written)
+        if how == "host":
+            return dst.copy_(src, non_blocking=non_blocking)
+        if how == "h2d-staged":
+            source = source.clone()  # CUDA stages pageable bytes before the call returns
+
+        def run() -> None:
+            target.copy_(source)
+
+        name = {"d2d": "copy_ (d2d)", "h2d-async": "copy_ (h2d)", "h2d-staged": "copy_ (h2d, staged)",
+                "d2h-async": "copy_ (d2h)", "sync": "copy_ (synchronous)"}[how]
+        if how == "sync":
+            self.session.run_now(run, name=name, reads=reads, writes=writes, cache_written=cache)
+            return dst
+        stamp = self.session.enqueue(run, name=name, reads=reads, writes=writes, cache_written=cache)
+        if how == "h2d-async":
+            self.session.host.note_read(pinned, src, stamp)
+        elif how == "d2h-async":
+            self.session.host.note_device_write(pinned)
+        return dst
+
+    def _to_copy(self, x: SimCudaTensor, *, dtype: torch.dtype | None = None, layout: Any = None,
+                 device: Any = None, pin_memory: bool | None = None, non_blocking: bool = False,
+                 memory_format: Any = None) -> torch.Tensor:
+        dtype = dtype or x.dtype
+        target = torch.device(device) if device is not None else x.device
+        if target.type == "cpu":
+            out = torch.empty(tuple(x.size()), dtype=dtype)
+            if pin_memory:
+                self.session.host.register(out, "pinned result of .to()")
+            return self.copy(out, x, non_blocking)
+        out = self.new(tuple(x.size()), dtype, name=".to() result")
+        return self.copy(out, x, non_blocking)
+
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype | None, non_blocking: bool) -> SimCudaTensor:
+        """``host.to('cuda', ...)`` / ``host.cuda()``: fresh device memory, never an alias of ``host``."""
+        out = self.new(tuple(host.size()), dtype or host.dtype, name=".to('cuda') of a host tensor")
+        source = host if dtype is None or dtype == host.dtype else host.to(dtype)
+        self.copy(out, source, non_blocking)
+        return out
+
+
+def _op_name(func: Any) -> str:
+    return str(func).replace("aten.", "").replace(".default", "")
+
+
+def _unique(blocks: list[Block]) -> list[Block]:
+    seen: dict[int, Block] = {}
+    for block in blocks:
+        seen.setdefault(id(block), block)
+    return list(seen.values())
+
+
+Runner = Callable[[], None]

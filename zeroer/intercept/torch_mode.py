@@ -1,0 +1,251 @@
+"""The ``TorchFunctionMode`` an intercepted zeroer runs under: the torch calls aten never sees whole.
+
+Most of a zeroer's device work reaches the backend's aten router by itself (a simulated CUDA
+tensor's ``__torch_dispatch__``, or the CUDA ``TorchDispatchMode``). What this mode handles is what
+must be decided at the torch call:
+
+* **pinned allocations**: ``torch.empty/zeros/tensor/...(pin_memory=True)`` and ``x.pin_memory()``
+  are registered with :class:`~zeroer.intercept.host_memory.HostMemory` (on the simulator, which
+  has no pinned memory, they become plain CPU tensors that are registered all the same), and
+  ``x.is_pinned()`` answers from the registry there;
+* **device factories** on the simulator: ``torch.empty(..., device="cuda")`` allocates simulated
+  device memory on the current stream; ``zeros``/``full``/``arange``/... also queue the fill;
+  ``torch.tensor(data, device="cuda")`` is a synchronous copy of host data, as on CUDA;
+* **host to device moves** on the simulator: ``x.to("cuda", non_blocking=...)``, ``x.cuda()``:
+  fresh device memory and a copy with CUDA's meaning (:func:`zeroer.intercept.ops.copy_kind`);
+* **indexing** of simulated CUDA tensors, through a cloaked twin (:mod:`zeroer.intercept.sim_tensor`);
+* ``record_stream``, which takes the zeroer's stream stand-in (patched on ``torch.Tensor``: its
+  argument parser would reject the stand-in before any mode sees the call).
+
+Every handled call is a boundary at which pinned bytes are checked (:meth:`InterceptSession.boundary`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from zeroer.intercept.errors import unroutable
+from zeroer.intercept.sim_tensor import SimCudaTensor, cloak, uncloak
+
+_HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+_EMPTY = {torch.empty, torch.empty_strided, torch.empty_like}
+_T = torch.Tensor
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # an index means a CUDA device in torch's factories
+    try:
+        return torch.device(device).type == "cuda"
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _name(func: Any) -> str:
+    """``torch.empty`` or ``Tensor.copy_``: how the zeroer's code spells the call."""
+    name = getattr(func, "__name__", None) or str(func)
+    qualname = getattr(func, "__qualname__", "") or ""
+    return f"Tensor.{name}" if qualname.startswith(("TensorBase.", "Tensor.")) else f"torch.{name}"
+
+
+def _has_sim(args: tuple, kwargs: dict) -> bool:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, SimCudaTensor):
+            return True
+        if isinstance(value, (list, tuple)) and any(isinstance(v, SimCudaTensor) for v in value):
+            return True
+    return False
+
+
+def _cloaked(value: Any) -> Any:
+    return tree_map(lambda v: cloak(v) if isinstance(v, SimCudaTensor) else v, value)
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+class InterceptMode(TorchFunctionMode):
+    """See the module docstring."""
+
+    def __init__(self, session: Any) -> None:
+        super().__init__()
+        self.session = session
+        self.sim = session.backend == "sim"
+        self._handlers: dict[Any, Callable[[Any, tuple, dict], Any]] = {
+            _T.to: self._to,
+            _T.cuda: self._cuda,
+            _T.pin_memory: self._pin_memory,
+            _T.is_pinned: self._is_pinned,
+            _T.__getitem__: self._getitem,
+            _T.__setitem__: self._setitem,
+            _T.numpy: self._numpy,
+            _T.data_ptr: self._data_ptr,
+        }
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        handler = self._handlers.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device) and self.sim:
+            self.session.boundary(_name(func))
+            return self._device_factory(func, args, kwargs)
+        if kwargs.get("pin_memory"):
+            self.session.boundary(_name(func))
+            return self._pinned_factory(func, args, kwargs)
+        if self.sim and _has_sim(args, kwargs):
+            self.session.boundary(_name(func))
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as error:
+                if "not linked with support for cuda" not in str(error):
+                    raise
+            # A Python binding that asks for a CUDA device guard, which a CPU-only torch lacks:
+            # run it on the cloaked twins (same memory, same router; sim_tensor's docstring).
+            return tree_map(uncloak, func(*_cloaked(args), **_cloaked(kwargs)))
+        return func(*args, **kwargs)
+
+    # -- host memory -------------------------------------------------------------------------------
+    def _pinned_factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.sim:  # no pinned memory on a CPU-only machine: a registered CPU tensor stands in
+            kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
+        result = func(*args, **kwargs)
+        if isinstance(result, torch.Tensor) and result.device.type == "cpu":
+            self.session.host.register(result, f"{_name(func)}(pin_memory=True)")
+        return result
+
+    def _pin_memory(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        self.session.boundary("Tensor.pin_memory")
+        result = args[0].clone() if self.sim else func(*args, **kwargs)
+        self.session.host.register(result, "Tensor.pin_memory()")
+        return result
+
+    def _is_pinned(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.sim:
+            tensor = args[0]
+            return not isinstance(tensor, SimCudaTensor) and self.session.host.is_pinned(tensor)
+        return func(*args, **kwargs)
+
+    # -- device memory (simulator) -------------------------------------------------------------------
+    def _device_factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        ops = self.session.sim_ops
+        host_kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
+        if func in _HOST_DATA:
+            data = args[0] if args else kwargs.get("data")
+            if isinstance(data, SimCudaTensor):
+                dtype = kwargs.get("dtype")
+                return data if dtype is None or dtype == data.dtype else data.to(dtype)
+            host = func(*args, **host_kwargs)
+            return ops.to_device(host, None, non_blocking=False)  # a synchronous copy, as on CUDA
+        meta = func(*tree_map(_meta, args), **{**host_kwargs, "device": "meta"})
+        out = ops.new(tuple(meta.size()), meta.dtype, tuple(meta.stride()), name=_name(func))
+        if func in _EMPTY:
+            return out
+        inner_args = tree_map(lambda v: v._inner if isinstance(v, SimCudaTensor) else v, args)
+        reads = [a._alloc.block for a in args if isinstance(a, SimCudaTensor)]
+        target = out._inner
+
+        def fill() -> None:
+            target.copy_(func(*inner_args, **{**host_kwargs, "device": "cpu"}))
+
+        self.session.enqueue(fill, name=_name(func), reads=reads, writes=[out._alloc.block])
+        return out
+
+    def _to(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        tensor = args[0]
+        if not self.sim:
+            return func(*args, **kwargs)
+        kwargs = dict(kwargs)
+        copy = bool(kwargs.pop("copy", False))
+        if len(args) > 1 and isinstance(args[1], torch.Tensor):  # .to(other): its device and dtype
+            device, dtype = args[1].device, args[1].dtype
+            non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        else:
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+        if device is not None and device.type == "cuda" and not isinstance(tensor, SimCudaTensor):
+            self.session.boundary("Tensor.to")
+            return self.session.sim_ops.to_device(tensor, dtype, non_blocking)
+        if isinstance(tensor, SimCudaTensor) and (device is None or device.type == "cuda"):
+            if not copy and (dtype is None or dtype == tensor.dtype):
+                return tensor  # what CUDA does: the same tensor
+        if isinstance(tensor, SimCudaTensor):
+            self.session.boundary("Tensor.to")
+        return func(*args, **kwargs)
+
+    def _cuda(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        tensor = args[0]
+        if not self.sim:
+            return func(*args, **kwargs)
+        if isinstance(tensor, SimCudaTensor):
+            return tensor
+        self.session.boundary("Tensor.cuda")
+        non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        return self.session.sim_ops.to_device(tensor, None, non_blocking)
+
+    def patches(self) -> dict[str, Any]:
+        """``torch.Tensor`` methods replaced while the zeroer runs: ``record_stream``'s argument
+        parser rejects the stream stand-in before any mode could see the call."""
+        original = torch.Tensor.record_stream
+        mode = self
+
+        def record_stream(tensor: torch.Tensor, stream: Any) -> None:
+            mode.record_stream(original, tensor, stream)
+
+        return {"record_stream": record_stream}
+
+    def record_stream(self, original: Any, tensor: torch.Tensor, stream: Any) -> None:
+        """``tensor.record_stream(stream)``: its memory is in use on ``stream`` too."""
+        runtime_stream = self.session.cuda_api.stream_of(stream)
+        self.session.boundary("Tensor.record_stream")
+        if self.sim:
+            if isinstance(tensor, SimCudaTensor):
+                self.session.memory.record_stream(tensor._alloc, runtime_stream)
+            return
+        self.session.cuda_ops.record_stream(tensor, runtime_stream)
+        original(tensor, runtime_stream.handle)
+
+    # -- indexing and host views ---------------------------------------------------------------------
+    def _getitem(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        tensor, index = args[0], args[1]
+        if not (self.sim and isinstance(tensor, SimCudaTensor)):
+            return func(*args, **kwargs)
+        index = tree_map(lambda v: cloak(v) if isinstance(v, SimCudaTensor) else v, index)
+        return tree_map(uncloak, func(cloak(tensor), index))
+
+    def _setitem(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        tensor, index, value = args
+        if not (self.sim and isinstance(tensor, SimCudaTensor)):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                self.session.boundary("Tensor.__setitem__")
+            return func(*args, **kwargs)
+        self.session.boundary("Tensor.__setitem__")
+        index = tree_map(lambda v: cloak(v) if isinstance(v, SimCudaTensor) else v, index)
+        value = cloak(value) if isinstance(value, SimCudaTensor) else value
+        return func(cloak(tensor), index, value)
+
+    def _numpy(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.sim and isinstance(args[0], SimCudaTensor):
+            raise TypeError(
+                "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host "
+                "memory first."
+            )
+        return func(*args, **kwargs)
+
+    def _data_ptr(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if isinstance(args[0], SimCudaTensor):
+            return args[0]._inner.data_ptr()
+        return func(*args, **kwargs)
+
+
+def refuse_unroutable(what: str) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        raise unroutable(what, "the harness cannot route it")
+    return call

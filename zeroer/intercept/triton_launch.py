@@ -1,0 +1,242 @@
+"""Triton launches of an intercepted zeroer: one queued runtime op each, on every backend.
+
+A zeroer launches its kernel as ``kernel[grid](*args)``, which is ``JITFunction.run``. While the
+zeroer runs, that one method is wrapped (and put back on exit, even on error):
+
+* on the **simulator** the launch becomes a queued op that runs the kernel's own Python source
+  under Triton's interpreter when the simulated stream reaches it, with the arguments it was
+  launched with: device tensors are their simulated memory, so raw addresses the kernel loads
+  from a table (vLLM's ``seg_addrs``) land in the simulated KV cache. While the interpreter runs,
+  every load and store is checked against the memory that exists (simulated device blocks, the
+  KV cache, the zeroer's pinned buffers): an access anywhere else, which would be an illegal
+  address on a GPU and a wild write into this process here, is skipped and reported;
+* on **CUDA** the launch itself is the queued op: issued behind the op's gate in the controlled
+  mode, at once in the free-running mode, on the runtime's current stream (Triton launches on
+  torch's current stream, which the runtime sets).
+
+A pinned host tensor passed to a kernel is read by the GPU when the kernel runs (zero-copy), like
+a non-blocking copy: it is checked the same way (:mod:`zeroer.intercept.host_memory`). A pageable
+CPU tensor cannot be read by a GPU kernel at all, and is refused as CUDA would.
+
+Under the interpreter, a kernel's ``@triton.jit`` callees (Triton's own ``tl.zeros`` among them)
+are interpreted too (:mod:`zeroer.triton_cpu`).
+
+Example::
+
+    @triton.jit
+    def zero_kernel(table_ptr, ids_ptr, n, BLOCK: tl.constexpr): ...
+
+    zero_kernel[(n,)](seg_addrs, ids, n, BLOCK=1024)    # inside an intercepted call: one queued op
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import inspect
+import textwrap
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import triton
+from triton.runtime import interpreter as triton_interpreter
+from triton.runtime.jit import JITFunction
+
+from zeroer.intercept.errors import unroutable
+from zeroer.intercept.sim_tensor import SimCudaTensor
+from zeroer.runtime.hb import Hazard
+from zeroer.triton_cpu import interpreted, nested_calls_interpreted
+
+_STORES = {"store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "atomic_min", "atomic_and",
+           "atomic_or", "atomic_xor", "atomic_sub"}
+
+
+@functools.lru_cache(maxsize=None)
+def stored_params(fn: Any) -> frozenset[str]:
+    """Parameters of the kernel function ``fn`` that reach the pointer of a ``tl.store`` or atomic.
+
+    A small data-flow reading of the source: a parameter counts when its name, directly or
+    through local assignments, appears in the first argument of such a call. The happens-before
+    checker then records the kernel as writing those tensors and only reading the others.
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset(inspect.signature(fn).parameters)  # unknown: every argument may be written
+    func = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)), None)
+    if func is None:
+        return frozenset()
+    params = {a.arg for a in func.args.args}
+    flows: dict[str, set[str]] = {}
+    reached: set[str] = set()
+    for node in ast.walk(func):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            sources = _pointer_names(node.value) if node.value is not None else set()
+            for target in targets:
+                for name in (n.id for n in ast.walk(target) if isinstance(n, ast.Name)):
+                    flows.setdefault(name, set()).update(sources)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _STORES:
+            pointer = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "pointer"), None)
+            if pointer is not None:
+                reached.update(_pointer_names(pointer))
+    frontier = list(reached)
+    while frontier:
+        for source in flows.get(frontier.pop(), ()):
+            if source not in reached:
+                reached.add(source)
+                frontier.append(source)
+    return frozenset(reached & params)
+
+
+def _pointer_names(expression: ast.AST) -> set[str]:
+    """Names whose pointer value ``expression`` may carry: a ``tl.load(...)`` yields data read
+    through its argument, not that pointer (an address loaded from a table writes elsewhere)."""
+    names: set[str] = set()
+    stack = [expression]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("load", "atomic_add", "atomic_cas"):
+            continue
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+class _AddressCheck:
+    """Every load and store of an interpreted kernel, checked against the memory that exists."""
+
+    def __init__(self, session: Any, kernel: str) -> None:
+        self.session = session
+        self.kernel = kernel
+
+    def _bad(self, ptrs: Any, mask: Any) -> tuple[int, int] | None:
+        addresses = np.asarray(ptrs.data, dtype=np.uint64).reshape(-1)
+        on = np.asarray(mask.data, dtype=bool).reshape(-1) if mask is not None else np.ones(addresses.shape, bool)
+        if not on.any():
+            return None
+        width = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        starts, ends = self._starts, self._ends
+        wanted = addresses[on]
+        slot = np.searchsorted(starts, wanted, side="right").astype(np.int64) - 1
+        inside = (slot >= 0) & (wanted + np.uint64(width) <= ends[np.maximum(slot, 0)]) & (wanted >= starts[np.maximum(slot, 0)])
+        if inside.all():
+            return None
+        first = int(np.flatnonzero(~inside)[0])
+        return int(wanted[first]), int((~inside).sum())
+
+    def report(self, verb: str, found: tuple[int, int]) -> None:
+        address, count = found
+        where = self.session.describe_address(address)
+        message = (f"illegal address: kernel {self.kernel} {verb} {count} word(s) outside every allocation, "
+                   f"the first at {address:#x} ({where}); on a GPU this is cudaErrorIllegalAddress, here the "
+                   f"access was skipped")
+        self.session.rt.hazards.append(Hazard("illegal-address", where, self.kernel, self.kernel, message))
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        # The memory that exists cannot change while one kernel runs: its bounds are read once.
+        ranges = self.session.address_ranges()
+        self._starts = np.fromiter((r[0] for r in ranges), dtype=np.uint64, count=len(ranges))
+        self._ends = np.fromiter((r[1] for r in ranges), dtype=np.uint64, count=len(ranges))
+        builder = triton_interpreter.interpreter_builder
+        store, load = builder.create_masked_store, builder.create_masked_load
+        check = self
+
+        def masked_store(ptrs: Any, value: Any, mask: Any, *rest: Any) -> Any:
+            bad = check._bad(ptrs, mask)
+            if bad is not None:
+                check.report("stores", bad)
+                return None
+            return store(ptrs, value, mask, *rest)
+
+        def masked_load(ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
+            bad = check._bad(ptrs, mask)
+            if bad is not None:
+                check.report("loads", bad)
+                mask = triton_interpreter.TensorHandle(np.zeros_like(np.asarray(mask.data), dtype=bool), mask.dtype)
+            return load(ptrs, mask, other, *rest)
+
+        builder.create_masked_store, builder.create_masked_load = masked_store, masked_load
+        try:
+            with nested_calls_interpreted():
+                yield
+        finally:
+            builder.create_masked_store, builder.create_masked_load = store, load
+
+
+class TritonLaunches:
+    """The launch side of one session: what ``JITFunction.run`` does while the zeroer runs."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.original = JITFunction.run
+
+    def patches(self) -> dict[str, Any]:
+        launches = self
+
+        def run(jit: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            return launches.launch(jit, args, kwargs, grid, warmup)
+
+        return {"run": run}
+
+    def launch(self, jit: JITFunction, args: tuple, kwargs: dict, grid: Any, warmup: bool) -> Any:
+        session = self.session
+        name = f"triton {getattr(jit.fn, '__name__', 'kernel')}"
+        session.boundary(name)
+        signature = inspect.signature(jit.fn)
+        kernel_kwargs = {k: v for k, v in kwargs.items() if k in signature.parameters}
+        try:
+            bound = signature.bind(*args, **kernel_kwargs)
+        except TypeError as error:
+            raise TypeError(f"{name}: {error}") from None
+        bound.apply_defaults()
+        written = stored_params(jit.fn)
+        reads, writes, pinned = [], [], []
+        for param, value in bound.arguments.items():
+            if isinstance(value, torch.Tensor):
+                key = session.memory_key(value)
+                if key is None:  # host memory
+                    buffer = session.host.lookup(value)
+                    if buffer is None:
+                        raise unroutable(f"{name}: argument {param!r}",
+                                         "it is a pageable CPU tensor, which a GPU kernel cannot read",
+                                         "pass a device tensor, or pinned memory (pin_memory=True)")
+                    pinned.append((buffer, value))
+                else:
+                    (writes if param in written else reads).append(key)
+        if session.backend == "sim":
+            if warmup:
+                return None  # nothing to compile: the interpreter runs the source
+            values = [value._inner if isinstance(value, SimCudaTensor) else value for value in bound.arguments.values()]
+            launch_grid = grid(dict(bound.arguments)) if callable(grid) else grid
+            launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
+            check = _AddressCheck(session, name)
+            kernel = interpreted(jit.fn)
+
+            def run() -> None:
+                with check.installed():
+                    kernel[launch_grid](*values)
+
+            stamp = session.enqueue(run, name=name, reads=reads, writes=writes, cache_written=True)
+            result = None
+        else:
+            if warmup:
+                return self.original(jit, *args, grid=grid, warmup=True, **kwargs)
+            box: list[Any] = []
+
+            def issue() -> None:
+                box.append(self.original(jit, *args, grid=grid, warmup=False, **kwargs))
+
+            stamp = session.enqueue(issue, name=name, reads=reads, writes=writes, cache_written=True)
+            result = box[0] if box else None
+        for buffer, view in pinned:
+            session.host.note_read(buffer, view, stamp)
+        return result
+
+
+def interpreter_available() -> bool:
+    return triton is not None
