@@ -220,3 +220,41 @@ def test_a_freed_block_is_reused_on_its_stream_only_and_after_record_stream_only
     assert memory.alloc(64, main, "d").block is not block  # waits for side's event
     rt.synchronize()
     assert memory.alloc(64, main, "e").block is block
+
+
+# -- on a GPU ------------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required")
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["controlled", "free"])
+@pytest.mark.parametrize("name", sorted(EXAMPLE_VERDICTS))
+def test_each_engine_example_is_judged_rightly_on_cuda(name, mode, tmp_path):
+    verdict = EXAMPLE_VERDICTS[name]
+    if mode == "free" and verdict == "racy":
+        pytest.skip("free-running: a race shows only when timing allows (the controlled mode forces it)")
+    config = EpisodeConfig(zeroer=f"{EXAMPLES}:{name}", geometry="tiny", backend="cuda", mode=mode)
+    result = run_campaign(Campaign(config, 0, "finds" if verdict == "racy" else "clean"), PROFILES["quick"], tmp_path)
+    assert result.found == (verdict == "racy"), result.violation
+    if result.found:
+        assert len(result.violation.trace) <= 4, result.violation.trace
+
+
+@cuda
+@pytest.mark.parametrize("name", ["single_pinned_buffer", "pinned_ring"])
+def test_a_racy_examples_trace_reproduces_forced_on_cuda(name):
+    from repro.replay import replay
+
+    ops = [{"op": "start", "in_flight": 1}] + [{"op": "allocate", "n": 1, "stream": 0}] * 3
+    config = EpisodeConfig(zeroer=f"{EXAMPLES}:{name}", geometry="tiny", backend="cuda", mode="controlled")
+    shown, first = replay(config, ops, repeat=20)
+    assert shown >= 19, first
+
+
+@cuda
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_each_torch_variant_is_judged_rightly_on_cuda_controlled(name, tmp_path):
+    verdict = VARIANTS[name]
+    config = EpisodeConfig(zeroer=f"tests/torch_zeroers.py:{name}", geometry="tiny", backend="cuda", mode="controlled")
+    result = run_campaign(Campaign(config, 0, "finds" if verdict == "racy" else "clean"), PROFILES["quick"], tmp_path)
+    assert result.found == (verdict == "racy"), result.violation
