@@ -6,13 +6,16 @@ pytest-xdist's messages.
 
 from __future__ import annotations
 
+import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES, geometry_names
 from zeroer.errors import ZeroerError
 from zeroer.registry import load_zeroer, zeroer_names
 
@@ -35,6 +38,9 @@ class FuzzOptions:
     summary_path: Path
     journal: bool = False  # save each op before it runs (fuzz/engine/journal.py)
     seed: int | None = None  # --hypothesis-seed: one run of each campaign with this seed
+    geometries: tuple[str, ...] | None = None  # --geometry; None: each zeroer's default
+    shard: tuple[int, int] | None = None  # --fuzz-shard i/N: this run's share of the campaigns
+    database: str = ".hypothesis/fuzz-db"  # --fuzz-db: a directory, or redis://host:port/N
 
 
 def parse_backend(value: str, cuda_available: bool) -> str:
@@ -89,9 +95,55 @@ def parse_minutes(value: str | None) -> float | None:
         minutes = float(value)
     except ValueError:
         raise pytest.UsageError(f"--fuzz-minutes {value!r} is not a number; give a positive number of minutes, e.g. 30") from None
-    if not minutes > 0:
-        raise pytest.UsageError(f"--fuzz-minutes {value!r} must be positive; give a number of minutes greater than 0, e.g. 30")
+    if not (minutes > 0 and math.isfinite(minutes)):
+        raise pytest.UsageError(f"--fuzz-minutes {value!r} must be a finite number greater than 0; give minutes, e.g. 30")
     return minutes
+
+
+def parse_geometries(value: str | None, zeroer: str | None) -> tuple[str, ...] | None:
+    """``--geometry NAME[,NAME...]`` or ``all`` (every preset the simulator runs), for ``--zeroer``."""
+    if value is None:
+        return None
+    if zeroer is None:
+        raise pytest.UsageError(f"--geometry {value!r} needs --zeroer: it chooses the presets one zeroer runs on, "
+                                f"e.g. --zeroer my_zeroer.py:factory --geometry packed,tiny")
+    if value == "all":
+        return tuple(geometry_names())
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    known = sorted({*GEOMETRIES, *LARGE_GEOMETRIES})
+    for name in names or ("",):
+        if name not in known:
+            raise pytest.UsageError(f"--geometry {value!r}: {name!r} is not a geometry; choose from {', '.join(known)}, "
+                                    f"or all")
+    return names
+
+
+def parse_shard(value: str | None) -> tuple[int, int] | None:
+    """``--fuzz-shard i/N``: run the i-th of N disjoint shares of the campaigns (0 <= i < N)."""
+    if value is None:
+        return None
+    index, slash, count = value.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i, n = -1, 0
+    if not slash or not (n >= 1 and 0 <= i < n):
+        raise pytest.UsageError(f"--fuzz-shard {value!r} is not a shard; give i/N with 0 <= i < N, e.g. 0/4")
+    return i, n
+
+
+def check_writable(flag: str, path: Path, what: str) -> Path:
+    """A directory the run will write into, checked before any campaign runs (a finding must not
+    be lost to a typo found at the end)."""
+    directory = path if what == "directory" else path.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvzero-write-check-"):
+            pass
+    except OSError as error:
+        raise pytest.UsageError(f"{flag} {str(path)!r}: cannot write there ({error.strerror or error}); "
+                                f"give a {what} you can write to") from None
+    return path
 
 
 def parse_profile(value: str | None, minutes: float | None) -> Profile:
@@ -138,6 +190,7 @@ def fuzz_options(config: pytest.Config) -> FuzzOptions:
     cuda_modes = parse_cuda_mode(config.getoption("cuda_mode"))
     zeroer = parse_zeroer(config.getoption("zeroer"))
     check_zeroer_runs_here(zeroer, backend, cuda_modes)
+    database = config.getoption("fuzz_db")
     return FuzzOptions(
         backends=[backend],
         cuda_modes=cuda_modes,
@@ -145,8 +198,20 @@ def fuzz_options(config: pytest.Config) -> FuzzOptions:
         profile=parse_profile(config.getoption("fuzz_profile"), minutes),
         minutes=minutes,
         repro_dir=Path(config.getoption("repro_dir")),
-        database_dir=Path(config.getoption("fuzz_db")),
+        database_dir=Path(database),
         summary_path=Path(config.getoption("fuzz_summary")),
         journal=parse_journal(config.getoption("fuzz_journal"), backend),
         seed=parse_seed(config.getoption("hypothesis_seed", None)),
+        geometries=parse_geometries(config.getoption("fuzz_geometry"), zeroer),
+        shard=parse_shard(config.getoption("fuzz_shard")),
+        database=database,
     )
+
+
+def check_output_paths(options: FuzzOptions) -> None:
+    """Before the first campaign runs (and only when campaigns will run): every directory the run
+    writes into must be writable."""
+    check_writable("--repro-dir", options.repro_dir, "directory")
+    check_writable("--fuzz-summary", options.summary_path, "file path")
+    if options.profile.database and not options.database.startswith("redis://"):
+        check_writable("--fuzz-db", options.database_dir, "directory")

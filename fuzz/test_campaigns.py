@@ -9,20 +9,23 @@ from dataclasses import replace
 import pytest
 
 from fuzz.engine.campaigns import Campaign, run_campaign
+from fuzz.engine.database import example_database
 from fuzz.engine.summary import result_record
 
 
-def test_campaign(campaign: Campaign, fuzz, cuda_device, campaign_budget, journal, record_property) -> None:
+def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fuzz_budget, fuzz_journal,
+                  record_property) -> None:
+    options = fuzz_options_fixture
     if campaign.config.backend == "cuda":
-        campaign = replace(campaign, config=replace(campaign.config, device=cuda_device))
+        campaign = replace(campaign, config=replace(campaign.config, device=fuzz_cuda_device))
     result = run_campaign(
         campaign,
-        fuzz.profile,
-        fuzz.repro_dir,
-        budget_s=campaign_budget,
-        database_dir=fuzz.database_dir / campaign.id,
-        seed_override=fuzz.seed,
-        journal=journal,
+        options.profile,
+        options.repro_dir,
+        budget_s=fuzz_budget,
+        database=example_database(options.database) if options.profile.database else None,
+        seed_override=options.seed,
+        journal=fuzz_journal,
     )
     record_property("fuzz", json.dumps(result_record(result)))
     replay = f"python -m repro replay {result.trace_path}" if result.trace_path else ""
@@ -36,7 +39,7 @@ def test_campaign(campaign: Campaign, fuzz, cuda_device, campaign_budget, journa
     if not result.found:
         pytest.fail(
             f"the fuzzer missed the known race of {campaign.config.zeroer!r} in {result.examples} examples "
-            f"({result.steps} steps, seeds {result.seeds}): the self-check failed",
+            f"({result.steps} steps, seed {result.seeds[0]}): the self-check failed",
             pytrace=False,
         )
     caller_fault = campaign.config.caller_fault is not None

@@ -25,6 +25,7 @@ from fuzz.trace import TraceError, load_trace
 from repro.export import check_output_name, render_script
 from repro.regenerate import RegenerateError, Regeneration, from_summary, regenerate
 from repro.replay import replay
+from repro.timeline import write_timeline
 
 USAGE_ERROR = 2
 
@@ -48,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     again.add_argument("--summary", type=Path, default=None, help="regenerate every finding of this summary JSON")
     again.add_argument("--zeroer", default=None, help="the --zeroer SPEC of the run, for a campaign of an outside zeroer")
     again.add_argument("--repro-dir", type=Path, default=Path("repro/failures"))
+    picture = sub.add_parser("timeline", help="draw a trace's host and stream tracks (Perfetto JSON and HTML)")
+    picture.add_argument("trace", type=Path)
+    picture.add_argument("-o", "--output", type=Path, default=None, help="default: <trace stem>.timeline.json next to the trace")
+    picture.add_argument("--html", type=Path, default=None, help="default: <trace stem>.timeline.html next to the trace")
     return parser
 
 
@@ -105,9 +110,16 @@ def _regenerate(args: argparse.Namespace) -> int:
     return 1 if missed < len(runs) else 0
 
 
+def _timeline(args: argparse.Namespace) -> int:
+    json_path, html_path = write_timeline(args.trace, args.output, args.html)
+    print(f"wrote {json_path}: open it at https://ui.perfetto.dev (\"Open trace file\") or in chrome://tracing")
+    print(f"wrote {html_path}: open it in any browser (self-contained)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handlers = {"replay": _replay, "export": _export, "regenerate": _regenerate}
+    handlers = {"replay": _replay, "export": _export, "regenerate": _regenerate, "timeline": _timeline}
     try:
         return handlers[args.command](args)
     except (TraceError, RegenerateError) as error:

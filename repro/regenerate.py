@@ -36,7 +36,8 @@ class Regeneration:
 
 def find_campaign(campaign_id: str, zeroer: str | None = None) -> Campaign:
     """The campaign whose id is ``campaign_id``, among the default ones (or ``zeroer``'s)."""
-    candidates = (default_campaigns(["cuda", "sim"], zeroer) if zeroer else []) + default_campaigns(["cuda", "sim"])
+    pairs = (default_campaigns(["cuda", "sim"], zeroer) if zeroer else []) + default_campaigns(["cuda", "sim"])
+    candidates = [campaign for campaign, _ in pairs]
     for campaign in candidates:
         if campaign.id == campaign_id:
             return campaign

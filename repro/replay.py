@@ -12,24 +12,12 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-
-from fuzz.engine.episode import Episode, EpisodeConfig
+from fuzz.engine.episode import EpisodeConfig, run_ops
 from fuzz.engine.oracle import Finding
 
 
 def replay_once(config: EpisodeConfig, ops: list[dict]) -> list[Finding]:
-    episode = Episode(config)
-    try:
-        for op in ops:
-            episode.apply(op)
-            if episode.new_hazard_findings():
-                break
-        return episode.finish()
-    finally:
-        if not episode.finished:  # an op raised: still open every gate and free the runtime
-            with contextlib.suppress(Exception):
-                episode.rt.close()
+    return run_ops(config, ops)
 
 
 def replay(config: EpisodeConfig, ops: list[dict], repeat: int = 1) -> tuple[int, list[Finding]]:

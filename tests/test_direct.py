@@ -74,11 +74,11 @@ def test_where_the_direct_designs_are_fuzzed():
     assert BUILTINS["graph_ring"].factory is make_graph_ring
     graph_ring = load_zeroer("graph_ring").capabilities
     assert graph_ring.backends == ("sim", "cuda") and graph_ring.cuda_modes == ("controlled", "free")
-    cuda = {(c.config.zeroer, c.config.mode, c.expect) for c in default_campaigns(["cuda"])}
+    cuda = {(c.config.zeroer, c.config.mode, c.expect) for c, _ in default_campaigns(["cuda"])}
     assert {("graph_ring", "free", "clean"), ("graph_ring", "controlled", "clean"),
             ("torch_per_call", "free", "clean")} <= cuda
     assert ("torch_per_call", "controlled", "clean") not in cuda
-    sim = {(c.config.zeroer, c.config.geometry, c.expect) for c in default_campaigns(["sim"])}
+    sim = {(c.config.zeroer, c.config.geometry, c.expect) for c, _ in default_campaigns(["sim"])}
     assert {("graph_ring", g, "clean") for g in ("tiny", "mixed_dtypes", "ratio2")} <= sim
     assert not [z for z, _, _ in sim if z == "torch_per_call"]
     event_ring = load_zeroer("event_ring").capabilities
@@ -216,7 +216,7 @@ def test_the_fuzzer_finds_a_graph_ring_that_breaks_a_rule(mutant):
     # broken is found on the simulator (SkipsPadding needs longer programs: the nightly profile
     # found it in 3,305 examples, docs/zeroer-api.md; the test above shows the rule directly).
     # No shrinking, and derandomized: the first finding is all this test needs.
-    machine = machine_for(EpisodeConfig(zeroer=f"{MUTANTS}:{mutant}", geometry="tiny"))
+    machine = machine_for(EpisodeConfig(zeroer=f"{MUTANTS}:{mutant}", geometry="tiny"), mutant)
     fast = settings(max_examples=400, stateful_step_count=25, deadline=None, database=None, derandomize=True,
                     phases=(Phase.generate,), suppress_health_check=list(HealthCheck))
     with pytest.raises(ZeroerViolation):

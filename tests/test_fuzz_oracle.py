@@ -251,9 +251,9 @@ def test_an_unknown_op_is_a_value_error_listing_the_ops():
 
 def test_an_op_with_a_wrong_or_missing_field_names_the_field_and_lists_the_fields():
     episode = Episode(EpisodeConfig(zeroer="reference"))
-    with pytest.raises(ValueError, match=exactly("op 'allocate' has unknown field 'm'; its fields are: n, stream")):
+    with pytest.raises(ValueError, match=exactly("op 'allocate' has unknown field 'm'; its fields are: n, stream, cache, ids_as, then")):
         episode.apply({"op": "allocate", "m": 1})
-    with pytest.raises(ValueError, match=exactly("op 'read' is missing field 'block'; its fields are: block, stream")):
+    with pytest.raises(ValueError, match=exactly("op 'read' is missing field 'block'; its fields are: block, stream, cache")):
         episode.apply({"op": "read"})
     assert episode.trace == []  # a rejected op is not recorded
 
@@ -267,8 +267,11 @@ def test_an_op_record_without_a_name_is_a_value_error():
 @pytest.mark.parametrize(
     ("op", "message"),
     [
-        ({"op": "allocate", "n": 0}, "allocate n=0: 7 blocks are free"),
-        ({"op": "allocate", "n": 8}, "allocate n=8: 7 blocks are free"),
+        ({"op": "allocate", "n": 0}, "allocate n=0: 7 blocks are free in cache 0"),
+        ({"op": "allocate", "n": 8}, "allocate n=8: 7 blocks are free in cache 0"),
+        ({"op": "allocate", "n": 1, "cache": 1}, "cache 1 does not exist; this episode has 1 (valid: 0..0)"),
+        ({"op": "allocate", "n": 1, "ids_as": "set"}, "op 'allocate' field 'ids_as' is 'set'; choose one of list, tuple, array, tensor"),
+        ({"op": "allocate", "n": "1"}, "op 'allocate' field 'n' is '1'; it must be an integer"),
         ({"op": "allocate", "n": 1, "stream": 3}, "stream 3 does not exist; this episode has 3 (valid: 0..2)"),
         ({"op": "advance", "stream": -1}, "stream -1 does not exist; this episode has 3 (valid: 0..2)"),
         ({"op": "write", "block": 4}, "write block 4: it is free, not live"),

@@ -191,9 +191,9 @@ def test_an_outside_zeroer_is_reallocated_under_only_if_it_says_it_follows():
 
 
 def test_pytest_fuzz_runs_a_zoo_entry_on_its_geometry_and_one_self_check_per_entry_by_default():
-    assert [c.id for c in default_campaigns(["sim"], "zoo.ratio_ignored")] == [
-        "zoo.ratio_ignored-ratio2-sim-shard0", "zoo.ratio_ignored-ratio2-sim-shard1"]
-    zoo = [c for c in default_campaigns(["sim"]) if c.config.zeroer in ZOO]
+    assert [c.id for c, _ in default_campaigns(["sim"], "zoo.ratio_ignored")] == [
+        "zoo.ratio_ignored-ratio2-sim-shard0", "zoo.ratio_ignored-ratio2-sim-shard1", "zoo.ratio_ignored-ratio2-sim-x2-shard0"]
+    zoo = [c for c, _ in default_campaigns(["sim"]) if c.config.zeroer in ZOO]
     assert sorted(c.config.zeroer for c in zoo) == SIM_ZOO
     assert all(c.expect == "finds" and c.config.geometry == default_geometry(c.config.zeroer) for c in zoo)
-    assert not [c for c in default_campaigns(["cuda"]) if c.config.zeroer in ZOO]
+    assert not [c for c, _ in default_campaigns(["cuda"]) if c.config.zeroer in ZOO]

@@ -50,7 +50,7 @@ def self_checks() -> list[Campaign]:
     """
     seen = set()
     chosen = []
-    for campaign in default_campaigns(["sim"]):
+    for campaign, _ in default_campaigns(["sim"]):
         if campaign.expect != "finds" or campaign.config.kernel == "triton" or campaign.config in seen:
             continue
         seen.add(campaign.config)

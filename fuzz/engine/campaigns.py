@@ -4,9 +4,16 @@ A campaign is an :class:`~fuzz.engine.episode.EpisodeConfig` plus a seed shard a
 (``clean`` for a race-free design, ``finds`` for a self-check on a racy one). The list is built
 from sorted axes so that every pytest-xdist worker collects the same items in the same order.
 
-:func:`run_campaign` runs Hypothesis over the campaign's state machine within a profile's
-budget and returns a :class:`CampaignResult` with the counts and, if the oracle fired, the shrunk
-finding and the path of its trace file.
+A campaign's identity derives from what the user named, never from where the checkout lies: the
+zeroer spec as given, with a file path made relative to the working directory (or reduced to the
+file's name when it lies outside), then geometry, backend, variant and shard. Its seed and its
+example-database key derive from that id, so two checkouts of the project at different paths fuzz
+the same way, and no two campaigns share a key.
+
+:func:`run_campaign` runs the campaign's state machine once, as a plain Hypothesis test
+(``run_state_machine_as_test``), within its profile's example count or time budget, and returns
+a :class:`CampaignResult` with the counts and, if the oracle fired, the shrunk finding and the
+path of its trace file.
 
 Example::
 
@@ -24,26 +31,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky
-from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import run_state_machine_as_test
-
-from zeroer.designs import StagedZeroer
-from zeroer.registry import BUILTINS, builtin_names, default_geometry, load_zeroer
 
 from fuzz.engine.episode import EpisodeConfig
 from fuzz.engine.journal import Journal
-from fuzz.engine.machine import ZeroerMachine, ZeroerViolation, machine_for
+from fuzz.engine.machine import BudgetSpent, CampaignStats, ZeroerViolation, machine_for
+from fuzz.engine.minimize import minimize
 from fuzz.trace import write_trace
+from zeroer.cache.geometries import geometry_names
+from zeroer.designs import StagedZeroer
+from zeroer.registry import BUILTINS, builtin_names, default_geometry, load_zeroer
 
 SIM_GEOMETRIES = ("mixed_dtypes", "ratio2", "tiny")
 CUDA_GEOMETRIES = ("mixed_dtypes", "tiny")
 SHARDS = 2
+MULTI_ZEROERS = 2  # the "multi" family: two caches, one zeroer each, on one runtime
 # Self-checks ("finds") stop at their first finding, so a larger budget costs time only when the
-# fuzzer is about to miss; races that need a freed block to come back round the FIFO free queue
-# (the no-free-fence caller fault) took up to 315 examples over seeds 1..10 once the reallocate
-# rule joined the others (python -m fuzz.bench.selfcheck), so 20x keeps a margin over a ci run's 40.
+# fuzzer is about to miss (python -m fuzz.bench.selfcheck measures how many examples each needs).
 FINDS_BUDGET_FACTOR = 20
+UNBOUNDED_EXAMPLES = 10**9  # a budgeted run stops on its clock, not on a count
 
 
 @dataclass(frozen=True)
@@ -53,8 +61,8 @@ class Profile:
     name: str
     max_examples: int
     steps: int  # stateful_step_count: rules per example at most
-    budget_s: float | None = None  # wall clock per campaign; None = one Hypothesis run
-    fresh_seeds: bool = False  # nightly: a new seed per run instead of the shard's fixed one
+    budget_s: float | None = None  # wall clock per campaign; None = max_examples
+    fresh_seeds: bool = False  # nightly: a new seed per run instead of the campaign's fixed one
     database: bool = False  # keep an example database between runs
 
 
@@ -68,6 +76,26 @@ PROFILES: dict[str, Profile] = {
 }
 
 
+def spec_label(spec: str, cwd: Path | None = None) -> str:
+    """The zeroer spec as the user named it, without the checkout's location.
+
+    >>> spec_label("event_ring")
+    'event_ring'
+    >>> spec_label("/elsewhere/mine.py:make", cwd=Path("/repo"))
+    'mine.py:make'
+    """
+    target, colon, attr = spec.rpartition(":")
+    if not colon or not target.endswith(".py"):
+        return spec
+    path = Path(target)
+    if path.is_absolute():
+        try:
+            path = path.relative_to((cwd or Path.cwd()).resolve())
+        except ValueError:
+            path = Path(path.name)
+    return f"{path.as_posix()}:{attr}"
+
+
 @dataclass(frozen=True)
 class Campaign:
     config: EpisodeConfig
@@ -78,11 +106,13 @@ class Campaign:
     def id(self) -> str:
         c = self.config
         backend = c.backend if c.backend == "sim" else f"cuda-{c.mode}"
-        parts = [c.zeroer.replace("/", "_"), c.geometry, backend]
+        parts = [spec_label(c.zeroer).replace("/", "_"), c.geometry, backend]
         if c.kernel:
             parts.append(f"k-{c.kernel}")
         if c.caller_fault:
             parts.append(f"fault-{c.caller_fault}")
+        if c.zeroers > 1:
+            parts.append(f"x{c.zeroers}")
         parts.append(f"shard{self.shard}")
         return "-".join(parts)
 
@@ -91,6 +121,12 @@ class Campaign:
         # Stable across processes (no hash randomisation) and distinct per campaign: a digest of
         # the whole id (the last bytes alone are shared by every "...-k-torch-shard0").
         return int.from_bytes(hashlib.sha256(self.id.encode()).digest()[:4], "little") % (2**31)
+
+    @property
+    def database_key(self) -> bytes:
+        """This campaign's key in an example database: unique per campaign, stable across
+        machines (its id), and not shared with another tool's keys."""
+        return b"kvzero-fuzz campaign " + self.id.encode()
 
 
 @dataclass
@@ -102,22 +138,53 @@ class CampaignResult:
     seconds: float = 0.0
     first_finding_s: float | None = None
     first_finding_examples: int | None = None
+    deepest_queue: int = 0
     violation: ZeroerViolation | None = None
     trace_path: Path | None = None
     seeds: list[int] = field(default_factory=list)
     reproduced: bool = True  # False: the finding did not show again when Hypothesis replayed it
+    shrunk_by_hypothesis: int | None = None  # ops of Hypothesis's shrunk trace, before minimize()
 
     @property
     def found(self) -> bool:
         return self.violation is not None
 
 
-def default_campaigns(backends: list[str], zeroer: str | None = None) -> list[Campaign]:
-    """The campaigns ``pytest fuzz`` runs, sorted; ``zeroer`` restricts to one (all must be clean)."""
-    campaigns: list[Campaign] = []
+def campaign_geometries(spec: str, backend: str, requested: tuple[str, ...] | None) -> list[tuple[str, str | None]]:
+    """(geometry, why it is skipped or None) for ``spec`` on ``backend``.
+
+    ``requested`` is ``--geometry`` (None: the default). A built-in runs on its usual presets (a
+    zoo entry on the one its bug shows on); an outside zeroer on every preset it declares it
+    supports (``Capabilities.geometries``), non-uniform pages and packed rows included.
+    """
+    capabilities = load_zeroer(spec).capabilities
+    if requested is not None:
+        names = list(requested)
+    elif default_geometry(spec):
+        names = [default_geometry(spec)]
+    elif spec in BUILTINS:
+        names = list(CUDA_GEOMETRIES if backend == "cuda" else SIM_GEOMETRIES)
+    else:
+        names = geometry_names()
+    result = []
+    for name in names:
+        if not capabilities.supports_geometry(name):
+            supported = ", ".join(capabilities.geometries or ())
+            result.append((name, f"{spec} declares Capabilities(geometries=({supported})), not {name}"))
+        else:
+            result.append((name, None))
+    return result
+
+
+def default_campaigns(backends: list[str], zeroer: str | None = None,
+                      geometries: tuple[str, ...] | None = None) -> list[tuple[Campaign, str | None]]:
+    """The campaigns ``pytest fuzz`` runs, sorted, each with why it is skipped (None: it runs).
+
+    ``zeroer`` restricts to one (all must be clean); ``geometries`` is ``--geometry``.
+    """
+    campaigns: list[tuple[Campaign, str | None]] = []
     for backend in sorted(backends):
         modes = ("controlled", "free") if backend == "cuda" else ("controlled",)
-        geometries = CUDA_GEOMETRIES if backend == "cuda" else SIM_GEOMETRIES
         names = [zeroer] if zeroer else builtin_names(zoo=False)
         for mode in modes:
             for name in names:
@@ -131,36 +198,44 @@ def default_campaigns(backends: list[str], zeroer: str | None = None) -> list[Ca
                 staged = (builtin is not None and not builtin.is_zoo and isinstance(builtin.factory, type)
                           and issubclass(builtin.factory, StagedZeroer))
                 kernel = "torch" if backend == "sim" and staged else None
-                # A zoo entry runs on the geometry its bug shows on (docs/zoo.md).
-                for geometry in (default_geometry(name),) if default_geometry(name) else geometries:
+                chosen = campaign_geometries(name, backend, geometries)
+                for geometry, skipped in chosen:
                     for shard in range(SHARDS):
                         config = EpisodeConfig(zeroer=name, geometry=geometry, backend=backend, mode=mode, kernel=kernel)
-                        campaigns.append(Campaign(config, shard, expect))
-                if backend == "sim" and kernel == "torch":
+                        campaigns.append((Campaign(config, shard, expect), skipped))
+                runnable = [g for g, skipped in chosen if skipped is None]
+                if runnable:
+                    # The multi family: two caches, one zeroer each from the same factory, sharing
+                    # the runtime and its streams (an engine's KV-cache groups). A zeroer that
+                    # keeps state in its class or module races with itself here.
+                    first = "tiny" if "tiny" in runnable else runnable[0]
+                    config = EpisodeConfig(zeroer=name, geometry=first, backend=backend, mode=mode, kernel=kernel,
+                                           zeroers=MULTI_ZEROERS)
+                    campaigns.append((Campaign(config, 0, expect), None))
+                if backend == "sim" and kernel == "torch" and geometries is None:
                     config = EpisodeConfig(zeroer=name, geometry="tiny", backend="sim", kernel="triton")
-                    campaigns.append(Campaign(config, 0, expect))
+                    campaigns.append((Campaign(config, 0, expect), None))
         if zeroer is None:
             for fault in ("no-free-fence", "no-zero-wait"):
                 config = EpisodeConfig(zeroer="reference", geometry="tiny", backend=backend, caller_fault=fault)
-                campaigns.append(Campaign(config, 0, "finds"))
+                campaigns.append((Campaign(config, 0, "finds"), None))
             # One self-check per zoo entry on the simulator: the fuzzer must still find each bug
             # class; `python -m fuzz.bench.detect` measures how fast (docs/detection.md).
             for name in builtin_names(zoo=True) if backend == "sim" else ():
                 if load_zeroer(name).capabilities.runs_on(backend):
                     config = EpisodeConfig(zeroer=name, geometry=default_geometry(name), backend=backend)
-                    campaigns.append(Campaign(config, 0, "finds"))
-    return sorted(campaigns, key=lambda c: c.id)
+                    campaigns.append((Campaign(config, 0, "finds"), None))
+    return sorted(campaigns, key=lambda pair: pair[0].id)
 
 
-def _settings(profile: Profile, database_dir: Path | None, max_examples: int | None = None) -> settings:
-    database = DirectoryBasedExampleDatabase(str(database_dir)) if (profile.database and database_dir) else None
+def campaign_settings(profile: Profile, database: ExampleDatabase | None, max_examples: int) -> settings:
     # Every field that Hypothesis's own "ci" profile (auto-loaded when CI is set) would change is
     # chosen here on purpose: seeds come from the campaign, the database from the profile.
     return settings(
-        max_examples=max_examples or profile.max_examples,
+        max_examples=max_examples,
         stateful_step_count=profile.steps,
         deadline=None,
-        database=database,
+        database=database if profile.database else None,
         derandomize=False,
         report_multiple_bugs=False,
         print_blob=False,
@@ -175,75 +250,71 @@ def run_campaign(
     repro_dir: Path,
     *,
     budget_s: float | None = None,
-    database_dir: Path | None = None,
+    database: ExampleDatabase | None = None,
     seed_override: int | None = None,
     journal: Journal | None = None,
+    minimize_trace: bool = True,
 ) -> CampaignResult:
-    """Run one campaign; save the shrunk trace of a finding under ``repro_dir``.
+    """Run one campaign, once; save the shrunk trace of a finding under ``repro_dir``.
 
-    ``seed_override`` runs Hypothesis once with that seed (``--hypothesis-seed``, ``python -m
-    repro regenerate``); ``journal`` saves each op before it runs (:mod:`fuzz.engine.journal`).
+    ``seed_override`` runs with that seed (``--hypothesis-seed``, ``python -m repro regenerate``);
+    ``journal`` saves each op before it runs (:mod:`fuzz.engine.journal`); ``minimize_trace``
+    takes Hypothesis's shrunk trace on to a locally minimal one (:mod:`fuzz.engine.minimize`).
     """
     result = CampaignResult(campaign)
-    start = time.perf_counter()
     budget = budget_s if budget_s is not None else profile.budget_s
+    started = time.monotonic()
+    stats = CampaignStats(started=started, deadline=None if budget is None else started + budget)
+    if seed_override is not None:
+        run_seed = seed_override
+    elif profile.fresh_seeds:
+        run_seed = int.from_bytes(os.urandom(4), "little") % (2**31)  # recorded, so it can be regenerated
+    else:
+        run_seed = campaign.seed
+    result.seeds.append(run_seed)
+    if journal is not None:
+        journal.seed = run_seed
+    machine = machine_for(campaign.config, campaign.id, stats=stats, journal=journal,
+                          database_key=campaign.database_key)
+    factor = FINDS_BUDGET_FACTOR if campaign.expect == "finds" else 1
+    examples = UNBOUNDED_EXAMPLES if budget is not None else profile.max_examples * factor
     # Every full garbage collection re-scans the ~300k objects torch and the imports left
     # behind, which cost 13-20% of a simulator campaign (cProfile). Frozen, they are skipped;
     # what the campaign itself allocates is collected as usual, and unfreeze() hands the rest
     # back afterwards.
     gc.freeze()
     try:
-        _run_until_done(campaign, profile, result, start, budget, database_dir, seed_override, journal)
+        run_state_machine_as_test(seed(run_seed)(machine), settings=campaign_settings(profile, database, examples))
+    except ZeroerViolation as error:
+        result.violation = error
+    except BudgetSpent:
+        pass  # the clock ran out with nothing found
+    except Flaky as error:
+        # Found once, gone when Hypothesis replayed it: a timing-dependent finding (the
+        # free-running cuda mode). Still a finding, kept with the program that showed it.
+        original = _first_violation(error)
+        if original is None:
+            raise
+        result.violation, result.reproduced = original, False
     finally:
         gc.unfreeze()
-    result.seconds = time.perf_counter() - start
+    result.runs = 1
+    for name in ("examples", "steps", "first_finding_s", "first_finding_examples", "deepest_queue"):
+        setattr(result, name, getattr(stats, name))
     if journal is not None:
         journal.discard()  # the run ended without a crash
     if result.violation is not None:
+        result.shrunk_by_hypothesis = len(result.violation.trace)
+        scheduled = campaign.config.backend == "sim" or campaign.config.mode == "controlled"
+        if minimize_trace and result.reproduced and scheduled:
+            result.violation = minimize(result.violation)
+    result.seconds = time.monotonic() - started
+    if result.violation is not None:
         result.trace_path = write_trace(
             repro_dir, result.violation.config, result.violation.trace, result.violation.findings,
-            seed=result.seeds[-1], campaign=campaign.id,
+            seed=run_seed, campaign=campaign.id,
         )
     return result
-
-
-def _run_until_done(campaign: Campaign, profile: Profile, result: CampaignResult, start: float,
-                    budget: float | None, database_dir: Path | None, seed_override: int | None,
-                    journal: Journal | None) -> None:
-    """Run Hypothesis until a finding, the budget, or (without a budget) one run."""
-    run_index = 0
-    while True:
-        machine = machine_for(campaign.config, journal=journal)
-        _count_into(machine, result, start)
-        if seed_override is not None:
-            run_seed = seed_override
-        elif profile.fresh_seeds:
-            run_seed = int.from_bytes(os.urandom(4), "little")
-        else:
-            run_seed = campaign.seed + 1_000_003 * run_index
-        result.seeds.append(run_seed)
-        if journal is not None:
-            journal.seed = run_seed
-        try:
-            factor = FINDS_BUDGET_FACTOR if campaign.expect == "finds" else 1
-            run_state_machine_as_test(
-                seed(run_seed)(machine),
-                settings=_settings(profile, database_dir, max_examples=profile.max_examples * factor),
-            )
-        except ZeroerViolation as error:
-            result.violation = machine.last_failure or error
-        except Flaky as error:
-            # Found once, gone when Hypothesis replayed it: a timing-dependent finding (the
-            # free-running cuda mode). Still a finding, kept with the program that showed it,
-            # rather than an error that loses the trace.
-            original = _first_violation(error)
-            if original is None:
-                raise
-            result.violation, result.reproduced = original, False
-        result.runs += 1
-        run_index += 1
-        if result.found or budget is None or time.perf_counter() - start >= budget or seed_override is not None:
-            break
 
 
 def _first_violation(error: BaseException) -> ZeroerViolation | None:
@@ -254,25 +325,3 @@ def _first_violation(error: BaseException) -> ZeroerViolation | None:
             return found
     return None
 
-
-def _count_into(machine: type[ZeroerMachine], result: CampaignResult, start: float) -> None:
-    """Count examples, steps and the first finding of ``machine`` into ``result``."""
-    init, apply, raise_if = machine.__init__, machine._apply, machine._raise_if
-
-    def counted_init(self: ZeroerMachine) -> None:
-        result.examples += 1
-        init(self)
-
-    def counted_apply(self: ZeroerMachine, **op):
-        result.steps += 1
-        return apply(self, **op)
-
-    def noted_raise_if(self: ZeroerMachine, findings) -> None:
-        if findings and result.first_finding_s is None:
-            result.first_finding_s = time.perf_counter() - start
-            result.first_finding_examples = result.examples
-        raise_if(self, findings)
-
-    machine.__init__ = counted_init  # type: ignore[method-assign]
-    machine._apply = counted_apply  # type: ignore[method-assign]
-    machine._raise_if = noted_raise_if  # type: ignore[method-assign]

@@ -1,8 +1,9 @@
-"""One episode: a correct caller of a zeroer, driven by operations that are plain data.
+"""One episode: a correct caller of zeroers, driven by operations that are plain data.
 
-The fuzzer's rules, and later the replayer, build op records such as
-``{"op": "allocate", "n": 2, "stream": 1}`` and hand them to :meth:`Episode.apply`; this is the
-only place that says what an op means (STYLE.md, "ops as data, one executor").
+The fuzzer's rules, the replayer and exported scripts build op records such as
+``{"op": "allocate", "n": 2, "stream": 1}`` (:mod:`fuzz.engine.ops`) and hand them to
+:meth:`Episode.apply`; this is the only place that says what an op means (STYLE.md, "ops as
+data, one executor").
 
 The caller plays an inference engine's scheduler and model runner and keeps every promise of
 the contract (docs/contract.md):
@@ -13,10 +14,14 @@ the contract (docs/contract.md):
   the event recorded after the zero call; more generally every access to a block is ordered after
   the previous one, so the caller never races itself.
 
-Nothing else is promised: calls land on any stream, the host runs ahead without limit (the
-simulator is lazy), several zero calls share a step, and up to ``in_flight`` steps are queued
-before the host waits for the oldest one (async scheduling). A *caller-fault* configuration drops
-one kind of wait on purpose to show that the oracle notices.
+Nothing else is promised, and the caller uses that freedom (c): calls land on any stream, the host
+runs ahead without limit (the simulator is lazy), several zero calls share a step, up to
+``in_flight`` steps are queued before the host waits for the oldest one (async scheduling), the
+ids come in a list, tuple, numpy array or CPU tensor that the caller may scribble over or drop
+once the call returns (promise 3), and an episode may hold several KV caches, one zeroer each,
+built by the same factory and sharing the runtime and its streams (an engine builds one zeroer
+per KV-cache group). A *caller-fault* configuration drops one kind of wait on purpose to show that
+the oracle notices.
 
 Example::
 
@@ -30,22 +35,29 @@ Example::
 
 from __future__ import annotations
 
-import inspect
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from fuzz.engine.cache_pool import CachePool
+from fuzz.engine.ops import OPS, check_op
+from fuzz.engine.oracle import Finding, Shadow, all_rows_match
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import CacheSpec, KVCache, build_cache
+from zeroer.errors import ZeroerError
+from zeroer.protocol import BoundZeroer
 from zeroer.registry import kernel_options, load_zeroer
-from zeroer.runtime import Event, Runtime, make_runtime
-
-from fuzz.engine.oracle import Finding, Shadow, all_rows_match
+from zeroer.runtime import Event, make_runtime
 
 CALLER_FAULTS = ("no-free-fence", "no-zero-wait")
-OPS = ("advance", "allocate", "delay", "end_step", "free", "read", "reallocate", "start", "sync_device", "sync_stream", "write")
+MAX_ZEROERS = 4
+_HARNESS_OPS = ("write#", "read#", "poison#", "record#", "wait#", "hold#", "delay(")  # the caller's own ops
+
+__all__ = ["CALLER_FAULTS", "OPS", "CachePool", "Episode", "EpisodeConfig", "ZeroerRaised", "run_ops"]
 
 
 @dataclass(frozen=True)
@@ -60,12 +72,23 @@ class EpisodeConfig:
     streams: int = 3
     caller_fault: str | None = None  # one of CALLER_FAULTS, or None for a correct caller
     device: int | None = None  # cuda device index
+    zeroers: int = 1  # KV caches in the episode, one zeroer each, built by the same factory
 
     def __post_init__(self) -> None:
         if self.caller_fault not in (None, *CALLER_FAULTS):
             raise ValueError(f"caller_fault={self.caller_fault!r}; choose None or one of {', '.join(CALLER_FAULTS)}")
-        if not 1 <= self.streams <= 8:
+        if not isinstance(self.streams, int) or not 1 <= self.streams <= 8:
             raise ValueError(f"streams={self.streams!r} must be between 1 and 8")
+        if not isinstance(self.zeroers, int) or not 1 <= self.zeroers <= MAX_ZEROERS:
+            raise ValueError(f"zeroers={self.zeroers!r} must be between 1 and {MAX_ZEROERS}")
+
+
+class ZeroerRaised(Exception):
+    """A zeroer's own call (or the device work it queued) raised: a finding of its own kind."""
+
+    def __init__(self, finding: Finding) -> None:
+        super().__init__(finding.message)
+        self.finding = finding
 
 
 @dataclass
@@ -84,46 +107,54 @@ class _Capture:
     data: list[torch.Tensor] = field(default_factory=list)
 
 
-class CachePool:
-    """KV caches in their freshly built state, recycled from episodes that are done with them.
+class CacheGroup:
+    """One KV cache, the zeroer built for it, and the caller's book of its blocks."""
 
-    Building a cache (guarded buffers, typed views, the segment table: dozens of small torch
-    calls) took 4 to 7% of a simulator campaign's time, once per example and once per
-    reallocation, so the fuzzer's episodes share a pool. A cache goes back only once its
-    episode's simulated runtime has run every queued op and closed (:meth:`Episode.close`), so
-    nothing can still write to it, and comes out with its buffers restored word for word to
-    what ``build_cache`` makes (guards, poisoned pages): no state passes from one example to the
-    next. Only the addresses repeat, which nothing may rely on (a fresh cache's are arbitrary
-    too).
-    """
+    def __init__(self, index: int, cache: KVCache) -> None:
+        self.index = index
+        self.cache = cache
+        self.zeroer: BoundZeroer | None = None
+        num_blocks = cache.spec.num_blocks
+        self.shadow = Shadow(num_blocks)
+        self.free: deque[int] = deque(range(1, num_blocks))  # FIFO, like vLLM's free block queue
+        self.last: dict[int, _Access] = {}
+        self.captures: list[_Capture] = []
+        self.retired: list[KVCache] = []  # what reallocations replaced, recycled at close()
 
-    def __init__(self) -> None:
-        self._free: dict[tuple[CacheSpec, str], list[KVCache]] = {}
-        self._pristine: dict[tuple[CacheSpec, str], list[torch.Tensor]] = {}  # build_cache's words
+    def label(self, many: bool) -> str:
+        return f"cache {self.index}: " if many else ""
 
-    def take(self, spec: CacheSpec, device: torch.device) -> KVCache:
-        key = (spec, str(device))
-        free = self._free.get(key)
-        if not free:
-            cache = build_cache(spec, device=device)
-            self._pristine.setdefault(key, [raw.clone() for raw in cache.raws])
-            return cache
-        cache = free.pop()
-        for raw, pristine in zip(cache.raws, self._pristine[key]):
-            raw.copy_(pristine)
-        return cache
+    def live_blocks(self) -> list[int]:
+        return [b for b, s in enumerate(self.shadow.blocks) if s.state == "live"]
 
-    def give(self, caches: list[KVCache]) -> None:
-        for cache in caches:
-            self._free.setdefault((cache.spec, str(cache.device)), []).append(cache)
+
+def _container(ids: list[int], ids_as: str) -> Any:
+    """The ids as the caller hands them over (an engine passes lists, arrays and tensors)."""
+    if ids_as == "tuple":
+        return tuple(ids)
+    if ids_as == "array":
+        return np.array(ids, dtype=np.int64)
+    if ids_as == "tensor":
+        return torch.tensor(ids, dtype=torch.int64)
+    return list(ids)
+
+
+def _scribble(container: Any, values: list[int]) -> None:
+    """Overwrite the caller's container in place, as a caller reusing it for its next call does."""
+    if isinstance(container, list):
+        container[:] = values[: len(container)]
+    elif isinstance(container, np.ndarray):
+        container[:] = values[: len(container)]
+    elif isinstance(container, torch.Tensor):
+        container.copy_(torch.tensor(values[: container.numel()], dtype=container.dtype))
+    # a tuple cannot change: nothing to do
 
 
 class Episode:
-    """Executes op records against a fresh runtime, cache and zeroer; collects findings.
+    """Executes op records against a fresh runtime, caches and zeroers; collects findings.
 
-    ``caches``: where to take the cache from and give it back to when the episode closes (the
-    fuzzer's :class:`CachePool`, simulator only); None builds a new one, which nothing else ever
-    sees.
+    ``caches``: where to take caches from and give them back to when the episode closes (the
+    fuzzer's :class:`CachePool`, simulator only); None builds new ones, which nothing else sees.
     """
 
     def __init__(self, config: EpisodeConfig, caches: CachePool | None = None) -> None:
@@ -133,39 +164,46 @@ class Episode:
         # Recycled caches on the simulator only: there close() means every queued op has run,
         # while a cuda runtime that lost its schedule may close with kernels still running.
         self._caches = caches if self.rt.backend == "sim" else None
-        self._retired: list[KVCache] = []  # what reallocations replaced, recycled at close()
-        self.cache = self._new_cache(geometry(config.geometry))
         self.loaded = load_zeroer(config.zeroer)
-        self.zeroer = self.loaded.build(self.cache, self.rt, **kernel_options(config.zeroer, config.kernel))
-        num_blocks = self.cache.spec.num_blocks
-        self.shadow = Shadow(num_blocks)
-        self.free: deque[int] = deque(range(1, num_blocks))  # FIFO, like vLLM's free block queue
-        self.last: dict[int, _Access] = {}
-        self.captures: list[_Capture] = []
+        spec = geometry(config.geometry)
+        self.groups = [CacheGroup(i, self._new_cache(spec)) for i in range(config.zeroers)]
         self.trace: list[dict] = []
         self.findings: list[Finding] = []
         self.in_flight = 1
         self._steps_queued: deque[Event] = deque()
         self._owners = 0
         self._hazards_seen = 0
+        self.in_op = False  # an op is running: an interruption now leaves the episode unjudgeable
         self.finished = False
+        for group in self.groups:
+            with self._zeroer_call(group, "its factory"):
+                group.zeroer = self.loaded.build(group.cache, self.rt, **kernel_options(config.zeroer, config.kernel))
+
+    # The first cache, for the common one-zeroer episode (tests and baselines read these).
+    @property
+    def cache(self) -> KVCache:
+        return self.groups[0].cache
+
+    @property
+    def zeroer(self) -> BoundZeroer:
+        return self.groups[0].zeroer
+
+    @property
+    def shadow(self) -> Shadow:
+        return self.groups[0].shadow
+
+    @property
+    def free(self) -> deque[int]:
+        return self.groups[0].free
 
     # -- the one executor -----------------------------------------------------------------------
     def apply(self, op: dict) -> Any:
-        name = op.get("op")
-        if name not in OPS:
-            raise ValueError(f"unknown op {name!r}; ops: {', '.join(OPS)}")
-        args = {k: v for k, v in op.items() if k != "op"}
-        fields, required = _OP_FIELDS[name]
-        if not (args.keys() <= fields and required <= args.keys()):  # set views: no sorting on the hot path
-            unknown = sorted(args.keys() - fields)
-            missing = sorted(required - args.keys())
-            raise ValueError(
-                f"op {name!r} {'has unknown field ' + repr(unknown[0]) if unknown else 'is missing field ' + repr(missing[0])}; "
-                f"its fields are: {', '.join(_OP_FIELD_ORDER[name]) or 'none'}"
-            )
+        name, args = check_op(op)
         self.trace.append(dict(op))
-        return _OP_METHODS[name](self, **args)
+        self.in_op = True
+        result = getattr(self, f"_op_{name}")(**args)
+        self.in_op = False
+        return result
 
     @property
     def step(self) -> int:
@@ -176,18 +214,40 @@ class Episode:
             raise ValueError(f"stream {index} does not exist; this episode has {len(self.streams)} (valid: 0..{len(self.streams) - 1})")
         return self.streams[index]
 
+    def _group(self, index: int) -> CacheGroup:
+        if not 0 <= index < len(self.groups):
+            raise ValueError(f"cache {index} does not exist; this episode has {len(self.groups)} (valid: 0..{len(self.groups) - 1})")
+        return self.groups[index]
+
     def _note(self, text: str) -> str:
         return f"step {self.step} {text}"
 
-    def _order_before(self, block: int, stream: int, skip_kinds: tuple[str, ...] = ()) -> None:
-        last = self.last.get(block)
+    def _zeroer_call(self, group: CacheGroup, what: str) -> "_ZeroerCall":
+        return _ZeroerCall(self, group, what)
+
+    def _order_before(self, group: CacheGroup, block: int, stream: int, skip_kinds: tuple[str, ...] = ()) -> None:
+        last = group.last.get(block)
         if last is not None and last.stream != stream and last.kind not in skip_kinds:
             self.rt.wait_event(last.event, stream=self._stream(stream))
 
-    def _accessed(self, blocks: list[int], stream: int, kind: str) -> None:
+    def _accessed(self, group: CacheGroup, blocks: list[int], stream: int, kind: str) -> None:
         event = self.rt.record_event(stream=self._stream(stream))
         for block in blocks:
-            self.last[block] = _Access(stream, event, kind)
+            group.last[block] = _Access(stream, event, kind)
+
+    def _device_work(self, fn: Any, *args: Any) -> Any:
+        """Run a runtime call that may execute queued device work. An op of the zeroer's that
+        raises there (the runtime notes which op it was) is the zeroer's finding; one of the
+        harness's own is an internal error."""
+        try:
+            return fn(*args)
+        except ZeroerRaised:
+            raise
+        except Exception as error:
+            origin = _failing_op(error)
+            if origin is None or origin.startswith(_HARNESS_OPS):
+                raise
+            raise ZeroerRaised(_raised_finding(self, f"its queued op {origin}", error)) from error
 
     # -- ops ---------------------------------------------------------------------------------
     def _op_start(self, in_flight: int = 1) -> None:
@@ -197,11 +257,14 @@ class Episode:
         # On controlled cuda the first launch of a kernel loads its module, which waits for the
         # GPU to drain and never returns while a gate spins: warm every kernel up ungated.
         with self.rt.ungated(), self.rt.annotate("warm-up"):
-            self.cache.fill_pages([0], 0)  # the write/poison kernel
-            for words in self.cache.block_words(0):
-                words.clone()  # the read kernel
-            self.zeroer.warmup()
-        self.rt.synchronize()
+            for group in self.groups:
+                with self.rt.block_space(group.index):
+                    group.cache.fill_pages([0], 0)  # the write/poison kernel
+                    for words in group.cache.block_words(0):
+                        words.clone()  # the read kernel
+                    with self._zeroer_call(group, "warmup"):
+                        group.zeroer.warmup()
+        self._device_work(self.rt.synchronize)
         self._settle_outside_work()
 
     def _new_cache(self, spec: CacheSpec) -> KVCache:
@@ -216,66 +279,82 @@ class Episode:
         if self.rt.device.type == "cuda":
             torch.cuda.current_stream(self.rt.device).synchronize()
 
-    def _op_allocate(self, n: int, stream: int = 0) -> list[int]:
-        if not 1 <= n <= len(self.free):
-            raise ValueError(f"allocate n={n}: {len(self.free)} blocks are free")
-        ids = [self.free.popleft() for _ in range(n)]
+    def _op_allocate(self, n: int, stream: int = 0, cache: int = 0, ids_as: str = "list", then: str = "keep") -> list[int]:
+        group = self._group(cache)
+        if not 1 <= n <= len(group.free):
+            raise ValueError(f"allocate n={n}: {len(group.free)} blocks are free in cache {cache}")
+        ids = [group.free.popleft() for _ in range(n)]
         skip = ("poison", "zero", "write", "read") if self.config.caller_fault == "no-free-fence" else ()
         for block in ids:
-            self._order_before(block, stream, skip)  # caller promise (a)
+            self._order_before(group, block, stream, skip)  # caller promise (a)
         self._owners += 1
-        with self.rt.use_stream(self._stream(stream)), self.rt.annotate(f"step {self.step} allocate_blocks"):
-            self.zeroer.zero_block_ids(list(ids))
-        note = self._note(f"allocate_blocks: zero_block_ids({ids}) on stream {stream}")
+        handed = _container(ids, ids_as)
+        with self.rt.use_stream(self._stream(stream)), self.rt.annotate(f"step {self.step} allocate_blocks"), \
+                self.rt.block_space(group.index), self._zeroer_call(group, f"zero_block_ids({ids})"):
+            group.zeroer.zero_block_ids(handed)
+        # The list is the caller's again (promise 3): reuse it for something else, or let it go.
+        if then == "scribble":
+            others = [b for b in group.live_blocks() if b not in ids] or [0]
+            _scribble(handed, [others[i % len(others)] for i in range(n)])
+        elif then == "drop":
+            del handed
+        many = len(self.groups) > 1
+        note = self._note(f"allocate_blocks: {group.label(many)}zero_block_ids({ids}) on stream {stream}")
         for block in ids:
-            self.shadow.zeroed(block, self._owners, note)
-        self._accessed(ids, stream, "zero")
+            group.shadow.zeroed(block, self._owners, note)
+        self._accessed(group, ids, stream, "zero")
         return ids
 
-    def _check_live(self, block: int, what: str) -> None:
-        if self.shadow.blocks[block].state != "live":
-            raise ValueError(f"{what} block {block}: it is {self.shadow.blocks[block].state}, not live")
+    def _check_live(self, group: CacheGroup, block: int, what: str) -> None:
+        if not isinstance(block, int) or not 0 <= block < len(group.shadow.blocks):
+            raise ValueError(f"{what} block {block!r}: cache {group.index} has blocks 0..{len(group.shadow.blocks) - 1}")
+        if group.shadow.blocks[block].state != "live":
+            raise ValueError(f"{what} block {block}: it is {group.shadow.blocks[block].state}, not live")
 
-    def _op_write(self, block: int, stream: int = 0) -> None:
-        self._check_live(block, "write")
+    def _op_write(self, block: int, stream: int = 0, cache: int = 0) -> None:
+        group = self._group(cache)
+        self._check_live(group, block, "write")
         skip = ("zero",) if self.config.caller_fault == "no-zero-wait" else ()
-        self._order_before(block, stream, skip)  # caller promise (b)
-        value = self.shadow.written(block, self._note(f"write_block on stream {stream}"))
-        cache = self.cache
-        with self.rt.annotate(f"step {self.step} write_block"):
-            self.rt.launch(lambda: cache.fill_pages([block], value), name="write", stream=self._stream(stream), blocks_written=[block])
-        self._accessed([block], stream, "write")
+        self._order_before(group, block, stream, skip)  # caller promise (b)
+        value = group.shadow.written(block, self._note(f"write_block on stream {stream}"))
+        pages = group.cache
+        with self.rt.annotate(f"step {self.step} write_block"), self.rt.block_space(group.index):
+            self.rt.launch(lambda: pages.fill_pages([block], value), name="write", stream=self._stream(stream), blocks_written=[block])
+        self._accessed(group, [block], stream, "write")
 
-    def _op_read(self, block: int, stream: int = 0) -> None:
-        self._check_live(block, "read")
+    def _op_read(self, block: int, stream: int = 0, cache: int = 0) -> None:
+        group = self._group(cache)
+        self._check_live(group, block, "read")
         skip = ("zero",) if self.config.caller_fault == "no-zero-wait" else ()
-        self._order_before(block, stream, skip)
-        shadow = self.shadow.blocks[block]
-        capture = _Capture(block, shadow.expect, f"step {self.step} read_block on stream {stream}", list(shadow.history))
-        cache = self.cache
+        self._order_before(group, block, stream, skip)
+        shadow = group.shadow.blocks[block]
+        where = f"step {self.step} read_block on stream {stream}"
+        capture = _Capture(block, shadow.expect, where, list(shadow.history))
+        pages = group.cache
 
         def read() -> None:
-            capture.data = [words.clone() for words in cache.block_words(block)]
+            capture.data = [words.clone() for words in pages.block_words(block)]
 
-        with self.rt.annotate(f"step {self.step} read_block"):
+        with self.rt.annotate(f"step {self.step} read_block"), self.rt.block_space(group.index):
             self.rt.launch(read, name="read", stream=self._stream(stream), blocks_read=[block])
-        self.captures.append(capture)
-        self._accessed([block], stream, "read")
+        group.captures.append(capture)
+        self._accessed(group, [block], stream, "read")
 
-    def _op_free(self, block: int) -> None:
-        self._check_live(block, "free")
-        last = self.last[block]
-        self.shadow.freed(block, self._note("free_block, then poisoned"))
-        cache = self.cache
+    def _op_free(self, block: int, cache: int = 0) -> None:
+        group = self._group(cache)
+        self._check_live(group, block, "free")
+        last = group.last[block]
+        group.shadow.freed(block, self._note("free_block, then poisoned"))
+        pages = group.cache
         # The page's next tenant (fp32 Mamba state) leaves NaN bytes behind; ordered after the
         # block's last access on that access's stream.
-        with self.rt.annotate(f"step {self.step} free_block"):
-            self.rt.launch(lambda: cache.poison([block]), name="poison", stream=self._stream(last.stream), blocks_written=[block])
-        self._accessed([block], last.stream, "poison")
-        self.free.append(block)
+        with self.rt.annotate(f"step {self.step} free_block"), self.rt.block_space(group.index):
+            self.rt.launch(lambda: pages.poison([block]), name="poison", stream=self._stream(last.stream), blocks_written=[block])
+        self._accessed(group, [block], last.stream, "poison")
+        group.free.append(block)
 
     def _op_advance(self, stream: int, ops: int = 1) -> int:
-        return self.rt.advance(self._stream(stream), ops)
+        return self._device_work(self.rt.advance, self._stream(stream), ops)
 
     def _op_delay(self, stream: int, amount: int = 1) -> None:
         self.rt.delay(self._stream(stream), amount)
@@ -283,36 +362,37 @@ class Episode:
     def _op_end_step(self) -> None:
         self._steps_queued.append(self.rt.record_event(stream=self.streams[0]))
         while len(self._steps_queued) > self.in_flight:
-            self.rt.synchronize_event(self._steps_queued.popleft())
+            self._device_work(self.rt.synchronize_event, self._steps_queued.popleft())
 
     def _op_sync_stream(self, stream: int) -> None:
-        self.rt.synchronize_stream(self._stream(stream))
+        self._device_work(self.rt.synchronize_stream, self._stream(stream))
 
     def _op_sync_device(self) -> None:
-        self.rt.synchronize()
+        self._device_work(self.rt.synchronize)
 
-    def _op_reallocate(self) -> None:
+    def _op_reallocate(self, cache: int = 0) -> None:
         # The engine moves its KV cache (a resize, a re-initialisation): the host drains the
         # device, copies every page to fresh buffers at new addresses and swaps them into the
         # same KVCache object, whose table then points at the new memory. A zeroer must read
         # the table when it launches (docs/contract.md; zoo.stale_table does not).
+        group = self._group(cache)
         if not self.loaded.capabilities.follows_reallocation:
             raise ValueError(
                 f"reallocate: zeroer {self.config.zeroer!r} does not declare "
                 f"Capabilities(follows_reallocation=True)"
             )
-        self.rt.synchronize()
-        fresh = self._new_cache(self.cache.spec)
-        for new, old in zip(fresh.raws, self.cache.raws):
+        self._device_work(self.rt.synchronize)
+        fresh = self._new_cache(group.cache.spec)
+        for new, old in zip(fresh.raws, group.cache.raws):
             new.copy_(old)
         self._settle_outside_work()
-        # Swap contents: the episode's KVCache object takes the new buffers, and ``fresh`` keeps
+        # Swap contents: the group's KVCache object takes the new buffers, and ``fresh`` keeps
         # the old ones, alive until the episode closes (a zeroer that missed the move may still
         # write there; they are never handed to anyone else before then).
-        moved = dict(vars(self.cache))
-        vars(self.cache).update(vars(fresh))
+        moved = dict(vars(group.cache))
+        vars(group.cache).update(vars(fresh))
         vars(fresh).update(moved)
-        self._retired.append(fresh)
+        group.retired.append(fresh)
 
     # -- verdicts ------------------------------------------------------------------------------
     def new_hazard_findings(self) -> list[Finding]:
@@ -328,36 +408,23 @@ class Episode:
         self.findings.extend(found)
         return found
 
+    def queued(self) -> int:
+        """Device ops queued and not yet run, on every stream (how far the host is ahead)."""
+        return sum(self.rt.pending(s) for s in self.streams)
+
     def finish(self) -> list[Finding]:
         """Synchronise once, verify every capture and the final state; return all findings."""
         if self.finished:
             return self.findings
         self.finished = True
-        self.rt.synchronize()
+        self._device_work(self.rt.synchronize)
         self.new_hazard_findings()
         fault = self.config.caller_fault is not None
-        # One vectorised compare per segment first (what a clean episode costs); only when it
-        # fails are reads and blocks verified one by one, to find and phrase what differs.
-        segments = range(len(self.cache.segments))
-        if self.captures and not (
-            all(len(c.data) == len(segments) for c in self.captures)
-            and all_rows_match(
-                [torch.stack([c.data[seg] for c in self.captures]) for seg in segments], [c.expect for c in self.captures]
-            )
-        ):
-            for capture in self.captures:
-                data = [d.cpu() for d in capture.data]
-                finding = self.shadow.verify(capture.block, capture.expect, data, capture.where, capture.history)
-                if finding is not None:
-                    self.findings.append(Finding(finding.kind, finding.block, finding.message, fault))
-        if not all_rows_match([self.cache.pages(seg) for seg in segments], [shadow.expect for shadow in self.shadow.blocks]):
-            for block, shadow in enumerate(self.shadow.blocks):
-                words = [w.cpu() for w in self.cache.block_words(block)]
-                finding = self.shadow.verify(block, shadow.expect, words, "the end of the episode", shadow.history)
-                if finding is not None:
-                    self.findings.append(Finding(finding.kind, finding.block, finding.message, fault))
-        for violation in self.cache.guard_violations():
-            self.findings.append(Finding("stray write", None, f"stray write: {violation}", fault))
+        many = len(self.groups) > 1
+        for group in self.groups:
+            for finding in _verify(group):
+                message = group.label(many) + finding.message
+                self.findings.append(Finding(finding.kind, finding.block, message, fault))
         self.close()
         return self.findings
 
@@ -365,23 +432,124 @@ class Episode:
         """Let every queued op run, release the runtime and give the caches back to the pool."""
         # Now, not when the garbage collector gets to it: graph_ring's graphs destroyed in the
         # middle of a later example's graph capture would break that capture.
-        self.zeroer.close()
-        self.rt.close()
+        try:
+            for group in self.groups:
+                if group.zeroer is not None:
+                    group.zeroer.close()
+        finally:
+            self.rt.close()
+            self.finished = True
+            if self._caches is not None:  # only now can nothing write to them any more
+                self._caches.give([c for g in self.groups for c in (g.cache, *g.retired)])
+                self._caches = None
+
+    def abandon(self) -> None:
+        """Release everything without judging (an interrupted or failed episode)."""
         self.finished = True
-        if self._caches is not None:  # only now can nothing write to them any more
-            self._caches.give([self.cache, *self._retired])
-            self._caches = None
+        self._caches = None  # a cut-off episode's caches are not trusted back into the pool
+        try:
+            for group in self.groups:
+                if group.zeroer is not None:
+                    group.zeroer.close()
+        except Exception:  # noqa: BLE001 - best effort: the episode is being thrown away
+            pass
+        try:
+            self.rt.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
-def _op_params(name: str) -> list[inspect.Parameter]:
-    return list(inspect.signature(getattr(Episode, f"_op_{name}")).parameters.values())[1:]  # drop self
+def _verify(group: CacheGroup) -> list[Finding]:
+    """Every capture and the final state of one cache, against its shadow."""
+    findings: list[Finding] = []
+    cache, shadow = group.cache, group.shadow
+    # One vectorised compare per segment first (what a clean episode costs); only when it
+    # fails are reads and blocks verified one by one, to find and phrase what differs.
+    segments = range(len(cache.segments))
+    captures = group.captures
+    if captures and not (
+        all(len(c.data) == len(segments) for c in captures)
+        and all_rows_match([torch.stack([c.data[seg] for c in captures]) for seg in segments], [c.expect for c in captures])
+    ):
+        for capture in captures:
+            data = [d.cpu() for d in capture.data]
+            finding = shadow.verify(capture.block, capture.expect, data, capture.where, capture.history)
+            if finding is not None:
+                findings.append(finding)
+    if not all_rows_match([cache.pages(seg) for seg in segments], [s.expect for s in shadow.blocks]):
+        for block, expected in enumerate(shadow.blocks):
+            words = [w.cpu() for w in cache.block_words(block)]
+            finding = shadow.verify(block, expected.expect, words, "the end of the episode", expected.history)
+            if finding is not None:
+                findings.append(finding)
+    for violation in cache.guard_violations():
+        findings.append(Finding("stray write", None, f"stray write: {violation}"))
+    return findings
 
 
-# Each op's method and fields, read once from the method (every op record is checked on the hot
-# path): (all fields, required fields) as sets, and the fields in signature order for messages.
-_OP_METHODS = {name: getattr(Episode, f"_op_{name}") for name in OPS}
-_OP_FIELD_ORDER = {name: tuple(p.name for p in _op_params(name)) for name in OPS}
-_OP_FIELDS = {
-    name: (frozenset(_OP_FIELD_ORDER[name]), frozenset(p.name for p in _op_params(name) if p.default is p.empty))
-    for name in OPS
-}
+class _ZeroerCall:
+    """The scope of one call into a zeroer: what it raises is its finding, not the harness's error."""
+
+    __slots__ = ("_episode", "_group", "_what")
+
+    def __init__(self, episode: Episode, group: CacheGroup, what: str) -> None:
+        self._episode, self._group, self._what = episode, group, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
+        if error is None or not isinstance(error, Exception) or isinstance(error, ZeroerRaised):
+            return False
+        if isinstance(error, ZeroerError) and not _from_zeroer_code(error):
+            return False  # the harness refusing something (an unroutable call, a bad spec): not a finding
+        group_label = self._group.label(len(self._episode.groups) > 1)
+        raise ZeroerRaised(_raised_finding(self._episode, f"{group_label}{self._what}", error)) from error
+
+
+def _from_zeroer_code(error: BaseException) -> bool:
+    """ZeroerError subclasses the designs raise for bad input are theirs; the interception's and
+    the registry's are the harness's (InterceptError, ZeroerSpecError)."""
+    from zeroer.intercept.errors import InterceptError
+    from zeroer.protocol import ZeroerSpecError
+
+    return not isinstance(error, (InterceptError, ZeroerSpecError))
+
+
+def _failing_op(error: BaseException) -> str | None:
+    for note in getattr(error, "__notes__", ()):
+        if note.startswith("while running "):
+            return note[len("while running "):]
+    return None
+
+
+def _raised_finding(episode: Episode, what: str, error: BaseException) -> Finding:
+    details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    message = f"zeroer raised at step {episode.step} in {what}: {type(error).__name__}: {error}"
+    finding = Finding("zeroer raised", None, message, episode.config.caller_fault is not None, details)
+    episode.findings.append(finding)
+    return finding
+
+
+def run_ops(config: EpisodeConfig, ops: list[dict], caches: CachePool | None = None) -> list[Finding]:
+    """Run ``ops`` as one episode and judge it: the findings (none: clean).
+
+    Like the fuzzer, it stops at the first happens-before hazard, then synchronises once and lets
+    the oracle check every read and every block. A program that is not valid here (an op on a
+    block that is not live) raises ValueError.
+    """
+    try:
+        episode = Episode(config, caches=caches)
+    except ZeroerRaised as error:  # the factory raised
+        return [error.finding]
+    try:
+        for op in ops:
+            episode.apply(op)
+            if episode.new_hazard_findings():
+                break
+        return episode.finish()
+    except ZeroerRaised:
+        return list(episode.findings)
+    finally:
+        if not episode.finished:  # an op raised: still free the runtime (open every gate on cuda)
+            episode.abandon()

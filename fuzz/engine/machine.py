@@ -1,43 +1,62 @@
 """The Hypothesis state machine: interleavings of allocate, write, zero, read, free and device
-progress across several streams, judged by the oracle.
+progress across several streams and caches, judged by the oracle.
 
 Rules are domain verbs and every choice, including which stream runs next and by how much, is a
 rule argument, so a shrunk failure prints as a short program you can read::
 
-    state = single_buffer_on_tiny()
-    state.start(in_flight=1)
+    state = single_buffer_tiny_sim_shard0()
+    state.start(in_flight=1, disabled=frozenset())
     blocks_0 = state.allocate_blocks(n=1, stream=0)
     blocks_1 = state.allocate_blocks(n=1, stream=0)
-    state.read_block(block=blocks_0, stream=1)
     state.teardown()
 
-Each rule turns into one op record executed by :class:`~fuzz.engine.episode.Episode`, so the fuzzer and
-the replayer share one definition of every op.
+Each rule turns into one op record executed by :class:`~fuzz.engine.episode.Episode`, so the
+fuzzer and the replayer share one definition of every op.
+
+Depth. The races this tool hunts need the host far ahead of the device: several zero calls still
+queued when a staging slot comes round again. Two things make such programs common without
+making simple ones rare:
+
+* **swarm testing**: each example starts by drawing a set of optional rules to leave out
+  (``disabled``), so some examples never advance the device or synchronise and the host runs
+  ahead, while others interleave everything; shrinking prefers leaving nothing out;
+* **targeting**: each example reports the most device ops it had queued
+  (``hypothesis.target``), and Hypothesis's target phase steers towards deeper queues.
+
+What an example did is counted into the campaign's :class:`CampaignStats`, which the machine class
+is given (:func:`machine_for`), and a finding leaves as the :class:`ZeroerViolation` it raises.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from hypothesis import target
+from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    RuleBasedStateMachine,
-    consumes,
-    initialize,
-    multiple,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, multiple, precondition, rule
 
-from fuzz.engine.episode import CachePool, Episode, EpisodeConfig
+from fuzz.engine.cache_pool import CachePool
+from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised
 from fuzz.engine.journal import Journal
+from fuzz.engine.ops import IDS_AS, THEN
 from fuzz.engine.oracle import Finding
+from fuzz.interrupts import interrupted
 
-
-# Every simulator campaign's examples share one pool of KV caches (fuzz.engine.episode.CachePool says
+# Every simulator campaign's examples share one pool of KV caches (fuzz.engine.cache_pool says
 # why that is safe); building a fresh cache was the largest part of starting an example.
 _CACHES = CachePool()
+
+# Rules an example may leave out (swarm testing); allocating and freeing always stay.
+OPTIONAL_RULES = ("advance_stream", "delay_stream", "end_step", "read_block", "synchronize_device",
+                  "synchronize_stream", "write_block")
+
+
+class BudgetSpent(KeyboardInterrupt):
+    """A campaign's time budget ran out with nothing found. Not a failure (Hypothesis would shrink
+    an Exception): Hypothesis lets an interruption through at once, checking nothing, and
+    :func:`~fuzz.engine.campaigns.run_campaign` reports the campaign clean."""
 
 
 class ZeroerViolation(AssertionError):
@@ -51,92 +70,176 @@ class ZeroerViolation(AssertionError):
         super().__init__("\n".join([head] + [f"  - {f}" for f in findings[:10]]))
 
 
+@dataclass
+class CampaignStats:
+    """What a campaign's examples did, counted as they run."""
+
+    started: float  # time.monotonic() at the start of the run
+    deadline: float | None = None  # time.monotonic() past which no new example starts
+    examples: int = 0
+    steps: int = 0
+    first_finding_s: float | None = None
+    first_finding_examples: int | None = None
+    deepest_queue: int = 0  # most device ops queued at once, over all examples
+
+    def found(self) -> None:
+        if self.first_finding_s is None:
+            self.first_finding_s = time.monotonic() - self.started
+            self.first_finding_examples = self.examples
+
+
 @dataclass(frozen=True)
 class BlockRef:
     """A live block as the program holds it (printed as ``blocks_N`` in a shrunk program)."""
 
     block: int
+    cache: int
     owner: int
 
     def __repr__(self) -> str:
-        return f"BlockRef(block={self.block})"
+        return f"BlockRef(block={self.block}, cache={self.cache})"
 
 
 class ZeroerMachine(RuleBasedStateMachine):
-    """Subclassed per campaign by :func:`machine_for`, which sets ``config``."""
+    """Subclassed per campaign by :func:`machine_for`, which sets the class attributes below."""
 
     config: EpisodeConfig = EpisodeConfig()
-    blocks = Bundle("blocks")
-    #: the last episode that raised, so a campaign can save its (shrunk) trace
-    last_failure: ZeroerViolation | None = None
+    stats: CampaignStats | None = None
     #: where each op is saved before it runs (cuda: a fault kills the worker), or None
     journal: Journal | None = None
+    blocks = Bundle("blocks")
 
     def __init__(self) -> None:
+        stats = self.stats
+        if stats is not None and stats.deadline is not None and stats.first_finding_s is None \
+                and time.monotonic() > stats.deadline:
+            raise BudgetSpent()
+        if interrupted():
+            raise KeyboardInterrupt("the run was interrupted")
         super().__init__()
-        self.episode = Episode(self.config, caches=_CACHES)
+        if stats is not None:
+            stats.examples += 1
+        self.disabled: frozenset[str] = frozenset()
+        self.episode: Episode | None = None
+        self._may_reallocate = False
+        self._deepest = 0
+        try:
+            self.episode = Episode(self.config, caches=_CACHES)
+        except ZeroerRaised as error:  # the zeroer's factory raised: a finding of its own
+            self._fail([error.finding], [])
         self._may_reallocate = self.episode.loaded.capabilities.follows_reallocation
 
+    # -- plumbing ----------------------------------------------------------------------------
     def _apply(self, **op):
+        episode = self.episode
         if self.journal is not None:
-            self.journal.record(self.config, [*self.episode.trace, op])
-        result = self.episode.apply(op)
-        # Happens-before hazards are checked after every op, so a shrunk program stops at the
-        # op that raised the first one. Here rather than in an @invariant: Hypothesis's per-step
-        # invariant machinery cost 5 to 7% of a campaign's time, and every step is an op.
-        self._raise_if(self.episode.new_hazard_findings())
+            self.journal.record(self.config, [*episode.trace, op])
+        if self.stats is not None:
+            self.stats.steps += 1
+        try:
+            result = episode.apply(op)
+        except ZeroerRaised as error:
+            self._fail(list(episode.findings), list(episode.trace))
+            raise AssertionError("unreachable") from error  # _fail raised
+        # Happens-before hazards are checked after every op, so a shrunk program stops at the op
+        # that raised the first one (here rather than in an @invariant: that machinery cost 5 to
+        # 7% of a campaign's time, and every step is an op).
+        findings = episode.new_hazard_findings()
+        if findings:
+            self._fail(list(episode.findings), list(episode.trace))
+        queued = episode.queued()
+        if queued > self._deepest:
+            self._deepest = queued
         return result
 
-    def _raise_if(self, findings: list[Finding]) -> None:
-        if findings:
-            error = ZeroerViolation(list(self.episode.findings), list(self.episode.trace), self.config)
-            type(self).last_failure = error
-            self.episode.close()
-            raise error
+    def _fail(self, findings: list[Finding], trace: list[dict]) -> None:
+        if self.stats is not None:
+            self.stats.found()
+        if self.episode is not None:
+            self.episode.abandon()
+        raise ZeroerViolation(findings, trace, self.config)
 
-    @initialize(in_flight=st.integers(1, 3))
-    def start(self, in_flight: int) -> None:
+    def _n_streams(self, stream: int) -> int:
+        return stream % len(self.episode.streams)
+
+    def _enabled(self, rule_name: str) -> bool:
+        return rule_name not in self.disabled
+
+    # -- rules -------------------------------------------------------------------------------
+    @initialize(in_flight=st.integers(1, 3), disabled=st.frozensets(st.sampled_from(OPTIONAL_RULES)))
+    def start(self, in_flight: int, disabled: frozenset[str]) -> None:
+        self.disabled = disabled
         self._apply(op="start", in_flight=in_flight)
 
     # Small calls (a decode step's new block) and larger ones (a prefill's): graph_ring stages a
     # call in a graph sized to the next power of two, so a 5-id call after a 7-id one on the same
     # slot is what shows stale padding (tests/graph_ring_mutants.py SkipsPadding); 1..3 alone
-    # never reaches a slot's 4th id. Shrinking prefers the small branch.
-    @precondition(lambda self: len(self.episode.free) > 0)
+    # never reaches a slot's 4th id. Shrinking prefers the small branch, a list the caller keeps,
+    # and the first cache.
+    @precondition(lambda self: bool(self.episode.groups[0].free))
     @rule(target=blocks, n=st.integers(1, 3) | st.integers(4, 8), stream=st.integers(0, 2))
     def allocate_blocks(self, n: int, stream: int):
-        n = min(n, len(self.episode.free))
-        ids = self._apply(op="allocate", n=n, stream=stream % len(self.episode.streams))
-        return multiple(*(BlockRef(b, self.episode._owners) for b in ids))
+        return self._allocate(0, n, stream, "list", "keep")
 
+    # The same, with what the contract leaves to the caller besides: which cache (one zeroer
+    # each), the container the ids come in, and what the caller does with it afterwards.
+    @precondition(lambda self: any(g.free for g in self.episode.groups))
+    @rule(target=blocks, n=st.integers(1, 3) | st.integers(4, 8), stream=st.integers(0, 2), cache=st.integers(0, 3),
+          ids_as=st.sampled_from(IDS_AS), then=st.sampled_from(THEN))
+    def allocate_blocks_handed(self, n: int, stream: int, cache: int, ids_as: str, then: str):
+        return self._allocate(cache, n, stream, ids_as, then)
+
+    def _allocate(self, cache: int, n: int, stream: int, ids_as: str, then: str):
+        groups = self.episode.groups
+        group = groups[cache % len(groups)]
+        if not group.free:  # this cache is full: take the first one with room
+            group = next(g for g in groups if g.free)
+        n = min(n, len(group.free))
+        op = {"op": "allocate", "n": n, "stream": self._n_streams(stream)}
+        if group.index:
+            op["cache"] = group.index
+        if ids_as != "list":
+            op["ids_as"] = ids_as
+        if then != "keep":
+            op["then"] = then
+        ids = self._apply(**op)
+        return multiple(*(BlockRef(b, group.index, self.episode._owners) for b in ids))
+
+    @precondition(lambda self: self._enabled("write_block"))
     @rule(block=blocks, stream=st.integers(0, 2))
     def write_block(self, block: BlockRef, stream: int) -> None:
-        self._apply(op="write", block=block.block, stream=stream % len(self.episode.streams))
+        self._apply(op="write", block=block.block, stream=self._n_streams(stream), **_cache_field(block))
 
+    @precondition(lambda self: self._enabled("read_block"))
     @rule(block=blocks, stream=st.integers(0, 2))
     def read_block(self, block: BlockRef, stream: int) -> None:
-        self._apply(op="read", block=block.block, stream=stream % len(self.episode.streams))
+        self._apply(op="read", block=block.block, stream=self._n_streams(stream), **_cache_field(block))
 
     @rule(block=consumes(blocks))
     def free_block(self, block: BlockRef) -> None:
-        self._apply(op="free", block=block.block)
+        self._apply(op="free", block=block.block, **_cache_field(block))
 
+    @precondition(lambda self: self._enabled("advance_stream"))
     @rule(stream=st.integers(0, 2), ops=st.integers(1, 4))
     def advance_stream(self, stream: int, ops: int) -> None:
-        self._apply(op="advance", stream=stream % len(self.episode.streams), ops=ops)
+        self._apply(op="advance", stream=self._n_streams(stream), ops=ops)
 
+    @precondition(lambda self: self._enabled("delay_stream"))
     @rule(stream=st.integers(0, 2), amount=st.integers(1, 8))
     def delay_stream(self, stream: int, amount: int) -> None:
-        self._apply(op="delay", stream=stream % len(self.episode.streams), amount=amount)
+        self._apply(op="delay", stream=self._n_streams(stream), amount=amount)
 
+    @precondition(lambda self: self._enabled("end_step"))
     @rule()
     def end_step(self) -> None:
         self._apply(op="end_step")
 
+    @precondition(lambda self: self._enabled("synchronize_stream"))
     @rule(stream=st.integers(0, 2))
     def synchronize_stream(self, stream: int) -> None:
-        self._apply(op="sync_stream", stream=stream % len(self.episode.streams))
+        self._apply(op="sync_stream", stream=self._n_streams(stream))
 
+    @precondition(lambda self: self._enabled("synchronize_device"))
     @rule()
     def synchronize_device(self) -> None:
         self._apply(op="sync_device")
@@ -144,17 +247,45 @@ class ZeroerMachine(RuleBasedStateMachine):
     # Once per example: a reallocation drains the device, so more would only hide races. (The
     # precondition runs before every step: it reads one flag set in __init__.)
     @precondition(lambda self: self._may_reallocate)
-    @rule()
-    def reallocate_cache(self) -> None:
+    @rule(cache=st.integers(0, 3))
+    def reallocate_cache(self, cache: int) -> None:
         self._may_reallocate = False
-        self._apply(op="reallocate")
+        index = cache % len(self.episode.groups)
+        self._apply(op="reallocate", **({"cache": index} if index else {}))
 
     def teardown(self) -> None:
-        if not self.episode.finished:
-            self._raise_if(self.episode.finish())
+        episode = self.episode
+        if episode is None or episode.finished:
+            return
+        if episode.in_op or interrupted():
+            # Cut off mid-op (Ctrl-C, a signal, an error in the harness): the episode is not a
+            # program that ran to its end, so it is not judged, and nothing is reported for it.
+            episode.abandon()
+            return
+        if currently_in_test_context():  # the machine may also be driven by hand (tests)
+            target(float(self._deepest), label="device ops queued at once")
+        if self.stats is not None and self._deepest > self.stats.deepest_queue:
+            self.stats.deepest_queue = self._deepest
+        try:
+            findings = episode.finish()
+        except ZeroerRaised:
+            findings = list(episode.findings)
+        if findings:
+            self._fail(findings, list(episode.trace))
 
 
-def machine_for(config: EpisodeConfig, name: str | None = None, journal: Journal | None = None) -> type[ZeroerMachine]:
-    """A state machine class bound to ``config`` (named so a shrunk program says what it ran)."""
-    label = name or f"{config.zeroer}_on_{config.geometry}".replace(":", "_").replace("/", "_").replace(".", "_")
-    return type(label, (ZeroerMachine,), {"config": config, "last_failure": None, "journal": journal})
+def _cache_field(block: BlockRef) -> dict:
+    return {"cache": block.cache} if block.cache else {}
+
+
+def machine_for(config: EpisodeConfig, name: str, *, stats: CampaignStats | None = None,
+                journal: Journal | None = None, database_key: bytes | None = None) -> type[ZeroerMachine]:
+    """A state machine class bound to ``config`` and named ``name`` (a shrunk program says what
+    it ran); ``database_key`` identifies its examples in an example database."""
+    label = "".join(c if c.isalnum() else "_" for c in name)
+    machine = type(label, (ZeroerMachine,), {"config": config, "stats": stats, "journal": journal})
+    if database_key is not None:
+        # Hypothesis keys a stateful test's examples by the machine class; a class made here has
+        # no source, so its name and this digest decide (one key per campaign, not per name).
+        machine._hypothesis_internal_add_digest = database_key  # type: ignore[attr-defined]
+    return machine

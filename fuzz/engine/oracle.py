@@ -66,10 +66,11 @@ class BlockShadow:
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # "non-zero after zeroing" | "clobbered" | "stray write" | "hazard"
+    kind: str  # "non-zero after zeroing" | "clobbered" | "stray write" | "hazard" | "zeroer raised"
     block: int | None
     message: str
     caller_fault: bool = False
+    details: str = ""  # "zeroer raised": the exception's traceback
 
     def __str__(self) -> str:
         prefix = "[caller fault] " if self.caller_fault else ""

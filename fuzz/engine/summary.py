@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from fuzz.atomic_file import write_json_atomically
 from fuzz.engine.campaigns import CampaignResult
 
 
@@ -18,6 +22,8 @@ def result_record(result: CampaignResult) -> dict:
         "examples": result.examples,
         "steps": result.steps,
         "runs": result.runs,
+        "deepest_queue": result.deepest_queue,
+        "shrunk_by_hypothesis": result.shrunk_by_hypothesis,
         "seconds": round(result.seconds, 3),
         "seeds": result.seeds,
         "first_finding_s": None if result.first_finding_s is None else round(result.first_finding_s, 3),
@@ -30,11 +36,21 @@ def result_record(result: CampaignResult) -> dict:
     }
 
 
-def render_summary(records: list[dict], profile: str) -> tuple[str, dict]:
+def render_summary(records: list[dict], profile: str, *, selected: list[str] | None = None,
+                   crashed: list[str] | None = None, partial: bool = False) -> tuple[str, dict]:
+    """The summary's text and JSON. ``selected`` are the campaigns the run was to run: those with
+    no result crashed (``crashed``: xdist reported their worker dead) or never ran (an
+    interrupted run, ``partial``)."""
     records = sorted(records, key=lambda r: r["campaign"])
+    done = {r["campaign"] for r in records}
+    crashed = sorted(set(crashed or ()))
+    not_run = sorted(c for c in (selected or ()) if c not in done and c not in crashed)
     unexpected = [r for r in records if r["found"] != (r["expect"] == "finds")]
     totals = {
         "profile": profile,
+        "partial": partial,
+        "crashed": len(crashed),
+        "not_run": len(not_run),
         "campaigns": len(records),
         "examples": sum(r["examples"] for r in records),
         "steps": sum(r["steps"] for r in records),
@@ -45,7 +61,11 @@ def render_summary(records: list[dict], profile: str) -> tuple[str, dict]:
     lines = [
         f"profile {profile}: {totals['campaigns']} campaigns, {totals['examples']} examples, "
         f"{totals['steps']} steps, {totals['findings']} with findings, {totals['unexpected']} unexpected"
+        + (f", {len(crashed)} crashed" if crashed else "")
+        + (f", {len(not_run)} not run (interrupted)" if partial and not_run else "")
     ]
+    for campaign in crashed:
+        lines.append(f"  {campaign}: CRASHED (its worker died; see the failure above for the saved trace)")
     for r in records:
         if r["found"]:
             verdict = "found (expected)" if r["expect"] == "finds" else "VIOLATION"
@@ -53,4 +73,19 @@ def render_summary(records: list[dict], profile: str) -> tuple[str, dict]:
             lines.append(f"  {r['campaign']}: {verdict}{flaky} after {r['first_finding_s']} s, {r['trace_ops']} ops -> {r['trace']}")
         elif r["expect"] == "finds":
             lines.append(f"  {r['campaign']}: MISSED a known race in {r['examples']} examples")
-    return "\n".join(lines), {"totals": totals, "campaigns": records}
+    data = {"totals": totals, "campaigns": records, "crashed": crashed, "not_run": not_run}
+    return "\n".join(lines), data
+
+
+def write_summary(path: Path, data: dict) -> Path:
+    """Write the summary at ``path``; a partial one never replaces a complete one there, it goes
+    beside it (``summary.partial.json``). Returns where it went."""
+    if data["totals"].get("partial"):
+        try:
+            previous = json.loads(path.read_text())
+        except (OSError, ValueError):
+            previous = None
+        if isinstance(previous, dict) and not previous.get("totals", {}).get("partial", False):
+            path = path.with_name(f"{path.stem}.partial{path.suffix}")
+    write_json_atomically(path, data)
+    return path

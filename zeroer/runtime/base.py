@@ -165,6 +165,21 @@ class _Annotation:
         self._stack.pop()
 
 
+class _BlockSpace:
+    """``Runtime.block_space``'s context."""
+
+    __slots__ = ("_rt", "_index", "_previous")
+
+    def __init__(self, rt: "Runtime", index: int) -> None:
+        self._rt, self._index = rt, index
+
+    def __enter__(self) -> None:
+        self._previous, self._rt._block_space = self._rt._block_space, self._index
+
+    def __exit__(self, *exc: object) -> None:
+        self._rt._block_space = self._previous
+
+
 class _StreamScope:
     """``Runtime.use_stream``'s context (a plain class for the same reason as :class:`_Annotation`)."""
 
@@ -208,6 +223,7 @@ class Runtime(ABC):
         self._event_ids = itertools.count(1)
         self._buffer_ids = itertools.count(1)
         self._origin: list[str] = []
+        self._block_space = 0  # which KV cache "block N" means (block_space)
         self.default_stream = self.new_stream("main")
         self._current = self.default_stream
 
@@ -225,6 +241,12 @@ class Runtime(ABC):
         if self._origin:
             label += f" ({self._origin[-1]})"
         return label
+
+    def block_space(self, index: int) -> contextlib.AbstractContextManager[None]:
+        """Inside, the KV-cache blocks that :meth:`launch` declares are those of cache ``index``
+        (a process may hold several caches, one zeroer each: block 3 of one is not block 3 of
+        another)."""
+        return _BlockSpace(self, index)
 
     @property
     def hazards(self) -> list[Hazard]:
@@ -420,9 +442,9 @@ class Runtime(ABC):
         for buf in writes:
             self.hb.device_access(buf.key, stamp, write=True)
         for block in blocks_read:
-            self.hb.device_access(("block", int(block)), stamp, write=False)
+            self.hb.device_access(("block", self._block_space, int(block)), stamp, write=False)
         for block in blocks_written:
-            self.hb.device_access(("block", int(block)), stamp, write=True)
+            self.hb.device_access(("block", self._block_space, int(block)), stamp, write=True)
         self._launch(fn, stream, stamp)
         return stamp
 
@@ -451,9 +473,9 @@ class Runtime(ABC):
             for buf in writes:
                 self.hb.device_access(buf.key, stamp, write=True)
             for block in blocks_read:
-                self.hb.device_access(("block", int(block)), stamp, write=False)
+                self.hb.device_access(("block", self._block_space, int(block)), stamp, write=False)
             for block in blocks_written:
-                self.hb.device_access(("block", int(block)), stamp, write=True)
+                self.hb.device_access(("block", self._block_space, int(block)), stamp, write=True)
         self._run_now(fn, stream, stamp)
         self.hb.host_observes_stream(stream.thread)
 

@@ -135,7 +135,12 @@ class HappensBefore:
         self._resource_names[key] = name
 
     def _name(self, key: Key) -> str:
-        return self._resource_names.get(key, f"{key[0]} {key[1]}")
+        name = self._resource_names.get(key)
+        if name is not None:
+            return name
+        if key[0] == "block" and len(key) == 3:  # ("block", cache, id): Runtime.block_space
+            return f"block {key[2]}" + (f" of cache {key[1]}" if key[1] else "")
+        return " ".join(str(part) for part in key)
 
     def forget(self, key: Key) -> None:
         """``key`` names new memory from now on (an allocator handed its address out again after

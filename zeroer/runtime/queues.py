@@ -18,6 +18,13 @@ cannot form a cycle, so only holds can deadlock.
 The backend supplies ``execute(op)``: the simulator performs the op on CPU tensors, the controlled
 cuda backend opens the gate in front of the op and waits for it to finish.
 
+Observers (``StreamQueues(execute, observers=[fn])``, or appended to ``q.observers`` later) are
+told ``fn(what, stream, op)`` with ``what`` one of ``"enqueued"`` (the op has its position),
+``"executed"`` (it ran and left its queue) or ``"failed"`` (``execute`` raised; the op left its
+queue all the same). Nothing else records when an op ran; ``python -m repro timeline`` draws a
+trace from them. An observer must not raise. With none, the cost is one ``if`` per enqueue and
+per executed op.
+
 Example::
 
     q = StreamQueues(execute=lambda op: print("run", op.label))
@@ -33,7 +40,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from zeroer.errors import DeadlockError
 
@@ -52,11 +59,15 @@ class QueuedOp:
     payload: dict = field(default_factory=dict)  # backend-specific data (gates, cuda events)
 
 
+Observer = Callable[[str, int, QueuedOp], None]  # (what, stream, op); see the module docstring
+
+
 class StreamQueues:
     """FIFO queues for a set of streams, with the runnable rule and minimal-progress sync."""
 
-    def __init__(self, execute: Callable[[QueuedOp], None]) -> None:
+    def __init__(self, execute: Callable[[QueuedOp], None], observers: Iterable[Observer] = ()) -> None:
         self._execute = execute
+        self.observers: list[Observer] = list(observers)
         self._queues: list[deque[QueuedOp]] = []
         self._names: list[str] = []
         self.enqueued: list[int] = []  # ops ever enqueued per stream
@@ -75,6 +86,8 @@ class StreamQueues:
         self.enqueued[stream] += 1
         op.seq = self.enqueued[stream]
         self._queues[stream].append(op)
+        if self.observers:
+            self._notify("enqueued", stream, op)
         return op.seq
 
     def completed(self, stream: int, seq: int) -> bool:
@@ -108,8 +121,18 @@ class StreamQueues:
         self._queues[stream].popleft()
         try:
             self._execute(op)
-        finally:  # an op that raised has still left its queue: the counts must say so
+        except BaseException:  # an op that raised has still left its queue: the counts must say so
             self.executed[stream] += 1
+            if self.observers:
+                self._notify("failed", stream, op)
+            raise
+        self.executed[stream] += 1
+        if self.observers:
+            self._notify("executed", stream, op)
+
+    def _notify(self, what: str, stream: int, op: QueuedOp) -> None:
+        for observer in self.observers:
+            observer(what, stream, op)
 
     def advance(self, stream: int, k: int = 1) -> int:
         """Run up to ``k`` steps of ``stream``; stop at a blocked op. Return the steps taken."""

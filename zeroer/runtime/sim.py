@@ -148,7 +148,11 @@ class SimRuntime(Runtime):
     # -- plumbing ----------------------------------------------------------------------------
     def _execute(self, op: QueuedOp) -> None:
         if op.action is not None:
-            op.action()
+            try:
+                op.action()
+            except Exception as error:  # a kernel that fails: say which op, for whoever reports it
+                error.add_note(f"while running {op.label}")
+                raise
 
     def _after_host_call(self) -> None:
         self.schedule.after_host_call(self)

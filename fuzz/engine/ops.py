@@ -1,0 +1,74 @@
+"""The op records: what the fuzzer, the replayer and exported scripts hand to an episode.
+
+An op is plain data, ``{"op": "allocate", "n": 2, "stream": 1}``; :class:`~fuzz.engine.episode.Episode`
+is the one executor that says what each means (STYLE.md, "ops as data, one executor"). This module
+says which ops exist and which fields each takes, with their defaults, so a trace written before a
+field existed still replays (a missing field takes its default).
+
+Fields a caller may vary to exercise the contract (docs/contract.md):
+
+* ``cache``: which of the episode's KV caches (one zeroer each, built by the same factory);
+* ``ids_as``: the container the ids are handed over in, as an engine does: a ``list``, a ``tuple``,
+  a numpy ``array`` or a CPU ``tensor``;
+* ``then``: what the caller does with that container once the call has returned (promise 3):
+  ``keep`` it as it is, ``scribble`` over it (mutate it, or refill it for its next use) or ``drop``
+  it.
+
+Example::
+
+    check_op({"op": "allocate", "n": 2})             # fine: the other fields take their defaults
+    check_op({"op": "allocate", "n": 2, "cash": 1})  # ValueError naming the field and the valid ones
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+IDS_AS = ("list", "tuple", "array", "tensor")
+THEN = ("keep", "scribble", "drop")
+
+# op -> (required fields, {optional field: default}), in signature order for messages.
+FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "start": ((), {"in_flight": 1}),
+    "allocate": (("n",), {"stream": 0, "cache": 0, "ids_as": "list", "then": "keep"}),
+    "write": (("block",), {"stream": 0, "cache": 0}),
+    "read": (("block",), {"stream": 0, "cache": 0}),
+    "free": (("block",), {"cache": 0}),
+    "advance": (("stream",), {"ops": 1}),
+    "delay": (("stream",), {"amount": 1}),
+    "end_step": ((), {}),
+    "sync_stream": (("stream",), {}),
+    "sync_device": ((), {}),
+    "reallocate": ((), {"cache": 0}),
+}
+OPS = tuple(sorted(FIELDS))
+_ALL = {name: frozenset(required) | frozenset(optional) for name, (required, optional) in FIELDS.items()}
+_REQUIRED = {name: frozenset(required) for name, (required, _) in FIELDS.items()}
+
+
+def field_names(op: str) -> tuple[str, ...]:
+    required, optional = FIELDS[op]
+    return (*required, *optional)
+
+
+def check_op(op: Any) -> tuple[str, dict[str, Any]]:
+    """``(name, arguments)`` of a valid op record, defaults filled in; else a ValueError that says why."""
+    if not isinstance(op, dict):
+        raise ValueError(f"an op record is a JSON object such as {{'op': 'allocate', 'n': 1}}, not {op!r}")
+    name = op.get("op")
+    if name not in FIELDS:
+        raise ValueError(f"unknown op {name!r}; ops: {', '.join(OPS)}")
+    args = {k: v for k, v in op.items() if k != "op"}
+    if not (args.keys() <= _ALL[name] and _REQUIRED[name] <= args.keys()):  # set views: cheap on the hot path
+        unknown = sorted(args.keys() - _ALL[name])
+        missing = sorted(_REQUIRED[name] - args.keys())
+        problem = f"has unknown field {unknown[0]!r}" if unknown else f"is missing field {missing[0]!r}"
+        raise ValueError(f"op {name!r} {problem}; its fields are: {', '.join(field_names(name)) or 'none'}")
+    for field, value in args.items():
+        allowed = IDS_AS if field == "ids_as" else THEN if field == "then" else None
+        if allowed is not None:
+            if value not in allowed:
+                raise ValueError(f"op {name!r} field {field!r} is {value!r}; choose one of {', '.join(allowed)}")
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"op {name!r} field {field!r} is {value!r}; it must be an integer")
+    return name, {**FIELDS[name][1], **args}

@@ -1,0 +1,202 @@
+"""The pytest plugin behind ``pytest fuzz``: options, campaign parametrization, GPU per worker,
+interrupts, crashed workers and the run's summary.
+
+It is registered by this distribution's ``pytest11`` entry point (``fuzz.plugin``), so it loads in
+any repository where the package is installed, and by the checkout's own ``-p fuzz.plugin``
+(``pyproject.toml``), so a checkout works without installing. Its campaigns live in
+:mod:`fuzz.test_campaigns`; ``pytest --zeroer SPEC`` with no test path collects them from the
+installed package (:func:`pytest_load_initial_conftests`), so a user's repository needs no test
+file of its own.
+
+Exit status: 0 clean, 1 a finding (or a missed self-check), 2 a usage error (one line naming the
+value and the fix; ``--fuzz-debug`` shows the traceback) or an interrupted run, 3 an internal error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fuzz import interrupts
+from fuzz.engine.campaigns import Campaign, default_campaigns
+from fuzz.engine.journal import Journal, rescue
+from fuzz.engine.summary import render_summary, write_summary
+from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker
+from zeroer.errors import ZeroerError
+from zeroer.runtime.cuda.gate import request_hardware_queues
+
+USAGE_EXIT = 2
+CAMPAIGNS_MODULE = Path(__file__).with_name("test_campaigns.py")
+
+
+class _Run:
+    """What the controller learns over the run: registered as a plugin of the session, it hears
+    every report (a campaign's result rides in pytest's own ``record_property``, relayed from
+    xdist workers)."""
+
+    def __init__(self) -> None:
+        self.results: list[dict] = []
+        self.selected: list[str] = []  # campaign ids this run was to run
+        self.crashed: list[str] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call":
+            for name, value in report.user_properties:
+                if name == "fuzz":
+                    self.results.append(json.loads(value) if isinstance(value, str) else value)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fuzz", "KV block zeroer fuzzing (kvzero-fuzz)")
+    add = group.addoption
+    add("--backend", dest="fuzz_backend", default="auto", help="auto, sim or cuda (auto: cuda when a GPU is present)")
+    add("--cuda-mode", dest="cuda_mode", default="both", help="cuda campaigns: both, controlled (gates) or free (real timing)")
+    add("--zeroer", dest="zeroer", default=None, help="fuzz one zeroer: a built-in name, module:attr or path/to/file.py:attr naming factory(cache, runtime)")
+    add("--geometry", dest="fuzz_geometry", default=None, help="with --zeroer: NAME[,NAME...] or all (default: every geometry the zeroer supports)")
+    add("--repro-dir", dest="repro_dir", default="repro/failures", help="where shrunk traces of findings are written")
+    add("--fuzz-profile", dest="fuzz_profile", default=None, help="quick (default), ci (default when CI is set) or nightly")
+    add("--fuzz-minutes", dest="fuzz_minutes", default=None, help="wall-clock budget for the whole run (selects the nightly profile)")
+    add("--fuzz-db", dest="fuzz_db", default=".hypothesis/fuzz-db", help="example database (nightly): a directory, or redis://host:port/N shared by several hosts")
+    add("--fuzz-summary", dest="fuzz_summary", default="repro/summary.json", help="where the run's JSON summary is written")
+    add("--fuzz-journal", dest="fuzz_journal", default="auto", help="save each op before it runs, so a crashed worker leaves its trace: auto (on for cuda), on or off")
+    add("--fuzz-shard", dest="fuzz_shard", default=None, help="i/N: run the i-th of N disjoint shares of the campaigns (a sharded nightly)")
+    add("--fuzz-debug", dest="fuzz_debug", action="store_true", default=False, help="show the traceback of a usage error (pytest's own --debug writes its log)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    """``pytest --zeroer SPEC`` (or ``--pyargs fuzz``) in a repository with no campaign file of
+    its own: collect the installed campaigns."""
+    if any(a == "--zeroer" or a.startswith("--zeroer=") for a in args) and not any(
+            not a.startswith("-") and Path(a.split("::")[0]).exists() for a in args):
+        args.append(str(CAMPAIGNS_MODULE))
+
+
+def _usage_exit(config: pytest.Config, error: BaseException) -> None:
+    if config.getoption("fuzz_debug", False):
+        raise error
+    pytest.exit(f"error: {error}", returncode=USAGE_EXIT)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    request_hardware_queues()  # before this worker's CUDA context exists: gated streams need their own queues
+    interrupts.install()
+    try:
+        config._fuzz_options = fuzz_options(config)
+    except (pytest.UsageError, ZeroerError) as error:
+        _usage_exit(config, error)
+    config._fuzz_run = _Run()
+    config.pluginmanager.register(config._fuzz_run, "fuzz-run")
+
+
+def _campaigns(options: FuzzOptions) -> list[tuple[Campaign, str | None]]:
+    pairs = [
+        (c, skipped) for c, skipped in default_campaigns(options.backends, options.zeroer, options.geometries)
+        if c.config.backend == "sim" or c.config.mode in options.cuda_modes
+    ]
+    if options.shard is not None:  # every i-th of the sorted list: disjoint, and together all of them
+        index, count = options.shard
+        pairs = [pair for position, pair in enumerate(pairs) if position % count == index]
+    return pairs
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "campaign" not in metafunc.fixturenames:
+        return
+    pairs = _campaigns(metafunc.config._fuzz_options)
+    params = [pytest.param(c, id=c.id, marks=[pytest.mark.skip(reason=skipped)] if skipped else []) for c, skipped in pairs]
+    metafunc.parametrize("campaign", params)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    campaigns = [item for item in items if "campaign" in getattr(item, "fixturenames", ())]
+    if not campaigns:
+        return
+    config._fuzz_run.selected = [item.callspec.id for item in campaigns if hasattr(item, "callspec")]
+    if not hasattr(config, "workerinput"):
+        try:
+            check_output_paths(config._fuzz_options)
+        except pytest.UsageError as error:
+            _usage_exit(config, error)
+
+
+@pytest.fixture
+def fuzz_options_fixture(request: pytest.FixtureRequest) -> FuzzOptions:
+    return request.config._fuzz_options
+
+
+@pytest.fixture
+def fuzz_cuda_device(request: pytest.FixtureRequest) -> int | None:
+    """The GPU this xdist worker owns (round-robin by worker index), or None on the simulator."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = gpu_for_worker(os.environ.get("PYTEST_XDIST_WORKER"), torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+@pytest.fixture
+def fuzz_journal(request: pytest.FixtureRequest, campaign: Campaign) -> Journal | None:
+    """This worker's in-flight journal for the campaign, when --fuzz-journal says so."""
+    options = request.config._fuzz_options
+    if not options.journal:
+        return None
+    return Journal(options.repro_dir, os.environ.get("PYTEST_XDIST_WORKER"), campaign.id)
+
+
+@pytest.fixture
+def fuzz_budget(request: pytest.FixtureRequest) -> float | None:
+    """Seconds for one campaign when --fuzz-minutes is set: the run's budget spread over the
+    campaigns, times the number of workers running them side by side."""
+    options = request.config._fuzz_options
+    if options.minutes is None:
+        return None
+    workers = int(getattr(request.config, "workerinput", {}).get("workercount", 1))
+    count = max(1, len(request.session.items))
+    return options.minutes * 60.0 * workers / count
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched) -> None:
+    """pytest-xdist: a worker died (a CUDA fault, an OOM kill). Save its journal as a trace and
+    name it in the failure, so the crash can be replayed; the summary lists it as crashed."""
+    config = report.node.config if hasattr(report, "node") else None
+    options = getattr(config, "_fuzz_options", None)
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
+    if options is None or "[" not in crashitem:
+        return
+    campaign = crashitem[crashitem.index("[") + 1: -1]
+    config._fuzz_run.crashed.append(campaign)
+    path = rescue(options.repro_dir, worker, campaign) if worker is not None else None
+    if path is not None:
+        report.longrepr = f"{report.longrepr}\nthe ops it was running are saved in {path}\nreplay: python -m repro replay {path}"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    run = getattr(config, "_fuzz_run", None)
+    if hasattr(config, "workerinput") or run is None:
+        return
+    # Interrupted (Ctrl-C, SIGTERM): pytest says 2; a finding made before the interruption wins.
+    interrupted = interrupts.interrupted() or exitstatus == pytest.ExitCode.INTERRUPTED
+    if interrupted and any(r["found"] != (r["expect"] == "finds") and r["found"] for r in run.results):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    run = getattr(config, "_fuzz_run", None)
+    if hasattr(config, "workerinput") or run is None or not (run.results or run.crashed):
+        return
+    options = config._fuzz_options
+    partial = interrupts.interrupted() or exitstatus == pytest.ExitCode.INTERRUPTED
+    text, data = render_summary(run.results, options.profile.name, selected=run.selected, crashed=run.crashed,
+                                partial=partial)
+    terminalreporter.write_sep("=", "fuzz summary" + (" (partial: the run was interrupted)" if partial else ""))
+    terminalreporter.write_line(text)
+    written = write_summary(options.summary_path, data)
+    terminalreporter.write_line(f"summary written to {written}")
