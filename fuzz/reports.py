@@ -1,0 +1,159 @@
+"""A run's summary (the JSON ``pytest fuzz`` writes, or ``python -m fuzz.merge`` merges) as JUnit
+XML and as a Markdown table, for CI: test reporters read the XML, ``$GITHUB_STEP_SUMMARY`` shows
+the Markdown. Standard library only.
+
+Every campaign is one JUnit ``testcase`` (class ``fuzz.<backend>``, name the campaign id), in one
+``testsuite`` per summary file it came from (a shard):
+
+* an unexpected finding (a race in a design that must be clean): ``<failure type="finding">``;
+* a missed self-check (the fuzzer did not find a known race): ``<failure type="missed self-check">``;
+* a crashed worker: ``<error type="crashed">``;
+* a campaign that did not run (skipped, or its shard was interrupted): ``<skipped>``;
+* anything else passes; the counts, seeds and trace go to its ``<system-out>``.
+
+Example::
+
+    junit_xml(summary, {"ring-tiny-sim-k-torch-shard0": "shard-0/summary.json"})
+    markdown(summary)
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+
+FINDINGS_SHOWN = 5
+
+
+def outcome(record: dict) -> str:
+    """One word for a campaign's result: ``clean``, ``found``, ``VIOLATION`` or ``MISSED``."""
+    if record["found"]:
+        return "found" if record["expect"] == "finds" else "VIOLATION"
+    return "MISSED" if record["expect"] == "finds" else "clean"
+
+
+def backend_of(campaign: str, record: dict | None = None) -> str:
+    """``sim``, ``cuda-controlled`` or ``cuda-free``, from the record or else from the id."""
+    if record is not None:
+        return record["backend"] if record["backend"] == "sim" else f"cuda-{record['mode']}"
+    match = re.search(r"-(sim|cuda-controlled|cuda-free)(?=-)", campaign)
+    return match.group(1) if match else "unknown"
+
+
+def _detail(record: dict) -> str:
+    """What a person needs about a result: findings, trace and replay command, or the miss."""
+    lines = []
+    if record["found"]:
+        lines += record.get("findings", [])[:FINDINGS_SHOWN]
+        if not record.get("reproduced", True):
+            lines.append("(did not show again on replay: timing-dependent)")
+        if record.get("found_in_phase") == "reuse":
+            lines.append("(replayed from the example database: an example saved by an earlier run)")
+        if record.get("trace"):
+            lines += [f"trace: {record['trace']}", f"replay: python -m repro replay {record['trace']}"]
+    elif record["expect"] == "finds":
+        seeds = ", ".join(str(s) for s in record.get("seeds", []))
+        lines.append(f"the fuzzer missed the known race of {record['zeroer']!r} in {record['examples']} examples "
+                     f"(seed {seeds}): the self-check failed")
+    return "\n".join(lines)
+
+
+def _counts(record: dict) -> str:
+    return (f"examples {record['examples']}, steps {record['steps']}, {record['seconds']} s, "
+            f"seeds {record.get('seeds', [])}")
+
+
+def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
+    """``summary`` as JUnit XML; ``sources`` maps a campaign id to the file it came from (one
+    ``testsuite`` each; all in one suite named ``fuzz`` without it)."""
+    sources = sources or {}
+    records = {r["campaign"]: r for r in summary["campaigns"]}
+    cases = ([(c, "record") for c in records] + [(c, "crashed") for c in summary["crashed"]]
+             + [(c, "not_run") for c in summary["not_run"]])
+    root = ET.Element("testsuites", name="kvzero-fuzz")
+    suites: dict[str, ET.Element] = {}
+    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time": 0.0}
+    for campaign, kind in sorted(cases, key=lambda case: (sources.get(case[0], "fuzz"), case[0])):
+        source = sources.get(campaign, "fuzz")
+        if source not in suites:
+            suites[source] = ET.SubElement(root, "testsuite", name=source)
+            properties = ET.SubElement(suites[source], "properties")
+            ET.SubElement(properties, "property", name="profile", value=str(summary["totals"]["profile"]))
+        record = records.get(campaign) if kind == "record" else None
+        case = ET.SubElement(suites[source], "testcase", classname=f"fuzz.{backend_of(campaign, record)}",
+                             name=campaign, time=f"{record['seconds'] if record else 0:.3f}")
+        if kind == "crashed":
+            ET.SubElement(case, "error", type="crashed",
+                          message="its worker died (a CUDA fault, an OOM kill); the shard's repro dir holds the "
+                                  "trace rescued from its journal")
+        elif kind == "not_run":
+            ET.SubElement(case, "skipped", message="not run (skipped, or its shard was interrupted)")
+        else:
+            verdict, detail = outcome(record), _detail(record)
+            out = f"{verdict}: {_counts(record)}"
+            if verdict in ("VIOLATION", "MISSED"):
+                kind_of = "finding" if verdict == "VIOLATION" else "missed self-check"
+                failure = ET.SubElement(case, "failure", type=kind_of, message=(detail.splitlines() or [verdict])[0][:300])
+                failure.text = detail
+            elif detail:  # an expected finding: its trace, for the curious
+                out += f"\n{detail}"
+            ET.SubElement(case, "system-out").text = out
+    for suite in suites.values():
+        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time": 0.0}
+        for case in suite.iter("testcase"):
+            counts["tests"] += 1
+            counts["failures"] += case.find("failure") is not None
+            counts["errors"] += case.find("error") is not None
+            counts["skipped"] += case.find("skipped") is not None
+            counts["time"] += float(case.get("time"))
+        for name, value in counts.items():
+            suite.set(name, f"{value:.3f}" if name == "time" else str(value))
+            totals[name] += value
+    for name, value in totals.items():
+        root.set(name, f"{value:.3f}" if name == "time" else str(value))
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def _cell(text: object) -> str:
+    """Text for one cell of a GitHub Markdown table: no raw HTML, pipes escaped, lines as <br>."""
+    text = str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "<br>")
+
+
+def _code(text: object) -> str:
+    """A code span in a table cell (a campaign id, a path): only the pipe needs escaping."""
+    return "`" + str(text).replace("`", "'").replace("|", "\\|") + "`"
+
+
+def markdown(summary: dict, title: str = "kvzero-fuzz") -> str:
+    """``summary`` as Markdown: the totals, the campaigns that need a person, then every campaign
+    (folded)."""
+    t = summary["totals"]
+    records = summary["campaigns"]
+    head = (f"### {title}: {t['profile']} profile, {t['campaigns']} campaigns"
+            + (" (partial: a shard was interrupted)" if t["partial"] else ""))
+    lines = [head, "",
+             "| campaigns | examples | steps | with findings | unexpected | crashed | not run | campaign-seconds |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|",
+             f"| {t['campaigns']} | {t['examples']:,} | {t['steps']:,} | {t['findings']} | {t['unexpected']} | "
+             f"{t['crashed']} | {t['not_run']} | {t['seconds']:,} |", ""]
+    attention = [(r["campaign"], outcome(r), _detail(r)) for r in records if outcome(r) in ("VIOLATION", "MISSED")]
+    attention += [(c, "CRASHED", "its worker died; the shard's artifact holds the rescued trace") for c in summary["crashed"]]
+    if attention:
+        lines += ["**Needs a look**", "", "| campaign | result | detail |", "|---|---|---|"]
+        lines += [f"| {_code(c)} | {result} | {_cell(detail)} |" for c, result, detail in sorted(attention)]
+        lines.append("")
+    else:
+        lines += ["Every design came out clean and every self-check found its race.", ""]
+    lines += [f"<details><summary>All {len(records) + len(summary['crashed']) + len(summary['not_run'])} campaigns</summary>",
+              "", "| campaign | expect | result | examples | steps | s | trace |", "|---|---|---|---:|---:|---:|---|"]
+    rows = [(r["campaign"], r["expect"], outcome(r) + (" (replayed)" if r.get("found_in_phase") == "reuse" else ""),
+             f"{r['examples']:,}", f"{r['steps']:,}", r["seconds"], _code(r["trace"]) if r.get("trace") else "")
+            for r in records]
+    rows += [(c, "", "CRASHED", "", "", "", "") for c in summary["crashed"]]
+    rows += [(c, "", "not run", "", "", "", "") for c in summary["not_run"]]
+    for campaign, expect, result, examples, steps, seconds, trace in sorted(rows):
+        lines.append(f"| {_code(campaign)} | {expect} | {result} | {examples} | {steps} | {seconds} | {trace} |")
+    lines += ["", "</details>", ""]
+    return "\n".join(lines)
