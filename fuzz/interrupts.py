@@ -7,26 +7,35 @@ spot, takes the same path, so pytest and the campaign's own ``finally`` blocks r
 * an episode cut off mid-op is thrown away, never judged (:meth:`ZeroerMachine.teardown`), so an
   interruption cannot fabricate a finding;
 * no new example starts;
-* a finding already made was saved as a trace file when it was made, and the run's summary is
-  written marked ``"partial": true``, next to a complete summary rather than over it
-  (:mod:`fuzz.engine.summary`).
+* a finding already made is kept: a campaign that ended wrote its trace file then, and one cut
+  off while shrinking or minimising writes the smallest program that showed it so far
+  (:func:`~fuzz.engine.campaigns.run_campaign`); the run's summary is written marked
+  ``"partial": true``, next to a complete summary rather than over it (:mod:`fuzz.engine.summary`);
+* the interruption reaches this process's pytest-xdist workers too (:func:`forward_to`): Ctrl-C
+  in a terminal signals the whole process group, but ``kill`` or a CI runner's cancel signals
+  the controller alone, which would otherwise wait for execnet to stop each busy worker.
 
 Example::
 
     install()          # in the pytest plugin's configure hook, in the controller and every worker
+    forward_to(pid)    # in the controller, for each xdist worker it starts
     ...
     interrupted()      # True after Ctrl-C or SIGTERM
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 from types import FrameType
 from typing import Any
 
 _INTERRUPTED = threading.Event()
+_CHILDREN: set[int] = set()  # worker processes the interruption is passed on to
 SIGNALS = ("SIGINT", "SIGTERM")
+FORWARDED = signal.SIGINT  # what a worker is sent: Ctrl-C, which it treats like SIGTERM
 
 
 def interrupted() -> bool:
@@ -43,10 +52,30 @@ def reset() -> None:
     _INTERRUPTED.clear()
 
 
+def forward_to(pid: int) -> None:
+    """Pass this process's interruption on to process ``pid`` (a pytest-xdist worker), now if
+    it has already come."""
+    _CHILDREN.add(pid)
+    if _INTERRUPTED.is_set():
+        _send(pid)
+
+
+def forget(pid: int) -> None:
+    """``pid`` has exited: never signal it (the number may be reused)."""
+    _CHILDREN.discard(pid)
+
+
+def _send(pid: int) -> None:
+    with contextlib.suppress(OSError):  # already gone
+        os.kill(pid, FORWARDED)
+
+
 def _handle(signum: int, frame: FrameType | None) -> Any:
     first = not _INTERRUPTED.is_set()
     _INTERRUPTED.set()
     if first:
+        for pid in sorted(_CHILDREN):
+            _send(pid)
         raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,9 @@ from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES, geometry_names
 from zeroer.errors import ZeroerError
 from zeroer.registry import load_zeroer, zeroer_names
 
+from fuzz.cli import UsageError, check_output
 from fuzz.engine.campaigns import PROFILES, Profile
+from fuzz.engine.database import parse_database_spec
 from fuzz.engine.journal import JOURNAL_MODES
 
 BACKEND_CHOICES = ("auto", "cuda", "sim")
@@ -40,7 +41,7 @@ class FuzzOptions:
     seed: int | None = None  # --hypothesis-seed: one run of each campaign with this seed
     geometries: tuple[str, ...] | None = None  # --geometry; None: each zeroer's default
     shard: tuple[int, int] | None = None  # --fuzz-shard i/N: this run's share of the campaigns
-    database: str = ".hypothesis/fuzz-db"  # --fuzz-db: a directory, or redis://host:port/N
+    database: str = ".hypothesis/fuzz-db"  # --fuzz-db: DIR, redis://host:port/N or DIR,redis://host:port/N
 
 
 def parse_backend(value: str, cuda_available: bool) -> str:
@@ -132,18 +133,22 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
     return i, n
 
 
+def parse_database(value: str) -> Path:
+    """``--fuzz-db DIR``, ``redis://host:port/N`` or ``DIR,redis://host:port/N``
+    (:mod:`fuzz.engine.database`): the URL is checked here; returns the local directory."""
+    try:
+        return parse_database_spec(value).local
+    except ValueError as error:
+        raise pytest.UsageError(f"--fuzz-db {error}") from None
+
+
 def check_writable(flag: str, path: Path, what: str) -> Path:
     """A directory the run will write into, checked before any campaign runs (a finding must not
     be lost to a typo found at the end)."""
-    directory = path if what == "directory" else path.parent
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvzero-write-check-"):
-            pass
-    except OSError as error:
-        raise pytest.UsageError(f"{flag} {str(path)!r}: cannot write there ({error.strerror or error}); "
-                                f"give a {what} you can write to") from None
-    return path
+        return check_output(flag, path, what)  # the commands' check (fuzz/cli.py), as pytest's error
+    except UsageError as error:
+        raise pytest.UsageError(str(error)) from None
 
 
 def parse_profile(value: str | None, minutes: float | None) -> Profile:
@@ -198,7 +203,7 @@ def fuzz_options(config: pytest.Config) -> FuzzOptions:
         profile=parse_profile(config.getoption("fuzz_profile"), minutes),
         minutes=minutes,
         repro_dir=Path(config.getoption("repro_dir")),
-        database_dir=Path(database),
+        database_dir=parse_database(database),  # the local layer when a Redis URL is given
         summary_path=Path(config.getoption("fuzz_summary")),
         journal=parse_journal(config.getoption("fuzz_journal"), backend),
         seed=parse_seed(config.getoption("hypothesis_seed", None)),
@@ -213,5 +218,5 @@ def check_output_paths(options: FuzzOptions) -> None:
     writes into must be writable."""
     check_writable("--repro-dir", options.repro_dir, "directory")
     check_writable("--fuzz-summary", options.summary_path, "file path")
-    if options.profile.database and not options.database.startswith("redis://"):
+    if options.profile.database:  # the directory, or the local layer (and outbox) of a Redis database
         check_writable("--fuzz-db", options.database_dir, "directory")

@@ -1,9 +1,12 @@
 """The pytest plugin behind ``pytest fuzz``: options, campaign parametrization, GPU per worker,
 interrupts, crashed workers and the run's summary.
 
-It is registered by this distribution's ``pytest11`` entry point (``fuzz.plugin``), so it loads in
-any repository where the package is installed, and by the checkout's own ``-p fuzz.plugin``
-(``pyproject.toml``), so a checkout works without installing. Its campaigns live in
+It is registered by this distribution's ``pytest11`` entry point, named ``fuzz.plugin``, so it
+loads in any repository where the package is installed: the entry point's module
+(:mod:`kvzero_fuzz.pytest_plugin`) first checks that ``fuzz``, ``repro`` and ``zeroer`` are this
+distribution's packages, then re-exports this module's hooks and fixtures. The checkout's own
+``-p fuzz.plugin`` (``pyproject.toml``) loads that entry point when the package is installed, and
+this module directly when it is not, so a checkout works without installing. Its campaigns live in
 :mod:`fuzz.test_campaigns`; ``pytest --zeroer SPEC`` with no test path collects them from the
 installed package (:func:`pytest_load_initial_conftests`), so a user's repository needs no test
 file of its own.
@@ -14,8 +17,11 @@ value and the fix; ``--fuzz-debug`` shows the traceback) or an interrupted run, 
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,7 +52,40 @@ class _Run:
         if report.when == "call":
             for name, value in report.user_properties:
                 if name == "fuzz":
-                    self.results.append(json.loads(value) if isinstance(value, str) else value)
+                    record = json.loads(value) if isinstance(value, str) else value
+                    self.results.append(record)
+                    self.progress(record)
+
+    def progress(self, record: dict) -> None:
+        """One line per finished campaign, so a long run shows where it is."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter") if self.config is not None else None
+        if reporter is None:
+            return
+        total = len(self.selected) or "?"
+        verdict = ("found (expected)" if record["expect"] == "finds" else "FINDING") if record["found"] else (
+            "MISSED" if record["expect"] == "finds" else "clean")
+        if record.get("resource_error"):
+            verdict = "RESOURCE ERROR (GPU out of memory, not judged)"
+        reporter.ensure_newline()
+        reporter.write_line(
+            f"[{len(self.results)}/{total}] {record['campaign']}: {verdict}, {record['examples']} examples, "
+            f"{record['steps']} steps, {record['seconds']:.1f} s"
+        )
+
+    config = None  # the session's config, set at configure
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo) -> None:
+        """Ctrl-C: pytest formats the interruption's whole traceback (the source and arguments of
+        every frame, and of every exception it cut short) only to print its last line; through
+        Hypothesis's engine that is a hundred frames and seconds of parsing after the user asked
+        to stop. Keep the frame that is printed (``--full-trace`` keeps everything)."""
+        # Only for Ctrl-C: a pytest.exit's last frame is pytest's own, hidden, and a traceback of
+        # hidden frames alone makes pytest's report of it fail (a usage error would print a traceback).
+        if isinstance(excinfo.value, KeyboardInterrupt) and (
+                self.config is None or not self.config.getoption("fulltrace", False)):
+            excinfo.traceback = excinfo.traceback[-1:]
+            excinfo.value.__cause__, excinfo.value.__suppress_context__ = None, True
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -59,7 +98,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--repro-dir", dest="repro_dir", default="repro/failures", help="where shrunk traces of findings are written")
     add("--fuzz-profile", dest="fuzz_profile", default=None, help="quick (default), ci (default when CI is set) or nightly")
     add("--fuzz-minutes", dest="fuzz_minutes", default=None, help="wall-clock budget for the whole run (selects the nightly profile)")
-    add("--fuzz-db", dest="fuzz_db", default=".hypothesis/fuzz-db", help="example database (nightly): a directory, or redis://host:port/N shared by several hosts")
+    add("--fuzz-db", dest="fuzz_db", default=".hypothesis/fuzz-db", help="example database (nightly): DIR, redis://host:port/N (shared by a fleet, over the local .hypothesis/fuzz-db) or DIR,redis://host:port/N")
     add("--fuzz-summary", dest="fuzz_summary", default="repro/summary.json", help="where the run's JSON summary is written")
     add("--fuzz-journal", dest="fuzz_journal", default="auto", help="save each op before it runs, so a crashed worker leaves its trace: auto (on for cuda), on or off")
     add("--fuzz-shard", dest="fuzz_shard", default=None, help="i/N: run the i-th of N disjoint shares of the campaigns (a sharded nightly)")
@@ -89,7 +128,32 @@ def pytest_configure(config: pytest.Config) -> None:
     except (pytest.UsageError, ZeroerError) as error:
         _usage_exit(config, error)
     config._fuzz_run = _Run()
+    config._fuzz_run.config = config
     config.pluginmanager.register(config._fuzz_run, "fuzz-run")
+    _size_gpu_workers(config)
+
+
+def _size_gpu_workers(config: pytest.Config) -> None:
+    """``-n N`` (or ``-n auto``) on the cuda backend: run no more xdist workers than the GPU
+    memory free now holds (fuzz.engine.gpu_workers), and say what was chosen."""
+    options = config._fuzz_options
+    requested = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or "cuda" not in options.backends or not isinstance(requested, int) or requested < 2:
+        return
+    from fuzz.engine.gpu_workers import free_gpu_bytes, plan_workers, worker_bytes
+    from zeroer.cache.geometries import geometry
+
+    configs = [campaign.config for campaign, skipped in _campaigns(options) if skipped is None]
+    if not configs:
+        return
+    per_worker = worker_bytes([geometry(name) for name in {c.geometry for c in configs}], max(c.zeroers for c in configs))
+    try:
+        plan = plan_workers(requested, per_worker, free_gpu_bytes())
+    except (OSError, RuntimeError, ValueError) as error:
+        print(f"fuzz: could not size the GPU workers ({error}); running {requested}", file=sys.stderr)
+        return
+    config.option.numprocesses = plan.chosen
+    print(f"fuzz: {plan.describe()}", file=sys.stderr)
 
 
 def _campaigns(options: FuzzOptions) -> list[tuple[Campaign, str | None]]:
@@ -115,12 +179,62 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     campaigns = [item for item in items if "campaign" in getattr(item, "fixturenames", ())]
     if not campaigns:
         return
-    config._fuzz_run.selected = [item.callspec.id for item in campaigns if hasattr(item, "callspec")]
     if not hasattr(config, "workerinput"):
         try:
             check_output_paths(config._fuzz_options)
         except pytest.UsageError as error:
             _usage_exit(config, error)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The campaigns this run is to run, known only now: -k and -m deselect in other plugins'
+    # pytest_collection_modifyitems, and a partial summary's "not run" must not count those.
+    _select(session.config, [item.nodeid for item in session.items])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """pytest-xdist, in the controller (which collects nothing itself): what the workers will run."""
+    _select(node.config, ids)
+
+
+def _select(config: pytest.Config, nodeids: list[str]) -> None:
+    run = getattr(config, "_fuzz_run", None)
+    if run is None or run.selected:
+        return
+    skipped = {c.id for c, why in _campaigns(config._fuzz_options) if why}  # they never produce a result
+    ids = [_campaign_id(nodeid) for nodeid in nodeids]
+    run.selected = [c for c in ids if c is not None and c not in skipped]
+
+
+def _campaign_id(nodeid: str) -> str | None:
+    """``fuzz/test_campaigns.py::test_campaign[ring-tiny-sim-k-torch-shard0]`` -> the campaign id."""
+    if "::test_campaign[" not in nodeid or not nodeid.endswith("]"):
+        return None
+    return nodeid[nodeid.index("[") + 1: -1]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_newgateway(gateway) -> None:
+    """pytest-xdist, in the controller: a worker process started. Ctrl-C in a terminal reaches it
+    through the process group, a SIGTERM to the controller alone would not: pass it on."""
+    pid = _worker_pid(gateway)
+    if pid is not None:
+        interrupts.forward_to(pid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    pid = _worker_pid(node.gateway)
+    if pid is not None:
+        interrupts.forget(pid)
+
+
+def _worker_pid(gateway) -> int | None:
+    try:  # execnet's remote info, as xdist itself reads it (cached after the first call)
+        return int(gateway._rinfo().pid)
+    except Exception:  # noqa: BLE001 - not a local process, or gone: nothing to pass on to
+        return None
 
 
 @pytest.fixture
@@ -177,6 +291,16 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched) -> 
         report.longrepr = f"{report.longrepr}\nthe ops it was running are saved in {path}\nreplay: python -m repro replay {path}"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if interrupts.interrupted():
+        # pytest's unraisable-exception check collects garbage ten times over at exit, each a
+        # walk over the ~300k objects torch and the imports made: after Ctrl-C, leave them be
+        # (until the interpreter's own teardown, which frees them as usual).
+        gc.freeze()
+        atexit.register(gc.unfreeze)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     run = getattr(config, "_fuzz_run", None)
@@ -186,6 +310,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     interrupted = interrupts.interrupted() or exitstatus == pytest.ExitCode.INTERRUPTED
     if interrupted and any(r["found"] != (r["expect"] == "finds") and r["found"] for r in run.results):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    # The GPU ran out of memory (fuzz.engine.resources) and nothing else went wrong: a resource
+    # error, status 2 (run fewer workers), not 1, which would say the fuzzer found something.
+    judged_wrong = [r for r in run.results if not r.get("resource_error") and r["found"] != (r["expect"] == "finds")]
+    if any(r.get("resource_error") for r in run.results) and not judged_wrong and not run.crashed and not interrupted:
+        session.exitstatus = USAGE_EXIT
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
@@ -193,7 +322,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     if hasattr(config, "workerinput") or run is None or not (run.results or run.crashed):
         return
     options = config._fuzz_options
-    partial = interrupts.interrupted() or exitstatus == pytest.ExitCode.INTERRUPTED
+    interrupted = interrupts.interrupted() or exitstatus == pytest.ExitCode.INTERRUPTED
+    ended = {r["campaign"] for r in run.results} | set(run.crashed)
+    # Interrupted after every campaign had ended (while printing, say), the run is still whole.
+    partial = interrupted and not (run.selected and set(run.selected) <= ended)
     text, data = render_summary(run.results, options.profile.name, selected=run.selected, crashed=run.crashed,
                                 partial=partial)
     terminalreporter.write_sep("=", "fuzz summary" + (" (partial: the run was interrupted)" if partial else ""))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from fuzz.engine.campaigns import Campaign, run_campaign
 from fuzz.engine.database import example_database
 from fuzz.engine.summary import result_record
+from fuzz.timeline import write_timeline
 
 
 def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fuzz_budget, fuzz_journal,
@@ -27,7 +29,12 @@ def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fu
         seed_override=options.seed,
         journal=fuzz_journal,
     )
-    record_property("fuzz", json.dumps(result_record(result)))
+    record = result_record(result)
+    if result.trace_path is not None:
+        record["timeline"] = _timeline(result.trace_path)
+    record_property("fuzz", json.dumps(record))
+    if result.resource_error:  # neither a finding nor clean (fuzz.engine.resources)
+        pytest.fail(f"resource error, not judged: {result.resource_error}", pytrace=False)
     replay = f"python -m repro replay {result.trace_path}" if result.trace_path else ""
     if campaign.expect == "clean":
         if result.found:
@@ -44,3 +51,14 @@ def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fu
         )
     caller_fault = campaign.config.caller_fault is not None
     assert all(f.caller_fault == caller_fault for f in result.violation.findings)
+
+
+def _timeline(trace: Path) -> str | None:
+    """The finding's timeline (Perfetto JSON beside the trace, and its HTML page), or None where
+    it cannot be drawn (a trace of a zeroer that runs on cuda only: timelines replay on the
+    simulator). Never at the cost of the finding: its trace is already written."""
+    try:
+        json_path, _ = write_timeline(trace)
+    except Exception:  # noqa: BLE001 - a picture is a convenience
+        return None
+    return str(json_path)

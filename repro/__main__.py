@@ -8,9 +8,10 @@
 * ``regenerate CAMPAIGN --seed N [--profile P]`` or ``regenerate --summary FILE`` reruns a
   campaign with a seed from a summary and writes the same shrunk trace again.
 
-Bad input (a missing or malformed file, an unknown campaign) is one line on stderr, exit 2.
-Replaying runs nothing from a trace but its ops; the only code it imports is the zeroer factory
-the trace names.
+Exit status (:mod:`fuzz.cli`): 0 clean or not reproduced, 1 reproduced or found, 2 bad input (a
+missing or malformed file, an unknown campaign: one line on stderr naming the value and the fix),
+3 a bug in this tool; ``--debug`` adds the traceback. Replaying runs nothing from a trace but its
+ops; the only code it imports is the zeroer factory the trace names.
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ import sys
 from pathlib import Path
 
 from fuzz.atomic_file import write_text_atomically
+from fuzz.cli import ArgumentParser, UsageError, check_output, run_main
+from fuzz.engine.episode import EpisodeConfig
 from fuzz.trace import TraceError, load_trace
 from repro.export import check_output_name, render_script
 from repro.regenerate import RegenerateError, Regeneration, from_summary, regenerate
 from repro.replay import replay
-from repro.timeline import write_timeline
+from fuzz.timeline import write_timeline
 
-USAGE_ERROR = 2
+PROG = "python -m repro"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m repro", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("replay", help="replay a trace file")
     run.add_argument("trace", type=Path)
@@ -51,32 +54,55 @@ def _parser() -> argparse.ArgumentParser:
     again.add_argument("--repro-dir", type=Path, default=Path("repro/failures"))
     picture = sub.add_parser("timeline", help="draw a trace's host and stream tracks (Perfetto JSON and HTML)")
     picture.add_argument("trace", type=Path)
-    picture.add_argument("-o", "--output", type=Path, default=None, help="default: <trace stem>.timeline.json next to the trace")
-    picture.add_argument("--html", type=Path, default=None, help="default: <trace stem>.timeline.html next to the trace")
+    picture.add_argument("-o", "--output", type=Path, default=None, help="default: timelines/<trace stem>.json beside the trace")
+    picture.add_argument("--html", type=Path, default=None, help="default: timelines/<trace stem>.html beside the trace")
     return parser
 
 
 def _replay(args: argparse.Namespace) -> int:
     if args.repeat < 1:
-        print(f"error: --repeat {args.repeat} must be at least 1", file=sys.stderr)
-        return USAGE_ERROR
+        raise UsageError(f"--repeat {args.repeat} must be at least 1")
     trace = load_trace(args.trace)
     changes = {k: v for k, v in (("backend", args.backend), ("mode", args.mode)) if v is not None}
     config = dataclasses.replace(trace.config, **changes)
-    shown, first = replay(config, trace.ops, args.repeat)
+    _check_runs_here(args, config)
+    try:
+        recorded = frozenset(f["kind"] for f in trace.findings if isinstance(f, dict) and "kind" in f)
+        shown, first, other = replay(config, trace.ops, args.repeat, recorded or None)
+    except ValueError as error:  # an op the episode refuses where it stands (run_ops): the trace's fault
+        raise TraceError(f"{args.trace}: field 'ops': not a valid program: {error}") from error
     for finding in first[:10]:
         print(finding)
     where = config.backend + (f" ({config.mode})" if config.backend == "cuda" else "")
     print(f"reproduced {shown} of {args.repeat} on {where}")
-    return 1 if shown else 0
+    if other:  # still a finding (status 1), but not the one the trace recorded
+        print(f"{other} of {args.repeat} showed a different finding than the trace recorded "
+              f"({', '.join(sorted(recorded))}): the first is printed above")
+    return 1 if shown or other else 0
+
+
+def _check_runs_here(args: argparse.Namespace, config: EpisodeConfig) -> None:
+    """The backend the replay runs on exists here, and the trace's zeroer runs on it."""
+    import torch
+
+    from zeroer.registry import load_zeroer
+
+    if config.backend == "cuda" and not torch.cuda.is_available():
+        given = "--backend cuda needs" if args.backend == "cuda" else f"{args.trace} was recorded on cuda and needs"
+        raise UsageError(f"{given} a CUDA GPU, and none is visible here; replay on the simulator with --backend sim")
+    capabilities = load_zeroer(config.zeroer).capabilities
+    if not capabilities.runs_on(config.backend, config.mode):
+        where = config.backend + (f" ({config.mode})" if config.backend == "cuda" else "")
+        raise UsageError(f"zeroer {config.zeroer!r} of {args.trace} does not run on {where}; it runs on "
+                         f"{', '.join(capabilities.backends)} (cuda modes: {', '.join(capabilities.cuda_modes)})")
 
 
 def _export(args: argparse.Namespace) -> int:
     try:
         check_output_name(args.output)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return USAGE_ERROR
+        raise UsageError(str(error)) from None
+    check_output("-o", args.output)
     trace = load_trace(args.trace)
     text = render_script(trace, str(args.output), title=args.title)
     write_text_atomically(args.output, text)
@@ -85,6 +111,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _regenerate(args: argparse.Namespace) -> int:
+    check_output("--repro-dir", args.repro_dir, "directory")
     if args.summary is not None:
         if args.campaign or args.seed is not None:
             raise RegenerateError("give either --summary FILE or CAMPAIGN --seed N, not both")
@@ -111,6 +138,8 @@ def _regenerate(args: argparse.Namespace) -> int:
 
 
 def _timeline(args: argparse.Namespace) -> int:
+    check_output("-o", args.output)
+    check_output("--html", args.html)
     json_path, html_path = write_timeline(args.trace, args.output, args.html)
     print(f"wrote {json_path}: open it at https://ui.perfetto.dev (\"Open trace file\") or in chrome://tracing")
     print(f"wrote {html_path}: open it in any browser (self-contained)")
@@ -118,13 +147,14 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The exit status (:mod:`fuzz.cli`): 0 clean, 1 reproduced or found, 2 bad input, 3 a bug."""
+    return run_main(_command, argv, PROG)
+
+
+def _command(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     handlers = {"replay": _replay, "export": _export, "regenerate": _regenerate, "timeline": _timeline}
-    try:
-        return handlers[args.command](args)
-    except (TraceError, RegenerateError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return USAGE_ERROR
+    return handlers[args.command](args)
 
 
 if __name__ == "__main__":

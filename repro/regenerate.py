@@ -19,11 +19,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from fuzz.cli import UsageError
 from fuzz.engine.campaigns import PROFILES, Campaign, CampaignResult, default_campaigns, run_campaign
 
 
-class RegenerateError(Exception):
-    """A campaign id, seed or summary that cannot be regenerated; the message says which and why."""
+class RegenerateError(UsageError):
+    """A campaign id, seed or summary that cannot be regenerated; the message says which and why (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ def from_summary(path: Path) -> list[Regeneration]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise RegenerateError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise RegenerateError(f"{path}: cannot read it ({getattr(error, 'strerror', None) or error}); give a summary JSON") from None
     except json.JSONDecodeError as error:
         raise RegenerateError(f"{path}: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
     try:
@@ -60,13 +63,24 @@ def from_summary(path: Path) -> list[Regeneration]:
         records = data["campaigns"]
     except (KeyError, TypeError):
         raise RegenerateError(f"{path}: missing field 'totals.profile' or 'campaigns'; is this a fuzz summary?") from None
+    if not isinstance(profile, str) or profile not in PROFILES:
+        raise RegenerateError(f"{path}: field 'totals.profile' is {profile!r}; choose one of {', '.join(PROFILES)}")
+    if not isinstance(records, list):
+        raise RegenerateError(f"{path}: field 'campaigns' must be a list of campaign records")
     runs = []
     for index, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise RegenerateError(f"{path}: field 'campaigns[{index}]' is {record!r}; a campaign record is an object")
         if not record.get("found"):
             continue
-        if not record.get("seeds"):
+        seeds = record.get("seeds")
+        if not seeds:
             raise RegenerateError(f"{path}: field 'campaigns[{index}].seeds' is empty")
-        runs.append(Regeneration(record["campaign"], int(record["seeds"][-1]), profile, record.get("trace")))
+        if not isinstance(seeds, list) or not isinstance(seeds[-1], int) or isinstance(seeds[-1], bool):
+            raise RegenerateError(f"{path}: field 'campaigns[{index}].seeds' is {seeds!r}; it must be a list of integer seeds")
+        if not isinstance(record.get("campaign"), str):
+            raise RegenerateError(f"{path}: field 'campaigns[{index}].campaign' is {record.get('campaign')!r}; it must be a campaign id")
+        runs.append(Regeneration(record["campaign"], seeds[-1], profile, record.get("trace")))
     return runs
 
 

@@ -7,7 +7,7 @@ hazard, then synchronises once and lets the oracle check every read and every bl
 Example::
 
     findings = replay_once(EpisodeConfig(zeroer="single_buffer"), ops)
-    shown, first = replay(config, ops, repeat=20)    # on cuda: how often it reproduced
+    shown, first, other = replay(config, ops, repeat=20)    # on cuda: how often it reproduced
 """
 
 from __future__ import annotations
@@ -20,12 +20,21 @@ def replay_once(config: EpisodeConfig, ops: list[dict]) -> list[Finding]:
     return run_ops(config, ops)
 
 
-def replay(config: EpisodeConfig, ops: list[dict], repeat: int = 1) -> tuple[int, list[Finding]]:
-    """Run the ops ``repeat`` times: (how many runs showed a finding, the first run's findings)."""
-    shown, first = 0, []
+def replay(config: EpisodeConfig, ops: list[dict], repeat: int = 1,
+           kinds: frozenset[str] | None = None) -> tuple[int, list[Finding], int]:
+    """Run the ops ``repeat`` times: (how many runs reproduced, the first such run's findings, how
+    many runs showed only other findings). With ``kinds`` (the kinds the trace recorded), a run
+    reproduces when it shows one of those kinds: a zeroer that raised where the trace recorded a
+    race (or the reverse) is a different finding, not the bug shown again."""
+    shown, first, other = 0, [], 0
     for _ in range(repeat):
         findings = replay_once(config, ops)
-        if findings:
-            shown += 1
+        if not findings:
+            continue
+        if kinds and not kinds & {f.kind for f in findings}:
+            other += 1
             first = first or findings
-    return shown, first
+            continue
+        shown += 1
+        first = first or findings
+    return shown, first, other

@@ -29,6 +29,20 @@ def test_the_same_ops_on_a_race_free_zeroer_exit_0(tmp_path, capsys):
     assert capsys.readouterr().out.rstrip().endswith("reproduced 0 of 3 on sim")
 
 
+def test_a_different_finding_is_a_finding_but_not_the_recorded_bug_shown_again(tmp_path, capsys):
+    """A trace that recorded a race, replayed against a zeroer that now raises: exit 1 (a finding),
+    reproduced 0 (it is not the race), and the replay says which it was."""
+    from fuzz.engine.oracle import Finding
+
+    recorded = [Finding("hazard", None, "hazard at step 2: ...", False, "")]
+    path = write_trace(tmp_path, EpisodeConfig(zeroer="tests/bad_zeroers.py:RaisingZeroer", kernel=None), RACE,
+                       recorded, seed=1)
+    assert main(["replay", str(path), "--repeat", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "zeroer raised at step 2" in out and "reproduced 0 of 2 on sim" in out
+    assert out.rstrip().endswith("2 of 2 showed a different finding than the trace recorded (hazard): the first is printed above")
+
+
 def test_trace_names_are_content_hashes_so_rewrites_do_not_clobber(tmp_path):
     assert trace(tmp_path, "ring") == trace(tmp_path, "ring")
     assert len(list(tmp_path.glob("*.json"))) == 1

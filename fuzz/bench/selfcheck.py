@@ -18,7 +18,8 @@ Run it (CPU only; the ``ci`` profile and seeds 1..10 by default)::
     python -m fuzz.bench.selfcheck --geometry tiny             # the self-checks on tiny
     python -m fuzz.bench.selfcheck -k ring_overrun,no-free-fence --seeds 20 --json out.json
 
-The exit status is 1 when a self-check missed on any seed, 2 for bad arguments, 0 otherwise.
+The exit status (:mod:`fuzz.cli`) is 1 when a self-check missed on any seed, 2 for bad arguments
+(one line naming the value), 3 for a bug in this tool, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.atomic_file import write_json_atomically
+from fuzz.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
 from fuzz.bench.speed import machine
 from fuzz.engine.campaigns import FINDS_BUDGET_FACTOR, PROFILES, Campaign, default_campaigns, run_campaign
 
 DEFAULT_SEEDS = 10
 DEFAULT_PROFILE = "ci"
+PROG = "python -m fuzz.bench.selfcheck"
 SWEEP_PROFILES = ("quick", "ci")  # one seeded Hypothesis run each; nightly's budget and fresh seeds do not apply
 
 
@@ -108,8 +111,8 @@ def _positive(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m fuzz.bench.selfcheck",
+    p = ArgumentParser(
+        prog=PROG,
         description="Run every self-check campaign of the simulator (a campaign that must find a known "
                     "bug) over seeds 1..N, and report how often each found its bug and the most "
                     "examples it needed. CPU only.")
@@ -124,7 +127,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The exit status (:mod:`fuzz.cli`; see the module docstring)."""
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv: list[str]) -> int:
     p = parser()
     args = p.parse_args(argv)
     patterns = [t.strip() for t in args.campaigns.split(",") if t.strip()]
@@ -134,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         asked = " and ".join(filter(None, [f"--geometry {args.geometry}" if args.geometry else "",
                                             f"-k {args.campaigns}" if patterns else ""]))
         p.error(f"no self-check matches {asked}; the self-checks are: {', '.join(name_of(c) for c in available)}")
+    check_output("--json", args.json)
     seeds = list(range(1, args.seeds + 1))
     started = time.perf_counter()
     rows = []
@@ -159,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seconds": round(time.perf_counter() - started, 1),
         })
         print(f"JSON written to {args.json}")
-    return 1 if missed else 0
+    return FINDING if missed else CLEAN
 
 
 if __name__ == "__main__":

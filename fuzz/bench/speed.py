@@ -12,7 +12,8 @@ Two measurements, both through :func:`fuzz.engine.campaigns.run_campaign`, the c
 
 Staged designs use the torch kernel on the simulator (as the sim campaigns do) and their default
 kernel on cuda. Each result is set beside its target (:data:`TARGETS`); missing one makes no
-difference to the exit status, which is 0 unless the script itself fails. Traces of findings go
+difference to the exit status (:mod:`fuzz.cli`), which is 0 unless the command line is bad (2, one
+line naming the value) or the script itself fails (3). Traces of findings go
 to a temporary directory, never to ``repro/failures``, and no example database is used.
 
 Run it (``--quick``: tiny budgets, for CI to check that the script still runs)::
@@ -41,6 +42,7 @@ import torch
 
 from fuzz.atomic_file import write_json_atomically
 from fuzz.bench.stats import spread
+from fuzz.cli import ArgumentParser, check_output, run_main
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig
 
@@ -289,8 +291,11 @@ def run_bench(bench: BenchConfig, argv: list[str]) -> dict[str, Any]:
     }
 
 
+PROG = "python -m fuzz.bench.speed"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fuzz.bench.speed", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="sim", help="sim (CPU simulator, default) or cuda")
     parser.add_argument("--mode", choices=("controlled", "free"), default="controlled", help="cuda: gates or real timing")
     parser.add_argument("--seeds", type=int, default=None, help="seeds 1..N per known race (default 5; 1 with --quick)")
@@ -300,7 +305,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The exit status (:mod:`fuzz.cli`; see the module docstring)."""
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.backend not in ("sim", "cuda"):
@@ -310,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 5)
     if seeds < 1:
         parser.error(f"--seeds {seeds} must be at least 1; give the number of seeds per race, e.g. 5")
+    check_output("--json", args.json)
     bench = BenchConfig(
         backend=args.backend,
         mode=args.mode,

@@ -46,6 +46,8 @@ import torch
 from fuzz.engine.cache_pool import CachePool
 from fuzz.engine.ops import OPS, check_op
 from fuzz.engine.oracle import Finding, Shadow, all_rows_match
+from fuzz.engine.resources import raise_if_out_of_memory
+from fuzz.interrupts import interrupted
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import CacheSpec, KVCache, build_cache
 from zeroer.errors import ZeroerError
@@ -244,6 +246,8 @@ class Episode:
         except ZeroerRaised:
             raise
         except Exception as error:
+            _stop_if_interrupted(error)
+            raise_if_out_of_memory(error, "running queued device work")
             origin = _failing_op(error)
             if origin is None or origin.startswith(_HARNESS_OPS):
                 raise
@@ -439,9 +443,11 @@ class Episode:
         finally:
             self.rt.close()
             self.finished = True
-            if self._caches is not None:  # only now can nothing write to them any more
-                self._caches.give([c for g in self.groups for c in (g.cache, *g.retired)])
-                self._caches = None
+        # Only a close that ran to its end hands the caches back (only now can nothing write to
+        # them any more); after an exception or Ctrl-C above they are dropped, as abandon() does.
+        if self._caches is not None and not interrupted():
+            self._caches.give([c for g in self.groups for c in (g.cache, *g.retired)])
+        self._caches = None
 
     def abandon(self) -> None:
         """Release everything without judging (an interrupted or failed episode)."""
@@ -457,6 +463,12 @@ class Episode:
             self.rt.close()
         except Exception:  # noqa: BLE001
             pass
+        # A failed example's exception (and Hypothesis, which keeps it while shrinking) holds this
+        # episode through its traceback, and reference cycles wait for the garbage collector: on
+        # cuda that pinned a 5 GiB cache per failing example (int32_wrap) until the GPU ran out of
+        # memory. Let go of the device memory now; the episode is not used after this.
+        for group in self.groups:
+            group.zeroer, group.cache, group.retired = None, None, []
 
 
 def _verify(group: CacheGroup) -> list[Finding]:
@@ -501,10 +513,19 @@ class _ZeroerCall:
     def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
         if error is None or not isinstance(error, Exception) or isinstance(error, ZeroerRaised):
             return False
+        _stop_if_interrupted(error)
+        raise_if_out_of_memory(error, f"in {self._what}")
         if isinstance(error, ZeroerError) and not _from_zeroer_code(error):
             return False  # the harness refusing something (an unroutable call, a bad spec): not a finding
         group_label = self._group.label(len(self._episode.groups) > 1)
         raise ZeroerRaised(_raised_finding(self._episode, f"{group_label}{self._what}", error)) from error
+
+
+def _stop_if_interrupted(error: BaseException) -> None:
+    """After Ctrl-C or SIGTERM an error is not the zeroer's finding: code that caught the
+    KeyboardInterrupt (the zeroer's, a library's) may have turned it into this one."""
+    if interrupted():
+        raise KeyboardInterrupt("the run was interrupted") from error
 
 
 def _from_zeroer_code(error: BaseException) -> bool:

@@ -42,6 +42,7 @@ from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised
 from fuzz.engine.journal import Journal
 from fuzz.engine.ops import IDS_AS, THEN
 from fuzz.engine.oracle import Finding
+from fuzz.engine.resources import raise_if_out_of_memory
 from fuzz.interrupts import interrupted
 
 # Every simulator campaign's examples share one pool of KV caches (fuzz.engine.cache_pool says
@@ -81,11 +82,16 @@ class CampaignStats:
     first_finding_s: float | None = None
     first_finding_examples: int | None = None
     deepest_queue: int = 0  # most device ops queued at once, over all examples
+    # The shortest program that showed a finding so far: what run_campaign saves if Ctrl-C cuts
+    # the run off while Hypothesis is still shrinking it.
+    smallest: ZeroerViolation | None = None
 
-    def found(self) -> None:
+    def found(self, violation: ZeroerViolation | None = None) -> None:
         if self.first_finding_s is None:
             self.first_finding_s = time.monotonic() - self.started
             self.first_finding_examples = self.examples
+        if violation is not None and (self.smallest is None or len(violation.trace) <= len(self.smallest.trace)):
+            self.smallest = violation
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,9 @@ class ZeroerMachine(RuleBasedStateMachine):
             self.episode = Episode(self.config, caches=_CACHES)
         except ZeroerRaised as error:  # the zeroer's factory raised: a finding of its own
             self._fail([error.finding], [])
+        except Exception as error:  # the harness building caches may run the GPU out of memory
+            raise_if_out_of_memory(error, "building the episode's caches")
+            raise
         self._may_reallocate = self.episode.loaded.capabilities.follows_reallocation
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -141,6 +150,9 @@ class ZeroerMachine(RuleBasedStateMachine):
         except ZeroerRaised as error:
             self._fail(list(episode.findings), list(episode.trace))
             raise AssertionError("unreachable") from error  # _fail raised
+        except Exception as error:
+            raise_if_out_of_memory(error, f"in op {op.get('op')!r}")
+            raise
         # Happens-before hazards are checked after every op, so a shrunk program stops at the op
         # that raised the first one (here rather than in an @invariant: that machinery cost 5 to
         # 7% of a campaign's time, and every step is an op).
@@ -153,11 +165,14 @@ class ZeroerMachine(RuleBasedStateMachine):
         return result
 
     def _fail(self, findings: list[Finding], trace: list[dict]) -> None:
-        if self.stats is not None:
-            self.stats.found()
         if self.episode is not None:
             self.episode.abandon()
-        raise ZeroerViolation(findings, trace, self.config)
+        if interrupted():  # a verdict reached after Ctrl-C is not trusted (fuzz.interrupts)
+            raise KeyboardInterrupt("the run was interrupted")
+        violation = ZeroerViolation(findings, trace, self.config)
+        if self.stats is not None:
+            self.stats.found(violation)
+        raise violation
 
     def _n_streams(self, stream: int) -> int:
         return stream % len(self.episode.streams)
@@ -270,6 +285,13 @@ class ZeroerMachine(RuleBasedStateMachine):
             findings = episode.finish()
         except ZeroerRaised:
             findings = list(episode.findings)
+        except Exception as error:  # the oracle's reads may run the GPU out of memory
+            episode.abandon()
+            raise_if_out_of_memory(error, "judging the episode")
+            raise
+        except BaseException:  # Ctrl-C while judging, or an error of the harness: no verdict
+            episode.abandon()
+            raise
         if findings:
             self._fail(findings, list(episode.trace))
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fuzz.atomic_file import write_json_atomically
-from fuzz.engine.campaigns import CampaignResult
+
+if TYPE_CHECKING:  # only for the annotation: python -m fuzz.merge renders summaries with the standard library alone
+    from fuzz.engine.campaigns import CampaignResult
 
 
 def result_record(result: CampaignResult) -> dict:
@@ -29,10 +32,13 @@ def result_record(result: CampaignResult) -> dict:
         "first_finding_s": None if result.first_finding_s is None else round(result.first_finding_s, 3),
         "first_finding_examples": result.first_finding_examples,
         "found": result.found,
+        "found_in_phase": result.found_in_phase,
         "reproduced": result.reproduced,
+        "reproduction": result.reproduction,
         "trace": None if result.trace_path is None else str(result.trace_path),
         "trace_ops": None if violation is None else len(violation.trace),
         "findings": [] if violation is None else [str(f) for f in violation.findings[:5]],
+        "resource_error": result.resource_error,
     }
 
 
@@ -45,7 +51,8 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
     done = {r["campaign"] for r in records}
     crashed = sorted(set(crashed or ()))
     not_run = sorted(c for c in (selected or ()) if c not in done and c not in crashed)
-    unexpected = [r for r in records if r["found"] != (r["expect"] == "finds")]
+    resources = [r for r in records if r.get("resource_error")]
+    unexpected = [r for r in records if r["found"] != (r["expect"] == "finds") and not r.get("resource_error")]
     totals = {
         "profile": profile,
         "partial": partial,
@@ -57,20 +64,26 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
         "seconds": round(sum(r["seconds"] for r in records), 3),
         "findings": sum(1 for r in records if r["found"]),
         "unexpected": len(unexpected),
+        "resource_errors": len(resources),
     }
     lines = [
         f"profile {profile}: {totals['campaigns']} campaigns, {totals['examples']} examples, "
         f"{totals['steps']} steps, {totals['findings']} with findings, {totals['unexpected']} unexpected"
         + (f", {len(crashed)} crashed" if crashed else "")
+        + (f", {len(resources)} resource errors (not judged)" if resources else "")
         + (f", {len(not_run)} not run (interrupted)" if partial and not_run else "")
     ]
     for campaign in crashed:
         lines.append(f"  {campaign}: CRASHED (its worker died; see the failure above for the saved trace)")
     for r in records:
-        if r["found"]:
+        if r.get("resource_error"):
+            lines.append(f"  {r['campaign']}: RESOURCE ERROR, not judged: {r['resource_error']}")
+        elif r["found"]:
             verdict = "found (expected)" if r["expect"] == "finds" else "VIOLATION"
             flaky = "" if r.get("reproduced", True) else " (did not show again on replay: timing-dependent)"
-            lines.append(f"  {r['campaign']}: {verdict}{flaky} after {r['first_finding_s']} s, {r['trace_ops']} ops -> {r['trace']}")
+            replayed = " (replayed from the example database)" if r.get("found_in_phase") == "reuse" else ""
+            lines.append(f"  {r['campaign']}: {verdict}{flaky}{replayed} after {r['first_finding_s']} s, "
+                         f"{r['trace_ops']} ops -> {r['trace']}")
         elif r["expect"] == "finds":
             lines.append(f"  {r['campaign']}: MISSED a known race in {r['examples']} examples")
     data = {"totals": totals, "campaigns": records, "crashed": crashed, "not_run": not_run}

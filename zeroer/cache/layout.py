@@ -203,6 +203,13 @@ class CacheSpec:
     def num_kernel_blocks(self) -> int:
         return self.num_blocks * self.ratio
 
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the cache's raw buffers on its device: pages, row padding and guards."""
+        g = self.guard_words
+        words = sum(g + t.parts * (self.num_kernel_blocks * t.row_words + g) for t in self.tensors)
+        return words * WORD_BYTES
+
 
 def device_index(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``ids`` (int64, CPU) on ``device`` without a host synchronisation.

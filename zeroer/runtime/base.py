@@ -434,9 +434,14 @@ class Runtime(ABC):
         """
         stream = self._resolve(stream)
         stamp = self.hb.enqueue(stream.thread, self._label(name, stream))
-        if not self.checked:  # even no-op calls would cost ~0.1 us per block
-            self._launch(fn, stream, stamp)
-            return stamp
+        if self.checked:  # unchecked: even no-op calls would cost ~0.1 us per block
+            self._declare(stamp, reads, writes, blocks_read, blocks_written)
+        self._launch(fn, stream, stamp)
+        return stamp
+
+    def _declare(self, stamp: OpStamp, reads: Iterable[DeviceBuffer], writes: Iterable[DeviceBuffer],
+                 blocks_read: Iterable[int], blocks_written: Iterable[int]) -> None:
+        """Tell the happens-before checker what the op ``stamp`` reads and writes."""
         for buf in reads:
             self.hb.device_access(buf.key, stamp, write=False)
         for buf in writes:
@@ -445,8 +450,6 @@ class Runtime(ABC):
             self.hb.device_access(("block", self._block_space, int(block)), stamp, write=False)
         for block in blocks_written:
             self.hb.device_access(("block", self._block_space, int(block)), stamp, write=True)
-        self._launch(fn, stream, stamp)
-        return stamp
 
     def run_now(
         self,
@@ -468,14 +471,7 @@ class Runtime(ABC):
         self.synchronize_stream(stream)
         stamp = self.hb.enqueue(stream.thread, self._label(name, stream))
         if self.checked:
-            for buf in reads:
-                self.hb.device_access(buf.key, stamp, write=False)
-            for buf in writes:
-                self.hb.device_access(buf.key, stamp, write=True)
-            for block in blocks_read:
-                self.hb.device_access(("block", self._block_space, int(block)), stamp, write=False)
-            for block in blocks_written:
-                self.hb.device_access(("block", self._block_space, int(block)), stamp, write=True)
+            self._declare(stamp, reads, writes, blocks_read, blocks_written)
         self._run_now(fn, stream, stamp)
         self.hb.host_observes_stream(stream.thread)
 

@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from zeroer.errors import DeadlockError
+from zeroer.errors import DeadlockError, RuntimeUsageError
 
 
 @dataclass
@@ -70,19 +70,32 @@ class StreamQueues:
         self.observers: list[Observer] = list(observers)
         self._queues: list[deque[QueuedOp]] = []
         self._names: list[str] = []
-        self.enqueued: list[int] = []  # ops ever enqueued per stream
-        self.executed: list[int] = []  # ops finished per stream
+        self.enqueued: list[int] = []  # positions handed out per stream
         self.steps = 0  # scheduling steps taken, all streams
+
+    # An op counts as executed once it has left its queue; nothing else records it. A count kept
+    # beside the queue disagreed with it when Ctrl-C (or any exception) landed between the two
+    # updates, and the next synchronisation indexed an empty queue (IndexError): now every state
+    # change is one step (tests/test_interrupts.py interrupts every bytecode of this module).
+    def _executed(self, stream: int) -> int:
+        queue = self._queues[stream]
+        return queue[0].seq - 1 if queue else self.enqueued[stream]
+
+    @property
+    def executed(self) -> list[int]:
+        """Ops that have left their queue (run, or raised while running), per stream."""
+        return [self._executed(stream) for stream in range(len(self._queues))]
 
     def add_stream(self, name: str) -> int:
         self._queues.append(deque())
         self._names.append(name)
         self.enqueued.append(0)
-        self.executed.append(0)
         return len(self._queues) - 1
 
     def enqueue(self, stream: int, op: QueuedOp) -> int:
         """Append ``op`` to ``stream``; return its position (1-based)."""
+        # The position is taken before the append: cut off in between, it is a gap nobody holds,
+        # never a position handed out twice.
         self.enqueued[stream] += 1
         op.seq = self.enqueued[stream]
         self._queues[stream].append(op)
@@ -91,7 +104,7 @@ class StreamQueues:
         return op.seq
 
     def completed(self, stream: int, seq: int) -> bool:
-        return self.executed[stream] >= seq
+        return self._executed(stream) >= seq
 
     def pending(self, stream: int) -> int:
         return len(self._queues[stream])
@@ -118,15 +131,13 @@ class StreamQueues:
         self.steps += 1
         if op.remaining > 0:
             return
-        self._queues[stream].popleft()
+        self._queues[stream].popleft()  # executed from here on, whatever execute() does
         try:
             self._execute(op)
-        except BaseException:  # an op that raised has still left its queue: the counts must say so
-            self.executed[stream] += 1
+        except BaseException:
             if self.observers:
                 self._notify("failed", stream, op)
             raise
-        self.executed[stream] += 1
         if self.observers:
             self._notify("executed", stream, op)
 
@@ -144,7 +155,10 @@ class StreamQueues:
 
     def run_until(self, stream: int, seq: int) -> None:
         """Do the least work that executes ``stream`` through position ``seq``."""
-        while self.executed[stream] < seq:
+        if seq > self.enqueued[stream]:
+            raise RuntimeUsageError(f"position {seq} of stream '{self._names[stream]}' was never enqueued "
+                             f"(it has {self.enqueued[stream]}); synchronise on a recorded event's position")
+        while self._executed(stream) < seq:
             op = self._queues[stream][0]
             if op.kind == "wait" and op.wait_for is not None and not self.completed(*op.wait_for):
                 self.run_until(*op.wait_for)

@@ -4,6 +4,10 @@ The sections run most-needed first, so a run cut short by ``--max-seconds`` stil
 targets need: launch baselines, the Llama-like bandwidth sweep, host time per call, then the
 launch-configuration sweep and the other caches. The JSON file is rewritten after every section,
 so it exists whatever happens later.
+
+Exit status (:mod:`fuzz.cli`): 0 when every row was measured, 1 when a row failed (its error is in
+the table and the JSON), 2 for a bad command line (one line naming the value), 3 for a bug in this
+tool; ``plot`` exits 2 for a file it cannot draw or without matplotlib.
 """
 
 from __future__ import annotations
@@ -11,8 +15,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import shlex
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +26,7 @@ import torch
 
 from zeroer.registry import BUILTINS, DIRECT, RACE_FREE, RACY
 from fuzz.atomic_file import write_json_atomically
+from fuzz.cli import FINDING, CLEAN, ArgumentParser, UsageError, check_output, run_main
 from fuzz.bench.kernel import measure, report
 from fuzz.bench.kernel.caches import NAMES, bench_cache
 from fuzz.bench.kernel.measure import HOST_CACHE, Context
@@ -35,6 +40,7 @@ QUICK_IDS = (1, 4)
 SECTIONS = ("launch", "bandwidth", "host", "configs")
 DEFAULT_MAX_SECONDS = 240.0
 GPU_COMMAND = "python -m fuzz.bench.kernel --json docs/data/h200-zeroer-bench.json --png-dir docs/img"
+PROG = "python -m fuzz.bench.kernel"
 
 
 def benched_zeroers() -> list[str]:
@@ -80,14 +86,14 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds, e.g. --max-seconds 240")
     return value
 
 
 def run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m fuzz.bench.kernel",
+    p = ArgumentParser(
+        prog=PROG,
         description="Zeroer performance: kernel bandwidth against measured ceilings, and the host "
                     "cost per call of every design. Figures come only from a GPU; --quick is a CPU "
                     f"smoke test. On the GPU: {GPU_COMMAND}. Redraw figures from a result: "
@@ -113,7 +119,7 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def plot_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fuzz.bench.kernel plot",
+    p = ArgumentParser(prog=f"{PROG} plot",
                                 description="Draw the figures of a result written by --json.")
     p.add_argument("result", type=Path, help="a JSON file written by python -m fuzz.bench.kernel --json")
     p.add_argument("--png-dir", type=Path, required=True, help="where to write the PNG files")
@@ -242,21 +248,32 @@ def plot_main(argv: Sequence[str]) -> int:
     except FileNotFoundError:
         parser.error(f"{str(args.result)!r} does not exist; give a JSON file written by "
                      f"python -m fuzz.bench.kernel --json PATH")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON, or not UTF-8
         parser.error(f"cannot read {str(args.result)!r} as JSON ({exc}); give a file written by --json")
     if not isinstance(result, dict) or result.get("schema") != report.SCHEMA:
         parser.error(f"{str(args.result)!r} is not a fuzz.bench.kernel result (no \"schema\": "
                      f"\"{report.SCHEMA}\"); give a file written by python -m fuzz.bench.kernel --json")
-    return 0 if draw(result, args.png_dir) else 1
+    check_output("--png-dir", args.png_dir, "directory")
+    try:
+        paths = make_plots(result, args.png_dir)
+    except MissingMatplotlib as exc:
+        raise UsageError(str(exc)) from None
+    print("figures: " + ", ".join(str(p) for p in paths) if paths else "figures: nothing to draw")
+    return CLEAN
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (1 when a row failed, 2 for bad arguments)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point; returns the exit status (1 when a row failed, 2 for bad arguments; :mod:`fuzz.cli`)."""
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["plot"]:
         return plot_main(argv[1:])
     args = parse_run_args(argv)
+    check_output("--json", args.json)
+    check_output("--png-dir", args.png_dir, "directory")
     started = time.monotonic()
     result = run(args, argv)
     print(f"\ndone in {time.monotonic() - started:.1f} s" + (f"; result in {args.json}" if args.json else ""))
-    return 1 if result["errors"] else 0
+    return FINDING if result["errors"] else CLEAN

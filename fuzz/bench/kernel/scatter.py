@@ -25,7 +25,8 @@ few blocks; its ratios are not figures)::
 
     python -m fuzz.bench.kernel.scatter --quick
 
-The exit status is 1 when the segment-fastest grid left a page unzeroed, 2 for bad arguments.
+The exit status (:mod:`fuzz.cli`) is 1 when the segment-fastest grid left a page unzeroed, 2 for
+bad arguments (one line naming the value), 3 for a bug in this tool.
 The H200 figures and what they mean: docs/performance.md, "What limits it".
 """
 
@@ -46,6 +47,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from fuzz.atomic_file import write_json_atomically
+from fuzz.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
 from fuzz.bench.kernel.caches import BENCH_BLOCKS, QUICK_BLOCKS, _llama, bytes_per_block
 from fuzz.bench.kernel.cli import _int_list
 from fuzz.bench.kernel.measure import pick_ids
@@ -58,6 +60,7 @@ DEFAULT_BLOCKS = (256, 1024)
 DEFAULT_CACHE_GIB = (1, 32, 64)  # beside the benchmark cache's 8 GiB
 QUICK_IDS = (4,)
 QUICK_FOOTPRINTS = (9, 33)  # --quick: cache sizes in blocks
+PROG = "python -m fuzz.bench.kernel.scatter"
 STRIDES = (2, 4, 8, 16)  # every k-th block
 SHUFFLE_SEED = 7
 SCHEMA = "zeroer-scatter/1"
@@ -236,8 +239,8 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m fuzz.bench.kernel.scatter",
+    p = ArgumentParser(
+        prog=PROG,
         description="What limits the zero kernel on scattered pages: the kernel against zero_() of the same "
                     "bytes for adjacent, shuffled, strided and scattered ids, another launch order, "
                     "PyTorch's index_fill_, and caches of other sizes. Figures come only from a GPU; "
@@ -257,7 +260,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (see the module docstring)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv: list[str]) -> int:
     p = parser()
     args = p.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
@@ -268,12 +274,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if max(args.blocks) > limit:
         p.error(f"argument --blocks: {max(args.blocks)} is more than the {limit} blocks the benchmark "
                 f"cache{' (--quick)' if args.quick else ''} can zero (block 0 is the null block); use at most {limit}")
+    check_output("--json", args.json)
     result = run(args, argv)
     print("\n" + render(result["rows"]))
     if args.json:
         write_json_atomically(args.json, result)
         print(f"\nJSON written to {args.json}")
-    return 0 if all(r.get("pages_zeroed", True) for r in result["rows"]) else 1
+    return CLEAN if all(r.get("pages_zeroed", True) for r in result["rows"]) else FINDING
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""Sizing cuda parallelism to the free GPU memory, and an out-of-memory error as a resource error
+(issue 17), without a GPU: the plan is arithmetic, the error is raised by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fuzz.bench.detect.report import judge, summarize
+from fuzz.engine.gpu_workers import CONTEXT_BYTES, GIB, plan_workers, worker_bytes
+from fuzz.engine.resources import ResourceExhausted, is_out_of_memory, raise_if_out_of_memory
+from zeroer.cache.geometries import geometry
+
+
+def test_a_cache_knows_its_device_bytes():
+    spec = geometry("int32_wrap")  # ten 512 MiB pages plus guards: just over 5 GiB
+    assert 5 * GIB < spec.device_bytes < 5 * GIB + (1 << 20)
+
+
+def test_a_worker_needs_a_context_and_copies_of_its_largest_cache():
+    one, two = worker_bytes([geometry("tiny"), geometry("int32_wrap")], 1), worker_bytes([geometry("int32_wrap")], 2)
+    assert one > CONTEXT_BYTES + 15 * GIB and two > 2 * (one - CONTEXT_BYTES)
+
+
+def test_no_more_workers_than_the_free_memory_holds_and_the_plan_says_so():
+    plan = plan_workers(16, 31 * GIB, [140 * GIB])
+    assert plan.chosen == 4  # 4 x 31 <= 0.9 x 140 < 5 x 31
+    assert plan.describe().startswith("GPU workers: 4 (asked for 16; more would not fit): 140 GiB free")
+
+
+def test_workers_go_round_robin_over_the_gpus():
+    # worker i runs on GPU i % 2: 5 workers put 3 on GPU 0, which has room for 2 only
+    assert plan_workers(8, 10 * GIB, [25 * GIB, 100 * GIB]).chosen == 4
+    assert plan_workers(3, 1 * GIB, [100 * GIB]).describe().startswith("GPU workers: 3:")
+
+
+def test_at_least_one_worker_runs_even_when_none_fits():
+    assert plan_workers(4, 200 * GIB, [100 * GIB]).chosen == 1
+
+
+def test_an_out_of_memory_error_is_recognised_through_its_causes():
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    try:
+        raise RuntimeError("while running copy_") from oom
+    except RuntimeError as wrapped:
+        assert is_out_of_memory(wrapped)
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert not is_out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(ResourceExhausted, match=r"^the GPU ran out of memory in warmup \(CUDA out of memory"):
+        raise_if_out_of_memory(oom, "in warmup")
+    raise_if_out_of_memory(ValueError("not memory"))  # anything else: left to the caller
+
+
+def _record(seed: int, **fields) -> dict:
+    base = {"method": "fuzz", "entry": "zoo.a", "kind": "zoo", "seed": seed, "geometry": "tiny", "found": True,
+            "seconds": 0.5, "examples": 4, "steps": 60, "trace_len": 3, "repro": "/tmp/a.json", "message": "hazard",
+            "error": None, "wall_s": 1.0}
+    return {**base, **fields}
+
+
+def test_a_resource_error_in_the_detection_benchmark_is_neither_found_nor_missed():
+    oom = _record(2, found=False, seconds=None, error="the GPU ran out of memory", resource_error=True)
+    rows = summarize([_record(1), oom])
+    assert rows[0]["verdict"] == "resource error"
+    summary = judge(rows, [])
+    assert summary["by_method"]["fuzz"]["resource_errors"] == ["zoo.a"] and summary["exit_status"] == 2
+    missed = _record(1, entry="zoo.b", found=False, seconds=None)
+    assert judge(summarize([oom, missed]), [])["exit_status"] == 1  # a real miss still decides
