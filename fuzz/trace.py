@@ -8,10 +8,11 @@ two workers lands in one file, and concurrent writers never clobber each other (
 rename, :mod:`fuzz.atomic_file`). The in-flight journal (:mod:`fuzz.engine.journal`) writes the
 same format. Format: docs/trace-format.md.
 
-Reading for replay or export (:func:`load_trace`) never runs code from the file: it checks the
-JSON and builds an :class:`~fuzz.engine.episode.EpisodeConfig` and a list of op records, and a
-file it cannot use is a :class:`TraceError` whose one-line message names the file and the field.
-The only code a replay imports is the zeroer factory that ``config.zeroer`` names.
+Reading for replay or export (:func:`load_trace`) never runs code from the file: it checks every
+field of the JSON (the config's types and values, every op record) and builds an
+:class:`~fuzz.engine.episode.EpisodeConfig` and a list of op records, and a file it cannot use is
+a :class:`TraceError` (a usage error, exit status 2) whose one-line message names the file and the
+field. The only code it imports is the zeroer factory that ``config.zeroer`` names, to check it.
 
 Example::
 
@@ -30,9 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.atomic_file import write_json_atomically
+from fuzz.cli import UsageError
 from fuzz.environment import environment
-from fuzz.engine.episode import OPS, EpisodeConfig
+from fuzz.engine.episode import CALLER_FAULTS, MAX_ZEROERS, EpisodeConfig
+from fuzz.engine.ops import OpError, check_op
 from fuzz.engine.oracle import Finding
+from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES, geometry
+from zeroer.errors import ZeroerError
+from zeroer.registry import load_zeroer
 
 TRACE_VERSION = 1
 
@@ -57,9 +63,11 @@ def trace_data(
     *,
     seed: int | None = None,
     campaign: str | None = None,
+    reproduction: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON object of a trace file (docs/trace-format.md)."""
-    return {
+    """The JSON object of a trace file (docs/trace-format.md). ``reproduction``: how often a
+    free-running finding showed again when it was replayed on the spot (fuzz.engine.campaigns)."""
+    data = {
         "version": TRACE_VERSION,
         "campaign": campaign,
         "seed": seed,
@@ -68,6 +76,9 @@ def trace_data(
         "findings": [dataclasses.asdict(f) for f in findings],
         "environment": environment(),
     }
+    if reproduction is not None:
+        data["reproduction"] = reproduction
+    return data
 
 
 def write_trace_data(path: Path, data: dict[str, Any]) -> Path:
@@ -83,9 +94,10 @@ def write_trace(
     *,
     seed: int | None = None,
     campaign: str | None = None,
+    reproduction: dict[str, Any] | None = None,
 ) -> Path:
     """Save a finding under ``directory`` with its content-hash name; returns the path."""
-    data = trace_data(config, ops, findings, seed=seed, campaign=campaign)
+    data = trace_data(config, ops, findings, seed=seed, campaign=campaign, reproduction=reproduction)
     return write_trace_data(directory / trace_name(config, ops), data)
 
 
@@ -97,8 +109,8 @@ def read_trace(path: Path) -> dict[str, Any]:
         return json.load(handle)
 
 
-class TraceError(Exception):
-    """A trace file that cannot be replayed; the message names the file and the field."""
+class TraceError(UsageError):
+    """A trace file that cannot be replayed; the message names the file and the field (exit 2)."""
 
 
 @dataclass
@@ -112,8 +124,29 @@ class Trace:
     environment: dict[str, Any] | None = None
 
 
+# Optional top-level fields: (their types, what a message says they must be).
+_TOP = {
+    "campaign": ((str, type(None)), "a campaign id (string) or null"),
+    "seed": ((int, type(None)), "an integer or null"),
+    "findings": ((list, type(None)), "a list of finding objects"),
+    "environment": ((dict, type(None)), "an object or null"),
+}
+# Config fields with a fixed set of values (None is JSON null).
+_CHOICES = {
+    "backend": ("sim", "cuda"),
+    "mode": ("controlled", "free"),
+    "kernel": (None, "torch", "triton"),
+    "caller_fault": (None, *CALLER_FAULTS),
+}
+
+
 def load_trace(path: Path) -> Trace:
-    """Read and check a trace file for replay or export; :class:`TraceError` if it is unusable."""
+    """Read and check a trace file for replay or export; :class:`TraceError` if it is unusable.
+
+    Every field is checked: the config's types and values (a known geometry, a zeroer spec that
+    loads and supports that geometry and backend), and every op record (:func:`fuzz.engine.ops.check_op`,
+    then its stream, cache and block against the config and the geometry).
+    """
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -122,6 +155,8 @@ def load_trace(path: Path) -> Trace:
         raise TraceError(f"{path}: is a directory, not a trace file") from None
     except UnicodeDecodeError:
         raise TraceError(f"{path}: not a text file; expected a JSON trace") from None
+    except PermissionError:
+        raise TraceError(f"{path}: permission denied; give a trace file you can read") from None
     except json.JSONDecodeError as error:
         raise TraceError(f"{path}: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
     if not isinstance(data, dict):
@@ -135,18 +170,16 @@ def load_trace(path: Path) -> Trace:
         raise TraceError(f"{path}: field 'config' must be an object")
     if not isinstance(data["ops"], list):
         raise TraceError(f"{path}: field 'ops' must be a list of op records")
-    known = {f.name for f in dataclasses.fields(EpisodeConfig)}
-    unknown = sorted(set(data["config"]) - known)
-    if unknown:
-        raise TraceError(f"{path}: field 'config.{unknown[0]}' is not a config field ({', '.join(sorted(known))})")
+    for name, (types, what) in _TOP.items():
+        value = data.get(name)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise TraceError(f"{path}: field {name!r} is {value!r}; it must be {what}")
+    for index, finding in enumerate(data.get("findings") or []):
+        if not isinstance(finding, dict) or not isinstance(finding.get("kind"), str):
+            raise TraceError(f"{path}: field 'findings[{index}]' is {finding!r}; a finding is an object with a 'kind' string")
+    config = _config(path, data["config"])
     for index, op in enumerate(data["ops"]):
-        if not isinstance(op, dict) or op.get("op") not in OPS:
-            name = op.get("op") if isinstance(op, dict) else op
-            raise TraceError(f"{path}: field 'ops[{index}].op' is {name!r}; known ops: {', '.join(OPS)}")
-    try:
-        config = EpisodeConfig(**data["config"])
-    except (TypeError, ValueError) as error:
-        raise TraceError(f"{path}: field 'config': {error}") from None
+        _check_op(path, index, op, config)
     return Trace(
         path=path,
         config=config,
@@ -156,3 +189,69 @@ def load_trace(path: Path) -> Trace:
         seed=data.get("seed"),
         environment=data.get("environment"),
     )
+
+
+def _config(path: Path, raw: dict[str, Any]) -> EpisodeConfig:
+    """The trace's config, every field checked; missing fields take their defaults."""
+    known = {f.name for f in dataclasses.fields(EpisodeConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise TraceError(f"{path}: field 'config.{unknown[0]}' is not a config field ({', '.join(sorted(known))})")
+
+    def bad(name: str, must: str) -> TraceError:
+        return TraceError(f"{path}: field 'config.{name}' is {raw[name]!r}; {must}")
+
+    for name, choices in _CHOICES.items():
+        if name in raw and raw[name] not in choices:
+            raise bad(name, "choose one of " + ", ".join("null" if c is None else c for c in choices))
+    for name, low, high in (("streams", 1, 8), ("zeroers", 1, MAX_ZEROERS), ("device", 0, None)):
+        value = raw.get(name)
+        if name in raw and not (name == "device" and value is None) and (
+                not _is_int(value) or value < low or (high is not None and value > high)):
+            raise bad(name, f"it must be an integer from {low} to {high}" if high else f"it must be null or an integer >= {low}")
+    presets = sorted({*GEOMETRIES, *LARGE_GEOMETRIES})
+    if "geometry" in raw and raw["geometry"] not in presets:
+        raise bad("geometry", f"known geometries: {', '.join(presets)}")
+    if "zeroer" in raw and (not isinstance(raw["zeroer"], str) or not raw["zeroer"]):
+        raise bad("zeroer", "give a built-in name, 'module:attr' or 'path/to/file.py:attr'")
+    config = EpisodeConfig(**raw)
+    try:
+        capabilities = load_zeroer(config.zeroer).capabilities
+    except ZeroerError as error:
+        raise TraceError(f"{path}: field 'config.zeroer': {error}") from None
+    if not capabilities.supports_geometry(config.geometry):
+        raise TraceError(f"{path}: field 'config.geometry' is {config.geometry!r}; zeroer {config.zeroer!r} "
+                         f"supports only {', '.join(capabilities.geometries or ())}")
+    if not capabilities.runs_on(config.backend):
+        raise TraceError(f"{path}: field 'config.backend' is {config.backend!r}; zeroer {config.zeroer!r} "
+                         f"runs on {', '.join(capabilities.backends)} only")
+    return config
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_op(path: Path, index: int, op: object, config: EpisodeConfig) -> None:
+    """One op record: its fields (:func:`check_op`), then its indices against the config."""
+    try:
+        _, args = check_op(op)
+    except OpError as error:
+        where = f"ops[{index}]" + (f".{error.field}" if error.field else "")
+        raise TraceError(f"{path}: field {where!r} {error.problem}") from None
+    blocks = geometry(config.geometry).num_blocks
+    bounds = {  # field -> (lowest, highest or None, what the range comes from)
+        "stream": (0, config.streams - 1, f"config.streams is {config.streams}"),
+        "cache": (0, config.zeroers - 1, f"config.zeroers is {config.zeroers}"),
+        "block": (0, blocks - 1, f"geometry {config.geometry!r} has {blocks} blocks"),
+        "n": (1, blocks - 1, f"geometry {config.geometry!r} has {blocks - 1} blocks to hand out"),
+        "in_flight": (1, 8, "steps in flight"),
+        "ops": (0, None, "ops to run"),
+        "amount": (1, None, "delay units"),
+    }
+    for name, value in args.items():
+        if name in bounds:
+            low, high, why = bounds[name]
+            if value < low or (high is not None and value > high):
+                valid = f"{low}..{high}" if high is not None else f">= {low}"
+                raise TraceError(f"{path}: field 'ops[{index}].{name}' is {value}; it must be {valid} ({why})")

@@ -209,7 +209,7 @@ def test_the_command_line_names_a_bad_method_and_a_bad_budget(capsys):
 
 
 def test_the_command_line_prints_the_outcome(capsys, tmp_path):
-    assert main(["handwritten", "--zeroer", "single_buffer", "--kernel", "torch", "--backend", "sim", "--repro-dir", str(tmp_path)]) == 0
+    assert main(["handwritten", "--zeroer", "single_buffer", "--kernel", "torch", "--backend", "sim", "--repro-dir", str(tmp_path)]) == 1  # found
     out = capsys.readouterr().out
     assert out.splitlines()[0] == "handwritten on zeroer 'single_buffer', geometry tiny, once"
     assert "  found: True" in out and "  message: non-zero after zeroing: block 1," in out

@@ -122,7 +122,19 @@ def test_a_baseline_that_misses_or_misfires_is_reported_but_does_not_fail_the_ru
 
 def test_the_table_shows_medians_with_their_range_and_the_repro_path():
     table = render_table(summarize([record("zoo.a", 1, True), record("zoo.a", 2, True, seconds=1.5)]))
-    assert table.splitlines()[2] == "| fuzz | zoo.a | tiny | 2/2 | 1 (0.5-1.5) | 4 (4-4) | 2 (2-2) | 3 (3-3) | detected | /tmp/zoo.a.json |"
+    assert table.splitlines()[2] == "| fuzz | zoo.a | tiny | 2/2 | 1 (0.5-1.5) | 4 (4-4) | 2 (2-2) | 3 (3-3) | - | - | detected | /tmp/zoo.a.json |"
+
+
+def test_replays_and_quick_profile_campaigns_are_counted_per_entry():
+    found = [dict(record("zoo.a", 1, True), replays=20, reproduced=20), dict(record("zoo.a", 2, True), replays=20, reproduced=19)]
+    quick = [dict(record("zoo.a", 0, True), profile="quick", campaign="zoo.a-tiny-sim-shard0"),
+             dict(record("zoo.a", 0, False), profile="quick", campaign="zoo.a-tiny-sim-x2-shard0")]
+    rows = summarize(found + quick)
+    assert len(rows) == 1 and rows[0]["repro_rate"] == {"replays": 40, "reproduced": 39, "rate": 0.975}
+    assert rows[0]["quick"]["campaigns"] == 2 and rows[0]["quick"]["missed"] == ["zoo.a-tiny-sim-x2-shard0"]
+    assert "| 39/40 | 1/2 | detected |" in render_table(rows)
+    by_method = judge(rows, [])["by_method"]["fuzz"]
+    assert (by_method["quick_every_campaign"], by_method["quick_measured"], by_method["within_target_examples"]) == (0, 1, 1)
 
 
 def test_a_slow_detection_is_detected_but_misses_the_time_target():

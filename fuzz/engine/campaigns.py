@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import os
@@ -34,11 +35,13 @@ from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.statistics import collector
 
-from fuzz.engine.episode import EpisodeConfig
+from fuzz.engine.episode import EpisodeConfig, run_ops
 from fuzz.engine.journal import Journal
 from fuzz.engine.machine import BudgetSpent, CampaignStats, ZeroerViolation, machine_for
 from fuzz.engine.minimize import minimize
+from fuzz.engine.resources import ResourceExhausted
 from fuzz.trace import write_trace
 from zeroer.cache.geometries import geometry_names
 from zeroer.designs import StagedZeroer
@@ -52,6 +55,7 @@ MULTI_ZEROERS = 2  # the "multi" family: two caches, one zeroer each, on one run
 # fuzzer is about to miss (python -m fuzz.bench.selfcheck measures how many examples each needs).
 FINDS_BUDGET_FACTOR = 20
 UNBOUNDED_EXAMPLES = 10**9  # a budgeted run stops on its clock, not on a count
+FREE_REPLAYS = 10  # a free-running finding is replayed this many times on the spot
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,9 @@ class CampaignResult:
     seeds: list[int] = field(default_factory=list)
     reproduced: bool = True  # False: the finding did not show again when Hypothesis replayed it
     shrunk_by_hypothesis: int | None = None  # ops of Hypothesis's shrunk trace, before minimize()
+    reproduction: dict | None = None  # free-running findings: replays on the spot (measure_reproduction)
+    found_in_phase: str | None = None  # "reuse": replayed from the example database; "generate": new
+    resource_error: str | None = None  # the GPU ran out of memory: neither a finding nor clean
 
     @property
     def found(self) -> bool:
@@ -283,12 +290,19 @@ def run_campaign(
     # what the campaign itself allocates is collected as usual, and unfreeze() hands the rest
     # back afterwards.
     gc.freeze()
+    statistics: dict = {}  # Hypothesis's per-phase statistics of the run, noted before it raises a finding
     try:
-        run_state_machine_as_test(seed(run_seed)(machine), settings=campaign_settings(profile, database, examples))
+        with collector.with_value(statistics.update):
+            run_state_machine_as_test(seed(run_seed)(machine), settings=campaign_settings(profile, database, examples))
     except ZeroerViolation as error:
         result.violation = error
     except BudgetSpent:
         pass  # the clock ran out with nothing found
+    except ResourceExhausted as error:  # no verdict either way (fuzz.engine.resources)
+        result.resource_error = str(error)
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM, maybe while shrinking: keep what was found
+        _save_interrupted(stop, stats.smallest, repro_dir, run_seed, campaign)
+        raise
     except Flaky as error:
         # Found once, gone when Hypothesis replayed it: a timing-dependent finding (the
         # free-running cuda mode). Still a finding, kept with the program that showed it.
@@ -303,18 +317,62 @@ def run_campaign(
         setattr(result, name, getattr(stats, name))
     if journal is not None:
         journal.discard()  # the run ended without a crash
-    if result.violation is not None:
-        result.shrunk_by_hypothesis = len(result.violation.trace)
-        scheduled = campaign.config.backend == "sim" or campaign.config.mode == "controlled"
-        if minimize_trace and result.reproduced and scheduled:
-            result.violation = minimize(result.violation)
-    result.seconds = time.monotonic() - started
-    if result.violation is not None:
-        result.trace_path = write_trace(
-            repro_dir, result.violation.config, result.violation.trace, result.violation.findings,
-            seed=run_seed, campaign=campaign.id,
-        )
+    try:
+        if result.violation is not None:
+            result.found_in_phase = failing_phase(statistics)
+            result.shrunk_by_hypothesis = len(result.violation.trace)
+            scheduled = campaign.config.backend == "sim" or campaign.config.mode == "controlled"
+            if minimize_trace and result.reproduced and scheduled:
+                result.violation = minimize(result.violation)
+        if result.violation is not None and campaign.config.backend == "cuda" and campaign.config.mode == "free":
+            result.reproduction = measure_reproduction(result.violation.config, result.violation.trace)
+        result.seconds = time.monotonic() - started
+        if result.violation is not None:
+            result.trace_path = write_trace(
+                repro_dir, result.violation.config, result.violation.trace, result.violation.findings,
+                seed=run_seed, campaign=campaign.id, reproduction=result.reproduction,
+            )
+    except KeyboardInterrupt as stop:  # while minimising or replaying: save Hypothesis's shrunk program
+        if result.trace_path is None:
+            _save_interrupted(stop, result.violation, repro_dir, run_seed, campaign)
+        raise
     return result
+
+
+def _save_interrupted(stop: KeyboardInterrupt, violation: ZeroerViolation | None, repro_dir: Path, run_seed: int,
+                      campaign: Campaign) -> None:
+    """Ctrl-C cut a campaign off after it had found something: save the shortest program that
+    showed it so far (maybe not fully shrunk), as the campaign would have at its end, and say so
+    on the interruption. (Only the first signal interrupts, so this write is not cut off.)"""
+    if violation is None:
+        return
+    path = write_trace(repro_dir, violation.config, violation.trace, violation.findings, seed=run_seed,
+                       campaign=campaign.id)
+    stop.add_note(f"{campaign.id}: interrupted after a finding; its program so far ({len(violation.trace)} ops, "
+                  f"maybe not fully shrunk) is saved in {path}")
+
+
+def measure_reproduction(config: EpisodeConfig, ops: list[dict], replays: int = FREE_REPLAYS) -> dict:
+    """A free-running finding is timing luck until shown otherwise: replay it ``replays`` times
+    as it was found, and once in the controlled mode where the zeroer runs there (a forced
+    schedule shows a race every time, or the program does not hold one)."""
+    shown = sum(1 for _ in range(replays) if run_ops(config, ops))
+    measured: dict = {"mode": "free", "replays": replays, "shown": shown, "rate": round(shown / replays, 3)}
+    if load_zeroer(config.zeroer).capabilities.runs_on("cuda", "controlled"):
+        measured["controlled"] = bool(run_ops(dataclasses.replace(config, mode="controlled"), ops))
+    return measured
+
+
+def failing_phase(statistics: dict) -> str | None:
+    """The first Hypothesis phase in which an example failed, from the statistics Hypothesis
+    notes at the end of a run: ``reuse`` means an example from the database failed again (saved
+    by an earlier run, on this host or, through a shared database, on another), ``generate`` a
+    new one. None if the statistics do not say (their format is not promised to be stable)."""
+    for phase in ("reuse", "generate"):
+        cases = statistics.get(f"{phase}-phase", {}).get("test-cases", [])
+        if any(case.get("status") == "interesting" for case in cases):
+            return phase
+    return None
 
 
 def _first_violation(error: BaseException) -> ZeroerViolation | None:

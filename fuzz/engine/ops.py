@@ -17,7 +17,7 @@ Fields a caller may vary to exercise the contract (docs/contract.md):
 Example::
 
     check_op({"op": "allocate", "n": 2})             # fine: the other fields take their defaults
-    check_op({"op": "allocate", "n": 2, "cash": 1})  # ValueError naming the field and the valid ones
+    check_op({"op": "allocate", "n": 2, "cash": 1})  # OpError (a ValueError) naming the field and the valid ones
 """
 
 from __future__ import annotations
@@ -51,24 +51,39 @@ def field_names(op: str) -> tuple[str, ...]:
     return (*required, *optional)
 
 
+class OpError(ValueError):
+    """An op record that is not valid. ``field`` names the bad field (``None``: the record itself)
+    and ``problem`` says what is wrong with it, so a trace reader can name ``ops[3].n``."""
+
+    def __init__(self, message: str, field: str | None, problem: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.problem = problem
+
+
 def check_op(op: Any) -> tuple[str, dict[str, Any]]:
-    """``(name, arguments)`` of a valid op record, defaults filled in; else a ValueError that says why."""
+    """``(name, arguments)`` of a valid op record, defaults filled in; else an :class:`OpError` that says why."""
     if not isinstance(op, dict):
-        raise ValueError(f"an op record is a JSON object such as {{'op': 'allocate', 'n': 1}}, not {op!r}")
+        problem = f"is {op!r}; an op record is a JSON object such as {{'op': 'allocate', 'n': 1}}"
+        raise OpError(f"an op record is a JSON object such as {{'op': 'allocate', 'n': 1}}, not {op!r}", None, problem)
     name = op.get("op")
     if name not in FIELDS:
-        raise ValueError(f"unknown op {name!r}; ops: {', '.join(OPS)}")
+        raise OpError(f"unknown op {name!r}; ops: {', '.join(OPS)}", "op", f"is {name!r}; known ops: {', '.join(OPS)}")
     args = {k: v for k, v in op.items() if k != "op"}
     if not (args.keys() <= _ALL[name] and _REQUIRED[name] <= args.keys()):  # set views: cheap on the hot path
         unknown = sorted(args.keys() - _ALL[name])
         missing = sorted(_REQUIRED[name] - args.keys())
+        fields = f"its fields are: {', '.join(field_names(name)) or 'none'}"
         problem = f"has unknown field {unknown[0]!r}" if unknown else f"is missing field {missing[0]!r}"
-        raise ValueError(f"op {name!r} {problem}; its fields are: {', '.join(field_names(name)) or 'none'}")
+        where = f"is not a field of op {name!r}" if unknown else f"is missing; op {name!r} needs it"
+        raise OpError(f"op {name!r} {problem}; {fields}", unknown[0] if unknown else missing[0], f"{where} ({fields})")
     for field, value in args.items():
         allowed = IDS_AS if field == "ids_as" else THEN if field == "then" else None
         if allowed is not None:
             if value not in allowed:
-                raise ValueError(f"op {name!r} field {field!r} is {value!r}; choose one of {', '.join(allowed)}")
+                problem = f"is {value!r}; choose one of {', '.join(allowed)}"
+                raise OpError(f"op {name!r} field {field!r} {problem}", field, problem)
         elif isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"op {name!r} field {field!r} is {value!r}; it must be an integer")
+            problem = f"is {value!r}; it must be an integer"
+            raise OpError(f"op {name!r} field {field!r} {problem}", field, problem)
     return name, {**FIELDS[name][1], **args}

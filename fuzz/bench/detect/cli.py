@@ -9,9 +9,10 @@ Per entry it reports whether it was found, the seconds and examples to the first
 and the path of its repro trace; then the detection rate against its target (every zoo entry on
 every seed, median within 60 s) and the false positives.
 
-Exit status: 0 when the ``fuzz`` method found every zoo entry on every seed and nothing on the
-race-free implementations; 1 otherwise (a missed entry, a false positive, a method that raised);
-2 for a bad command line. Baselines are reported, never judged.
+Exit status (:mod:`fuzz.cli`): 0 when the ``fuzz`` method found every zoo entry on every seed and
+nothing on the race-free implementations; 1 otherwise (a missed entry, a false positive, a method
+that raised); 2 for a bad command line (one line naming the value); 3 for a bug in this tool.
+Baselines are reported, never judged.
 
 ``--steps-clean N`` is the false-positive soak instead: the race-free implementations, on every
 geometry the zoo uses, fuzzed with fresh seeds until N steps in total (target 1,000,000 on the
@@ -28,8 +29,12 @@ Run it::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import itertools
+import math
+import os
 import shlex
 import sys
 import time
@@ -42,12 +47,14 @@ from zeroer.cache.geometries import GEOMETRIES
 from zeroer.registry import RACE_FREE, ZOO, default_geometry, load_zeroer
 
 from fuzz.atomic_file import write_json_atomically
-from fuzz.engine.campaigns import SIM_GEOMETRIES
+from fuzz.cli import ArgumentParser, UsageError, check_output, run_main
+from fuzz.engine.campaigns import SIM_GEOMETRIES, default_campaigns
 from fuzz.bench.detect.report import TARGET_CLEAN_STEPS, judge, plot, render_soak, render_summary, render_table, summarize
 from fuzz.bench.detect.baselines import METHODS
-from fuzz.bench.detect.run import FUZZ, Job, run_jobs
+from fuzz.bench.detect.run import FUZZ, QUICK, Job, run_jobs
 from fuzz.engine.episode import EpisodeConfig
 
+PROG = "python -m fuzz.bench.detect"
 REPORT_VERSION = 1
 DEFAULT_BUDGET_S = 60.0
 DEFAULT_SEEDS = 5
@@ -57,8 +64,8 @@ SOAK_SEED_BASE = 1000  # soak seeds 1001, 1002...: distinct from the detection r
 CLEAN_GEOMETRIES = tuple(sorted({*SIM_GEOMETRIES, *(g for z in ZOO if (g := default_geometry(z)) in GEOMETRIES)}))
 
 
-class DetectUsageError(ValueError):
-    """A bad command line; the message names the value and the fix."""
+class DetectUsageError(UsageError, ValueError):
+    """A bad command line; the message names the value and the fix (exit status 2)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,26 @@ class DetectArgs:
     repro_dir: Path
     steps_clean: int | None
     jobs: int
+
+
+AUTO_JOBS = 0  # -j auto: sized by the machine (DetectArgs.jobs)
+
+
+def workers_for(args: DetectArgs, jobs: list[Job]) -> int:
+    """How many worker processes run ``jobs``: ``-j`` as given on the simulator (auto: one per
+    CPU core); on cuda at most what the free GPU memory holds (fuzz.engine.gpu_workers), said on
+    stderr."""
+    requested = args.jobs or os.cpu_count() or 1
+    if args.backend != "cuda" or not jobs:
+        return requested
+    from fuzz.engine.gpu_workers import free_gpu_bytes, plan_workers, worker_bytes
+    from zeroer.cache.geometries import geometry
+
+    per_worker = worker_bytes([geometry(name) for name in {job.config.geometry for job in jobs}],
+                              max(job.config.zeroers for job in jobs))
+    plan = plan_workers(requested, per_worker, free_gpu_bytes())
+    print(f"{PROG}: {plan.describe()}", file=sys.stderr, flush=True)
+    return plan.chosen
 
 
 def _positive_int(flag: str, value: str, example: str) -> int:
@@ -95,8 +122,8 @@ def _names(flag: str, value: str) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m fuzz.bench.detect", description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0],
         epilog="python -m fuzz.bench.detect plot REPORT.json --png FILE draws a saved report.")
     add = parser.add_argument
     add("--backend", default="sim", help="sim (CPU simulator, default) or cuda")
@@ -109,7 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--png", default=None, help="plot the time to detection per entry to this PNG (needs matplotlib)")
     add("--repro-dir", default=str(DEFAULT_REPRO_DIR), help=f"where traces of findings go (default {DEFAULT_REPRO_DIR})")
     add("--steps-clean", default=None, help="soak the race-free implementations for N steps instead (e.g. 1000000)")
-    add("-j", "--jobs", default="1", help="worker processes (default 1)")
+    add("-j", "--jobs", default=None,
+        help="worker processes, or auto (default: 1 on sim; auto on cuda: as many as the free GPU memory holds, "
+             "at most one per CPU core); on cuda never more than the free GPU memory holds")
     return parser
 
 
@@ -129,10 +158,11 @@ def parse_args(argv: list[str], cuda_available: bool) -> DetectArgs:
         budget = float(budget_text)
     except ValueError:
         raise DetectUsageError(f"--budget {budget_text!r} is not a number of seconds; give a positive number, e.g. 60") from None
-    if not budget > 0:
+    if not (budget > 0 and math.isfinite(budget)):
         raise DetectUsageError(f"--budget {budget_text} must be positive; give seconds per entry and seed, e.g. 60")
     seeds = _positive_int("--seeds", options["seeds"], "5")
-    jobs = _positive_int("-j", options["jobs"], "2")
+    jobs_text = options["jobs"] if options["jobs"] is not None else ("auto" if backend == "cuda" else "1")
+    jobs = AUTO_JOBS if jobs_text == "auto" else _positive_int("-j", jobs_text, "2")
     steps_clean = None if options["steps-clean"] is None else _positive_int("--steps-clean", options["steps-clean"], "1000000")
 
     known = sorted(ZOO + RACE_FREE)
@@ -199,6 +229,24 @@ def detection_jobs(args: DetectArgs) -> list[Job]:
             for seed in range(1, args.seeds + 1):
                 config = entry_config(args, entry, seed, device=_device(args, len(jobs)))
                 jobs.append(Job(method, entry, kind, seed, config, args.budget_s, str(args.repro_dir)))
+    if FUZZ in args.methods:
+        jobs += quick_jobs(args, first_index=len(jobs))
+    return jobs
+
+
+def quick_jobs(args: DetectArgs, first_index: int = 0) -> list[Job]:
+    """Each zoo entry's campaigns as ``pytest fuzz --zeroer ENTRY --geometry G`` runs them in the
+    quick profile (G: the geometry its bug shows on; both shards and the two-zeroer family): the
+    quick-profile hit rate per campaign."""
+    jobs = []
+    for entry in args.entries:
+        if entry not in ZOO:
+            continue
+        for campaign, skipped in default_campaigns([args.backend], entry, (default_geometry(entry),)):
+            if skipped is not None or (args.backend == "cuda" and campaign.config.mode != args.mode):
+                continue
+            config = dataclasses.replace(campaign.config, device=_device(args, first_index + len(jobs)))
+            jobs.append(Job(FUZZ, entry, "zoo", campaign.shard, config, None, str(args.repro_dir), profile=QUICK))
     return jobs
 
 
@@ -220,7 +268,11 @@ def _progress(i: int, total: int | str, record: dict) -> None:
         what = f"found after {record['seconds']} s, {record['examples']} examples, {record['trace_len']} ops -> {record['repro']}"
     else:
         what = f"no finding ({record['steps']} steps)"
-    print(f"[{i}/{total}] {record['method']} {record['entry']} on {record['geometry']} seed {record['seed']}: {what}", file=sys.stderr, flush=True)
+    if record.get("profile") == QUICK:
+        job = f"quick-profile campaign {record['campaign']}"
+    else:
+        job = f"{record['method']} {record['entry']} on {record['geometry']} seed {record['seed']}"
+    print(f"[{i}/{total}] {job}: {what}", file=sys.stderr, flush=True)
 
 
 def _header(args: DetectArgs, argv: list[str]) -> dict[str, Any]:
@@ -233,31 +285,51 @@ def _header(args: DetectArgs, argv: list[str]) -> dict[str, Any]:
         "machine": machine(args.backend),
         "backend": args.backend,
         "mode": args.mode if args.backend == "cuda" else None,
-        "jobs": args.jobs,
+        "jobs": args.jobs or "auto",
     }
 
 
 def run_detection(args: DetectArgs, argv: list[str]) -> dict[str, Any]:
     started = time.perf_counter()
     jobs = detection_jobs(args)
+    workers = workers_for(args, jobs)
     records = []
-    for i, record in enumerate(run_jobs(jobs, args.jobs), 1):
+    for i, record in enumerate(run_jobs(jobs, workers), 1):
         _progress(i, len(jobs), record)
         records.append(record)
-    rows = summarize(records)
+    records = _rerun_out_of_memory(jobs, records, workers)
+    rows = summarize(records)  # the quick-profile campaigns join the fuzz rows of their entries
     summary = judge(rows, list(args.skipped))
     return {
         **_header(args, argv), "kind": "detection", "budget_s": args.budget_s, "seeds": list(range(1, args.seeds + 1)),
-        "methods": list(args.methods), "entries": rows, "summary": summary, "exit_status": summary["exit_status"],
+        "workers": workers, "methods": list(args.methods), "entries": rows, "summary": summary, "exit_status": summary["exit_status"],
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def _rerun_out_of_memory(jobs: list[Job], records: list[dict], workers: int) -> list[dict]:
+    """Jobs that ran the GPU out of memory beside other workers run again, one at a time; what
+    still runs out of memory stays a resource error (fuzz.engine.resources)."""
+    key = lambda r: (r["method"], r["entry"], r["seed"], r.get("profile"), r["geometry"])  # noqa: E731
+    failed = {key(r) for r in records if r.get("resource_error")}
+    if not failed or workers <= 1:
+        return records
+    again = [job for job in jobs if (job.method, job.entry, job.seed, job.profile, job.config.geometry) in failed]
+    print(f"{len(again)} job(s) ran the GPU out of memory beside other workers; running them again one at a time",
+          file=sys.stderr, flush=True)
+    rerun = {}
+    for i, record in enumerate(run_jobs(again, 1), 1):
+        _progress(i, len(again), record)
+        rerun[key(record)] = record
+    return [rerun.get(key(r), r) for r in records]
 
 
 def run_soak(args: DetectArgs, argv: list[str]) -> dict[str, Any]:
     started = time.perf_counter()
     target = args.steps_clean
     records = []
-    for i, record in enumerate(run_jobs(soak_jobs(args), args.jobs, stop=lambda done: sum(r["steps"] for r in done) >= target), 1):
+    workers = workers_for(args, list(itertools.islice(soak_jobs(args), 64)))
+    for i, record in enumerate(run_jobs(soak_jobs(args), workers, stop=lambda done: sum(r["steps"] for r in done) >= target), 1):
         _progress(i, "?", record)
         records.append(record)
     by_config: dict[tuple[str, str], dict] = {}
@@ -291,37 +363,41 @@ def _try_plot(report: dict, png: Path) -> str | None:
 
 def plot_main(argv: list[str]) -> int:
     """``python -m fuzz.bench.detect plot REPORT.json --png FILE``."""
+    if argv in (["-h"], ["--help"]):
+        print(f"usage: {PROG} plot REPORT.json --png FILE: draw a report written by --json")
+        return 0
     if len(argv) != 3 or argv[1] != "--png":
-        print("error: usage: python -m fuzz.bench.detect plot REPORT.json --png FILE", file=sys.stderr)
-        return 2
+        raise DetectUsageError(f"usage: {PROG} plot REPORT.json --png FILE (got: {' '.join(argv) or 'nothing'})")
     source, png = Path(argv[0]), Path(argv[2])
     try:
         report = json.loads(source.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        print(f"error: cannot read the report {source}: {error}", file=sys.stderr)
-        return 2
-    if report.get("kind") != "detection":
-        print(f"error: {source} is a {report.get('kind')!r} report; only detection reports have times to plot", file=sys.stderr)
-        return 2
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DetectUsageError(f"cannot read the report {source}: {error}; give a JSON file written by --json") from None
+    if not isinstance(report, dict) or report.get("kind") != "detection":
+        kind = report.get("kind") if isinstance(report, dict) else type(report).__name__
+        raise DetectUsageError(f"{source} is a {kind!r} report; only detection reports have times to plot")
+    check_output("--png", png)
     why = _try_plot(report, png)
     if why:
-        print(f"error: {why}", file=sys.stderr)
-        return 2
+        raise DetectUsageError(why)
     print(f"plot written to {png}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The exit status (:mod:`fuzz.cli`; see the module docstring)."""
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["plot"]:
         return plot_main(argv[1:])
     import torch
 
-    try:
-        args = parse_args(argv, torch.cuda.is_available())
-    except DetectUsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    args = parse_args(argv, torch.cuda.is_available())
+    check_output("--json", args.json)
+    check_output("--png", args.png)
+    check_output("--repro-dir", args.repro_dir, "directory")
     if args.steps_clean:
         report = run_soak(args, argv)
         print(render_soak(report))

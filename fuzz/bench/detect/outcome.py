@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+QUICK = "quick"  # the profile of a quick-profile campaign job, as ``pytest fuzz`` runs it
+
 
 @dataclass(frozen=True)
 class DetectionOutcome:
@@ -27,3 +29,6 @@ class DetectionOutcome:
     repro: str | None          # path of a trace file written for the finding, if any
     message: str               # first finding, one line, or "no finding"
     error: str | None = None   # set when the method could not run (e.g. no CUDA)
+    replays: int | None = None  # times the shrunk trace was replayed (fuzz method, on a finding)
+    reproduced: int | None = None  # how many of those replays showed a finding
+    resource_error: bool = False  # the GPU ran out of memory: neither found nor missed

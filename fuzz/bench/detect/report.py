@@ -7,7 +7,9 @@ them without running anything. Verdicts, per method and entry:
   ``found k/n`` otherwise; it meets the target when detected with a median time to the first
   finding within :data:`TARGET_FIRST_FINDING_S`;
 * a race-free implementation is ``clean`` or ``FALSE POSITIVE`` (any finding on any seed);
-* a run whose method raised is an ``error``.
+* a run whose method raised is an ``error``;
+* a run that ran the GPU out of memory is a ``resource error``: neither found nor missed (exit 2
+  when nothing else failed; the benchmark reruns such jobs one at a time first).
 
 The run fails (exit 1) when the ``fuzz`` method has a false positive, an error, or a zoo entry
 not found on every seed; baselines are reported and never decide the exit status.
@@ -26,28 +28,39 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.atomic_file import write_bytes_atomically
+from fuzz.bench.detect.outcome import QUICK
 from fuzz.bench.stats import spread
 
 TARGET_FIRST_FINDING_S = 60.0  # median seconds to the first finding, per zoo entry (issue 5)
 TARGET_DETECTION_RATE = 1.0  # every zoo entry, on every seed
+TARGET_MEDIAN_EXAMPLES = 12  # median examples to the first finding, per zoo entry (16x the PCT bound of 1/200)
 TARGET_CLEAN_STEPS = 1_000_000  # steps on race-free implementations without a finding (simulator)
 FUZZ = "fuzz"
 
 
 def summarize(records: list[dict]) -> list[dict[str, Any]]:
-    """One row per (method, entry), in method then entry order, from per-seed records."""
+    """One row per (method, entry), in method then entry order, from per-seed records; the
+    quick-profile campaign records (``profile == "quick"``) become the ``quick`` figure of their
+    entry's fuzz row."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    quick: dict[str, list[dict]] = defaultdict(list)
     for record in records:
-        groups[(record["method"], record["entry"])].append(record)
+        if record.get("profile") == QUICK:
+            quick[record["entry"]].append(record)
+        else:
+            groups[(record["method"], record["entry"])].append(record)
     rows = []
     for (method, entry), runs in sorted(groups.items()):
         runs = sorted(runs, key=lambda r: r["seed"])
         kind = runs[0]["kind"]
         found = [r for r in runs if r["found"]]
-        errors = [r for r in runs if r.get("error")]
+        errors = [r for r in runs if r.get("error") and not r.get("resource_error")]
+        resource = [r for r in runs if r.get("resource_error")]
         first = spread([r["seconds"] for r in found])
         if errors:
             verdict = "error"
+        elif resource:  # the GPU ran out of memory on some seed: neither found nor missed there
+            verdict = "resource error"
         elif kind == "zoo":
             verdict = "detected" if len(found) == len(runs) else ("MISSED" if not found else f"found {len(found)}/{len(runs)}")
         else:
@@ -69,10 +82,34 @@ def summarize(records: list[dict]) -> list[dict[str, Any]]:
             "trace_len": spread([r["trace_len"] for r in found]),
             "steps": sum(r["steps"] for r in runs),
             "repro": next((r["repro"] for r in found if r["repro"]), None),
+            "repro_rate": _repro_rate(found),
+            "quick": _quick(quick.get(entry, [])) if method == FUZZ and kind == "zoo" else None,
             "message": found[0]["message"] if found else (errors[0]["error"] if errors else "no finding"),
             "runs": runs,
         })
     return rows
+
+
+def _repro_rate(found: list[dict]) -> dict[str, Any] | None:
+    """Replays of the shrunk traces that showed a finding, over all seeds (None: not measured)."""
+    measured = [r for r in found if r.get("replays")]
+    if not measured:
+        return None
+    replays, shown = sum(r["replays"] for r in measured), sum(r["reproduced"] for r in measured)
+    return {"replays": replays, "reproduced": shown, "rate": round(shown / replays, 3)}
+
+
+def _quick(runs: list[dict]) -> dict[str, Any] | None:
+    """The quick-profile campaigns of one zoo entry: how many found it, and in how many examples."""
+    if not runs:
+        return None
+    found = [r for r in runs if r["found"] and not r.get("error")]
+    return {
+        "campaigns": len(runs),
+        "found": len(found),
+        "missed": sorted(r["campaign"] for r in runs if r not in found),
+        "examples": spread([r["examples"] for r in found]),
+    }
 
 
 def judge(rows: list[dict], skipped: list[dict]) -> dict[str, Any]:
@@ -88,20 +125,33 @@ def judge(rows: list[dict], skipped: list[dict]) -> dict[str, Any]:
             "detected": len(detected),
             "detection_rate": round(len(detected) / len(zoo), 3) if zoo else None,
             "within_target_s": sum(1 for r in zoo if r["target_met"]),
+            "within_target_examples": sum(1 for r in zoo if _examples_met(r)),
+            "quick_every_campaign": sum(1 for r in zoo if r.get("quick") and r["quick"]["found"] == r["quick"]["campaigns"]),
+            "quick_measured": sum(1 for r in zoo if r.get("quick")),
             "missed": [r["entry"] for r in zoo if r["verdict"] != "detected"],
             "race_free": len(clean),
             "false_positives": [r["entry"] for r in clean if r["verdict"] == "FALSE POSITIVE"],
             "errors": [r["entry"] for r in mine if r["verdict"] == "error"],
+            "resource_errors": [r["entry"] for r in mine if r["verdict"] == "resource error"],
         }
     fuzz = summary["by_method"].get(FUZZ)
-    failed = bool(fuzz and (fuzz["missed"] or fuzz["false_positives"] or fuzz["errors"]))
+    missed = [e for e in fuzz["missed"] if e not in fuzz["resource_errors"]] if fuzz else []
+    failed = bool(fuzz and (missed or fuzz["false_positives"] or fuzz["errors"]))
     summary["targets"] = {
         "detection_rate": TARGET_DETECTION_RATE,
         "first_finding_s": TARGET_FIRST_FINDING_S,
         "met": bool(fuzz) and not failed and fuzz["within_target_s"] == fuzz["zoo_entries"],
     }
-    summary["exit_status"] = 1 if failed else 0
+    # A resource error (the GPU out of memory, fuzz.engine.resources) decides nothing either way:
+    # status 2, run with fewer workers, unless something else already failed.
+    resources = bool(fuzz and fuzz["resource_errors"])
+    summary["exit_status"] = 1 if failed else (2 if resources else 0)
     return summary
+
+
+def _examples_met(row: dict) -> bool:
+    median = row["first_finding_examples"]["median"]
+    return row["verdict"] == "detected" and median is not None and median <= TARGET_MEDIAN_EXAMPLES
 
 
 def _fmt(value: Any) -> str:
@@ -121,14 +171,18 @@ def _mmm(s: dict) -> str:
 def render_table(rows: list[dict]) -> str:
     """Markdown table, one line per method and entry: medians (min-max) over seeds."""
     lines = [
-        "| method | entry | geometry | found | s to first finding | examples to first finding | s incl. shrinking | shrunk ops | verdict | repro |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---|",
+        "| method | entry | geometry | found | s to first finding | examples to first finding | s incl. shrinking "
+        "| shrunk ops | replays reproduced | quick-profile campaigns found | verdict | repro |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
+        rate, quick = r.get("repro_rate"), r.get("quick")
+        replays = f"{rate['reproduced']}/{rate['replays']}" if rate else "-"
+        campaigns = f"{quick['found']}/{quick['campaigns']}" if quick else "-"
         lines.append(
             f"| {r['method']} | {r['entry']} | {r['geometry']} | {r['found']} | {_mmm(r['first_finding_s'])} "
             f"| {_mmm(r['first_finding_examples'])} | {_mmm(r['wall_s']) if r['kind'] == 'zoo' else '-'} "
-            f"| {_mmm(r['trace_len'])} | {r['verdict']} | {r['repro'] or '-'} |"
+            f"| {_mmm(r['trace_len'])} | {replays} | {campaigns} | {r['verdict']} | {r['repro'] or '-'} |"
         )
     return "\n".join(lines)
 
@@ -139,10 +193,15 @@ def render_summary(summary: dict) -> str:
         if s["zoo_entries"]:
             rate = f"{s['detected']}/{s['zoo_entries']} zoo entries detected on every seed ({100 * s['detection_rate']:.0f}%, target {100 * TARGET_DETECTION_RATE:.0f}%)"
             rate += f", {s['within_target_s']} within the {TARGET_FIRST_FINDING_S:g} s median target"
+            rate += f", {s['within_target_examples']} within the {TARGET_MEDIAN_EXAMPLES} examples median target"
+            if s.get("quick_measured"):
+                rate += f", {s['quick_every_campaign']}/{s['quick_measured']} found by every quick-profile campaign"
         else:
             rate = "no zoo entries run"
         fp = f"false positives on {s['race_free']} race-free: {', '.join(s['false_positives']) or 'none'}"
-        lines.append(f"{method}: {rate}; {fp}" + (f"; errors: {', '.join(s['errors'])}" if s["errors"] else ""))
+        lines.append(f"{method}: {rate}; {fp}" + (f"; errors: {', '.join(s['errors'])}" if s["errors"] else "")
+                     + (f"; resource errors (GPU out of memory, not judged): {', '.join(s['resource_errors'])}"
+                        if s.get("resource_errors") else ""))
         if s["missed"]:
             lines.append(f"  not detected on every seed: {', '.join(s['missed'])}")
     for skip in summary["skipped"]:

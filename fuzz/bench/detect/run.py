@@ -29,15 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.bench.detect.baselines import METHODS
-from fuzz.engine.campaigns import Campaign, Profile, run_campaign
-from fuzz.bench.detect.outcome import DetectionOutcome
-from fuzz.engine.episode import EpisodeConfig
+from fuzz.bench.detect.outcome import QUICK, DetectionOutcome
+from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
+from fuzz.engine.episode import EpisodeConfig, run_ops
+from fuzz.engine.resources import ResourceExhausted, is_out_of_memory
 
 Method = Callable[[EpisodeConfig, float, int], DetectionOutcome]
 
 FUZZ = "fuzz"
 RUN_EXAMPLES = 200  # examples per Hypothesis run: the budget is checked between runs
 STEPS = 25  # rules per example, as the quick and ci profiles
+REPLAYS = 20  # a finding's shrunk trace is replayed this many times: its repro rate
 
 
 @dataclass(frozen=True)
@@ -52,16 +54,39 @@ class FuzzMethod:
         """Fuzz until a finding or ``budget_s`` seconds (None: one run of ``run_examples``)."""
         profile = Profile("detect", max_examples=self.run_examples, steps=self.steps, budget_s=budget_s)
         result = run_campaign(Campaign(config, shard=seed, expect="clean"), profile, self.repro_dir, budget_s=budget_s)
-        violation = result.violation
-        return DetectionOutcome(
-            found=result.found,
-            seconds=None if result.first_finding_s is None else round(result.first_finding_s, 3),
-            examples=result.first_finding_examples if result.found else result.examples,
-            steps=result.steps,
-            trace_len=None if violation is None else len(violation.trace),
-            repro=None if result.trace_path is None else str(result.trace_path),
-            message=str(violation.findings[0]).splitlines()[0] if violation and violation.findings else "no finding",
-        )
+        return _outcome(result, replay=True)
+
+
+def _outcome(result: Any, *, replay: bool) -> DetectionOutcome:
+    """A campaign's result as a detection outcome; ``replay``: measure its repro rate too."""
+    if result.resource_error:  # the GPU ran out of memory: no verdict (fuzz.engine.resources)
+        return DetectionOutcome(False, None, None, result.steps, None, None, "resource error",
+                                error=result.resource_error, resource_error=True)
+    violation = result.violation
+    return DetectionOutcome(
+        found=result.found,
+        seconds=None if result.first_finding_s is None else round(result.first_finding_s, 3),
+        examples=result.first_finding_examples if result.found else result.examples,
+        steps=result.steps,
+        trace_len=None if violation is None else len(violation.trace),
+        repro=None if result.trace_path is None else str(result.trace_path),
+        message=str(violation.findings[0]).splitlines()[0] if violation and violation.findings else "no finding",
+        **(_repro_rate(violation) if replay else {}),
+    )
+
+
+def _repro_rate(violation: Any) -> dict[str, int]:
+    """Replay a finding's shrunk trace :data:`REPLAYS` times, as ``python -m repro replay`` would."""
+    if violation is None or not violation.trace:
+        return {}
+    shown = sum(1 for _ in range(REPLAYS) if run_ops(violation.config, violation.trace))
+    return {"replays": REPLAYS, "reproduced": shown}
+
+
+def run_quick_campaign(config: EpisodeConfig, shard: int, repro_dir: Path) -> DetectionOutcome:
+    """One campaign exactly as ``pytest fuzz --zeroer ENTRY`` runs it in the quick profile."""
+    result = run_campaign(Campaign(config, shard=shard, expect="finds"), PROFILES[QUICK], repro_dir)
+    return _outcome(result, replay=False)
 
 
 def resolve_method(name: str, repro_dir: Path) -> Method:
@@ -83,24 +108,31 @@ class Job:
     config: EpisodeConfig
     budget_s: float | None  # None: one Hypothesis run (the clean-steps soak)
     repro_dir: str
+    profile: str = "detect"  # QUICK: one quick-profile campaign (seed is its shard)
 
 
 def run_job(job: Job) -> dict[str, Any]:
     """Run ``job``; a method that raises is recorded as an error, never a finding."""
     started = time.perf_counter()
     try:
-        if job.budget_s is None:  # the clean-steps soak: one fixed-size fuzz run, counted in steps
+        if job.profile == QUICK:
+            outcome = run_quick_campaign(job.config, job.seed, Path(job.repro_dir))
+        elif job.budget_s is None:  # the clean-steps soak: one fixed-size fuzz run, counted in steps
             outcome = FuzzMethod(Path(job.repro_dir))(job.config, None, job.seed)
         else:
             outcome = resolve_method(job.method, Path(job.repro_dir))(job.config, job.budget_s, job.seed)
-    except Exception as error:  # report and go on: one broken entry must not hide the others
-        outcome = DetectionOutcome(False, None, None, 0, None, None, "the method raised", error=f"{type(error).__name__}: {error}")
+    except (Exception, ResourceExhausted) as error:  # report and go on: one broken entry must not hide the others
+        out_of_memory = is_out_of_memory(error) or isinstance(error, ResourceExhausted)
+        outcome = DetectionOutcome(False, None, None, 0, None, None, "resource error" if out_of_memory else "the method raised",
+                                   error=f"{type(error).__name__}: {error}", resource_error=out_of_memory)
     record = {
         "method": job.method,
         "entry": job.entry,
         "kind": job.kind,
         "seed": job.seed,
         "geometry": job.config.geometry,
+        "profile": job.profile,
+        "campaign": Campaign(job.config, job.seed, "finds").id if job.profile == QUICK else None,
         **dataclasses.asdict(outcome),
         "wall_s": round(time.perf_counter() - started, 3),
     }

@@ -15,6 +15,9 @@ From the command line, mostly for debugging::
     PYTHONPATH=. python -m fuzz.bench.detect.baselines stress --zeroer single_buffer --kernel torch --budget 5 --seed 1
     python -m fuzz.bench.detect.baselines sanitizer --zeroer single_buffer --backend cuda --budget 30
 
+It prints the outcome and exits (:mod:`fuzz.cli`) 1 when the method found something, 0 when not,
+2 for a bad command line, 3 for a bug in this tool.
+
 Example::
 
     from fuzz.bench.detect.baselines import METHODS
@@ -32,9 +35,13 @@ from typing import Callable
 
 from fuzz.bench.detect.baselines.handwritten import handwritten
 from fuzz.bench.detect.baselines.sanitizer import child_main, sanitizer
-from fuzz.bench.detect.baselines.stress import DEFAULT_REPRO_DIR, BaselineUsageError, stress
+from fuzz.bench.detect.baselines.stress import DEFAULT_REPRO_DIR, BaselineUsageError, check_budget, stress
 from fuzz.bench.detect.outcome import DetectionOutcome
+from fuzz.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
 from fuzz.engine.episode import EpisodeConfig
+from zeroer.cache.geometries import geometry
+from zeroer.errors import ZeroerError
+from zeroer.registry import load_zeroer
 
 Method = Callable[[EpisodeConfig, float, int], DetectionOutcome]
 
@@ -44,6 +51,9 @@ METHODS: dict[str, Method] = {
     "stress": stress,
 }
 CHILD = "stress-child"  # internal: the sanitizer's child process
+PROG = "python -m fuzz.bench.detect.baselines"
+BACKENDS = ("auto", "cuda", "sim")
+KERNELS = ("torch", "triton")
 
 
 def run_method(
@@ -56,7 +66,7 @@ def run_method(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fuzz.bench.detect.baselines", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("method", help=f"one of: {', '.join(sorted(METHODS))}")
     parser.add_argument("--zeroer", default="reference", help="a built-in name, module:attr or path/file.py:attr")
     parser.add_argument("--geometry", default="tiny")
@@ -70,21 +80,44 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The exit status (:mod:`fuzz.cli`): 1 when the method found something, 0 when not."""
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.config_json is not None:  # the sanitizer's child: its parent built and checked the config
+        config = EpisodeConfig(**json.loads(args.config_json))
+        return child_main(config, args.budget, args.seed, args.repro_dir)
     try:
-        if args.config_json is not None:
-            config = EpisodeConfig(**json.loads(args.config_json))
-        else:
-            config = EpisodeConfig(zeroer=args.zeroer, geometry=args.geometry, backend=args.backend, kernel=args.kernel)
-        if args.method == CHILD:
-            return child_main(config, args.budget, args.seed, args.repro_dir)
-        outcome = run_method(args.method, config, args.budget, args.seed, repro_dir=args.repro_dir)
-    except (BaselineUsageError, ValueError) as exc:
+        config = _checked_config(args)
+    except (BaselineUsageError, ZeroerError) as exc:
         parser.error(str(exc))  # exit status 2, the message names the value
+    check_output("--repro-dir", args.repro_dir, "directory")
+    outcome = run_method(args.method, config, args.budget, args.seed, repro_dir=args.repro_dir)
     runs = "once" if args.method == "handwritten" else f"seed {args.seed}, budget {args.budget:g} s"  # print only what applies
     print(f"{args.method} on zeroer {config.zeroer!r}, geometry {config.geometry}, {runs}")
     for field in dataclasses.fields(outcome):
         print(f"  {field.name}: {getattr(outcome, field.name)}")
-    return 0
+    return FINDING if outcome.found else CLEAN
+
+
+def _checked_config(args: argparse.Namespace) -> EpisodeConfig:
+    """Every option checked before the method runs; a bad one names itself and the choices."""
+    if args.method not in METHODS:
+        raise BaselineUsageError(f"unknown baseline method {args.method!r}; choose one of: {', '.join(sorted(METHODS))}")
+    check_budget(args.budget)
+    if args.backend not in BACKENDS:
+        raise BaselineUsageError(f"--backend {args.backend!r} is not a backend; choose one of: {', '.join(BACKENDS)}")
+    if args.kernel not in (None, *KERNELS):
+        raise BaselineUsageError(f"--kernel {args.kernel!r} is not a kernel; choose one of: {', '.join(KERNELS)}")
+    import torch
+
+    if (args.backend == "cuda" or args.method == "sanitizer") and not torch.cuda.is_available():
+        who = "the sanitizer method runs on cuda and" if args.method == "sanitizer" else "--backend cuda"
+        raise BaselineUsageError(f"{who} needs a CUDA GPU, and none is visible here; use --backend sim with stress or handwritten")
+    geometry(args.geometry)  # an unknown name lists the known ones
+    load_zeroer(args.zeroer)  # an unknown spec says what a spec looks like
+    return EpisodeConfig(zeroer=args.zeroer, geometry=args.geometry, backend=args.backend, kernel=args.kernel)
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from fuzz.bench.detect.outcome import DetectionOutcome
+from fuzz.cli import UsageError
 from fuzz.engine.episode import Episode, EpisodeConfig
 from fuzz.engine.oracle import Finding
 from fuzz.trace import write_trace
@@ -48,8 +49,8 @@ NEEDS_CUDA = "needs CUDA"
 STRESS_OPS = ("allocate", "end_step", "free", "read", "sync_device", "sync_stream", "write")
 
 
-class BaselineUsageError(ValueError):
-    """A baseline called with an argument that makes no sense (the message names it)."""
+class BaselineUsageError(UsageError, ValueError):
+    """A baseline called with an argument that makes no sense (the message names it; exit status 2)."""
 
 
 def check_budget(budget_s: object) -> float:
