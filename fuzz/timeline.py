@@ -151,9 +151,9 @@ def _replay(trace: Trace) -> _Replay:
     hosts: list[_HostOp] = []
     stopped = None
 
-    def host_op(index: int, name: str, fn: Any) -> Any:
+    def host_op(index: int, name: str, fn: Any, args: dict[str, Any]) -> Any:
         recorder.host = index
-        host = _HostOp(index, name, recorder.clock)
+        host = _HostOp(index, name, recorder.clock, args)
         hosts.append(host)
         try:
             return fn()
@@ -163,22 +163,25 @@ def _replay(trace: Trace) -> _Replay:
 
     try:
         for index, op in enumerate(trace.ops):
-            result = host_op(index, host_op_name(op), lambda op=op: episode.apply(op))
-            hosts[-1].args = {"op": op, **({"result": result} if result is not None else {})}
+            result = host_op(index, host_op_name(op), lambda op=op: episode.apply(op), {"op": op})
+            if result is not None:
+                hosts[-1].args["result"] = result
             if episode.new_hazard_findings():
                 break  # like the fuzzer and the replayer: stop at the first hazard, then judge
-        host_op(len(trace.ops), TEARDOWN, episode.finish)
-        hosts[-1].args = {"does": "synchronise once, then the oracle checks every read and every block"}
+        host_op(len(trace.ops), TEARDOWN, episode.finish,
+                {"does": "synchronise once, then the oracle checks every read and every block"})
     except ZeroerRaised:
         pass  # a finding of its own, already in episode.findings
     except Exception as error:  # noqa: BLE001 - draw what ran; the reason goes in the picture
-        stopped = f"replay stopped: {type(error).__name__}: {error}"
+        where = f" at op {hosts[-1].index} ({hosts[-1].name})" if hosts else ""
+        stopped = f"replay stopped{where}: {type(error).__name__}: {error}"
     finally:
-        if not episode.finished:
-            episode.abandon()
+        if not episode.finished:  # what is still queued runs now: draw it inside a teardown too
+            host_op(len(trace.ops), TEARDOWN, episode.abandon,
+                    {"does": "the replay stopped early: let every queued op run, judge nothing"})
     for host in hosts:
         host.args["queued"] = recorder.queued.get(host.index, [])
-    streams = [s.name for s in episode.streams]
+    streams = [s.name for s in episode.rt.streams]  # the episode's, then any a zeroer made itself
     return _Replay(streams, hosts, recorder.runs, list(episode.findings), stopped)
 
 
@@ -200,7 +203,7 @@ def _finding_place(message: str, replay: _Replay) -> tuple[int, int]:
             if run.stream == stream and run.queued_by == index and run.op.label.startswith("read#"):
                 return stream_tid(stream), run.tick * TICK_US + HALF
     step = re.search(r"(?:hazard|zeroer raised) at step (\d+)", message)
-    crash = re.search(r"while running op (\d+)", message)
+    crash = re.search(r"(?:while running|replay stopped at) op (\d+)", message)
     index = int(step[1]) - 1 if step else int(crash[1]) if crash else None
     hosts = {h.index: h for h in replay.hosts}
     host = hosts.get(index) if index is not None else None
@@ -333,8 +336,8 @@ def render_html(timeline: dict[str, Any]) -> str:
     for e in events:
         if e["ph"] == "i":
             message = html.escape(e["args"]["message"])
-            cx, cy = x(e["ts"]), y(e["tid"]) + ROW / 2
-            svg.append(f'<path d="M{cx},{cy - 9} L{cx + 7},{cy} L{cx},{cy + 9} L{cx - 7},{cy} z" fill="#e53935" '
+            cx, cy = x(e["ts"]), y(e["tid"]) + 4  # on the slice's top edge, clear of its name
+            svg.append(f'<path d="M{cx},{cy - 7} L{cx + 6},{cy} L{cx},{cy + 7} L{cx - 6},{cy} z" fill="#e53935" '
                        f'stroke="white"><title>{html.escape(e["name"])}: {message}</title></path>')
             findings.append(f'<li><b>{html.escape(e["name"])}</b> ({html.escape(names[e["tid"]])}, tick '
                             f'{e["ts"] // TICK_US}): {message}</li>')
@@ -358,13 +361,15 @@ def render_html(timeline: dict[str, Any]) -> str:
 # -- files -----------------------------------------------------------------------------------
 
 def default_paths(trace_path: Path) -> tuple[Path, Path]:
-    """``<stem>.timeline.json`` and ``<stem>.timeline.html``, next to the trace."""
-    return trace_path.with_name(f"{trace_path.stem}.timeline.json"), trace_path.with_name(f"{trace_path.stem}.timeline.html")
+    """``timelines/<stem>.json`` and ``timelines/<stem>.html`` beside the trace: in their own folder,
+    so that ``*.json`` in a repro directory still lists its traces and nothing else."""
+    folder = trace_path.parent / "timelines"
+    return folder / f"{trace_path.stem}.json", folder / f"{trace_path.stem}.html"
 
 
 def write_timeline(trace_path: Path, json_path: Path | None = None, html_path: Path | None = None) -> tuple[Path, Path]:
-    """Replay ``trace_path`` on the simulator and write its timeline JSON and HTML (default: next
-    to the trace); returns both paths. A trace that cannot be read raises
+    """Replay ``trace_path`` on the simulator and write its timeline JSON and HTML (default:
+    :func:`default_paths`); returns both paths. A trace that cannot be read raises
     :class:`fuzz.trace.TraceError`."""
     default_json, default_html = default_paths(Path(trace_path))
     timeline = build_timeline(load_trace(Path(trace_path)))

@@ -1,0 +1,103 @@
+"""The import rules of docs/architecture.md, enforced: each package imports only the layers below it.
+
+Every module of ``zeroer``, ``fuzz`` and ``repro`` is read (imports inside functions included) and
+each project import is checked against :data:`RULES`, which docs/architecture.md shows as its
+table (a test checks the two agree).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("zeroer", "fuzz", "repro")
+
+# unit -> the units it may import (besides itself and its own submodules). A unit is the most
+# specific prefix listed here that names a module.
+RULES: dict[str, tuple[str, ...]] = {
+    "zeroer.errors": (),
+    "zeroer.cache": ("zeroer.errors",),
+    "zeroer.runtime": ("zeroer.errors",),
+    "zeroer.protocol": ("zeroer.errors", "zeroer.cache"),
+    "zeroer.kernel": ("zeroer.errors", "zeroer.cache"),
+    "zeroer.triton_cpu": (),
+    "zeroer.designs": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol"),
+    "zeroer.zoo": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol",
+                   "zeroer.designs"),
+    "zeroer.intercept": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.protocol", "zeroer.triton_cpu"),
+    "zeroer.registry": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.protocol", "zeroer.designs",
+                        "zeroer.zoo", "zeroer.intercept"),
+    "fuzz.engine": ("zeroer", "fuzz.atomic_file", "fuzz.trace", "fuzz.environment", "fuzz.interrupts"),
+    "fuzz.trace": ("zeroer", "fuzz.engine", "fuzz.atomic_file", "fuzz.environment", "fuzz.cli"),
+    "fuzz.timeline": ("zeroer", "fuzz.engine", "fuzz.atomic_file", "fuzz.trace"),
+    "fuzz.plugin": ("zeroer", "fuzz"),
+    "fuzz.bench": ("zeroer", "fuzz"),
+    "fuzz": ("zeroer", "fuzz"),
+    "repro": ("zeroer", "fuzz", "repro"),
+}
+# What no module of a package may import, whatever the rules above allow.
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "zeroer": ("fuzz", "repro"),
+    "fuzz": ("repro",),
+}
+
+
+def unit_of(module: str) -> str:
+    return max((u for u in RULES if module == u or module.startswith(u + ".")), key=len)
+
+
+def allowed(importer: str, imported: str) -> bool:
+    unit = unit_of(importer)
+    if imported == unit or imported.startswith(unit + "."):
+        return True
+    for package, banned in FORBIDDEN.items():
+        if importer.split(".")[0] == package and any(imported == b or imported.startswith(b + ".") for b in banned):
+            return False
+    return any(imported == a or imported.startswith(a + ".") for a in RULES[unit])
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return [(line, name) for line, name in found if name.split(".")[0] in PACKAGES]
+
+
+MODULES = sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")
+                 if "cases" not in p.parts and "failures" not in p.parts)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_module_imports_only_what_its_layer_allows(path):
+    importer = module_name(path)
+    bad = [f"line {line}: {name}" for line, name in project_imports(path) if not allowed(importer, name)]
+    assert not bad, f"{importer} ({unit_of(importer)}) may import {RULES[unit_of(importer)]}, but imports " + ", ".join(bad)
+
+
+def test_the_rules_are_the_table_in_docs_architecture():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = dict(re.findall(r"^\| `([\w.]+)` \| ([^|]*) \|", text, re.MULTILINE))
+    documented = {unit: tuple(re.findall(r"`([\w.]+)`", cell)) for unit, cell in rows.items()}
+    assert documented == RULES
+
+
+def test_nothing_relative_imports_across_packages():
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        relative = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0]
+        assert not relative, f"{path.relative_to(ROOT)}: relative import at lines {relative}"
