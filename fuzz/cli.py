@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import traceback
@@ -70,6 +71,22 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE, f"{self.prog}: error: {one_line(message)}\n")
+
+
+def positive(kind: type, what: str, example: str) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number greater than 0 of ``kind`` (int or float), or the
+    error ``'TEXT' is not a positive number of WHAT, e.g. EXAMPLE``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = -1
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of {what}, e.g. {example}")
+        return value
+
+    return parse
 
 
 def one_line(text: object) -> str:

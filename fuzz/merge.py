@@ -95,8 +95,11 @@ def unexpected_traces(summary: dict) -> list[str]:
 
 
 def verdict(summary: dict) -> int:
-    """0 when every design came out clean and every self-check found its race, else 1."""
-    return 1 if summary["totals"]["unexpected"] or summary["crashed"] else 0
+    """0 when every design came out clean and every self-check found its race; 1 on an unexpected
+    result or a crash; 2 when only resource errors (the GPU out of memory) stood in the way."""
+    if summary["totals"]["unexpected"] or summary["crashed"]:
+        return 1
+    return 2 if summary["totals"].get("resource_errors") else 0  # GPU out of memory: no verdict (fuzz.engine.resources)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,3 +65,36 @@ def test_campaign_ids_do_not_depend_on_where_the_checkout_lies(tmp_path):
     ids = [c.id for c, _ in default_campaigns(["sim"], relative)]
     assert ids == [c.id for c, _ in default_campaigns(["sim"], absolute)]
     assert all("/" not in i and str(Path.cwd()) not in i for i in ids)
+
+
+def test_two_checkouts_at_different_paths_fuzz_the_same_way(tmp_path):
+    """The same campaign in two copies of the project (different absolute paths, different
+    depths): the same id, seed, examples to the first finding, and the same shrunk trace."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    ignore = shutil.ignore_patterns("__pycache__", "failures", "*.pyc")
+    results = []
+    for checkout in (tmp_path / "a", tmp_path / "b" / "deeper"):
+        for part in ("fuzz", "zeroer", "repro", "kvzero_fuzz"):
+            shutil.copytree(root / part, checkout / part, ignore=ignore)
+        shutil.copy(root / "pyproject.toml", checkout)
+        (checkout / "tests").mkdir()
+        shutil.copy(root / SPEC, checkout / SPEC)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS"))}
+        env["PYTHONPATH"] = str(checkout)
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "fuzz", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+             "--zeroer", f"{SPEC}:KeepsCallersIds", "--geometry", "tiny", "-k", "tiny-sim-shard0",
+             "--repro-dir", "out", "--fuzz-summary", "out/summary.json"],
+            cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        (record,) = json.loads((checkout / "out" / "summary.json").read_text())["campaigns"]
+        trace = json.loads(Path(checkout / record["trace"]).read_text())
+        results.append((record["campaign"], record["seeds"], record["first_finding_examples"], trace["ops"]))
+    assert results[0] == results[1]
+    assert results[0][0] == "tests_contract_gap_zeroers.py:KeepsCallersIds-tiny-sim-shard0"

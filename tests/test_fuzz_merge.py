@@ -142,6 +142,7 @@ def test_merging_three_collected_shards_gives_the_campaign_list_of_an_unsharded_
         "examples": 10 * (len(unsharded) - 2), "steps": 100 * (len(unsharded) - 2),
         "seconds": round(1.5 * (len(unsharded) - 2), 3),
         "findings": 1 + sum(1 for r in merged["campaigns"] if r["expect"] == "finds"), "unexpected": 1,
+        "resource_errors": 0,
     }
     assert (out / "traces.txt").read_text() == f"repro/failures/{racy}.json\n"
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.atomic_file import write_json_atomically
-from fuzz.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
+from fuzz.cli import CLEAN, FINDING, ArgumentParser, check_output, positive, run_main
 from fuzz.bench.speed import machine
 from fuzz.engine.campaigns import FINDS_BUDGET_FACTOR, PROFILES, Campaign, default_campaigns, run_campaign
 
@@ -100,14 +100,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seeds, e.g. --seeds 10")
-    return value
+_positive = positive(int, "seeds", "--seeds 10")
 
 
 def parser() -> argparse.ArgumentParser:

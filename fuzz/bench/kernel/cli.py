@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ import torch
 
 from zeroer.registry import BUILTINS, DIRECT, RACE_FREE, RACY
 from fuzz.atomic_file import write_json_atomically
-from fuzz.cli import FINDING, CLEAN, ArgumentParser, UsageError, check_output, run_main
+from fuzz.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive, run_main
 from fuzz.bench.kernel import measure, report
 from fuzz.bench.kernel.caches import NAMES, bench_cache
 from fuzz.bench.kernel.measure import HOST_CACHE, Context
@@ -81,14 +80,7 @@ def _name_list(option: str, what: str, choices: Callable[[], Sequence[str]]) -> 
     return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds, e.g. --max-seconds 240")
-    return value
+_seconds = positive(float, "seconds", "--max-seconds 240")
 
 
 def run_parser() -> argparse.ArgumentParser:
