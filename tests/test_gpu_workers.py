@@ -66,3 +66,24 @@ def test_a_resource_error_in_the_detection_benchmark_is_neither_found_nor_missed
     assert summary["by_method"]["fuzz"]["resource_errors"] == ["zoo.a"] and summary["exit_status"] == 2
     missed = _record(1, entry="zoo.b", found=False, seconds=None)
     assert judge(summarize([oom, missed]), [])["exit_status"] == 1  # a real miss still decides
+
+
+def test_an_abandoned_episode_lets_go_of_its_caches_while_it_is_still_referenced():
+    """A failing example's traceback keeps its episode alive until the garbage collector runs;
+    on cuda each such episode pinned a whole cache (5 GiB for int32_wrap) until the GPU ran out
+    of memory. Abandoned, it must hold no cache buffer any more."""
+    import gc
+    import weakref
+
+    from fuzz.engine.episode import Episode, EpisodeConfig
+
+    gc.disable()  # only reference counting: what a cycle through a traceback would leave
+    try:
+        episode = Episode(EpisodeConfig(zeroer="single_buffer", geometry="tiny", kernel="torch"))
+        episode.apply({"op": "start", "in_flight": 1})
+        episode.apply({"op": "allocate", "n": 1, "stream": 0})
+        buffers = [weakref.ref(raw) for group in episode.groups for raw in group.cache.raws]
+        episode.abandon()
+        assert all(ref() is None for ref in buffers)
+    finally:
+        gc.enable()
