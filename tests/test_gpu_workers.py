@@ -87,3 +87,21 @@ def test_an_abandoned_episode_lets_go_of_its_caches_while_it_is_still_referenced
         assert all(ref() is None for ref in buffers)
     finally:
         gc.enable()
+
+
+def test_pytest_n_on_cuda_is_capped_by_the_free_gpu_memory_and_says_so(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import fuzz.engine.gpu_workers as gpu_workers
+    import fuzz.plugin as plugin
+
+    monkeypatch.setattr(gpu_workers, "free_gpu_bytes", lambda: [140 * GIB])
+    options = SimpleNamespace(backends=["cuda"], zeroer="zoo.int32_offset_4gib", geometries=None,
+                              cuda_modes=("controlled",), shard=None)
+    config = SimpleNamespace(option=SimpleNamespace(numprocesses=16), _fuzz_options=options)
+    plugin._size_gpu_workers(config)
+    assert config.option.numprocesses == 4
+    assert capsys.readouterr().err.startswith("fuzz: GPU workers: 4 (asked for 16; more would not fit): 140 GiB free")
+    sim = SimpleNamespace(option=SimpleNamespace(numprocesses=16), _fuzz_options=SimpleNamespace(**{**vars(options), "backends": ["sim"]}))
+    plugin._size_gpu_workers(sim)
+    assert sim.option.numprocesses == 16  # the simulator needs no GPU memory
