@@ -105,3 +105,20 @@ def test_pytest_n_on_cuda_is_capped_by_the_free_gpu_memory_and_says_so(monkeypat
     sim = SimpleNamespace(option=SimpleNamespace(numprocesses=16), _fuzz_options=SimpleNamespace(**{**vars(options), "backends": ["sim"]}))
     plugin._size_gpu_workers(sim)
     assert sim.option.numprocesses == 16  # the simulator needs no GPU memory
+
+
+def test_the_detection_benchmark_on_cuda_defaults_to_auto_and_fits_the_free_memory(monkeypatch, capsys):
+    import fuzz.engine.gpu_workers as gpu_workers
+    from fuzz.bench.detect.cli import AUTO_JOBS, detection_jobs, parse_args, workers_for
+
+    monkeypatch.setattr(gpu_workers, "free_gpu_bytes", lambda: [140 * GIB])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    args = parse_args(["--backend", "cuda", "--methods", "fuzz", "--seeds", "1"], cuda_available=True)
+    assert args.jobs == AUTO_JOBS
+    assert workers_for(args, detection_jobs(args)) == 4  # zoo.int32_offset_4gib's x2 campaign: 31 GiB a worker
+    assert "GPU workers: 4 (asked for 16; more would not fit)" in capsys.readouterr().err
+    small = parse_args(["--backend", "cuda", "--methods", "fuzz", "--seeds", "1", "--entries", "zoo.single_buffer", "-j", "3"],
+                       cuda_available=True)
+    assert workers_for(small, detection_jobs(small)) == 3  # tiny caches: as many as asked
+    assert parse_args([], cuda_available=False).jobs == 1  # the simulator keeps one by default
