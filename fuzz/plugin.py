@@ -140,15 +140,13 @@ def _size_gpu_workers(config: pytest.Config) -> None:
     requested = getattr(config.option, "numprocesses", None)
     if hasattr(config, "workerinput") or "cuda" not in options.backends or not isinstance(requested, int) or requested < 2:
         return
-    from fuzz.engine.gpu_workers import free_gpu_bytes, plan_workers, worker_bytes
-    from zeroer.cache.geometries import geometry
+    from fuzz.engine.gpu_workers import plan_for
 
     configs = [campaign.config for campaign, skipped in _campaigns(options) if skipped is None]
     if not configs:
         return
-    per_worker = worker_bytes([geometry(name) for name in {c.geometry for c in configs}], max(c.zeroers for c in configs))
     try:
-        plan = plan_workers(requested, per_worker, free_gpu_bytes())
+        plan = plan_for(requested, configs)
     except (OSError, RuntimeError, ValueError) as error:
         print(f"fuzz: could not size the GPU workers ({error}); running {requested}", file=sys.stderr)
         return

@@ -68,7 +68,7 @@ def _replay(args: argparse.Namespace) -> int:
     _check_runs_here(args, config)
     try:
         recorded = frozenset(f["kind"] for f in trace.findings if isinstance(f, dict) and "kind" in f)
-        shown, first, other = replay(config, trace.ops, args.repeat, recorded or None)
+        shown, first, other = replay(config, trace.ops, args.repeat, recorded)
     except ValueError as error:  # an op the episode refuses where it stands (run_ops): the trace's fault
         raise TraceError(f"{args.trace}: field 'ops': not a valid program: {error}") from error
     for finding in first[:10]:

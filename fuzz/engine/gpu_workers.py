@@ -9,8 +9,7 @@ what it chose. An out-of-memory error that still happens is a resource error
 
 Example::
 
-    plan = plan_workers(requested=16, per_worker=worker_bytes([geometry("int32_wrap")], caches=2),
-                        free=free_gpu_bytes())
+    plan = plan_for(16, [campaign.config for campaign in campaigns])  # EpisodeConfigs
     print(plan.describe())
 """
 
@@ -22,6 +21,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import CacheSpec
 
 GIB = 1 << 30
@@ -75,3 +75,12 @@ def plan_workers(requested: int, per_worker: int, free: list[int]) -> WorkerPlan
             chosen = n
             break
     return WorkerPlan(requested, chosen, per_worker, tuple(free))
+
+
+def plan_for(requested: int, configs: Iterable) -> WorkerPlan:
+    """:func:`plan_workers` for runs of these episode configs (their geometries and caches per
+    episode) on the GPU memory free now."""
+    configs = list(configs)
+    per_worker = worker_bytes([geometry(name) for name in {c.geometry for c in configs}],
+                              max((c.zeroers for c in configs), default=1))
+    return plan_workers(requested, per_worker, free_gpu_bytes())

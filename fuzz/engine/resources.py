@@ -31,10 +31,11 @@ _OOM_TEXT = ("out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAlloca
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Is ``error`` (or an error it was raised from) the GPU running out of memory?"""
+    """Is ``error`` (or an error it was raised from) the GPU running out of memory (or already
+    the :class:`ResourceExhausted` that says so)?"""
     seen = 0
     while error is not None and seen < 8:
-        if isinstance(error, torch.cuda.OutOfMemoryError):
+        if isinstance(error, (ResourceExhausted, torch.cuda.OutOfMemoryError)):
             return True
         if isinstance(error, RuntimeError) and any(text in str(error) for text in _OOM_TEXT):
             return True
@@ -44,8 +45,6 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def raise_if_out_of_memory(error: BaseException, where: str = "") -> None:
     """Raise :class:`ResourceExhausted` from ``error`` when it is an out-of-memory error."""
-    if isinstance(error, ResourceExhausted):
-        raise error
     if is_out_of_memory(error):
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ResourceExhausted(

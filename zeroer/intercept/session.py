@@ -121,18 +121,21 @@ class InterceptSession:
     def enqueue(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False) -> OpStamp:
         """One queued op on the current stream; ``reads``/``writes`` are memory keys or blocks."""
-        self.in_runtime += 1
-        try:
+        with self._runtime_call():
             return self.rt.launch(fn, name=name, **self._declare(reads, writes, cache_written))
-        finally:
-            self.in_runtime -= 1
 
     def run_now(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False) -> None:
         """A synchronising op: the current stream is run first, then ``fn`` (``Runtime.run_now``)."""
+        with self._runtime_call():
+            self.rt.run_now(fn, name=name, **self._declare(reads, writes, cache_written))
+
+    @contextlib.contextmanager
+    def _runtime_call(self) -> Iterator[None]:
+        """The runtime is at work for the zeroer: Triton launches it makes are its own."""
         self.in_runtime += 1
         try:
-            self.rt.run_now(fn, name=name, **self._declare(reads, writes, cache_written))
+            yield
         finally:
             self.in_runtime -= 1
 

@@ -94,12 +94,9 @@ def workers_for(args: DetectArgs, jobs: list[Job]) -> int:
     requested = args.jobs or os.cpu_count() or 1
     if args.backend != "cuda" or not jobs:
         return requested
-    from fuzz.engine.gpu_workers import free_gpu_bytes, plan_workers, worker_bytes
-    from zeroer.cache.geometries import geometry
+    from fuzz.engine.gpu_workers import plan_for
 
-    per_worker = worker_bytes([geometry(name) for name in {job.config.geometry for job in jobs}],
-                              max(job.config.zeroers for job in jobs))
-    plan = plan_workers(requested, per_worker, free_gpu_bytes())
+    plan = plan_for(requested, [job.config for job in jobs])
     print(f"{PROG}: {plan.describe()}", file=sys.stderr, flush=True)
     return plan.chosen
 

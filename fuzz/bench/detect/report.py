@@ -128,15 +128,14 @@ def judge(rows: list[dict], skipped: list[dict]) -> dict[str, Any]:
             "within_target_examples": sum(1 for r in zoo if _examples_met(r)),
             "quick_every_campaign": sum(1 for r in zoo if r.get("quick") and r["quick"]["found"] == r["quick"]["campaigns"]),
             "quick_measured": sum(1 for r in zoo if r.get("quick")),
-            "missed": [r["entry"] for r in zoo if r["verdict"] != "detected"],
+            "missed": [r["entry"] for r in zoo if r["verdict"] not in ("detected", "resource error")],
             "race_free": len(clean),
             "false_positives": [r["entry"] for r in clean if r["verdict"] == "FALSE POSITIVE"],
             "errors": [r["entry"] for r in mine if r["verdict"] == "error"],
             "resource_errors": [r["entry"] for r in mine if r["verdict"] == "resource error"],
         }
     fuzz = summary["by_method"].get(FUZZ)
-    missed = [e for e in fuzz["missed"] if e not in fuzz["resource_errors"]] if fuzz else []
-    failed = bool(fuzz and (missed or fuzz["false_positives"] or fuzz["errors"]))
+    failed = bool(fuzz and (fuzz["missed"] or fuzz["false_positives"] or fuzz["errors"]))
     summary["targets"] = {
         "detection_rate": TARGET_DETECTION_RATE,
         "first_finding_s": TARGET_FIRST_FINDING_S,

@@ -122,7 +122,7 @@ def run_job(job: Job) -> dict[str, Any]:
         else:
             outcome = resolve_method(job.method, Path(job.repro_dir))(job.config, job.budget_s, job.seed)
     except (Exception, ResourceExhausted) as error:  # report and go on: one broken entry must not hide the others
-        out_of_memory = is_out_of_memory(error) or isinstance(error, ResourceExhausted)
+        out_of_memory = is_out_of_memory(error)
         outcome = DetectionOutcome(False, None, None, 0, None, None, "resource error" if out_of_memory else "the method raised",
                                    error=f"{type(error).__name__}: {error}", resource_error=out_of_memory)
     record = {
