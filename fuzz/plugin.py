@@ -317,10 +317,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     run = getattr(config, "_fuzz_run", None)
-    if hasattr(config, "workerinput") or run is None or not (run.results or run.crashed):
+    if hasattr(config, "workerinput") or run is None:
+        return
+    interrupted = interrupts.interrupted() or exitstatus == pytest.ExitCode.INTERRUPTED
+    # Interrupted before any campaign ended, the run still says what it did not run (partial).
+    if not (run.results or run.crashed or (interrupted and run.selected)):
         return
     options = config._fuzz_options
-    interrupted = interrupts.interrupted() or exitstatus == pytest.ExitCode.INTERRUPTED
     ended = {r["campaign"] for r in run.results} | set(run.crashed)
     # Interrupted after every campaign had ended (while printing, say), the run is still whole.
     partial = interrupted and not (run.selected and set(run.selected) <= ended)

@@ -42,7 +42,7 @@ def record(entry: str, seed: int, found: bool, *, kind: str = "zoo", seconds: fl
         (["--budget", "-5"], "--budget -5 must be positive; give seconds per entry and seed, e.g. 60"),
         (["--budget", "soon"], "--budget 'soon' is not a number of seconds; give a positive number, e.g. 60"),
         (["--seeds", "0"], "--seeds '0' must be a positive int, e.g. 5"),
-        (["-j", "two"], "-j 'two' must be a positive int, e.g. 2"),
+        (["-j", "two"], "-j 'two' must be a positive int, e.g. 2, or auto"),
         (["--steps-clean", "-1"], "--steps-clean '-1' must be a positive int, e.g. 1000000"),
         (["--backend", "tpu"], "--backend 'tpu' is not a backend; choose sim or cuda"),
         (["--backend", "cuda"], "--backend cuda needs a CUDA GPU and none is visible here; use --backend sim"),

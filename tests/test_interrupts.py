@@ -540,3 +540,26 @@ def test_an_example_interrupted_anywhere_is_never_judged_and_its_caches_never_po
         # Whatever the interruption left in the pool serves the next example as a fresh cache would.
         ops = [{"op": "start", "in_flight": 1}, {"op": "allocate", "n": 2, "stream": 1}]
         assert run_ops(EpisodeConfig(zeroer="reference"), ops, caches=pool) == []
+
+
+def test_ctrl_c_before_any_campaign_ended_writes_a_partial_summary_of_what_did_not_run(tmp_path):
+    """Interrupted in its first campaign, a run still says what it was to run (all of it not
+    run), beside the complete summary already there, never over it."""
+    summary, prior = tmp_path / "summary.json", complete_summary()
+    summary.write_bytes(prior)
+    args = ["fuzz", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "--backend", "sim", "--zeroer", "per_call",
+            "--geometry", "tiny", "-k", "k-torch and not x2", "--fuzz-profile", "nightly", "--fuzz-minutes", "2",
+            "--fuzz-journal", "on", "--repro-dir", str(tmp_path / "traces"), "--fuzz-summary", str(summary),
+            "--fuzz-db", str(tmp_path / "db")]
+    run = start_subprocess(ROOT, clean_env(ROOT), args, tmp_path / "output.txt")
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "traces").glob(".inflight-*.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(run.pid, signal.SIGINT)
+    code, _ = run.wait(EXIT_WITHIN_S) or (None, None)
+    assert code == 2, run.text()
+    assert summary.read_bytes() == prior
+    data = json.loads((tmp_path / "summary.partial.json").read_text())
+    assert data["totals"]["partial"] and data["campaigns"] == [] and data["crashed"] == []
+    assert data["not_run"] == ["per_call-tiny-sim-k-torch-shard0", "per_call-tiny-sim-k-torch-shard1"]
+    assert not trace_files(tmp_path)  # nothing found, no trace written

@@ -159,7 +159,7 @@ def parse_args(argv: list[str], cuda_available: bool) -> DetectArgs:
         raise DetectUsageError(f"--budget {budget_text} must be positive; give seconds per entry and seed, e.g. 60")
     seeds = _positive_int("--seeds", options["seeds"], "5")
     jobs_text = options["jobs"] if options["jobs"] is not None else ("auto" if backend == "cuda" else "1")
-    jobs = AUTO_JOBS if jobs_text == "auto" else _positive_int("-j", jobs_text, "2")
+    jobs = AUTO_JOBS if jobs_text == "auto" else _positive_int("-j", jobs_text, "2, or auto")
     steps_clean = None if options["steps-clean"] is None else _positive_int("--steps-clean", options["steps-clean"], "1000000")
 
     known = sorted(ZOO + RACE_FREE)
