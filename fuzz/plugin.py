@@ -320,8 +320,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     if hasattr(config, "workerinput") or run is None:
         return
     interrupted = interrupts.interrupted() or exitstatus == pytest.ExitCode.INTERRUPTED
-    # Interrupted before any campaign ended, the run still says what it did not run (partial).
-    if not (run.results or run.crashed or (interrupted and run.selected)):
+    # Stopped by a signal before any campaign ended, the run still says what it did not run
+    # (partial). Only a signal: a usage error's pytest.exit has pytest's "interrupted" status too.
+    if not (run.results or run.crashed or (interrupts.interrupted() and run.selected)):
         return
     options = config._fuzz_options
     ended = {r["campaign"] for r in run.results} | set(run.crashed)
