@@ -17,7 +17,7 @@ spot, takes the same path, so pytest and the campaign's own ``finally`` blocks r
 
 Example::
 
-    install()          # in the pytest plugin's configure hook, in the controller and every worker
+    install()          # when the pytest plugin is imported, in the controller and every worker
     forward_to(pid)    # in the controller, for each xdist worker it starts
     ...
     interrupted()      # True after Ctrl-C or SIGTERM

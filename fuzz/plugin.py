@@ -27,12 +27,20 @@ from pathlib import Path
 import pytest
 
 from fuzz import interrupts
-from fuzz.engine.campaigns import Campaign, default_campaigns
-from fuzz.engine.journal import Journal, rescue
-from fuzz.engine.summary import render_summary, write_summary
-from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker
-from zeroer.errors import ZeroerError
-from zeroer.runtime.cuda.gate import request_hardware_queues
+
+# Now, before the imports below (torch alone takes seconds), not only in pytest_configure. Python's
+# own SIGINT handler raises KeyboardInterrupt wherever the main thread is, and when that is a
+# weakref callback of the import machinery CPython prints "Exception ignored" and drops it: the run
+# would go on to its end as if Ctrl-C had never come. Ours marks the process interrupted before it
+# raises, so a dropped KeyboardInterrupt still stops the run before its next example.
+interrupts.install()
+
+from fuzz.engine.campaigns import Campaign, default_campaigns  # noqa: E402
+from fuzz.engine.journal import Journal, rescue  # noqa: E402
+from fuzz.engine.summary import render_summary, write_summary  # noqa: E402
+from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker  # noqa: E402
+from zeroer.errors import ZeroerError  # noqa: E402
+from zeroer.runtime.cuda.gate import request_hardware_queues  # noqa: E402
 
 USAGE_EXIT = 2
 CAMPAIGNS_MODULE = Path(__file__).with_name("test_campaigns.py")

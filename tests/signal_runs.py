@@ -4,8 +4,10 @@ Every ``python -m pytest`` process spends about 4 s of CPU importing torch, Hypo
 plugin before it runs anything, which would make fifty signalled runs cost minutes on a 2-core
 machine. So most runs are forked from a :class:`Forker`: one process that has done those imports
 once and forks a child per run, and the child runs ``pytest.main(args)`` exactly as ``python -m
-pytest args`` would (the plugin installs its signal handlers in its configure hook either way;
-pytest-xdist workers are started by execnet as fresh interpreters either way). A run can also be
+pytest args`` would (pytest-xdist workers are started by execnet as fresh interpreters either
+way). One difference: the plugin installs its signal handlers when it is imported, so a forked run
+has them from its first instruction, while a plain process has Python's own SIGINT handler for its
+first fraction of a second (see :func:`tests.test_interrupts.dropped_by_python`). A run can also be
 a plain ``python -m pytest`` subprocess (:func:`start_subprocess`), which is what the import-time
 points and the killed-worker tests use.
 
@@ -203,8 +205,34 @@ def group_members(group: int) -> list[int]:
     return members
 
 
-def clean_env(root: Path) -> dict[str, str]:
-    """The environment of a run: this checkout on the path, none of the outer pytest's variables."""
+STACK_DUMPS = Path(__file__).with_name("stack_dumps")  # its sitecustomize.py: SIGUSR1 writes every stack
+
+
+def clean_env(root: Path, stacks: Path | None = None) -> dict[str, str]:
+    """The environment of a run: this checkout on the path, none of the outer pytest's variables.
+    With ``stacks`` (a folder), each Python process of the run writes its threads' stacks to
+    ``stacks/<pid>.txt`` on SIGUSR1 (:func:`dump_stacks`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COV_"))}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *([str(STACK_DUMPS)] if stacks else []), env.get("PYTHONPATH", "")])
+    if stacks is not None:
+        stacks.mkdir(parents=True, exist_ok=True)
+        env["KVZERO_TEST_STACKS"] = str(stacks)
     return env
+
+
+def dump_stacks(run: Run, stacks: Path) -> str:
+    """Where each live process of ``run`` is now: every thread's stack, asked for with SIGUSR1 (the
+    processes go on running). Empty if none is alive."""
+    members = sorted(set(run.group_alive()))
+    for pid in members:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(1.0)  # faulthandler writes from the signal handler, at once; leave it time on a busy machine
+    parts = []
+    for pid in members:
+        path = stacks / f"{pid}.txt"
+        text = path.read_text(errors="replace") if path.exists() else "(no stack file: the process had not started Python)"
+        parts.append(f"--- process {pid} ---\n{text.strip()}")
+    return "\n".join(parts)
