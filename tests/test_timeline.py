@@ -210,13 +210,16 @@ def test_the_queue_observer_hears_an_op_that_failed():
     assert heard == [("enqueued", "k1"), ("failed", "k1")] and q.executed == [1]
 
 
-def test_perfetto_reads_the_tracks_slices_and_flows(multi, tmp_path):
-    """Perfetto's own trace processor loads the JSON (skipped where it cannot start: the
-    ``perfetto`` package downloads its ``trace_processor_shell`` on first use)."""
+@pytest.mark.parametrize("which", ["curated", "multi"])
+def test_perfetto_reads_the_tracks_slices_and_flows(which, request, tmp_path):
+    """Perfetto's own trace processor loads the JSON of the curated race and of a multi-stream
+    trace (skipped where it cannot start: the ``perfetto`` package downloads its
+    ``trace_processor_shell`` on first use; one on PATH is used instead)."""
     api = pytest.importorskip("perfetto.trace_processor", reason="pip install perfetto")
+    timeline = request.getfixturevalue(which)
     version = importlib.metadata.version("perfetto")
-    path = tmp_path / "multi.json"
-    path.write_text(json.dumps(multi))
+    path = tmp_path / f"{which}.json"
+    path.write_text(json.dumps(timeline))
     shell = shutil.which("trace_processor_shell") or shutil.which("trace_processor")
     try:
         tp = api.TraceProcessor(trace=str(path), config=api.TraceProcessorConfig(bin_path=shell))
@@ -231,8 +234,16 @@ def test_perfetto_reads_the_tracks_slices_and_flows(multi, tmp_path):
         flows = list(tp.query("select slice_out, slice_in from flow"))
     finally:
         tp.close()
-    assert threads == tracks(multi)
-    assert [r.name for r in rows if r.tid == HOST_TID and r.cat == "host"] == MULTI_NAMES
-    device = [(r.tid, r.name, r.dur) for r in rows if r.tid != HOST_TID]
-    assert device == [(s["tid"], s["name"], TICK_US * 1000) for s in sorted(slices(multi), key=lambda s: s["ts"]) if s["tid"] != HOST_TID]
-    assert len(flows) == len([e for e in multi["traceEvents"] if e["ph"] == "s"])
+    assert threads == tracks(timeline)
+    host = sorted((s for s in slices(timeline, HOST_TID) if s["cat"] == "host"), key=lambda s: s["ts"])
+    assert [r.name for r in rows if r.tid == HOST_TID and r.cat == "host"] == [s["name"] for s in host]
+    if which == "multi":
+        assert [s["name"] for s in host] == MULTI_NAMES
+    device = [(r.tid, r.name, r.dur) for r in rows if r.tid != HOST_TID and r.cat != "finding"]
+    assert device == [(s["tid"], s["name"], TICK_US * 1000) for s in sorted(slices(timeline), key=lambda s: s["ts"])
+                      if s["tid"] != HOST_TID]
+    # A thread-scoped instant is a slice of no length on its thread's track.
+    findings = sorted((r.tid, r.name, r.dur) for r in rows if r.cat == "finding")
+    assert findings == sorted((e["tid"], e["name"], 0) for e in instants(timeline))
+    assert bool(findings) is (which == "curated")
+    assert len(flows) == len([e for e in timeline["traceEvents"] if e["ph"] == "s"])
