@@ -241,3 +241,28 @@ def test_each_torch_variant_is_judged_rightly_on_cuda_controlled(name, tmp_path)
     config = EpisodeConfig(zeroer=f"tests/torch_zeroers.py:{name}", geometry="tiny", backend="cuda", mode="controlled")
     result = run_campaign(Campaign(config, 0, "finds" if verdict == "racy" else "clean"), PROFILES["quick"], tmp_path)
     assert result.found == (verdict == "racy"), result.violation
+
+
+class _NoSession:
+    """A session any use of which means a launch was taken for the zeroer's."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the launch reached the interception session ({name})")
+
+
+def test_the_runtimes_gate_kernel_goes_straight_to_triton_and_any_other_kernel_is_the_zeroers():
+    """The controlled CUDA runtime launches its gate kernel in front of every op it queues for the
+    zeroer, an event record or wait too: that launch is the runtime's, whatever queued it (taken
+    for the zeroer's, it was queued behind a new gate, itself a launch, and so on)."""
+    from zeroer.intercept.triton_launch import TritonLaunches
+    from zeroer.kernel import _compiled as zero_kernel
+    from zeroer.runtime.cuda.gate import _gate_kernel
+
+    launched = []
+    launches = TritonLaunches(_NoSession())
+    launches.original = lambda jit, *args, grid, warmup, **kwargs: launched.append((jit, args, grid))
+    run = launches.patches()["run"]
+    run(_gate_kernel, 4096, grid=(1,), warmup=False)
+    assert launched == [(_gate_kernel, (4096,), (1,))]
+    with pytest.raises(AssertionError, match=r"^the launch reached the interception session \(boundary\)$"):
+        run(zero_kernel, grid=(1,), warmup=False)

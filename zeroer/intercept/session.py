@@ -69,9 +69,6 @@ class InterceptSession:
         self._last: str = "the start of the call"
         self._calls = itertools.count(1)
         self._depth = 0
-        # >0 while the runtime itself is enqueuing (its gate kernels on CUDA are Triton launches
-        # too): those go straight to Triton, they are not the zeroer's.
-        self.in_runtime = 0
 
     # -- the scope ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -121,23 +118,12 @@ class InterceptSession:
     def enqueue(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False) -> OpStamp:
         """One queued op on the current stream; ``reads``/``writes`` are memory keys or blocks."""
-        with self._runtime_call():
-            return self.rt.launch(fn, name=name, **self._declare(reads, writes, cache_written))
+        return self.rt.launch(fn, name=name, **self._declare(reads, writes, cache_written))
 
     def run_now(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False) -> None:
         """A synchronising op: the current stream is run first, then ``fn`` (``Runtime.run_now``)."""
-        with self._runtime_call():
-            self.rt.run_now(fn, name=name, **self._declare(reads, writes, cache_written))
-
-    @contextlib.contextmanager
-    def _runtime_call(self) -> Iterator[None]:
-        """The runtime is at work for the zeroer: Triton launches it makes are its own."""
-        self.in_runtime += 1
-        try:
-            yield
-        finally:
-            self.in_runtime -= 1
+        self.rt.run_now(fn, name=name, **self._declare(reads, writes, cache_written))
 
     # -- memory ------------------------------------------------------------------------------------
     def memory_key(self, tensor: torch.Tensor) -> Any | None:

@@ -46,6 +46,7 @@ from triton.runtime.jit import JITFunction
 
 from zeroer.intercept.errors import unroutable
 from zeroer.intercept.sim_tensor import SimCudaTensor
+from zeroer.runtime.cuda.gate import is_gate_kernel
 from zeroer.runtime.hb import Hazard
 from zeroer.triton_cpu import interpreted, nested_calls_interpreted
 
@@ -185,7 +186,10 @@ class TritonLaunches:
 
     def launch(self, jit: JITFunction, args: tuple, kwargs: dict, grid: Any, warmup: bool) -> Any:
         session = self.session
-        if session.in_runtime:  # the runtime's own kernel (a CUDA gate), not the zeroer's
+        # The runtime's own gate kernel, launched whenever the controlled CUDA runtime queues an op
+        # for the zeroer (a copy, a kernel, an event record or wait): never the zeroer's. Taken for
+        # the zeroer's, it would be queued behind a new gate, itself a launch, and so on.
+        if is_gate_kernel(jit):
             return self.original(jit, *args, grid=grid, warmup=warmup, **kwargs)
         name = f"triton {getattr(jit.fn, '__name__', 'kernel')}"
         session.boundary(name)

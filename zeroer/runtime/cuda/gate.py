@@ -98,6 +98,11 @@ else:  # pragma: no cover - depends on the environment
     _gate_kernel = None
 
 
+def is_gate_kernel(jit: object) -> bool:
+    """Whether ``jit`` is the gate kernel, the only Triton kernel the runtime launches itself."""
+    return _gate_kernel is not None and jit is _gate_kernel
+
+
 def gate_available() -> bool:
     """True when gates can run here: triton imports and a CUDA GPU is present."""
     return triton is not None and real_cuda.is_available()
