@@ -28,7 +28,7 @@ import pytest
 
 from fuzz import interrupts
 
-# Now, before the imports below (torch alone takes seconds), not only in pytest_configure. Python's
+# Now, before the imports below (torch alone takes seconds), rather than in pytest_configure. Python's
 # own SIGINT handler raises KeyboardInterrupt wherever the main thread is, and when that is a
 # weakref callback of the import machinery CPython prints "Exception ignored" and drops it: the run
 # would go on to its end as if Ctrl-C had never come. Ours marks the process interrupted before it
@@ -37,12 +37,12 @@ interrupts.install()
 
 from fuzz.engine.campaigns import Campaign, default_campaigns  # noqa: E402
 from fuzz.engine.journal import Journal, rescue  # noqa: E402
-from fuzz.engine.summary import render_summary, write_summary  # noqa: E402
+from fuzz.engine.summary import is_unexpected, render_summary, write_summary  # noqa: E402
 from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker  # noqa: E402
+from fuzz.cli import USAGE as USAGE_EXIT  # noqa: E402
 from zeroer.errors import ZeroerError  # noqa: E402
 from zeroer.runtime.cuda.gate import request_hardware_queues  # noqa: E402
 
-USAGE_EXIT = 2
 CAMPAIGNS_MODULE = Path(__file__).with_name("test_campaigns.py")
 
 
@@ -51,7 +51,8 @@ class _Run:
     every report (a campaign's result rides in pytest's own ``record_property``, relayed from
     xdist workers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
         self.results: list[dict] = []
         self.selected: list[str] = []  # campaign ids this run was to run
         self.crashed: list[str] = []
@@ -66,7 +67,7 @@ class _Run:
 
     def progress(self, record: dict) -> None:
         """One line per finished campaign, so a long run shows where it is."""
-        reporter = self.config.pluginmanager.get_plugin("terminalreporter") if self.config is not None else None
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is None:
             return
         total = len(self.selected) or "?"
@@ -80,8 +81,6 @@ class _Run:
             f"{record['steps']} steps, {record['seconds']:.1f} s"
         )
 
-    config = None  # the session's config, set at configure
-
     @pytest.hookimpl(tryfirst=True)
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo) -> None:
         """Ctrl-C: pytest formats the interruption's whole traceback (the source and arguments of
@@ -90,8 +89,7 @@ class _Run:
         to stop. Keep the frame that is printed (``--full-trace`` keeps everything)."""
         # Only for Ctrl-C: a pytest.exit's last frame is pytest's own, hidden, and a traceback of
         # hidden frames alone makes pytest's report of it fail (a usage error would print a traceback).
-        if isinstance(excinfo.value, KeyboardInterrupt) and (
-                self.config is None or not self.config.getoption("fulltrace", False)):
+        if isinstance(excinfo.value, KeyboardInterrupt) and not self.config.getoption("fulltrace", False):
             excinfo.traceback = excinfo.traceback[-1:]
             excinfo.value.__cause__, excinfo.value.__suppress_context__ = None, True
 
@@ -130,13 +128,11 @@ def _usage_exit(config: pytest.Config, error: BaseException) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     request_hardware_queues()  # before this worker's CUDA context exists: gated streams need their own queues
-    interrupts.install()
     try:
         config._fuzz_options = fuzz_options(config)
     except (pytest.UsageError, ZeroerError) as error:
         _usage_exit(config, error)
-    config._fuzz_run = _Run()
-    config._fuzz_run.config = config
+    config._fuzz_run = _Run(config)
     config.pluginmanager.register(config._fuzz_run, "fuzz-run")
     _size_gpu_workers(config)
 
@@ -288,9 +284,9 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched) -> 
     config = report.node.config if hasattr(report, "node") else None
     options = getattr(config, "_fuzz_options", None)
     worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
-    if options is None or "[" not in crashitem:
+    campaign = _campaign_id(crashitem)
+    if options is None or campaign is None:
         return
-    campaign = crashitem[crashitem.index("[") + 1: -1]
     config._fuzz_run.crashed.append(campaign)
     path = rescue(options.repro_dir, worker, campaign) if worker is not None else None
     if path is not None:
@@ -318,8 +314,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     # The GPU ran out of memory (fuzz.engine.resources) and nothing else went wrong: a resource
     # error, status 2 (run fewer workers), not 1, which would say the fuzzer found something.
-    judged_wrong = [r for r in run.results if not r.get("resource_error") and r["found"] != (r["expect"] == "finds")]
-    if any(r.get("resource_error") for r in run.results) and not judged_wrong and not run.crashed and not interrupted:
+    if any(r.get("resource_error") for r in run.results) and not any(map(is_unexpected, run.results)) and not run.crashed and not interrupted:
         session.exitstatus = USAGE_EXIT
 
 

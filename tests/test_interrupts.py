@@ -394,7 +394,6 @@ KILLER = '''
 import glob
 import os
 import signal
-import subprocess
 import time
 
 from zeroer.designs import PerCallZeroer

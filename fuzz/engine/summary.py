@@ -42,6 +42,12 @@ def result_record(result: CampaignResult) -> dict:
     }
 
 
+def is_unexpected(record: dict) -> bool:
+    """A judged campaign whose result is not what it expected: a finding on a race-free zeroer or
+    a missed known race (a resource error is not judged)."""
+    return record["found"] != (record["expect"] == "finds") and not record.get("resource_error")
+
+
 def render_summary(records: list[dict], profile: str, *, selected: list[str] | None = None,
                    crashed: list[str] | None = None, partial: bool = False) -> tuple[str, dict]:
     """The summary's text and JSON. ``selected`` are the campaigns the run was to run: those with
@@ -52,7 +58,7 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
     crashed = sorted(set(crashed or ()))
     not_run = sorted(c for c in (selected or ()) if c not in done and c not in crashed)
     resources = [r for r in records if r.get("resource_error")]
-    unexpected = [r for r in records if r["found"] != (r["expect"] == "finds") and not r.get("resource_error")]
+    unexpected = [r for r in records if is_unexpected(r)]
     totals = {
         "profile": profile,
         "partial": partial,

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from fuzz.bench.detect.outcome import DetectionOutcome
-from fuzz.cli import UsageError
+from fuzz.cli import UsageError, one_line  # noqa: F401 - one_line: re-exported to the other baselines
 from fuzz.engine.episode import Episode, EpisodeConfig
 from fuzz.engine.oracle import Finding
 from fuzz.trace import write_trace
@@ -82,10 +82,6 @@ def needs_cuda_outcome() -> DetectionOutcome:
 def value_findings(findings: list[Finding]) -> list[Finding]:
     """What a user's own check would see: wrong values, not the happens-before checker's hazards."""
     return [f for f in findings if f.kind != "hazard"]
-
-
-def one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 class EpisodeHooks:
