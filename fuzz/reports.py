@@ -26,7 +26,10 @@ FINDINGS_SHOWN = 5
 
 
 def outcome(record: dict) -> str:
-    """One word for a campaign's result: ``clean``, ``found``, ``VIOLATION`` or ``MISSED``."""
+    """One word for a campaign's result: ``clean``, ``found``, ``VIOLATION``, ``MISSED``, or
+    ``RESOURCE ERROR`` (the GPU ran out of memory: not judged, as in the run's own summary)."""
+    if record.get("resource_error"):
+        return "RESOURCE ERROR"
     if record["found"]:
         return "found" if record["expect"] == "finds" else "VIOLATION"
     return "MISSED" if record["expect"] == "finds" else "clean"
@@ -43,7 +46,9 @@ def backend_of(campaign: str, record: dict | None = None) -> str:
 def _detail(record: dict) -> str:
     """What a person needs about a result: findings, trace and replay command, or the miss."""
     lines = []
-    if record["found"]:
+    if record.get("resource_error"):
+        lines.append(f"not judged: {record['resource_error']}; run fewer workers (-n) on this GPU")
+    elif record["found"]:
         lines += record.get("findings", [])[:FINDINGS_SHOWN]
         if not record.get("reproduced", True):
             lines.append("(did not show again on replay: timing-dependent)")
@@ -91,7 +96,9 @@ def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
         else:
             verdict, detail = outcome(record), _detail(record)
             out = f"{verdict}: {_counts(record)}"
-            if verdict in ("VIOLATION", "MISSED"):
+            if verdict == "RESOURCE ERROR":
+                ET.SubElement(case, "error", type="resource error", message=detail[:300])
+            elif verdict in ("VIOLATION", "MISSED"):
                 kind_of = "finding" if verdict == "VIOLATION" else "missed self-check"
                 failure = ET.SubElement(case, "failure", type=kind_of, message=(detail.splitlines() or [verdict])[0][:300])
                 failure.text = detail
@@ -138,7 +145,8 @@ def markdown(summary: dict, title: str = "kvzero-fuzz") -> str:
              "|---:|---:|---:|---:|---:|---:|---:|---:|",
              f"| {t['campaigns']} | {t['examples']:,} | {t['steps']:,} | {t['findings']} | {t['unexpected']} | "
              f"{t['crashed']} | {t['not_run']} | {t['seconds']:,} |", ""]
-    attention = [(r["campaign"], outcome(r), _detail(r)) for r in records if outcome(r) in ("VIOLATION", "MISSED")]
+    attention = [(r["campaign"], outcome(r), _detail(r)) for r in records
+                 if outcome(r) in ("VIOLATION", "MISSED", "RESOURCE ERROR")]
     attention += [(c, "CRASHED", "its worker died; the shard's artifact holds the rescued trace") for c in summary["crashed"]]
     if attention:
         lines += ["**Needs a look**", "", "| campaign | result | detail |", "|---|---|---|"]

@@ -210,6 +210,21 @@ def test_a_missed_self_check_is_a_junit_failure_and_a_row_to_look_at():
     assert "| `ring-tiny-sim-k-torch-shard0` | MISSED | the fuzzer missed the known race of 'ring'" in markdown(merged)
 
 
+def test_a_resource_error_is_a_junit_error_and_a_row_to_look_at_never_a_verdict():
+    """As in the run's own summary: a campaign the GPU ran out of memory for was not judged."""
+    starved = {**fake_record("ring-tiny-cuda-controlled-k-torch-shard0"), "found": False,
+               "resource_error": "CUDA out of memory"}
+    _, merged, sources = merge([("a", shard_summary([starved]))])
+    assert merged["totals"]["unexpected"] == 0 and merged["totals"]["resource_errors"] == 1
+    root = check_junit(junit_xml(merged, sources))
+    assert root.get("failures") == "0" and root.get("errors") == "1"
+    error = root.find(".//error")
+    assert (error.get("type"), error.get("message")) == (
+        "resource error", "not judged: CUDA out of memory; run fewer workers (-n) on this GPU")
+    assert ("| `ring-tiny-cuda-controlled-k-torch-shard0` | RESOURCE ERROR | not judged: CUDA out of memory"
+            in markdown(merged))
+
+
 def test_the_merge_runs_on_the_standard_library_alone(tmp_path):
     """The workflow's report job installs nothing: torch, Hypothesis and numpy are unimportable here."""
     path = tmp_path / "summary.json"
