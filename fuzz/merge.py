@@ -24,20 +24,19 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from fuzz.atomic_file import write_json_atomically, write_text_atomically
+from fuzz.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
 from fuzz.engine.summary import render_summary
 from fuzz.reports import junit_xml, markdown
 
-USAGE_ERROR = 2
 RECORD_FIELDS = ("campaign", "expect", "found", "examples", "steps", "seconds")
 
 
-class MergeError(ValueError):
+class MergeError(UsageError, ValueError):
     """A summary that cannot be merged; the message names the file and what is wrong."""
 
 
@@ -98,12 +97,16 @@ def verdict(summary: dict) -> int:
     """0 when every design came out clean and every self-check found its race; 1 on an unexpected
     result or a crash; 2 when only resource errors (the GPU out of memory) stood in the way."""
     if summary["totals"]["unexpected"] or summary["crashed"]:
-        return 1
-    return 2 if summary["totals"].get("resource_errors") else 0  # GPU out of memory: no verdict (fuzz.engine.resources)
+        return FINDING
+    return USAGE if summary["totals"].get("resource_errors") else CLEAN  # GPU out of memory: no verdict (fuzz.engine.resources)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fuzz.merge", description=__doc__.splitlines()[0])
+    return run_main(_main, argv, "python -m fuzz.merge")
+
+
+def _main(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="python -m fuzz.merge", description=__doc__.splitlines()[0])
     parser.add_argument("summaries", nargs="+", type=Path, metavar="SUMMARY.json", help="one summary per shard")
     parser.add_argument("--json", type=Path, help="write the merged summary here")
     parser.add_argument("--junit", type=Path, metavar="OUT.xml", help="write JUnit XML here")
@@ -112,11 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unexpected-traces", type=Path, metavar="OUT.txt",
                         help="write the trace paths of unexpected findings here, one a line")
     args = parser.parse_args(argv)
-    try:
-        text, merged, sources = merge([(str(path), load_summary(path)) for path in args.summaries])
-    except MergeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return USAGE_ERROR
+    for flag in ("json", "junit", "markdown", "unexpected_traces"):
+        check_output(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    text, merged, sources = merge([(str(path), load_summary(path)) for path in args.summaries])
     print(text)
     if args.json:
         write_json_atomically(args.json, merged)

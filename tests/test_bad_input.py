@@ -47,6 +47,7 @@ MAINS = {  # command -> the module whose main(argv) it runs
     "python -m fuzz.bench.speed": "fuzz.bench.speed",
     "python -m fuzz.bench.intercept": "fuzz.bench.intercept",
     "python -m fuzz.bench.selfcheck": "fuzz.bench.selfcheck",
+    "python -m fuzz.merge": "fuzz.merge",
 }
 ZEROERS = "event_ring, graph_ring, per_call, reference, ring, single_buffer, torch_per_call, zoo.captured_stream"
 UNKNOWN_ZEROER = f"unknown zeroer 'nope'; use a built-in name ({ZEROERS}, ..."
@@ -163,6 +164,15 @@ ROWS: list[Row] = [
         "error: bad.json is a 'clean-soak' report; only detection reports have times to plot", text='{"kind": "clean-soak"}'),
     Row("python -m fuzz.bench.detect plot bad.json", 2,
         "error: usage: python -m fuzz.bench.detect plot REPORT.json --png FILE (got: bad.json)"),
+    # -- python -m fuzz.merge -----------------------------------------------------------------------------------
+    Row("python -m fuzz.merge bad.json", 2, "error: bad.json: not a fuzz summary (expected totals, campaigns, crashed "
+        "and not_run, as pytest fuzz --fuzz-summary writes)", text="{}"),
+    Row("python -m fuzz.merge bad.json bad.json", 2, "error: campaign 'ring-tiny-sim-k-torch-shard0' is twice in bad.json: "
+        "a campaign belongs to one shard (shards of different --fuzz-shard i/N, or one summary given twice?)",
+        text='{"totals": {"profile": "ci"}, "campaigns": [], "crashed": ["ring-tiny-sim-k-torch-shard0"], "not_run": []}'),
+    Row("python -m fuzz.merge bad.json --junit README.md/j.xml", 2,
+        "error: --junit 'README.md/j.xml': 'README.md' is a file, not a directory; give a file path you can write to",
+        text="{}"),
     # -- python -m fuzz.bench.detect.baselines ----------------------------------------------------------------
     Row("python -m fuzz.bench.detect.baselines nope", 2, "python -m fuzz.bench.detect.baselines: error: unknown baseline "
         "method 'nope'; choose one of: handwritten, sanitizer, stress"),
