@@ -37,8 +37,10 @@ from fuzz.engine.episode import CALLER_FAULTS, MAX_ZEROERS, EpisodeConfig
 from fuzz.engine.ops import OpError, check_op
 from fuzz.engine.oracle import Finding
 from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES, geometry
+from zeroer.designs.common import KERNELS
 from zeroer.errors import ZeroerError
 from zeroer.registry import load_zeroer
+from zeroer.runtime import CUDA_MODES
 
 TRACE_VERSION = 1
 
@@ -134,8 +136,8 @@ _TOP = {
 # Config fields with a fixed set of values (None is JSON null).
 _CHOICES = {
     "backend": ("sim", "cuda"),
-    "mode": ("controlled", "free"),
-    "kernel": (None, "torch", "triton"),
+    "mode": CUDA_MODES,
+    "kernel": (None, *KERNELS),
     "caller_fault": (None, *CALLER_FAULTS),
 }
 

@@ -67,7 +67,7 @@ def _replay(args: argparse.Namespace) -> int:
     config = dataclasses.replace(trace.config, **changes)
     _check_runs_here(args, config)
     try:
-        recorded = frozenset(f["kind"] for f in trace.findings if isinstance(f, dict) and "kind" in f)
+        recorded = frozenset(f["kind"] for f in trace.findings)  # load_trace checked each has a kind
         shown, first, other = replay(config, trace.ops, args.repeat, recorded)
     except ValueError as error:  # an op the episode refuses where it stands (run_ops): the trace's fault
         raise TraceError(f"{args.trace}: field 'ops': not a valid program: {error}") from error

@@ -122,3 +122,26 @@ def test_the_detection_benchmark_on_cuda_defaults_to_auto_and_fits_the_free_memo
                        cuda_available=True)
     assert workers_for(small, detection_jobs(small)) == 3  # tiny caches: as many as asked
     assert parse_args([], cuda_available=False).jobs == 1  # the simulator keeps one by default
+
+    def no_answer() -> list[int]:
+        raise RuntimeError("could not read the free GPU memory: the query did not answer in 120 s")
+
+    monkeypatch.setattr(gpu_workers, "free_gpu_bytes", no_answer)
+    assert workers_for(args, detection_jobs(args)) == 1
+    assert ("could not size the workers by the free GPU memory (could not read the free GPU memory: the query did "
+            "not answer in 120 s); running 1") in capsys.readouterr().err
+
+
+def test_a_free_memory_query_that_hangs_is_an_error_the_callers_report_not_a_crash(monkeypatch):
+    """pytest fuzz and the detection benchmark catch RuntimeError (and run unsized, or one job); a
+    hung query (a wedged driver) must reach them as one."""
+    import subprocess
+
+    from fuzz.engine import gpu_workers
+
+    def hang(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], kwargs["timeout"])
+
+    monkeypatch.setattr(gpu_workers.subprocess, "run", hang)
+    with pytest.raises(RuntimeError, match=r"^could not read the free GPU memory: the query did not answer in 120 s$"):
+        gpu_workers.free_gpu_bytes()

@@ -37,7 +37,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 from hypothesis.statistics import collector
 
-from fuzz.engine.episode import EpisodeConfig, run_ops
+from fuzz.engine.episode import EpisodeConfig, count_shown, run_ops
 from fuzz.engine.journal import Journal
 from fuzz.engine.machine import BudgetSpent, CampaignStats, ZeroerViolation, machine_for
 from fuzz.engine.minimize import minimize
@@ -352,12 +352,12 @@ def _save_interrupted(stop: KeyboardInterrupt, violation: ZeroerViolation | None
                   f"maybe not fully shrunk) is saved in {path}")
 
 
-def measure_reproduction(config: EpisodeConfig, ops: list[dict], replays: int = FREE_REPLAYS) -> dict:
-    """A free-running finding is timing luck until shown otherwise: replay it ``replays`` times
-    as it was found, and once in the controlled mode where the zeroer runs there (a forced
+def measure_reproduction(config: EpisodeConfig, ops: list[dict]) -> dict:
+    """A free-running finding is timing luck until shown otherwise: replay it :data:`FREE_REPLAYS`
+    times as it was found, and once in the controlled mode where the zeroer runs there (a forced
     schedule shows a race every time, or the program does not hold one)."""
-    shown = sum(1 for _ in range(replays) if run_ops(config, ops))
-    measured: dict = {"mode": "free", "replays": replays, "shown": shown, "rate": round(shown / replays, 3)}
+    shown = count_shown(config, ops, FREE_REPLAYS)
+    measured: dict = {"mode": "free", "replays": FREE_REPLAYS, "shown": shown, "rate": round(shown / FREE_REPLAYS, 3)}
     if load_zeroer(config.zeroer).capabilities.runs_on("cuda", "controlled"):
         measured["controlled"] = bool(run_ops(dataclasses.replace(config, mode="controlled"), ops))
     return measured

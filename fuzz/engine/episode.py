@@ -552,6 +552,11 @@ def _raised_finding(episode: Episode, what: str, error: BaseException) -> Findin
     return finding
 
 
+def count_shown(config: EpisodeConfig, ops: list[dict], replays: int) -> int:
+    """In how many of ``replays`` runs of ``ops`` a finding showed."""
+    return sum(1 for _ in range(replays) if run_ops(config, ops))
+
+
 def run_ops(config: EpisodeConfig, ops: list[dict], caches: CachePool | None = None) -> list[Finding]:
     """Run ``ops`` as one episode and judge it: the findings (none: clean).
 

@@ -29,6 +29,7 @@ CONTEXT_BYTES = GIB  # a worker's CUDA context, torch's allocator slack and Trit
 CACHE_COPIES = 3  # the raw buffers, the guard mask and the oracle's comparisons, per cache
 HEADROOM = 0.9  # leave a tenth of the free memory to the driver and to everyone else
 
+QUERY_TIMEOUT_S = 120
 _QUERY = ("import json, torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] "
           "for i in range(torch.cuda.device_count())]))")
 
@@ -36,7 +37,10 @@ _QUERY = ("import json, torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] "
 def free_gpu_bytes() -> list[int]:
     """Free bytes on each visible GPU, asked in a child process so that this one creates no
     CUDA context (the workers it starts may be forked, and a context costs memory)."""
-    done = subprocess.run([sys.executable, "-c", _QUERY], capture_output=True, text=True, timeout=120)
+    try:
+        done = subprocess.run([sys.executable, "-c", _QUERY], capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"could not read the free GPU memory: the query did not answer in {QUERY_TIMEOUT_S} s") from None
     if done.returncode != 0:
         raise RuntimeError(f"could not read the free GPU memory: {done.stderr.strip()[-500:]}")
     return [int(n) for n in json.loads(done.stdout.strip().splitlines()[-1])]

@@ -86,11 +86,11 @@ class CampaignStats:
     # the run off while Hypothesis is still shrinking it.
     smallest: ZeroerViolation | None = None
 
-    def found(self, violation: ZeroerViolation | None = None) -> None:
+    def found(self, violation: ZeroerViolation) -> None:
         if self.first_finding_s is None:
             self.first_finding_s = time.monotonic() - self.started
             self.first_finding_examples = self.examples
-        if violation is not None and (self.smallest is None or len(violation.trace) <= len(self.smallest.trace)):
+        if self.smallest is None or len(violation.trace) <= len(self.smallest.trace):
             self.smallest = violation
 
 
@@ -285,12 +285,10 @@ class ZeroerMachine(RuleBasedStateMachine):
             findings = episode.finish()
         except ZeroerRaised:
             findings = list(episode.findings)
-        except Exception as error:  # the oracle's reads may run the GPU out of memory
+        except BaseException as error:  # Ctrl-C while judging, or an error of the harness: no verdict
             episode.abandon()
-            raise_if_out_of_memory(error, "judging the episode")
-            raise
-        except BaseException:  # Ctrl-C while judging, or an error of the harness: no verdict
-            episode.abandon()
+            if isinstance(error, Exception):  # the oracle's reads may run the GPU out of memory
+                raise_if_out_of_memory(error, "judging the episode")
             raise
         if findings:
             self._fail(findings, list(episode.trace))

@@ -96,7 +96,11 @@ def workers_for(args: DetectArgs, jobs: list[Job]) -> int:
         return requested
     from fuzz.engine.gpu_workers import plan_for
 
-    plan = plan_for(requested, [job.config for job in jobs])
+    try:
+        plan = plan_for(requested, [job.config for job in jobs])
+    except (OSError, RuntimeError, ValueError) as error:
+        print(f"{PROG}: could not size the workers by the free GPU memory ({error}); running 1", file=sys.stderr, flush=True)
+        return 1
     print(f"{PROG}: {plan.describe()}", file=sys.stderr, flush=True)
     return plan.chosen
 

@@ -31,7 +31,7 @@ from typing import Any
 from fuzz.bench.detect.baselines import METHODS
 from fuzz.bench.detect.outcome import QUICK, DetectionOutcome
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
-from fuzz.engine.episode import EpisodeConfig, run_ops
+from fuzz.engine.episode import EpisodeConfig, count_shown
 from fuzz.engine.resources import ResourceExhausted, is_out_of_memory
 
 Method = Callable[[EpisodeConfig, float, int], DetectionOutcome]
@@ -79,8 +79,7 @@ def _repro_rate(violation: Any) -> dict[str, int]:
     """Replay a finding's shrunk trace :data:`REPLAYS` times, as ``python -m repro replay`` would."""
     if violation is None or not violation.trace:
         return {}
-    shown = sum(1 for _ in range(REPLAYS) if run_ops(violation.config, violation.trace))
-    return {"replays": REPLAYS, "reproduced": shown}
+    return {"replays": REPLAYS, "reproduced": count_shown(violation.config, violation.trace, REPLAYS)}
 
 
 def run_quick_campaign(config: EpisodeConfig, shard: int, repro_dir: Path) -> DetectionOutcome:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -40,8 +39,10 @@ from fuzz.bench.detect.outcome import DetectionOutcome
 from fuzz.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
 from fuzz.engine.episode import EpisodeConfig
 from zeroer.cache.geometries import geometry
+from zeroer.designs.common import KERNELS
 from zeroer.errors import ZeroerError
 from zeroer.registry import load_zeroer
+from zeroer.runtime import BACKENDS
 
 Method = Callable[[EpisodeConfig, float, int], DetectionOutcome]
 
@@ -52,8 +53,6 @@ METHODS: dict[str, Method] = {
 }
 CHILD = "stress-child"  # internal: the sanitizer's child process
 PROG = "python -m fuzz.bench.detect.baselines"
-BACKENDS = ("auto", "cuda", "sim")
-KERNELS = ("torch", "triton")
 
 
 def run_method(
