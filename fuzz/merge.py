@@ -68,6 +68,7 @@ def merge(summaries: list[tuple[str, dict]]) -> tuple[str, dict, dict[str, str]]
     records: list[dict] = []
     crashed: list[str] = []
     not_run: list[str] = []
+    saved: list[dict] = []
     for name, data in summaries:
         ids = [r["campaign"] for r in data["campaigns"]] + list(data["crashed"]) + list(data["not_run"])
         for campaign in ids:
@@ -79,18 +80,22 @@ def merge(summaries: list[tuple[str, dict]]) -> tuple[str, dict, dict[str, str]]
         records += data["campaigns"]
         crashed += data["crashed"]
         not_run += data["not_run"]
+        saved += data.get("saved_at_interruption", [])
     profiles = {data["totals"]["profile"] for _, data in summaries}
     if len(profiles) > 1:
         each = ", ".join(f"{data['totals']['profile']} in {name}" for name, data in summaries)
         raise MergeError(f"the summaries ran different profiles ({each}); merge the shards of one run")
     partial = any(data["totals"].get("partial", False) for _, data in summaries)
-    text, merged = render_summary(records, profiles.pop(), selected=[*sources], crashed=crashed, partial=partial)
+    text, merged = render_summary(records, profiles.pop(), selected=[*sources], crashed=crashed, partial=partial,
+                                  saved=saved)
     return text, merged, sources
 
 
 def unexpected_traces(summary: dict) -> list[str]:
-    """The trace files of the findings in designs that must be clean."""
-    return [r["trace"] for r in summary["campaigns"] if r["found"] and r["expect"] == "clean" and r.get("trace")]
+    """The trace files of the findings in designs that must be clean (a campaign's, or one saved
+    when Ctrl-C cut its campaign off)."""
+    return ([r["trace"] for r in summary["campaigns"] if r["found"] and r["expect"] == "clean" and r.get("trace")]
+            + [s["trace"] for s in summary.get("saved_at_interruption", []) if s["expect"] == "clean"])
 
 
 def verdict(summary: dict) -> int:

@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ from fuzz.engine.journal import Journal, rescue  # noqa: E402
 from fuzz.engine.summary import is_unexpected, render_summary, write_summary  # noqa: E402
 from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker  # noqa: E402
 from fuzz.cli import USAGE as USAGE_EXIT  # noqa: E402
+from fuzz.trace import read_trace  # noqa: E402
 from zeroer.errors import ZeroerError  # noqa: E402
 from zeroer.runtime.cuda.gate import request_hardware_queues  # noqa: E402
 
@@ -53,6 +55,8 @@ class _Run:
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
+        self.started = time.time()  # wall clock: compared with trace files' modification times
+        self.saved: list[dict] = []  # findings saved when Ctrl-C cut their campaign off (_saved_at_interruption)
         self.results: list[dict] = []
         self.selected: list[str] = []  # campaign ids this run was to run
         self.crashed: list[str] = []
@@ -308,14 +312,41 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     run = getattr(config, "_fuzz_run", None)
     if hasattr(config, "workerinput") or run is None:
         return
-    # Interrupted (Ctrl-C, SIGTERM): pytest says 2; a finding made before the interruption wins.
+    # Interrupted (Ctrl-C, SIGTERM): pytest says 2; a finding made before the interruption wins,
+    # in a campaign that ended or in one cut off after it (saved by whichever process ran it).
     interrupted = interrupts.interrupted() or exitstatus == pytest.ExitCode.INTERRUPTED
-    if interrupted and any(r["found"] != (r["expect"] == "finds") and r["found"] for r in run.results):
+    if interrupted:
+        run.saved = _saved_at_interruption(run, config._fuzz_options)
+    if interrupted and (any(r["found"] != (r["expect"] == "finds") and r["found"] for r in run.results)
+                        or any(s["expect"] == "clean" for s in run.saved)):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     # The GPU ran out of memory (fuzz.engine.resources) and nothing else went wrong: a resource
     # error, status 2 (run fewer workers), not 1, which would say the fuzzer found something.
     if any(r.get("resource_error") for r in run.results) and not any(map(is_unexpected, run.results)) and not run.crashed and not interrupted:
         session.exitstatus = USAGE_EXIT
+
+
+def _saved_at_interruption(run: _Run, options: FuzzOptions) -> list[dict]:
+    """The findings of campaigns that Ctrl-C cut off after they had found something: the process
+    that ran each (an xdist worker, whose own report of it never reaches this one) saved its
+    program so far under ``--repro-dir`` (fuzz.engine.campaigns). They are the trace files written
+    since this run started for a campaign it selected that has no result."""
+    ended = {r["campaign"] for r in run.results}
+    expect = {c.id: c.expect for c, _ in _campaigns(options)}
+    saved = []
+    for path in sorted(Path(options.repro_dir).glob("*.json")):
+        if path.name.startswith("."):  # a worker's in-flight journal (fuzz.engine.journal), not a trace
+            continue
+        try:
+            if path.stat().st_mtime < run.started:
+                continue
+            data = read_trace(path)
+        except (OSError, ValueError):  # unreadable, or replaced while read
+            continue
+        campaign = data.get("campaign") if isinstance(data, dict) else None
+        if campaign in run.selected and campaign not in ended:
+            saved.append({"campaign": campaign, "expect": expect.get(campaign, "clean"), "trace": str(path)})
+    return saved
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
@@ -332,7 +363,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     # Interrupted after every campaign had ended (while printing, say), the run is still whole.
     partial = interrupted and not (run.selected and set(run.selected) <= ended)
     text, data = render_summary(run.results, options.profile.name, selected=run.selected, crashed=run.crashed,
-                                partial=partial)
+                                partial=partial, saved=run.saved)
     terminalreporter.write_sep("=", "fuzz summary" + (" (partial: the run was interrupted)" if partial else ""))
     terminalreporter.write_line(text)
     written = write_summary(options.summary_path, data)

@@ -73,6 +73,7 @@ def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
     ``testsuite`` each; all in one suite named ``fuzz`` without it)."""
     sources = sources or {}
     records = {r["campaign"]: r for r in summary["campaigns"]}
+    saved = {s["campaign"]: s for s in summary.get("saved_at_interruption", [])}
     cases = ([(c, "record") for c in records] + [(c, "crashed") for c in summary["crashed"]]
              + [(c, "not_run") for c in summary["not_run"]])
     root = ET.Element("testsuites", name="kvzero-fuzz")
@@ -91,6 +92,9 @@ def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
             ET.SubElement(case, "error", type="crashed",
                           message="its worker died (a CUDA fault, an OOM kill); the shard's repro dir holds the "
                                   "trace rescued from its journal")
+        elif kind == "not_run" and saved.get(campaign, {}).get("expect") == "clean":
+            message = f"found before its shard was interrupted; trace: {saved[campaign]['trace']}"
+            ET.SubElement(case, "failure", type="finding", message=message).text = message
         elif kind == "not_run":
             ET.SubElement(case, "skipped", message="not run (skipped, or its shard was interrupted)")
         else:
@@ -147,6 +151,8 @@ def markdown(summary: dict, title: str = "kvzero-fuzz") -> str:
              f"{t['crashed']} | {t['not_run']} | {t['seconds']:,} |", ""]
     attention = [(r["campaign"], outcome(r), _detail(r)) for r in records
                  if outcome(r) in ("VIOLATION", "MISSED", "RESOURCE ERROR")]
+    attention += [(s["campaign"], "VIOLATION", f"found before the shard was interrupted; trace: {s['trace']}")
+                  for s in summary.get("saved_at_interruption", []) if s["expect"] == "clean"]
     attention += [(c, "CRASHED", "its worker died; the shard's artifact holds the rescued trace") for c in summary["crashed"]]
     if attention:
         lines += ["**Needs a look**", "", "| campaign | result | detail |", "|---|---|---|"]

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from fuzz.merge import main as merge_main
-from fuzz.merge import merge
+from fuzz.merge import merge, unexpected_traces, verdict
 from fuzz.options import fuzz_options
 from fuzz.plugin import _campaigns
 from fuzz.reports import junit_xml, markdown
@@ -224,6 +224,18 @@ def test_a_resource_error_is_a_junit_error_and_a_row_to_look_at_never_a_verdict(
     assert ("| `ring-tiny-cuda-controlled-k-torch-shard0` | RESOURCE ERROR | not judged: CUDA out of memory"
             in markdown(merged))
 
+
+def test_a_finding_saved_when_a_shard_was_interrupted_is_carried_into_every_report():
+    campaign = "per_call-tiny-sim-k-torch-shard0"
+    saved = {"campaign": campaign, "expect": "clean", "trace": "repro/failures/per_call-tiny-0123456789abcdef.json"}
+    shard = {**shard_summary([], not_run=[campaign], partial=True), "saved_at_interruption": [saved]}
+    _, merged, sources = merge([("a", shard)])
+    assert merged["saved_at_interruption"] == [saved] and merged["not_run"] == [campaign]
+    assert merged["totals"]["unexpected"] == 1 and verdict(merged) == 1
+    assert unexpected_traces(merged) == [saved["trace"]]
+    failure = check_junit(junit_xml(merged, sources)).find(".//failure")
+    assert failure.get("message") == f"found before its shard was interrupted; trace: {saved['trace']}"
+    assert f"| `{campaign}` | VIOLATION | found before the shard was interrupted; trace: {saved['trace']} |" in markdown(merged)
 
 def test_the_merge_runs_on_the_standard_library_alone(tmp_path):
     """The workflow's report job installs nothing: torch, Hypothesis and numpy are unimportable here."""

@@ -619,6 +619,58 @@ def test_ctrl_c_before_any_campaign_ended_writes_a_partial_summary_of_what_did_n
     assert not trace_files(tmp_path)  # nothing found, no trace written
 
 
+INTERRUPTER = """
+import os
+import signal
+
+from zeroer.designs import SingleBufferZeroer
+
+CALLS = [0]
+
+
+class InterruptingSingleBuffer(SingleBufferZeroer):
+    \"\"\"single_buffer's race (found within a few examples), and Ctrl-C to the whole run, its
+    process group, at its 300th call in this process: after the finding, while it is shrunk.\"\"\"
+
+    def zero_block_ids(self, block_ids):
+        CALLS[0] += 1
+        if CALLS[0] == 300:
+            os.killpg(os.getpgrp(), signal.SIGINT)
+        super().zero_block_ids(block_ids)
+
+
+def make(cache, runtime):
+    return InterruptingSingleBuffer(cache, runtime, kernel="torch")
+
+
+make.capabilities = InterruptingSingleBuffer.capabilities
+"""
+
+
+def test_ctrl_c_after_a_worker_found_something_reports_the_saved_finding_and_exits_1(tmp_path):
+    """Under -n 2 the worker that was cut off after a finding saves its program so far, but its
+    note on the interruption never reaches the controller: the controller's summary still names
+    the trace, and a finding on a zeroer that must be clean makes the run exit 1, not 2."""
+    (tmp_path / "interrupter.py").write_text(INTERRUPTER)
+    summary = tmp_path / "summary.json"
+    args = ["fuzz", "-q", "-n", "2", "-p", "no:cacheprovider", "--backend", "sim",
+            "--zeroer", f"{tmp_path / 'interrupter.py'}:make", "--geometry", "tiny", "-k", "not x2",
+            "--fuzz-profile", "nightly", "--fuzz-minutes", "5", "--repro-dir", str(tmp_path / "traces"),
+            "--fuzz-summary", str(summary), "--fuzz-db", str(tmp_path / "db")]
+    run = start_subprocess(ROOT, clean_env(ROOT), args, tmp_path / "output.txt")
+    code, _ = run.wait(240) or (None, None)
+    text = run.text()
+    assert code == 1, text
+    data = json.loads(summary.read_text())
+    saved = data["saved_at_interruption"]
+    assert data["totals"]["partial"] and saved and data["totals"]["unexpected"] >= len(saved), data
+    for entry in saved:
+        assert entry["expect"] == "clean" and entry["campaign"] in data["not_run"]
+        assert f"{entry['campaign']}: VIOLATION before the interruption" in text
+        trace = load_trace(Path(entry["trace"]))
+        assert trace.campaign == entry["campaign"] and replay(trace.config, trace.ops)[0]
+
+
 # A SIGINT that lands in a weakref callback, where CPython cannot raise: the KeyboardInterrupt is
 # printed as "Exception ignored" and dropped.
 DROPPED_IN_A_CALLBACK = """

@@ -49,16 +49,20 @@ def is_unexpected(record: dict) -> bool:
 
 
 def render_summary(records: list[dict], profile: str, *, selected: list[str] | None = None,
-                   crashed: list[str] | None = None, partial: bool = False) -> tuple[str, dict]:
+                   crashed: list[str] | None = None, partial: bool = False,
+                   saved: list[dict] | None = None) -> tuple[str, dict]:
     """The summary's text and JSON. ``selected`` are the campaigns the run was to run: those with
     no result crashed (``crashed``: xdist reported their worker dead) or never ran (an
-    interrupted run, ``partial``)."""
+    interrupted run, ``partial``). ``saved``: ``{"campaign", "expect", "trace"}`` of each campaign
+    that Ctrl-C cut off after a finding, whose program so far was saved (still listed as not run:
+    it did not end); such a finding on a race-free design is unexpected, as at a campaign's end."""
     records = sorted(records, key=lambda r: r["campaign"])
     done = {r["campaign"] for r in records}
     crashed = sorted(set(crashed or ()))
     not_run = sorted(c for c in (selected or ()) if c not in done and c not in crashed)
     resources = [r for r in records if r.get("resource_error")]
     unexpected = [r for r in records if is_unexpected(r)]
+    saved = sorted(saved or (), key=lambda s: s["campaign"])
     totals = {
         "profile": profile,
         "partial": partial,
@@ -68,8 +72,8 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
         "examples": sum(r["examples"] for r in records),
         "steps": sum(r["steps"] for r in records),
         "seconds": round(sum(r["seconds"] for r in records), 3),
-        "findings": sum(1 for r in records if r["found"]),
-        "unexpected": len(unexpected),
+        "findings": sum(1 for r in records if r["found"]) + len(saved),
+        "unexpected": len(unexpected) + sum(1 for s in saved if s["expect"] == "clean"),
         "resource_errors": len(resources),
     }
     lines = [
@@ -79,6 +83,10 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
         + (f", {len(resources)} resource errors (not judged)" if resources else "")
         + (f", {len(not_run)} not run (interrupted)" if partial and not_run else "")
     ]
+    for s in saved:
+        verdict = "found (expected)" if s["expect"] == "finds" else "VIOLATION"
+        lines.append(f"  {s['campaign']}: {verdict} before the interruption; its program so far (maybe not fully "
+                     f"shrunk) -> {s['trace']}")
     for campaign in crashed:
         lines.append(f"  {campaign}: CRASHED (its worker died; see the failure above for the saved trace)")
     for r in records:
@@ -93,6 +101,8 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
         elif r["expect"] == "finds":
             lines.append(f"  {r['campaign']}: MISSED a known race in {r['examples']} examples")
     data = {"totals": totals, "campaigns": records, "crashed": crashed, "not_run": not_run}
+    if saved:
+        data["saved_at_interruption"] = saved
     return "\n".join(lines), data
 
 
