@@ -10,6 +10,9 @@ numbers through ``pytest.exit``) exits
 * :data:`INTERNAL` (3): an unexpected exception, which is a bug in this tool: one line that says
   so, with the exception, and how to see the traceback.
 
+A :class:`fuzz.engine.harness_error.HarnessError` (the harness could not follow or run a zeroer)
+prints its own one line and exits with its own status, 2 or 3.
+
 :func:`run_main` maps exceptions to those statuses: a :class:`UsageError` (which ``TraceError``,
 ``RegenerateError``, ``DetectUsageError`` and ``BaselineUsageError`` are) or a
 :class:`zeroer.errors.ZeroerError` (an unknown geometry, zeroer spec or backend) is a usage error;
@@ -114,10 +117,16 @@ def run_main(main: Callable[[list[str]], int], argv: Sequence[str] | None, prog:
     debug = DEBUG_FLAG in argv[:end]
     if debug:
         argv = [a for i, a in enumerate(argv) if not (a == DEBUG_FLAG and i < end)]
+    from fuzz.engine.harness_error import HarnessError  # one step down, imported when a command runs
+
     try:
         return main(argv)
     except USAGE_ERRORS as error:
         return _report(usage_message(error), USAGE, debug)
+    except HarnessError as error:  # the harness could not follow or run the zeroer: its own one line and status
+        if debug:
+            print(error.details, file=sys.stderr, end="")
+        return _report(f"{prog}: {error.message}", error.status, False)
     except KeyboardInterrupt:
         return _report(f"{prog}: interrupted", INTERRUPTED, debug)
     except Exception as error:  # noqa: BLE001 - the point: a bug says so in one line, not a traceback

@@ -13,7 +13,8 @@ table for ``$GITHUB_STEP_SUMMARY`` (:mod:`fuzz.reports`), ``--unexpected-traces`
 paths of the unexpected findings, one a line (the nightly workflow replays them on later nights).
 The text summary goes to stdout. Exit status: 0 when every design came out clean and every
 self-check found its race, 1 when not (an unexpected finding, a missed self-check or a crash),
-2 bad input (one line on stderr).
+2 bad input (one line on stderr), or only resource errors or harness errors the user can act on,
+3 when a harness error is a bug of kvzero-fuzz.
 
 Only the standard library is needed, so a report job needs no torch and no Hypothesis.
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from fuzz.atomic_file import write_json_atomically, write_text_atomically
 from fuzz.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
-from fuzz.engine.summary import render_summary
+from fuzz.engine.summary import harness_status, render_summary
 from fuzz.reports import junit_xml, markdown
 
 RECORD_FIELDS = ("campaign", "expect", "found", "examples", "steps", "seconds")
@@ -100,9 +101,13 @@ def unexpected_traces(summary: dict) -> list[str]:
 
 def verdict(summary: dict) -> int:
     """0 when every design came out clean and every self-check found its race; 1 on an unexpected
-    result or a crash; 2 when only resource errors (the GPU out of memory) stood in the way."""
+    result or a crash; else 3 or 2 when harness errors stood in the way (fuzz.engine.harness_error:
+    3 when one is a bug of kvzero-fuzz), 2 when only resource errors did (the GPU out of memory)."""
     if summary["totals"]["unexpected"] or summary["crashed"]:
         return FINDING
+    harness = harness_status(summary["campaigns"])
+    if harness:
+        return harness
     return USAGE if summary["totals"].get("resource_errors") else CLEAN  # GPU out of memory: no verdict (fuzz.engine.resources)
 
 

@@ -42,6 +42,7 @@ class FuzzOptions:
     geometries: tuple[str, ...] | None = None  # --geometry; None: each zeroer's default
     shard: tuple[int, int] | None = None  # --fuzz-shard i/N: this run's share of the campaigns
     database: str = ".hypothesis/fuzz-db"  # --fuzz-db: DIR, redis://host:port/N or DIR,redis://host:port/N
+    debug: bool = False  # --fuzz-debug: tracebacks of usage and harness errors
 
 
 def parse_backend(value: str, cuda_available: bool) -> str:
@@ -210,6 +211,7 @@ def fuzz_options(config: pytest.Config) -> FuzzOptions:
         geometries=parse_geometries(config.getoption("fuzz_geometry"), zeroer),
         shard=parse_shard(config.getoption("fuzz_shard")),
         database=database,
+        debug=bool(config.getoption("fuzz_debug", False)),
     )
 
 

@@ -38,7 +38,7 @@ interrupts.install()
 
 from fuzz.engine.campaigns import Campaign, default_campaigns  # noqa: E402
 from fuzz.engine.journal import Journal, rescue  # noqa: E402
-from fuzz.engine.summary import is_unexpected, render_summary, write_summary  # noqa: E402
+from fuzz.engine.summary import harness_status, is_unexpected, render_summary, write_summary  # noqa: E402
 from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker  # noqa: E402
 from fuzz.cli import USAGE as USAGE_EXIT  # noqa: E402
 from fuzz.trace import read_trace  # noqa: E402
@@ -79,6 +79,8 @@ class _Run:
             "MISSED" if record["expect"] == "finds" else "clean")
         if record.get("resource_error"):
             verdict = "RESOURCE ERROR (GPU out of memory, not judged)"
+        elif record.get("harness_error"):
+            verdict = "HARNESS ERROR (not judged)"
         reporter.ensure_newline()
         reporter.write_line(
             f"[{len(self.results)}/{total}] {record['campaign']}: {verdict}, {record['examples']} examples, "
@@ -112,7 +114,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--fuzz-summary", dest="fuzz_summary", default="repro/summary.json", help="where the run's JSON summary is written")
     add("--fuzz-journal", dest="fuzz_journal", default="auto", help="save each op before it runs, so a crashed worker leaves its trace: auto (on for cuda), on or off")
     add("--fuzz-shard", dest="fuzz_shard", default=None, help="i/N: run the i-th of N disjoint shares of the campaigns (a sharded nightly)")
-    add("--fuzz-debug", dest="fuzz_debug", action="store_true", default=False, help="show the traceback of a usage error (pytest's own --debug writes its log)")
+    add("--fuzz-debug", dest="fuzz_debug", action="store_true", default=False, help="show the traceback of a usage or harness error (pytest's own --debug writes its log)")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -255,9 +257,9 @@ def fuzz_cuda_device(request: pytest.FixtureRequest) -> int | None:
 
     if not torch.cuda.is_available():
         return None
-    device = gpu_for_worker(os.environ.get("PYTEST_XDIST_WORKER"), torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
+    # Selected by the campaign itself (fuzz.test_campaigns), where a GPU out of memory is a
+    # resource error of the campaign rather than a pytest error with a traceback.
+    return gpu_for_worker(os.environ.get("PYTEST_XDIST_WORKER"), torch.cuda.device_count())
 
 
 @pytest.fixture
@@ -320,10 +322,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if interrupted and (any(r["found"] != (r["expect"] == "finds") and r["found"] for r in run.results)
                         or any(s["expect"] == "clean" for s in run.saved)):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    # The GPU ran out of memory (fuzz.engine.resources) and nothing else went wrong: a resource
-    # error, status 2 (run fewer workers), not 1, which would say the fuzzer found something.
-    if any(r.get("resource_error") for r in run.results) and not any(map(is_unexpected, run.results)) and not run.crashed and not interrupted:
-        session.exitstatus = USAGE_EXIT
+    # No verdict where something stood in the way and nothing else went wrong: the harness could
+    # not follow or run the zeroer (fuzz.engine.harness_error: 3, or 2 where the user can act),
+    # the GPU ran out of memory (fuzz.engine.resources: 2, run fewer workers); never 1, which
+    # would say the fuzzer found something.
+    if not any(map(is_unexpected, run.results)) and not run.crashed and not interrupted:
+        statuses = [harness_status(run.results) or 0] + [USAGE_EXIT for r in run.results if r.get("resource_error")]
+        if max(statuses):
+            session.exitstatus = max(statuses)
 
 
 def _saved_at_interruption(run: _Run, options: FuzzOptions) -> list[dict]:

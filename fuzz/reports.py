@@ -7,7 +7,8 @@ Every campaign is one JUnit ``testcase`` (class ``fuzz.<backend>``, name the cam
 
 * an unexpected finding (a race in a design that must be clean): ``<failure type="finding">``;
 * a missed self-check (the fuzzer did not find a known race): ``<failure type="missed self-check">``;
-* a crashed worker: ``<error type="crashed">``;
+* a crashed worker: ``<error type="crashed">``; the GPU out of memory: ``<error type="resource
+  error">``; the harness unable to follow or run the zeroer: ``<error type="harness error">``;
 * a campaign that did not run (skipped, or its shard was interrupted): ``<skipped>``;
 * anything else passes; the counts, seeds and trace go to its ``<system-out>``.
 
@@ -26,10 +27,13 @@ FINDINGS_SHOWN = 5
 
 
 def outcome(record: dict) -> str:
-    """One word for a campaign's result: ``clean``, ``found``, ``VIOLATION``, ``MISSED``, or
-    ``RESOURCE ERROR`` (the GPU ran out of memory: not judged, as in the run's own summary)."""
+    """One word for a campaign's result: ``clean``, ``found``, ``VIOLATION``, ``MISSED``,
+    ``RESOURCE ERROR`` (the GPU ran out of memory) or ``HARNESS ERROR`` (the harness could not
+    follow or run the zeroer): the last two not judged, as in the run's own summary."""
     if record.get("resource_error"):
         return "RESOURCE ERROR"
+    if record.get("harness_error"):
+        return "HARNESS ERROR"
     if record["found"]:
         return "found" if record["expect"] == "finds" else "VIOLATION"
     return "MISSED" if record["expect"] == "finds" else "clean"
@@ -48,6 +52,8 @@ def _detail(record: dict) -> str:
     lines = []
     if record.get("resource_error"):
         lines.append(f"not judged: {record['resource_error']}; run fewer workers (-n) on this GPU")
+    elif record.get("harness_error"):
+        lines.append(f"not judged: {record['harness_error']}")
     elif record["found"]:
         lines += record.get("findings", [])[:FINDINGS_SHOWN]
         if not record.get("reproduced", True):
@@ -102,6 +108,9 @@ def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
             out = f"{verdict}: {_counts(record)}"
             if verdict == "RESOURCE ERROR":
                 ET.SubElement(case, "error", type="resource error", message=detail[:300])
+            elif verdict == "HARNESS ERROR":
+                error = ET.SubElement(case, "error", type="harness error", message=detail[:300])
+                error.text = record.get("harness_details") or detail
             elif verdict in ("VIOLATION", "MISSED"):
                 kind_of = "finding" if verdict == "VIOLATION" else "missed self-check"
                 failure = ET.SubElement(case, "failure", type=kind_of, message=(detail.splitlines() or [verdict])[0][:300])
@@ -150,7 +159,7 @@ def markdown(summary: dict, title: str = "kvzero-fuzz") -> str:
              f"| {t['campaigns']} | {t['examples']:,} | {t['steps']:,} | {t['findings']} | {t['unexpected']} | "
              f"{t['crashed']} | {t['not_run']} | {t['seconds']:,} |", ""]
     attention = [(r["campaign"], outcome(r), _detail(r)) for r in records
-                 if outcome(r) in ("VIOLATION", "MISSED", "RESOURCE ERROR")]
+                 if outcome(r) in ("VIOLATION", "MISSED", "RESOURCE ERROR", "HARNESS ERROR")]
     attention += [(s["campaign"], "VIOLATION", f"found before the shard was interrupted; trace: {s['trace']}")
                   for s in summary.get("saved_at_interruption", []) if s["expect"] == "clean"]
     attention += [(c, "CRASHED", "its worker died; the shard's artifact holds the rescued trace") for c in summary["crashed"]]

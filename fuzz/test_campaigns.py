@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.engine.campaigns import Campaign, run_campaign
+from fuzz.engine.campaigns import Campaign, CampaignResult, run_campaign
 from fuzz.engine.database import example_database
+from fuzz.engine.harness_error import HarnessError, harness_error
+from fuzz.engine.resources import ResourceExhausted, raise_if_out_of_memory
 from fuzz.engine.summary import result_record
 from fuzz.timeline import write_timeline
 
@@ -20,7 +22,7 @@ def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fu
     options = fuzz_options_fixture
     if campaign.config.backend == "cuda":
         campaign = replace(campaign, config=replace(campaign.config, device=fuzz_cuda_device))
-    result = run_campaign(
+    result = _set_up(campaign) or run_campaign(
         campaign,
         options.profile,
         options.repro_dir,
@@ -35,6 +37,9 @@ def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fu
     record_property("fuzz", json.dumps(record))
     if result.resource_error:  # neither a finding nor clean (fuzz.engine.resources)
         pytest.fail(f"resource error, not judged: {result.resource_error}", pytrace=False)
+    if result.harness_error:  # neither a finding nor clean (fuzz.engine.harness_error)
+        debug = f"\n{result.harness_details}" if options.debug and result.harness_details else ""
+        pytest.fail(result.harness_error + debug, pytrace=False)
     replay = f"python -m repro replay {result.trace_path}" if result.trace_path else ""
     if campaign.expect == "clean":
         if result.found:
@@ -51,6 +56,27 @@ def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fu
         )
     caller_fault = campaign.config.caller_fault is not None
     assert all(f.caller_fault == caller_fault for f in result.violation.findings)
+
+
+def _set_up(campaign: Campaign) -> CampaignResult | None:
+    """Select the campaign's GPU. A failure here is no verdict: the GPU out of memory (another job
+    on the card) is a resource error, anything else a harness error; None when all is well."""
+    if campaign.config.device is None:
+        return None
+    import torch
+
+    try:
+        try:
+            torch.cuda.set_device(campaign.config.device)
+        except Exception as error:
+            raise_if_out_of_memory(error, "selecting the campaign's GPU")
+            raise harness_error(error, f"selecting GPU {campaign.config.device} for the campaign") from error
+    except ResourceExhausted as error:
+        return CampaignResult(campaign, resource_error=str(error))
+    except HarnessError as error:
+        return CampaignResult(campaign, harness_error=error.message, harness_status=error.status,
+                              harness_details=error.details)
+    return None
 
 
 def _timeline(trace: Path) -> str | None:

@@ -20,6 +20,7 @@ PACKAGES = ("zeroer", "fuzz", "repro")
 # specific prefix listed here that names a module.
 RULES: dict[str, tuple[str, ...]] = {
     "zeroer.errors": (),
+    "zeroer.origin": ("zeroer.errors",),
     "zeroer.cache": ("zeroer.errors",),
     "zeroer.runtime": ("zeroer.errors",),
     "zeroer.protocol": ("zeroer.errors", "zeroer.cache"),
@@ -28,7 +29,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "zeroer.designs": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol"),
     "zeroer.zoo": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol",
                    "zeroer.designs"),
-    "zeroer.intercept": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.protocol", "zeroer.triton_cpu"),
+    "zeroer.intercept": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.protocol", "zeroer.triton_cpu",
+                         "zeroer.origin"),
     "zeroer.registry": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.protocol", "zeroer.designs",
                         "zeroer.zoo", "zeroer.intercept"),
     "fuzz.engine": ("zeroer", "fuzz.atomic_file", "fuzz.trace", "fuzz.environment", "fuzz.interrupts"),

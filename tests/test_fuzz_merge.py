@@ -32,6 +32,7 @@ def options_for(backend: str, shard: str | None):
         "fuzz_backend": "sim", "cuda_mode": "both", "zeroer": None, "fuzz_profile": "quick", "fuzz_minutes": None,
         "repro_dir": "repro/failures", "fuzz_db": ".hypothesis/fuzz-db", "fuzz_summary": "repro/summary.json",
         "fuzz_journal": "auto", "hypothesis_seed": None, "fuzz_geometry": None, "fuzz_shard": shard,
+        "fuzz_debug": False,
     }
     options = fuzz_options(SimpleNamespace(getoption=lambda name, default=None: values[name]))
     return dataclasses.replace(options, backends=[backend])  # cuda's list is built without a GPU
@@ -142,7 +143,7 @@ def test_merging_three_collected_shards_gives_the_campaign_list_of_an_unsharded_
         "examples": 10 * (len(unsharded) - 2), "steps": 100 * (len(unsharded) - 2),
         "seconds": round(1.5 * (len(unsharded) - 2), 3),
         "findings": 1 + sum(1 for r in merged["campaigns"] if r["expect"] == "finds"), "unexpected": 1,
-        "resource_errors": 0,
+        "resource_errors": 0, "harness_errors": 0,
     }
     assert (out / "traces.txt").read_text() == f"repro/failures/{racy}.json\n"
 
@@ -223,6 +224,32 @@ def test_a_resource_error_is_a_junit_error_and_a_row_to_look_at_never_a_verdict(
         "resource error", "not judged: CUDA out of memory; run fewer workers (-n) on this GPU")
     assert ("| `ring-tiny-cuda-controlled-k-torch-shard0` | RESOURCE ERROR | not judged: CUDA out of memory"
             in markdown(merged))
+
+
+@pytest.mark.parametrize("status", [2, 3])
+def test_a_harness_error_is_a_junit_error_and_a_row_to_look_at_and_exits_with_its_status(status):
+    """A campaign the harness could not run reached no verdict: never a finding, never clean."""
+    message = "harness error at step 1 in the zeroer's warmup, not a finding: InterceptError: planted"
+    stuck = {**fake_record("mine.py:make-tiny-sim-shard0"), "found": False, "harness_error": message,
+             "harness_status": status, "harness_details": "Traceback (most recent call last): planted"}
+    clean = fake_record("per_call-tiny-sim-k-torch-shard0")
+    _, merged, sources = merge([("a", shard_summary([stuck, clean]))])
+    assert merged["totals"]["unexpected"] == 0 and merged["totals"]["harness_errors"] == 1
+    assert verdict(merged) == status
+    root = check_junit(junit_xml(merged, sources))
+    assert root.get("failures") == "0" and root.get("errors") == "1"
+    error = root.find(".//error")
+    assert (error.get("type"), error.get("message"), error.text) == (
+        "harness error", f"not judged: {message}", "Traceback (most recent call last): planted")
+    assert f"| `mine.py:make-tiny-sim-shard0` | HARNESS ERROR | not judged: {message}" in markdown(merged)
+
+
+def test_an_unexpected_finding_outranks_a_harness_error_in_the_exit_status():
+    stuck = {**fake_record("mine.py:make-tiny-sim-shard0"), "found": False, "harness_error": "planted",
+             "harness_status": 3}
+    violation = {**fake_record("per_call-tiny-sim-k-torch-shard0"), "found": True}
+    _, merged, _ = merge([("a", shard_summary([stuck, violation]))])
+    assert verdict(merged) == 1
 
 
 def test_a_finding_saved_when_a_shard_was_interrupted_is_carried_into_every_report():

@@ -38,6 +38,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from hypothesis.statistics import collector
 
 from fuzz.engine.episode import EpisodeConfig, count_shown, run_ops
+from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.journal import Journal
 from fuzz.engine.machine import BudgetSpent, CampaignStats, ZeroerViolation, machine_for
 from fuzz.engine.minimize import minimize
@@ -151,6 +152,9 @@ class CampaignResult:
     reproduction: dict | None = None  # free-running findings: replays on the spot (measure_reproduction)
     found_in_phase: str | None = None  # "reuse": replayed from the example database; "generate": new
     resource_error: str | None = None  # the GPU ran out of memory: neither a finding nor clean
+    harness_error: str | None = None  # the harness could not follow or run the zeroer: not a verdict
+    harness_status: int | None = None  # 2: the user can act on it; 3: a bug of kvzero-fuzz
+    harness_details: str | None = None  # its traceback
 
     @property
     def found(self) -> bool:
@@ -300,6 +304,8 @@ def run_campaign(
         pass  # the clock ran out with nothing found
     except ResourceExhausted as error:  # no verdict either way (fuzz.engine.resources)
         result.resource_error = str(error)
+    except HarnessError as error:  # no verdict either way (fuzz.engine.harness_error)
+        result.harness_error, result.harness_status, result.harness_details = error.message, error.status, error.details
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM, maybe while shrinking: keep what was found
         _save_interrupted(stop, stats.smallest, repro_dir, run_seed, campaign)
         raise

@@ -44,13 +44,13 @@ import numpy as np
 import torch
 
 from fuzz.engine.cache_pool import CachePool
+from fuzz.engine.harness_error import harness_error, raise_if_harness
 from fuzz.engine.ops import OPS, check_op
 from fuzz.engine.oracle import Finding, Shadow, all_rows_match
 from fuzz.engine.resources import raise_if_out_of_memory
 from fuzz.interrupts import interrupted
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import CacheSpec, KVCache, build_cache
-from zeroer.errors import ZeroerError
 from zeroer.protocol import BoundZeroer
 from zeroer.registry import kernel_options, load_zeroer
 from zeroer.runtime import Event, make_runtime
@@ -249,8 +249,9 @@ class Episode:
             _stop_if_interrupted(error)
             raise_if_out_of_memory(error, "running queued device work")
             origin = _failing_op(error)
-            if origin is None or origin.startswith(_HARNESS_OPS):
-                raise
+            if origin is None or origin.startswith(_HARNESS_OPS):  # the caller's own device work
+                raise harness_error(error, f"the harness's queued op {origin or '(unknown)'}", step=self.step) from error
+            raise_if_harness(error, f"the zeroer's queued op {origin}", step=self.step)
             raise ZeroerRaised(_raised_finding(self, f"its queued op {origin}", error)) from error
 
     # -- ops ---------------------------------------------------------------------------------
@@ -439,7 +440,8 @@ class Episode:
         try:
             for group in self.groups:
                 if group.zeroer is not None:
-                    group.zeroer.close()
+                    with self._zeroer_call(group, "close"):
+                        group.zeroer.close()
         finally:
             self.rt.close()
             self.finished = True
@@ -515,10 +517,12 @@ class _ZeroerCall:
             return False
         _stop_if_interrupted(error)
         raise_if_out_of_memory(error, f"in {self._what}")
-        if isinstance(error, ZeroerError) and not _from_zeroer_code(error):
-            return False  # the harness refusing something (an unroutable call, a bad spec): not a finding
-        group_label = self._group.label(len(self._episode.groups) > 1)
-        raise ZeroerRaised(_raised_finding(self._episode, f"{group_label}{self._what}", error)) from error
+        many = len(self._episode.groups) > 1
+        what = self._group.label(many) + self._what
+        # An unroutable call, a simulator gap, a clash in the runtime: the harness's, not a finding.
+        raise_if_harness(error, f"the zeroer's {self._what.removeprefix('its ')}" + (f" (cache {self._group.index})" if many else ""),
+                         step=self._episode.step)
+        raise ZeroerRaised(_raised_finding(self._episode, what, error)) from error
 
 
 def _stop_if_interrupted(error: BaseException) -> None:
@@ -526,15 +530,6 @@ def _stop_if_interrupted(error: BaseException) -> None:
     KeyboardInterrupt (the zeroer's, a library's) may have turned it into this one."""
     if interrupted():
         raise KeyboardInterrupt("the run was interrupted") from error
-
-
-def _from_zeroer_code(error: BaseException) -> bool:
-    """ZeroerError subclasses the designs raise for bad input are theirs; the interception's and
-    the registry's are the harness's (InterceptError, ZeroerSpecError)."""
-    from zeroer.intercept.errors import InterceptError
-    from zeroer.protocol import ZeroerSpecError
-
-    return not isinstance(error, (InterceptError, ZeroerSpecError))
 
 
 def _failing_op(error: BaseException) -> str | None:

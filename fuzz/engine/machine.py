@@ -39,6 +39,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 
 from fuzz.engine.cache_pool import CachePool
 from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised
+from fuzz.engine.harness_error import harness_error
 from fuzz.engine.journal import Journal
 from fuzz.engine.ops import IDS_AS, THEN
 from fuzz.engine.oracle import Finding
@@ -135,7 +136,7 @@ class ZeroerMachine(RuleBasedStateMachine):
             self._fail([error.finding], [])
         except Exception as error:  # the harness building caches may run the GPU out of memory
             raise_if_out_of_memory(error, "building the episode's caches")
-            raise
+            raise harness_error(error, "building the episode") from error
         self._may_reallocate = self.episode.loaded.capabilities.follows_reallocation
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -150,9 +151,9 @@ class ZeroerMachine(RuleBasedStateMachine):
         except ZeroerRaised as error:
             self._fail(list(episode.findings), list(episode.trace))
             raise AssertionError("unreachable") from error  # _fail raised
-        except Exception as error:
+        except Exception as error:  # the zeroer's own calls are judged in the episode: this is the harness's
             raise_if_out_of_memory(error, f"in op {op.get('op')!r}")
-            raise
+            raise harness_error(error, f"op {op.get('op')!r}", step=len(episode.trace)) from error
         # Happens-before hazards are checked after every op, so a shrunk program stops at the op
         # that raised the first one (here rather than in an @invariant: that machinery cost 5 to
         # 7% of a campaign's time, and every step is an op).
@@ -289,6 +290,7 @@ class ZeroerMachine(RuleBasedStateMachine):
             episode.abandon()
             if isinstance(error, Exception):  # the oracle's reads may run the GPU out of memory
                 raise_if_out_of_memory(error, "judging the episode")
+                raise harness_error(error, "judging the episode", step=len(episode.trace)) from error
             raise
         if findings:
             self._fail(findings, list(episode.trace))

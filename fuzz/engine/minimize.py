@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from fuzz.engine.cache_pool import CachePool
 from fuzz.engine.episode import EpisodeConfig, run_ops
+from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.machine import ZeroerViolation
 from fuzz.engine.ops import FIELDS
 from fuzz.engine.oracle import Finding
@@ -29,6 +30,8 @@ def _shows(config: EpisodeConfig, ops: list[dict], kind: str) -> list[Finding] |
     try:
         findings = run_ops(config, ops, caches=_POOL if config.backend == "sim" else None)
     except ValueError:  # no longer a valid program (an op on a block nothing allocated)
+        return None
+    except HarnessError:  # a smaller program the harness cannot run shows nothing: keep the larger one
         return None
     return findings if findings and findings[0].kind == kind else None
 

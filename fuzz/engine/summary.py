@@ -39,13 +39,29 @@ def result_record(result: CampaignResult) -> dict:
         "trace_ops": None if violation is None else len(violation.trace),
         "findings": [] if violation is None else [str(f) for f in violation.findings[:5]],
         "resource_error": result.resource_error,
+        "harness_error": result.harness_error,
+        "harness_status": result.harness_status,
+        "harness_details": result.harness_details,
     }
+
+
+def not_judged(record: dict) -> bool:
+    """A campaign that reached no verdict: the GPU ran out of memory, or the harness could not
+    follow or run the zeroer (fuzz.engine.resources, fuzz.engine.harness_error)."""
+    return bool(record.get("resource_error") or record.get("harness_error"))
+
+
+def harness_status(records: list[dict]) -> int | None:
+    """The exit status the run's harness errors call for: 3 if any is a bug of ours, 2 if each is
+    the user's to act on, None without any."""
+    statuses = [r.get("harness_status") or 3 for r in records if r.get("harness_error")]
+    return max(statuses) if statuses else None
 
 
 def is_unexpected(record: dict) -> bool:
     """A judged campaign whose result is not what it expected: a finding on a race-free zeroer or
-    a missed known race (a resource error is not judged)."""
-    return record["found"] != (record["expect"] == "finds") and not record.get("resource_error")
+    a missed known race (a resource or harness error is not judged)."""
+    return record["found"] != (record["expect"] == "finds") and not not_judged(record)
 
 
 def render_summary(records: list[dict], profile: str, *, selected: list[str] | None = None,
@@ -61,6 +77,7 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
     crashed = sorted(set(crashed or ()))
     not_run = sorted(c for c in (selected or ()) if c not in done and c not in crashed)
     resources = [r for r in records if r.get("resource_error")]
+    harness = [r for r in records if r.get("harness_error")]
     unexpected = [r for r in records if is_unexpected(r)]
     saved = sorted(saved or (), key=lambda s: s["campaign"])
     totals = {
@@ -75,12 +92,14 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
         "findings": sum(1 for r in records if r["found"]) + len(saved),
         "unexpected": len(unexpected) + sum(1 for s in saved if s["expect"] == "clean"),
         "resource_errors": len(resources),
+        "harness_errors": len(harness),
     }
     lines = [
         f"profile {profile}: {totals['campaigns']} campaigns, {totals['examples']} examples, "
         f"{totals['steps']} steps, {totals['findings']} with findings, {totals['unexpected']} unexpected"
         + (f", {len(crashed)} crashed" if crashed else "")
         + (f", {len(resources)} resource errors (not judged)" if resources else "")
+        + (f", {len(harness)} harness errors (not judged)" if harness else "")
         + (f", {len(not_run)} not run (interrupted)" if partial and not_run else "")
     ]
     for s in saved:
@@ -92,6 +111,8 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
     for r in records:
         if r.get("resource_error"):
             lines.append(f"  {r['campaign']}: RESOURCE ERROR, not judged: {r['resource_error']}")
+        elif r.get("harness_error"):
+            lines.append(f"  {r['campaign']}: HARNESS ERROR, not judged: {r['harness_error']}")
         elif r["found"]:
             verdict = "found (expected)" if r["expect"] == "finds" else "VIOLATION"
             flaky = "" if r.get("reproduced", True) else " (did not show again on replay: timing-dependent)"

@@ -26,8 +26,10 @@ import torch
 from zeroer.cache.layout import KVCache, SegmentTable
 from zeroer.intercept.sim_memory import SIM_DEVICE, Allocation
 from zeroer.intercept.sim_tensor import SimCudaTensor
+from zeroer.origin import documented
 
 
+@documented
 class SimCacheView:
     """See the module docstring."""
 

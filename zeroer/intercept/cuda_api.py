@@ -32,9 +32,11 @@ from typing import Any, Iterator
 import torch
 
 from zeroer.intercept.errors import unroutable
+from zeroer.origin import stand_in
 from zeroer.runtime import Event, Runtime, Stream
 
 
+@stand_in
 class StreamProxy:
     """``torch.cuda.Stream`` over a runtime stream (each session makes a subclass bound to it)."""
 
@@ -105,6 +107,7 @@ class StreamProxy:
         self._api._contexts.pop().__exit__(*exc)
 
 
+@stand_in
 class EventProxy:
     """``torch.cuda.Event`` over a runtime event (each session makes a subclass bound to it)."""
 
@@ -151,6 +154,7 @@ class EventProxy:
         return f"<torch.cuda.Event (intercepted) {self.runtime_event!r}>"
 
 
+@stand_in
 class _StreamContext:
     """``torch.cuda.stream(s)``: make ``s`` current inside (None: no change)."""
 
@@ -164,6 +168,7 @@ class _StreamContext:
         self._scope.__exit__(*exc)
 
 
+@stand_in
 class _DeviceContext:
     """``torch.cuda.device(i)`` on the simulator: there is one device, 0."""
 

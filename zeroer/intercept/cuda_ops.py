@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from zeroer.intercept.errors import unroutable
+from zeroer.intercept.errors import forward, unroutable
 from zeroer.intercept.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
 from zeroer.runtime import Stream
 
@@ -77,10 +77,12 @@ class CudaOps(TorchDispatchMode):
         device = kwargs.get("device")
         on_device = bool(tensors) or (device is not None and torch.device(device).type == "cuda")
         if not on_device:
-            return func(*args, **kwargs)  # host work: the zeroer's own business
+            return forward(func, *args, **kwargs)  # host work: the zeroer's own business
         what = kind(func)
+        if func is torch.ops.aten.record_stream.default:
+            return forward(func, *args, **kwargs)  # the allocator's bookkeeping, on the host, now
         if what in ("view", "alloc"):
-            result = func(*args, **kwargs)
+            result = forward(func, *args, **kwargs)
             if what == "alloc":
                 self._fresh([result])
             return result
@@ -103,7 +105,7 @@ class CudaOps(TorchDispatchMode):
         box: list[Any] = []
 
         def issue() -> None:
-            box.append(func(*args, **kwargs))
+            box.append(forward(func, *args, **kwargs))
 
         name = str(func).replace("aten.", "").replace(".default", "")
         if what == "blocking" or index_needs_host(func, args):
@@ -137,7 +139,7 @@ class CudaOps(TorchDispatchMode):
         box: list[Any] = []
 
         def issue() -> None:
-            box.append(func(*args, **kwargs))
+            box.append(forward(func, *args, **kwargs))
 
         name = f"copy ({how})"
         if how == "sync":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from zeroer.errors import ZeroerError
+from zeroer.origin import forwarding, user_facing
 
 FREE_MODE_HINT = (
     "run this zeroer on a GPU in the free-running mode instead "
@@ -10,13 +13,42 @@ FREE_MODE_HINT = (
 )
 
 
+@user_facing
 class InterceptError(ZeroerError, RuntimeError):
     """A call of a plain torch zeroer that the harness cannot route to its runtime.
 
-    Never a silent pass: the harness stops and says which call and what to do instead.
+    Never a silent pass: the harness stops and says which call and what to do instead. A harness
+    error the user can act on (exit status 2), never a finding (zeroer.origin).
     """
+
+
+class SimulatorGap(ZeroerError, RuntimeError):
+    """Something CUDA does that the simulator failed to do for a zeroer's call: a bug of
+    kvzero-fuzz (exit status 3), never a finding of the zeroer (zeroer.origin)."""
 
 
 def unroutable(what: str, why: str, fix: str = FREE_MODE_HINT) -> InterceptError:
     """``InterceptError("<what>: <why>; <fix>")``."""
     return InterceptError(f"{what}: {why}; {fix}")
+
+
+def simulator_gap(call: str, error: BaseException) -> SimulatorGap:
+    """``SimulatorGap`` for ``call`` (how the zeroer's code spells it), which failed with ``error``."""
+    return SimulatorGap(
+        f"the simulator could not run {call} on a simulated CUDA tensor ({type(error).__name__}: {error}), "
+        f"which CUDA runs; meanwhile a GPU runs this zeroer as it is (--backend cuda --cuda-mode free)"
+    )
+
+
+@forwarding
+def forward(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hand the zeroer's own call on unchanged: what a library raises under it is the zeroer's
+    (zeroer.origin), as it would be on CUDA."""
+    return func(*args, **kwargs)
+
+
+@forwarding
+def raise_as_cuda(error: BaseException) -> None:
+    """Raise what CUDA raises for the zeroer's call (``.numpy()`` of a device tensor, say): the
+    zeroer's error, not the harness's."""
+    raise error

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from zeroer.intercept.errors import unroutable
+from zeroer.intercept.errors import forward, unroutable
 from zeroer.intercept.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
 from zeroer.intercept.sim_memory import Allocation, Block
 from zeroer.intercept.sim_tensor import SimCudaTensor, uncloak
@@ -104,11 +104,11 @@ class SimOps:
 
     def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         base = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, SimCudaTensor))
-        out = func(*tree_map(_inner, args), **tree_map(_inner, kwargs))
+        out = forward(func, *tree_map(_inner, args), **tree_map(_inner, kwargs))
         return tree_map(lambda t: self.wrap(t, base._alloc) if isinstance(t, torch.Tensor) else t, out)
 
     def _alloc(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        meta = func(*tree_map(_meta, args), **tree_map(_meta, {**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
+        meta = forward(func, *tree_map(_meta, args), **tree_map(_meta, {**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
         return self._like(meta, f"{func}")
 
     def _accesses(self, tensors: list[SimCudaTensor], written: list[SimCudaTensor]) -> tuple[list, list, bool]:
@@ -147,7 +147,7 @@ class SimOps:
         targets = [(i, out._inner) for i, out in fresh]
 
         def run() -> None:
-            res = func(*inner_args, **inner_kwargs)
+            res = forward(func, *inner_args, **inner_kwargs)
             res = res if isinstance(res, (tuple, list)) else (res,)
             for i, target in targets:
                 target.copy_(res[i])
@@ -165,7 +165,7 @@ class SimOps:
         box: list[Any] = []
 
         def run() -> None:
-            box.append(func(*tree_map(_inner, args), **tree_map(_inner, kwargs)))
+            box.append(forward(func, *tree_map(_inner, args), **tree_map(_inner, kwargs)))
 
         self.session.run_now(run, name=_op_name(func), reads=reads, writes=writes, cache_written=cache)
         aliased = aliased_returns(func)
@@ -196,12 +196,12 @@ class SimOps:
         written = [dst] if device_dst else []
         reads, writes, cache = self._accesses(tensors, written)
         if how == "host":
-            return dst.copy_(src, non_blocking=non_blocking)
+            return forward(dst.copy_, src, non_blocking=non_blocking)
         if how == "h2d-staged":
             source = source.clone()  # CUDA stages pageable bytes before the call returns
 
         def run() -> None:
-            target.copy_(source)
+            forward(target.copy_, source)
 
         name = {"d2d": "copy_ (d2d)", "h2d-async": "copy_ (h2d)", "h2d-staged": "copy_ (h2d, staged)",
                 "d2h-async": "copy_ (d2h)", "sync": "copy_ (synchronous)"}[how]

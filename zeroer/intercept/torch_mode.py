@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from zeroer.intercept.errors import unroutable
+from zeroer.intercept.errors import forward, raise_as_cuda, simulator_gap, unroutable
 from zeroer.intercept.sim_tensor import SimCudaTensor, cloak, uncloak
 
 _HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
@@ -103,28 +103,38 @@ class InterceptMode(TorchFunctionMode):
             return self._pinned_factory(func, args, kwargs)
         if self.sim and _has_sim(args, kwargs):
             self.session.boundary(_name(func))
+            return self._on_sim_tensors(func, args, kwargs)
+        return forward(func, *args, **kwargs)
+
+    def _on_sim_tensors(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A torch call on simulated CUDA tensors. What it raises is the zeroer's only when the
+        same call on plain tensors raises it too; otherwise the simulator failed (zeroer.origin)."""
+        try:
             try:
-                return func(*args, **kwargs)
+                return forward(func, *args, **kwargs)
             except RuntimeError as error:
                 if "not linked with support for cuda" not in str(error):
                     raise
             # A Python binding that asks for a CUDA device guard, which a CPU-only torch lacks:
             # run it on the cloaked twins (same memory, same router; sim_tensor's docstring).
-            return tree_map(uncloak, func(*_cloaked(args), **_cloaked(kwargs)))
-        return func(*args, **kwargs)
+            return tree_map(uncloak, forward(func, *_cloaked(args), **_cloaked(kwargs)))
+        except Exception as error:
+            if not _raises_on_plain_tensors(func, args, kwargs, type(error)):
+                raise simulator_gap(_name(func), error) from error
+            raise
 
     # -- host memory -------------------------------------------------------------------------------
     def _pinned_factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.sim:  # no pinned memory on a CPU-only machine: a registered CPU tensor stands in
             kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
-        result = func(*args, **kwargs)
+        result = forward(func, *args, **kwargs)
         if isinstance(result, torch.Tensor) and result.device.type == "cpu":
             self.session.host.register(result, f"{_name(func)}(pin_memory=True)")
         return result
 
     def _pin_memory(self, func: Any, args: tuple, kwargs: dict) -> Any:
         self.session.boundary("Tensor.pin_memory")
-        result = args[0].clone() if self.sim else func(*args, **kwargs)
+        result = args[0].clone() if self.sim else forward(func, *args, **kwargs)
         self.session.host.register(result, "Tensor.pin_memory()")
         return result
 
@@ -132,7 +142,7 @@ class InterceptMode(TorchFunctionMode):
         if self.sim:
             tensor = args[0]
             return not isinstance(tensor, SimCudaTensor) and self.session.host.is_pinned(tensor)
-        return func(*args, **kwargs)
+        return forward(func, *args, **kwargs)
 
     # -- device memory (simulator) -------------------------------------------------------------------
     def _device_factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -143,9 +153,9 @@ class InterceptMode(TorchFunctionMode):
             if isinstance(data, SimCudaTensor):
                 dtype = kwargs.get("dtype")
                 return data if dtype is None or dtype == data.dtype else data.to(dtype)
-            host = func(*args, **host_kwargs)
+            host = forward(func, *args, **host_kwargs)
             return ops.to_device(host, None, non_blocking=False)  # a synchronous copy, as on CUDA
-        meta = func(*tree_map(_meta, args), **{**host_kwargs, "device": "meta"})
+        meta = forward(func, *tree_map(_meta, args), **{**host_kwargs, "device": "meta"})
         out = ops.new(tuple(meta.size()), meta.dtype, tuple(meta.stride()), name=_name(func))
         if func in _EMPTY:
             return out
@@ -154,7 +164,7 @@ class InterceptMode(TorchFunctionMode):
         target = out._inner
 
         def fill() -> None:
-            target.copy_(func(*inner_args, **{**host_kwargs, "device": "cpu"}))
+            target.copy_(forward(func, *inner_args, **{**host_kwargs, "device": "cpu"}))
 
         self.session.enqueue(fill, name=_name(func), reads=reads, writes=[out._alloc.block])
         return out
@@ -162,7 +172,7 @@ class InterceptMode(TorchFunctionMode):
     def _to(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensor = args[0]
         if not self.sim:
-            return func(*args, **kwargs)
+            return forward(func, *args, **kwargs)
         kwargs = dict(kwargs)
         copy = bool(kwargs.pop("copy", False))
         if len(args) > 1 and isinstance(args[1], torch.Tensor):  # .to(other): its device and dtype
@@ -178,12 +188,12 @@ class InterceptMode(TorchFunctionMode):
                 return tensor  # what CUDA does: the same tensor
         if isinstance(tensor, SimCudaTensor):
             self.session.boundary("Tensor.to")
-        return func(*args, **kwargs)
+        return forward(func, *args, **kwargs)
 
     def _cuda(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensor = args[0]
         if not self.sim:
-            return func(*args, **kwargs)
+            return forward(func, *args, **kwargs)
         if isinstance(tensor, SimCudaTensor):
             return tensor
         self.session.boundary("Tensor.cuda")
@@ -210,42 +220,61 @@ class InterceptMode(TorchFunctionMode):
                 self.session.memory.record_stream(tensor._alloc, runtime_stream)
             return
         self.session.cuda_ops.record_stream(tensor, runtime_stream)
-        original(tensor, runtime_stream.handle)
+        # torch's own record_stream comes back through __torch_function__, which looks the method
+        # up on torch.Tensor: this stand-in, now with torch's stream. Past the modes, it is torch's.
+        with torch._C.DisableTorchFunction():
+            forward(original, tensor, runtime_stream.handle)
 
     # -- indexing and host views ---------------------------------------------------------------------
     def _getitem(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensor, index = args[0], args[1]
         if not (self.sim and isinstance(tensor, SimCudaTensor)):
-            return func(*args, **kwargs)
+            return forward(func, *args, **kwargs)
         index = tree_map(lambda v: cloak(v) if isinstance(v, SimCudaTensor) else v, index)
-        return tree_map(uncloak, func(cloak(tensor), index))
+        return tree_map(uncloak, forward(func, cloak(tensor), index))
 
     def _setitem(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensor, index, value = args
         if not (self.sim and isinstance(tensor, SimCudaTensor)):
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
                 self.session.boundary("Tensor.__setitem__")
-            return func(*args, **kwargs)
+            return forward(func, *args, **kwargs)
         self.session.boundary("Tensor.__setitem__")
         index = tree_map(lambda v: cloak(v) if isinstance(v, SimCudaTensor) else v, index)
         value = cloak(value) if isinstance(value, SimCudaTensor) else value
-        return func(cloak(tensor), index, value)
+        return forward(func, cloak(tensor), index, value)
 
     def _numpy(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.sim and isinstance(args[0], SimCudaTensor):
-            raise TypeError(
+            raise_as_cuda(TypeError(
                 "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host "
                 "memory first."
-            )
-        return func(*args, **kwargs)
+            ))
+        return forward(func, *args, **kwargs)
 
     def _data_ptr(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(args[0], SimCudaTensor):
             return args[0]._inner.data_ptr()
-        return func(*args, **kwargs)
+        return forward(func, *args, **kwargs)
 
 
 def refuse_unroutable(what: str) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         raise unroutable(what, "the harness cannot route it")
     return call
+
+
+def _plain(value: Any) -> Any:
+    return value._inner.clone(memory_format=torch.preserve_format) if isinstance(value, SimCudaTensor) else value
+
+
+def _raises_on_plain_tensors(func: Any, args: tuple, kwargs: dict, kind: type) -> bool:
+    """Whether ``func`` raises ``kind`` on plain CPU copies of its simulated tensors too: then the
+    call itself is wrong, as it would be on CUDA; otherwise the failure is the simulator's."""
+    try:
+        func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+    except kind:
+        return True
+    except Exception:  # noqa: BLE001 - another failure is not the same one
+        return False
+    return False

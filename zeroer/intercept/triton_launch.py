@@ -44,7 +44,7 @@ import triton
 from triton.runtime import interpreter as triton_interpreter
 from triton.runtime.jit import JITFunction
 
-from zeroer.intercept.errors import unroutable
+from zeroer.intercept.errors import SimulatorGap, forward, unroutable
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.runtime.cuda.gate import is_gate_kernel
 from zeroer.runtime.hb import Hazard
@@ -196,9 +196,10 @@ class TritonLaunches:
         signature = inspect.signature(jit.fn)
         kernel_kwargs = {k: v for k, v in kwargs.items() if k in signature.parameters}
         try:
-            bound = signature.bind(*args, **kernel_kwargs)
+            bound = forward(signature.bind, *args, **kernel_kwargs)  # a launch that does not fit is the zeroer's
         except TypeError as error:
-            raise TypeError(f"{name}: {error}") from None
+            error.add_note(f"launching {name}")
+            raise
         bound.apply_defaults()
         written = stored_params(jit.fn)
         reads, writes, pinned = [], [], []
@@ -225,7 +226,12 @@ class TritonLaunches:
 
             def run() -> None:
                 with check.installed():
-                    kernel[launch_grid](*values)
+                    try:
+                        kernel[launch_grid](*values)
+                    except Exception as error:
+                        # Triton's interpreter, not the GPU, ran the kernel: what fails under it
+                        # (an op it does not support, say) is the simulator's, never a finding.
+                        raise interpreter_gap(name, error) from error
 
             stamp = session.enqueue(run, name=name, reads=reads, writes=writes, cache_written=True)
             result = None
@@ -235,13 +241,21 @@ class TritonLaunches:
             box: list[Any] = []
 
             def issue() -> None:
-                box.append(self.original(jit, *args, grid=grid, warmup=False, **kwargs))
+                box.append(forward(self.original, jit, *args, grid=grid, warmup=False, **kwargs))
 
             stamp = session.enqueue(issue, name=name, reads=reads, writes=writes, cache_written=True)
             result = box[0] if box else None
         for buffer, view in pinned:
             session.host.note_read(buffer, view, stamp)
         return result
+
+
+def interpreter_gap(kernel: str, error: BaseException) -> SimulatorGap:
+    return SimulatorGap(
+        f"Triton's interpreter could not run {kernel} on the simulator ({type(error).__name__}: {error}); the "
+        f"simulator runs kernels under it, a GPU compiles them: run this zeroer on a GPU (--backend cuda), and "
+        f"report the kernel to kvzero-fuzz if it runs there"
+    )
 
 
 def interpreter_available() -> bool:

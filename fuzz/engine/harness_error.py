@@ -1,0 +1,69 @@
+"""A harness failure is never a finding.
+
+A finding claims that the user's zeroer is wrong: a hazard, a value the oracle rejects, or an
+exception the zeroer itself raises on input inside its declared contract. Anything else that stops
+an episode, an op the simulator or the interception cannot carry out, a clash in the runtime, an
+input outside the zeroer's contract, a bug of ours, is a :class:`HarnessError`: the campaign stops
+at once, writes no trace, and is reported as an error with one line that names the zeroer's call,
+its ``file:line`` and the way forward, and exit status 2 (the user can act on it) or 3 (a bug of
+kvzero-fuzz). Whose an exception is, is read from where it was raised (:mod:`zeroer.origin`).
+
+Example::
+
+    try:
+        zeroer.zero_block_ids(ids)
+    except Exception as error:
+        raise_if_harness(error, "zero_block_ids([1, 2])", step=2)   # HarnessError, or nothing
+        ...                                                         # the zeroer's: a finding
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from zeroer.origin import HARNESS_BUG, USER_FIXABLE, blame
+
+__all__ = ["HARNESS_BUG", "USER_FIXABLE", "HarnessError", "harness_error", "raise_if_harness"]
+
+REPORT = ("a bug of kvzero-fuzz, not of the zeroer: please report this line with the summary's harness_details "
+          "(or rerun with --fuzz-debug for the traceback)")
+
+
+class HarnessError(BaseException):
+    """The harness could not follow or run the zeroer: neither a finding nor clean.
+
+    A BaseException, like an interruption: Hypothesis lets it through at once instead of shrinking
+    it as a failure, and ``except Exception`` in a zeroer or a library does not swallow it.
+    ``status`` is 2 (the message says what the user can do) or 3 (a bug of ours); ``details`` the
+    traceback, for the summary's JSON.
+    """
+
+    def __init__(self, message: str, status: int, details: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.details = details
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def harness_error(error: BaseException, during: str, *, step: int | None = None, where: str | None = None,
+                  status: int = HARNESS_BUG) -> HarnessError:
+    """The :class:`HarnessError` for ``error``, raised ``during`` (the zeroer's call, or the op).
+
+    ``where`` is the zeroer's ``file:line (code)`` the call came from, when there is one."""
+    at = f" at step {step}" if step is not None else ""
+    place = f", called at {where}" if where else ""
+    fix = "" if status == USER_FIXABLE else f"; {REPORT}"
+    message = _one_line(f"harness error{at} in {during}{place}, not a finding: {type(error).__name__}: {error}{fix}")
+    details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return HarnessError(message, status, details)
+
+
+def raise_if_harness(error: BaseException, during: str, *, step: int | None = None) -> None:
+    """Raise a :class:`HarnessError` from ``error`` when the harness, not the zeroer, raised it."""
+    verdict = blame(error)
+    if verdict.harness:
+        raise harness_error(error, during, step=step, where=verdict.where, status=verdict.status or HARNESS_BUG) from error
