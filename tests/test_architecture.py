@@ -21,9 +21,10 @@ PACKAGES = ("zeroer", "fuzz", "repro")
 RULES: dict[str, tuple[str, ...]] = {
     "zeroer.errors": (),
     "zeroer.origin": ("zeroer.errors",),
+    "zeroer.id_containers": ("zeroer.errors",),
     "zeroer.cache": ("zeroer.errors",),
     "zeroer.runtime": ("zeroer.errors",),
-    "zeroer.protocol": ("zeroer.errors", "zeroer.cache"),
+    "zeroer.protocol": ("zeroer.errors", "zeroer.cache", "zeroer.id_containers"),
     "zeroer.kernel": ("zeroer.errors", "zeroer.cache"),
     "zeroer.triton_cpu": (),
     "zeroer.designs": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol"),

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 
 class ZeroerError(Exception):
-    """Base class of every error this package raises on purpose."""
+    """Base class of every error this package raises on purpose.
+
+    ``user_fixable``: raised by the harness to refuse something the user can change (a bad
+    declaration, an unroutable call), with the fix in its message: a harness error of exit
+    status 2, never a finding (zeroer.origin).
+    """
+
+    user_fixable = False
 
 
 class CacheSpecError(ZeroerError, ValueError):

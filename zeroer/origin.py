@@ -56,7 +56,6 @@ HARNESS_BUG = 3  # the harness failed: a bug of kvzero-fuzz
 _FORWARDING: set[types.CodeType] = set()
 _STAND_INS: list[type] = []
 _DOCUMENTED: list[type] = []
-_USER_FACING: list[type] = []
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=type)
@@ -80,13 +79,6 @@ def documented(cls: C) -> C:
     """Mark ``cls`` as an object of the harness's documented API that the zeroer is handed (the
     KV cache): an attribute it lacks is the user's to fix (exit status 2)."""
     _DOCUMENTED.append(cls)
-    return cls
-
-
-def user_facing(cls: C) -> C:
-    """Mark ``cls`` as an error the harness raises on purpose with the user's fix in its
-    message (an unroutable call, a bad declaration): a harness error of exit status 2."""
-    _USER_FACING.append(cls)
     return cls
 
 
@@ -164,7 +156,7 @@ def blame(error: BaseException) -> Blame:
 def _status(error: BaseException, frames: list, kinds: list[str], decisive: int) -> int:
     """2 for a refusal that names its fix, or a runtime-API zeroer misusing the runtime it
     called itself; 3 for everything else, which is a bug of ours."""
-    if any(isinstance(error, cls) for cls in _USER_FACING):
+    if getattr(error, "user_fixable", False):  # a refusal that names its fix (zeroer.errors.ZeroerError)
         return USER_FIXABLE
     if isinstance(error, ZeroerError):
         # The harness frames between the zeroer's call and the raise: all the runtime's means the

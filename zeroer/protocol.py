@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from zeroer.errors import ZeroerError
+from zeroer.id_containers import IDS_CONTAINERS, accepted_containers
+
+__all__ = ["IDS_CONTAINERS", "Capabilities", "BoundZeroer", "Zeroer", "ZeroerFactory", "ZeroerSpecError", "check_factory"]
 
 APIS = ("torch", "runtime")
 ALL_BACKENDS = ("sim", "cuda")
@@ -39,6 +42,8 @@ ALL_CUDA_MODES = ("controlled", "free")
 
 class ZeroerSpecError(ZeroerError, ValueError):
     """A zeroer spec, factory or declaration that cannot be used; the message says how to fix it."""
+
+    user_fixable = True
 
 
 @runtime_checkable
@@ -66,6 +71,10 @@ class Capabilities:
       so the default is False.
     * ``geometries``: the KV-cache presets it supports (``zeroer.cache.geometries``); None means
       every one. The fuzzer skips the others and says why.
+    * ``ids_as``: the containers ``zero_block_ids`` takes its ids in (``list``, ``tuple``,
+      ``array``: numpy, ``tensor``: CPU torch); None reads them from its annotation, and without
+      one it is ``list[int]``, vLLM's contract (:mod:`zeroer.id_containers`). The fuzzer's caller
+      hands ids over in these only.
     """
 
     api: str = "torch"
@@ -73,9 +82,10 @@ class Capabilities:
     cuda_modes: tuple[str, ...] = ALL_CUDA_MODES
     follows_reallocation: bool = False
     geometries: tuple[str, ...] | None = None
+    ids_as: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("backends", "cuda_modes", "geometries"):
+        for name in ("backends", "cuda_modes", "geometries", "ids_as"):
             value = getattr(self, name)
             if isinstance(value, str):
                 raise ZeroerSpecError(f"Capabilities({name}={value!r}): pass a tuple of names, e.g. {name}=({value!r},)")
@@ -88,6 +98,8 @@ class Capabilities:
             )
         _check_subset("backends", self.backends, ALL_BACKENDS)
         _check_subset("cuda_modes", self.cuda_modes, ALL_CUDA_MODES)
+        if self.ids_as is not None:
+            _check_subset("ids_as", self.ids_as, IDS_CONTAINERS)
         if not isinstance(self.follows_reallocation, bool):
             raise ZeroerSpecError(f"Capabilities(follows_reallocation={self.follows_reallocation!r}): pass True or False")
         if self.geometries is not None:
@@ -155,17 +167,35 @@ def _hook(zeroer: object, name: str, spec: str) -> Callable[[], None] | None:
     return hook
 
 
+def _required_arguments(hook: Callable[..., Any], spec: str, name: str) -> int:
+    """How many arguments ``hook`` needs (0, or 1: vLLM's ``warmup(num_kv_blocks)``)."""
+    try:
+        parameters = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: call it as the harness always has
+        return 0
+    required = [p for p in parameters
+                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 1:
+        raise ZeroerSpecError(
+            f"zeroer {spec!r}: its {name}({', '.join(p.name for p in required)}) needs {len(required)} arguments; the harness "
+            f"calls {name}() or {name}(num_blocks): bind the others first (functools.partial) or give them defaults"
+        )
+    return len(required)
+
+
 class BoundZeroer:
     """A built zeroer with its optional hooks resolved once: ``warmup`` falls back to zeroing the
-    null block 0 (what vLLM's warm-up does), ``close`` to nothing.
+    null block 0 (what vLLM's warm-up does), and gets the number of blocks when it asks for one
+    (vLLM's ``warmup(num_kv_blocks)``); ``close`` falls back to nothing; ``ids_as`` is the
+    containers ``zero_block_ids`` takes (its declaration, else its annotation).
 
     Example::
 
         bound = BoundZeroer(factory(cache, rt), "event_ring", capabilities)
-        bound.warmup(); bound.zero_block_ids([3]); bound.close()
+        bound.warmup(64); bound.zero_block_ids([3]); bound.close()
     """
 
-    __slots__ = ("zeroer", "spec", "capabilities", "zero_block_ids", "_warmup", "_close")
+    __slots__ = ("zeroer", "spec", "capabilities", "zero_block_ids", "ids_as", "_warmup", "_warmup_takes_blocks", "_close")
 
     def __init__(self, zeroer: object, spec: str, capabilities: Capabilities) -> None:
         call = getattr(zeroer, "zero_block_ids", None)
@@ -178,14 +208,23 @@ class BoundZeroer:
         self.spec = spec
         self.capabilities = capabilities
         self.zero_block_ids: Callable[[Sequence[int] | None], None] = call
+        declared = capabilities.ids_as
+        try:
+            self.ids_as: tuple[str, ...] = declared if declared is not None else accepted_containers(call, spec)
+        except ValueError as error:  # an annotation that admits no container the caller has
+            raise ZeroerSpecError(str(error)) from None
         self._warmup = _hook(zeroer, "warmup", spec)
+        self._warmup_takes_blocks = self._warmup is not None and _required_arguments(self._warmup, spec, "warmup") == 1
         self._close = _hook(zeroer, "close", spec)
 
-    def warmup(self) -> None:
-        if self._warmup is not None:
-            self._warmup()
-        else:
+    def warmup(self, num_blocks: int) -> None:
+        """Compile and load the zeroer's kernels; ``num_blocks`` for a ``warmup(num_kv_blocks)``."""
+        if self._warmup is None:
             self.zero_block_ids([0])
+        elif self._warmup_takes_blocks:
+            self._warmup(num_blocks)
+        else:
+            self._warmup()
 
     def close(self) -> None:
         if self._close is not None:

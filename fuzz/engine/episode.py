@@ -51,6 +51,7 @@ from fuzz.engine.resources import raise_if_out_of_memory
 from fuzz.interrupts import interrupted
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import CacheSpec, KVCache, build_cache
+from zeroer.errors import ZeroerError
 from zeroer.protocol import BoundZeroer
 from zeroer.registry import kernel_options, load_zeroer
 from zeroer.runtime import Event, make_runtime
@@ -83,6 +84,13 @@ class EpisodeConfig:
             raise ValueError(f"streams={self.streams!r} must be between 1 and 8")
         if not isinstance(self.zeroers, int) or not 1 <= self.zeroers <= MAX_ZEROERS:
             raise ValueError(f"zeroers={self.zeroers!r} must be between 1 and {MAX_ZEROERS}")
+
+
+class ContractError(ZeroerError, ValueError):
+    """An op that would call the zeroer outside its declared contract (a container it does not
+    take): a harness error the user can fix, never a finding (fuzz.engine.harness_error)."""
+
+    user_fixable = True
 
 
 class ZeroerRaised(Exception):
@@ -268,7 +276,7 @@ class Episode:
                     for words in group.cache.block_words(0):
                         words.clone()  # the read kernel
                     with self._zeroer_call(group, "warmup"):
-                        group.zeroer.warmup()
+                        group.zeroer.warmup(group.cache.spec.num_blocks)
         self._device_work(self.rt.synchronize)
         self._settle_outside_work()
 
@@ -288,6 +296,13 @@ class Episode:
         group = self._group(cache)
         if not 1 <= n <= len(group.free):
             raise ValueError(f"allocate n={n}: {len(group.free)} blocks are free in cache {cache}")
+        if ids_as not in group.zeroer.ids_as:  # only a trace written by hand gets here: the fuzzer keeps to the contract
+            raise ContractError(
+                f"allocate ids_as={ids_as!r}: zeroer {self.config.zeroer!r} takes its ids as "
+                f"{' or '.join(group.zeroer.ids_as)} (from its zero_block_ids annotation or its "
+                f"Capabilities(ids_as=...)), so a caller inside its contract never hands over a {ids_as}; "
+                f"drop the field from the op, or declare the container on the zeroer's factory"
+            )
         ids = [group.free.popleft() for _ in range(n)]
         skip = ("poison", "zero", "write", "read") if self.config.caller_fault == "no-free-fence" else ()
         for block in ids:

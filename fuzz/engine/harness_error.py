@@ -50,10 +50,13 @@ def _one_line(text: object) -> str:
 
 
 def harness_error(error: BaseException, during: str, *, step: int | None = None, where: str | None = None,
-                  status: int = HARNESS_BUG) -> HarnessError:
+                  status: int | None = None) -> HarnessError:
     """The :class:`HarnessError` for ``error``, raised ``during`` (the zeroer's call, or the op).
 
-    ``where`` is the zeroer's ``file:line (code)`` the call came from, when there is one."""
+    ``where`` is the zeroer's ``file:line (code)`` the call came from, when there is one;
+    ``status`` by default 2 for a refusal that names its fix (``user_fixable``), else 3."""
+    if status is None:
+        status = USER_FIXABLE if getattr(error, "user_fixable", False) else HARNESS_BUG
     at = f" at step {step}" if step is not None else ""
     place = f", called at {where}" if where else ""
     fix = "" if status == USER_FIXABLE else f"; {REPORT}"
@@ -66,4 +69,4 @@ def raise_if_harness(error: BaseException, during: str, *, step: int | None = No
     """Raise a :class:`HarnessError` from ``error`` when the harness, not the zeroer, raised it."""
     verdict = blame(error)
     if verdict.harness:
-        raise harness_error(error, during, step=step, where=verdict.where, status=verdict.status or HARNESS_BUG) from error
+        raise harness_error(error, during, step=step, where=verdict.where, status=verdict.status) from error

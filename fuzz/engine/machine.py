@@ -211,6 +211,9 @@ class ZeroerMachine(RuleBasedStateMachine):
         if not group.free:  # this cache is full: take the first one with room
             group = next(g for g in groups if g.free)
         n = min(n, len(group.free))
+        accepted = group.zeroer.ids_as
+        if ids_as not in accepted:  # the caller keeps to the zeroer's contract (zeroer.id_containers)
+            ids_as = "list" if "list" in accepted else accepted[0]
         op = {"op": "allocate", "n": n, "stream": self._n_streams(stream)}
         if group.index:
             op["cache"] = group.index

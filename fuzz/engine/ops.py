@@ -8,8 +8,9 @@ field existed still replays (a missing field takes its default).
 Fields a caller may vary to exercise the contract (docs/contract.md):
 
 * ``cache``: which of the episode's KV caches (one zeroer each, built by the same factory);
-* ``ids_as``: the container the ids are handed over in, as an engine does: a ``list``, a ``tuple``,
-  a numpy ``array`` or a CPU ``tensor``;
+* ``ids_as``: the container the ids are handed over in: a ``list``, a ``tuple``, a numpy ``array``
+  or a CPU ``tensor``, each only to a zeroer that takes it (zeroer.id_containers: its declaration,
+  else its annotation, else ``list[int]``);
 * ``then``: what the caller does with that container once the call has returned (promise 3):
   ``keep`` it as it is, ``scribble`` over it (mutate it, or refill it for its next use) or ``drop``
   it.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-IDS_AS = ("list", "tuple", "array", "tensor")
+from zeroer.id_containers import IDS_CONTAINERS as IDS_AS
 THEN = ("keep", "scribble", "drop")
 
 # op -> (required fields, {optional field: default}), in signature order for messages.

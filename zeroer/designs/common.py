@@ -21,7 +21,7 @@ import torch
 
 from zeroer.kernel import zero_blocks
 from zeroer.cache.layout import KVCache
-from zeroer.protocol import Capabilities
+from zeroer.protocol import Capabilities, IDS_CONTAINERS
 from zeroer.runtime import DeviceBuffer, Runtime
 
 KERNELS = ("torch", "triton")
@@ -99,7 +99,7 @@ class StagedZeroer:
 
     name = "staged"
     #: written against the runtime; reads cache.table on every call
-    capabilities = Capabilities(api="runtime", follows_reallocation=True)
+    capabilities = Capabilities(api="runtime", ids_as=IDS_CONTAINERS, follows_reallocation=True)
 
     def __init__(self, cache: KVCache, runtime: Runtime, *, kernel: str = "triton") -> None:
         if kernel not in KERNELS:

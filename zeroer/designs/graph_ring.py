@@ -46,7 +46,7 @@ import torch
 
 from zeroer.designs.common import is_plain_int_list, validate_block_ids
 from zeroer.kernel import zero_blocks
-from zeroer.protocol import Capabilities
+from zeroer.protocol import Capabilities, IDS_CONTAINERS
 from zeroer.cache.layout import KVCache
 from zeroer.runtime import Runtime
 from zeroer.designs.cuda_driver import CUDA_ERROR_NOT_READY, CUDA_SUCCESS, Driver, load_driver
@@ -79,7 +79,7 @@ class GraphRingZeroer(GraphRingProtocol):
     """vLLM's ``zero_block_ids`` through a ring of CUDA-graph slots (see the module docstring)."""
 
     # It captures CUDA graphs, and waits on events itself: a gated stream would hold it forever.
-    capabilities = Capabilities(api="runtime", backends=("cuda",), cuda_modes=("free",), follows_reallocation=True)
+    capabilities = Capabilities(api="runtime", ids_as=IDS_CONTAINERS, backends=("cuda",), cuda_modes=("free",), follows_reallocation=True)
 
     def __init__(self, cache: KVCache, runtime: object = None, *, slots: int = DEFAULT_SLOTS,
                  max_slots: int = DEFAULT_MAX_SLOTS, max_graph_ids: int = DEFAULT_MAX_GRAPH_IDS) -> None:
@@ -239,4 +239,4 @@ def make_graph_ring(cache: KVCache, runtime: Runtime | None = None, **options: A
 
 
 make_graph_ring.name = "graph_ring"  # type: ignore[attr-defined]
-make_graph_ring.capabilities = Capabilities(api="runtime", follows_reallocation=True)  # type: ignore[attr-defined]
+make_graph_ring.capabilities = Capabilities(api="runtime", ids_as=IDS_CONTAINERS, follows_reallocation=True)  # type: ignore[attr-defined]

@@ -29,7 +29,7 @@ from typing import Any
 
 from zeroer.designs.per_call import PerCallZeroer
 from zeroer.kernel import zero_blocks
-from zeroer.protocol import Capabilities
+from zeroer.protocol import Capabilities, IDS_CONTAINERS
 from zeroer.cache.layout import KVCache, SegmentTable
 from zeroer.runtime import Runtime
 from zeroer.designs.graph_ring_protocol import DEFAULT_MAX_GRAPH_IDS, DEFAULT_MAX_SLOTS, DEFAULT_SLOTS, PAD, GraphRingProtocol, GraphSlot, graph_size
@@ -55,7 +55,7 @@ class _Graph:
 class ModelledGraphRing(GraphRingProtocol):
     """graph_ring's protocol on ``runtime`` (see the module docstring)."""
 
-    capabilities = Capabilities(api="runtime", follows_reallocation=True)
+    capabilities = Capabilities(api="runtime", ids_as=IDS_CONTAINERS, follows_reallocation=True)
 
     def __init__(self, cache: KVCache, runtime: Runtime, *, slots: int = DEFAULT_SLOTS,
                  max_slots: int = DEFAULT_MAX_SLOTS, max_graph_ids: int = DEFAULT_MAX_GRAPH_IDS) -> None:

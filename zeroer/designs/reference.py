@@ -17,14 +17,14 @@ import itertools
 
 from zeroer.kernel import zero_blocks_reference
 from zeroer.cache.layout import KVCache
-from zeroer.protocol import Capabilities
+from zeroer.protocol import Capabilities, IDS_CONTAINERS
 from zeroer.runtime import Runtime
 from zeroer.designs.common import validate_block_ids
 
 
 class ReferenceZeroer:
     name = "reference"
-    capabilities = Capabilities(api="runtime", follows_reallocation=True)
+    capabilities = Capabilities(api="runtime", ids_as=IDS_CONTAINERS, follows_reallocation=True)
 
     def __init__(self, cache: KVCache, runtime: Runtime) -> None:
         self.cache = cache

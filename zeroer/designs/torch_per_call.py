@@ -24,14 +24,14 @@ import torch
 
 from zeroer.designs.common import validate_block_ids
 from zeroer.kernel import zero_blocks
-from zeroer.protocol import Capabilities
+from zeroer.protocol import Capabilities, IDS_CONTAINERS
 from zeroer.cache.layout import KVCache
 
 
 class TorchPerCallZeroer:
     name = "torch_per_call"
     # Outside the runtime: the controlled mode cannot gate it. It reads cache.table on every call.
-    capabilities = Capabilities(api="runtime", backends=("cuda",), cuda_modes=("free",), follows_reallocation=True)
+    capabilities = Capabilities(api="runtime", ids_as=IDS_CONTAINERS, backends=("cuda",), cuda_modes=("free",), follows_reallocation=True)
 
     def __init__(self, cache: KVCache, runtime: object = None) -> None:
         if cache.device.type != "cuda":

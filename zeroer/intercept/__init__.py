@@ -79,9 +79,9 @@ class InterceptedZeroer(BoundZeroer):
 
         self.zero_block_ids = zero_block_ids
 
-    def warmup(self) -> None:
+    def warmup(self, num_blocks: int) -> None:
         with self.session.running("warmup"):
-            super().warmup()
+            super().warmup(num_blocks)
         if self.session.backend == "cuda" and self.session.rt.scheduled:
             # Every kernel variant the fuzzer's calls can need, compiled now, while nothing is gated:
             # a first launch loads a module, which waits for the GPU to drain (zeroer.runtime.cuda).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeroer.errors import ZeroerError
-from zeroer.origin import forwarding, user_facing
+from zeroer.origin import forwarding
 
 FREE_MODE_HINT = (
     "run this zeroer on a GPU in the free-running mode instead "
@@ -13,13 +13,14 @@ FREE_MODE_HINT = (
 )
 
 
-@user_facing
 class InterceptError(ZeroerError, RuntimeError):
     """A call of a plain torch zeroer that the harness cannot route to its runtime.
 
     Never a silent pass: the harness stops and says which call and what to do instead. A harness
     error the user can act on (exit status 2), never a finding (zeroer.origin).
     """
+
+    user_fixable = True
 
 
 class SimulatorGap(ZeroerError, RuntimeError):

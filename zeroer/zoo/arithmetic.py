@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from zeroer.cache.layout import KVCache
-from zeroer.protocol import Capabilities
+from zeroer.protocol import Capabilities, IDS_CONTAINERS
 from zeroer.runtime import Runtime
 from zeroer.zoo.entry import ZooEntry, allocate, start, write
 from zeroer.zoo.kernel_model import KernelModelZeroer, store_zeros
@@ -92,7 +92,7 @@ class Int32Offset4GiB(Int32Offset):
 
     name = "zoo.int32_offset_4gib"
     geometry = "int32_wrap"
-    capabilities = Capabilities(api="runtime", backends=("cuda",), follows_reallocation=True)
+    capabilities = Capabilities(api="runtime", ids_as=IDS_CONTAINERS, backends=("cuda",), follows_reallocation=True)
     scenario = (start(), allocate(3), allocate(3), allocate(3))  # the third call's 8 and 9 wrap
 
     def __init__(self, cache: KVCache, runtime: Runtime, *, offset_bits: int = 32, kernel: str = "torch") -> None:
