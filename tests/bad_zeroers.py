@@ -1,8 +1,10 @@
 """Zeroer specs that are wrong in one way each, for the table of bad inputs (docs/bad-input.md).
 
 Named on a command line as ``tests/bad_zeroers.py:NAME``. The first four are usage errors (exit
-status 2: the spec cannot be used); the last two are findings (exit status 1: a zeroer that raises
-is a bug in the zeroer, reported as kind "zeroer raised", docs/contract.md).
+status 2: the spec cannot be used); ``raising_factory`` and ``RaisingZeroer`` are findings (exit
+status 1: a zeroer that raises is a bug in the zeroer, reported as kind "zeroer raised",
+docs/contract.md); ``OutOfMemoryZeroer`` is a resource error; the last two are harness errors the
+user can act on (exit status 2: what the harness cannot follow is never a finding).
 """
 
 from __future__ import annotations
@@ -50,3 +52,26 @@ class OutOfMemoryZeroer:
         import torch
 
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.00 GiB (planted)")
+
+
+class UsesACudaGraph:
+    """A zeroer that captures a CUDA graph, which the harness can neither simulate nor gate: a
+    harness error naming the call and the free-running mode, never a finding."""
+
+    def __init__(self, cache, runtime) -> None:
+        self.cache = cache
+
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        import torch
+
+        torch.cuda.CUDAGraph()
+
+
+class TakesASet:
+    """A zeroer whose ids are annotated as a set: no container the fuzzer's caller has."""
+
+    def __init__(self, cache, runtime) -> None:
+        self.cache = cache
+
+    def zero_block_ids(self, block_ids: set[int]) -> None:
+        raise AssertionError("never called: the caller cannot keep its contract")

@@ -264,14 +264,25 @@ ROWS: list[Row] = [
         "file, not a directory; give a file path you can write to"),
     Row("pytest fuzz --fuzz-minuts 3", 4, "ERROR: usage: ..."),  # pytest's own rule for an unknown option
     # -- zeroers that raise: findings, not usage errors ------------------------------------------------------------
-    Row("pytest --zeroer tests/bad_zeroers.py:raising_factory --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 1,
+    Row("pytest --zeroer tests/bad_zeroers.py:raising_factory --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 1,
         "  - zeroer raised at step 0 in its factory: RuntimeError: planted: this factory cannot build a zeroer",
         trace_details="RuntimeError: planted: this factory cannot build a zeroer"),
-    Row("pytest --zeroer tests/bad_zeroers.py:RaisingZeroer --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 1,
+    Row("pytest --zeroer tests/bad_zeroers.py:RaisingZeroer --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 1,
         "  - zeroer raised at step 2 in zero_block_ids([1]): RuntimeError: planted: cannot zero [1]",
         trace_details="RuntimeError: planted: cannot zero [1]"),
+    # -- what the harness cannot follow: a harness error, never a finding -------------------------------------------
+    Row("pytest --zeroer tests/bad_zeroers.py:UsesACudaGraph --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 2,
+        "harness error at step 1 in the zeroer's warmup, called at tests/bad_zeroers.py:67 (torch.cuda.CUDAGraph()), not a "
+        "finding: InterceptError: torch.cuda.CUDAGraph: the harness cannot order or schedule it; run this zeroer on a GPU in "
+        "the free-running mode instead (pytest fuzz --zeroer SPEC --backend cuda --cuda-mode free), where its calls run as "
+        "they are"),
+    Row("pytest --zeroer tests/bad_zeroers.py:TakesASet --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 2,
+        "harness error at step 0 in the zeroer's factory, not a finding: ZeroerSpecError: zeroer "
+        "'tests/bad_zeroers.py:TakesASet': zero_block_ids(block_ids: set[int]) takes none of the containers the fuzzer's "
+        "caller hands ids over in (list, tuple, array, tensor); annotate it with one of them (list[int], as vLLM does), or "
+        "declare them on its factory: capabilities = Capabilities(ids_as=('list',))"),
     # -- the GPU out of memory: a resource error, neither a finding nor clean --------------------------------------
-    Row("pytest --zeroer tests/bad_zeroers.py:OutOfMemoryZeroer --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 2,
+    Row("pytest --zeroer tests/bad_zeroers.py:OutOfMemoryZeroer --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 2,
         "resource error, not judged: the GPU ran out of memory in warmup (CUDA out of memory. Tried to "
         "allocate 5.00 GiB (planted)); this is a resource error, not a finding: run fewer workers (pytest -n, python -m "
         "fuzz.bench.detect -j) or free GPU memory"),

@@ -89,7 +89,7 @@ def test_two_checkouts_at_different_paths_fuzz_the_same_way(tmp_path):
         env["PYTHONPATH"] = str(checkout)
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "fuzz", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-             "--zeroer", f"{SPEC}:KeepsCallersIds", "--geometry", "tiny", "-k", "tiny-sim-shard0",
+             "--zeroer", f"{SPEC}:KeepsCallersIds", "--backend", "sim", "--geometry", "tiny", "-k", "tiny-sim-shard0",
              "--repro-dir", "out", "--fuzz-summary", "out/summary.json"],
             cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]

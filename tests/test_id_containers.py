@@ -68,7 +68,7 @@ def test_no_annotation_means_vllms_list_of_ints():
 
 def test_an_annotation_that_admits_no_container_the_caller_has_says_what_to_declare():
     with pytest.raises(IdsContractError, match=re.escape(
-            "zeroer 'mine.py:make': zero_block_ids(block_ids: set) takes none of the containers the fuzzer's caller "
+            "zeroer 'mine.py:make': zero_block_ids(block_ids: set[int]) takes none of the containers the fuzzer's caller "
             "hands ids over in (list, tuple, array, tensor); annotate it with one of them (list[int], as vLLM does), "
             "or declare them on its factory: capabilities = Capabilities(ids_as=('list',))") + "$"):
         accepted_containers(_call(set[int]), "mine.py:make")

@@ -123,6 +123,7 @@ def accepted_containers(call: Any, spec: str = "zeroer") -> tuple[str, ...]:
     if parameter is None or parameter.annotation is inspect.Parameter.empty:
         return DEFAULT_CONTAINERS
     hint: Any = parameter.annotation
+    written = hint if isinstance(hint, str) else hint.__name__ if isinstance(hint, type) else str(hint)
     found: set[str] | None
     if isinstance(hint, str):
         try:
@@ -135,9 +136,8 @@ def accepted_containers(call: Any, spec: str = "zeroer") -> tuple[str, ...]:
         found = set(DEFAULT_CONTAINERS)
     names = _order(found or set())
     if not names:
-        shown = hint if isinstance(hint, str) else getattr(hint, "__name__", None) or repr(hint)
         raise IdsContractError(
-            f"zeroer {spec!r}: zero_block_ids({parameter.name}: {shown}) takes none of the containers the fuzzer's "
+            f"zeroer {spec!r}: zero_block_ids({parameter.name}: {written}) takes none of the containers the fuzzer's "
             f"caller hands ids over in ({', '.join(IDS_CONTAINERS)}); annotate it with one of them (list[int], as "
             f"vLLM does), or declare them on its factory: capabilities = Capabilities(ids_as=('list',))"
         )

@@ -37,6 +37,7 @@ import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from zeroer.errors import ZeroerError
@@ -120,9 +121,14 @@ def _frames(error: BaseException) -> list[tuple[types.FrameType, int]]:
 
 
 def describe_frame(frame: types.FrameType, line: int) -> str:
-    """``path/file.py:41 (the line's code)``: where a user reads it."""
-    source = linecache.getline(frame.f_code.co_filename, line).strip()
+    """``path/file.py:41 (the line's code)``: where a user reads it (relative to the working
+    directory when it lies below it)."""
     path = frame.f_code.co_filename
+    source = linecache.getline(path, line).strip()
+    try:
+        path = Path(path).resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except (ValueError, OSError):
+        pass
     return f"{path}:{line}" + (f" ({source})" if source else "")
 
 
