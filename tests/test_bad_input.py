@@ -47,6 +47,7 @@ MAINS = {  # command -> the module whose main(argv) it runs
     "python -m fuzz.bench.speed": "fuzz.bench.speed",
     "python -m fuzz.bench.intercept": "fuzz.bench.intercept",
     "python -m fuzz.bench.selfcheck": "fuzz.bench.selfcheck",
+    "python -m fuzz.bench.examples": "fuzz.bench.examples",
     "python -m fuzz.merge": "fuzz.merge",
 }
 ZEROERS = "event_ring, graph_ring, per_call, reference, ring, single_buffer, torch_per_call, zoo.captured_stream"
@@ -202,6 +203,20 @@ ROWS: list[Row] = [
         "--blocks: 0 is not a positive count; give positive ints separated by commas, e.g. --blocks 1,16,256"),
     Row("python -m fuzz.bench.kernel.scatter --quick --json out/", 2,
         "error: --json 'out' is a directory; give a file path, e.g. out/out.json"),
+    # -- python -m fuzz.bench.examples ---------------------------------------------------------------------------
+    Row("python -m fuzz.bench.examples nope.py", 2, "error: 'nope.py' is not a Python file; give a file of zeroer "
+        "factories, e.g. examples/engine_zeroers.py"),
+    Row("python -m fuzz.bench.examples tests/bad_zeroers.py", 2, "error: tests/bad_zeroers.py has no VERDICTS dict; add "
+        "one naming each factory's verdict, e.g. VERDICTS = {'my_factory': 'race-free'}"),
+    Row("python -m fuzz.bench.examples --geometry huge", 2, "error: --geometry 'huge': 'huge' is not a geometry; choose "
+        "from block_outer_fp8, int32_wrap, kv_outer_bf16, mixed_dtypes, mla_indexer, packed, ratio2, shared_layers, tiny"),
+    Row("python -m fuzz.bench.examples --replays 0", 2, "python -m fuzz.bench.examples: error: argument --replays: '0' is "
+        "not a positive number of replays, e.g. 20"),
+    Row("python -m fuzz.bench.examples --soak-steps -5", 2, "error: --soak-steps -5 must be 0 or more"),
+    Row("python -m fuzz.bench.examples --json README.md/x.json", 2, "error: --json 'README.md/x.json': 'README.md' is a "
+        "file, not a directory; give a file path you can write to"),
+    Row("python -m fuzz.bench.examples --backend cuda", 2, "error: --backend cuda needs a CUDA GPU and none is visible "
+        "here; use --backend sim", needs_no_gpu=True),
     # -- python -m fuzz.bench.speed, .intercept, .selfcheck ---------------------------------------------------
     Row("python -m fuzz.bench.speed --backend tpu", 2,
         "python -m fuzz.bench.speed: error: --backend 'tpu' is not a backend; choose sim or cuda"),

@@ -196,7 +196,8 @@ def test_the_installed_plugin_fuzzes_a_users_zeroer_from_an_empty_directory(tmp_
     plain_racy = steps.run("pytest --zeroer racy.py:make (entry point)", [*pytest_, "--zeroer", "racy.py:make"], cwd=work)
     assert plain_racy.returncode == 1 and "1 failed" in plain_racy.stdout, plain_racy.stdout + plain_racy.stderr
 
-    for script in ("kvzero-repro", "kvzero-detect", "kvzero-bench-kernel", "kvzero-bench-speed", "kvzero-bench-intercept"):
+    for script in ("kvzero-repro", "kvzero-detect", "kvzero-bench-kernel", "kvzero-bench-speed", "kvzero-bench-intercept",
+                   "kvzero-bench-examples"):
         started = steps.run(f"{script} --help", [str(venv / "bin" / script), "--help"], cwd=work)
         assert started.returncode == 0 and "usage:" in started.stdout, started.stdout + started.stderr
 

@@ -62,6 +62,8 @@ def _outcome(result: Any, *, replay: bool) -> DetectionOutcome:
     if result.resource_error:  # the GPU ran out of memory: no verdict (fuzz.engine.resources)
         return DetectionOutcome(False, None, None, result.steps, None, None, "resource error",
                                 error=result.resource_error, resource_error=True)
+    if result.harness_error:  # the harness could not run the zeroer: no verdict, an error (fuzz.engine.harness_error)
+        return DetectionOutcome(False, None, None, result.steps, None, None, "harness error", error=result.harness_error)
     violation = result.violation
     return DetectionOutcome(
         found=result.found,
