@@ -118,6 +118,7 @@ def run_main(main: Callable[[list[str]], int], argv: Sequence[str] | None, prog:
     if debug:
         argv = [a for i, a in enumerate(argv) if not (a == DEBUG_FLAG and i < end)]
     from fuzz.engine.harness_error import HarnessError  # one step down, imported when a command runs
+    from fuzz.engine.resources import ResourceExhausted
 
     try:
         return main(argv)
@@ -127,6 +128,8 @@ def run_main(main: Callable[[list[str]], int], argv: Sequence[str] | None, prog:
         if debug:
             print(error.details, file=sys.stderr, end="")
         return _report(f"{prog}: {error.message}", error.status, False)
+    except ResourceExhausted as error:  # the GPU out of memory: no verdict, and the user's to free (fuzz.engine.resources)
+        return _report(f"{prog}: {one_line(error)}", USAGE, debug)
     except KeyboardInterrupt:
         return _report(f"{prog}: interrupted", INTERRUPTED, debug)
     except Exception as error:  # noqa: BLE001 - the point: a bug says so in one line, not a traceback

@@ -33,14 +33,29 @@ def _driver_version() -> str | None:
     return out.strip().splitlines()[0] if out.strip() else None
 
 
-def environment() -> dict[str, str | None]:
-    """Versions and hardware of this process, as plain JSON values (a fresh copy each call)."""
-    return dict(_environment())
+def environment(probe: bool = True) -> dict[str, str | None]:
+    """Versions and hardware of this process, as plain JSON values (a fresh copy each call).
+
+    ``probe=False``: never start the GPU probe (CUDA's initialisation and ``nvidia-smi``, which
+    take seconds on a busy GPU): what is known already, else the versions with the GPU and driver
+    marked not probed. What a trace saved after Ctrl-C records, so the run stops promptly."""
+    if probe or _environment.cache_info().currsize:
+        return dict(_environment())
+    return {**_versions(), "gpu": None, "driver": None, "gpu_probed": False}
 
 
 @functools.lru_cache(maxsize=1)
 def _environment() -> dict[str, str | None]:
     # Computed once: the journal writes it with every op of a cuda run.
+    cuda = torch.cuda.is_available()
+    return {
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "driver": _driver_version() if cuda else None,
+        **_versions(),
+    }
+
+
+def _versions() -> dict[str, str | None]:
     try:
         import triton
 
@@ -53,10 +68,7 @@ def _environment() -> dict[str, str | None]:
         hypothesis_version: str | None = hypothesis.__version__
     except ImportError:  # exported scripts run without Hypothesis
         hypothesis_version = None
-    cuda = torch.cuda.is_available()
     return {
-        "gpu": torch.cuda.get_device_name() if cuda else None,
-        "driver": _driver_version() if cuda else None,
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "triton": triton_version,
@@ -70,5 +82,8 @@ def describe(env: dict[str, str | None] | None) -> str:
     """One line for a person: GPU and driver (or 'no GPU'), then the library versions."""
     if not env:
         return "unknown (the trace did not record its environment)"
+    if env.get("gpu_probed") is False:
+        return (f"GPU not recorded (saved after an interruption), torch {env.get('torch')}, triton {env.get('triton')}, "
+                f"python {env.get('python')}")
     gpu = f"{env['gpu']}, driver {env.get('driver') or '?'}" if env.get("gpu") else "no GPU"
     return f"{gpu}, torch {env.get('torch')}, triton {env.get('triton')}, python {env.get('python')}"

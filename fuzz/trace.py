@@ -66,9 +66,11 @@ def trace_data(
     seed: int | None = None,
     campaign: str | None = None,
     reproduction: dict[str, Any] | None = None,
+    probe: bool = True,
 ) -> dict[str, Any]:
     """The JSON object of a trace file (docs/trace-format.md). ``reproduction``: how often a
-    free-running finding showed again when it was replayed on the spot (fuzz.engine.campaigns)."""
+    free-running finding showed again when it was replayed on the spot (fuzz.engine.campaigns);
+    ``probe=False``: do not start the GPU probe for its environment (a save after Ctrl-C)."""
     data = {
         "version": TRACE_VERSION,
         "campaign": campaign,
@@ -76,7 +78,7 @@ def trace_data(
         "config": dataclasses.asdict(config),
         "ops": ops,
         "findings": [dataclasses.asdict(f) for f in findings],
-        "environment": environment(),
+        "environment": environment(probe),
     }
     if reproduction is not None:
         data["reproduction"] = reproduction
@@ -97,9 +99,10 @@ def write_trace(
     seed: int | None = None,
     campaign: str | None = None,
     reproduction: dict[str, Any] | None = None,
+    probe: bool = True,
 ) -> Path:
     """Save a finding under ``directory`` with its content-hash name; returns the path."""
-    data = trace_data(config, ops, findings, seed=seed, campaign=campaign, reproduction=reproduction)
+    data = trace_data(config, ops, findings, seed=seed, campaign=campaign, reproduction=reproduction, probe=probe)
     return write_trace_data(directory / trace_name(config, ops), data)
 
 

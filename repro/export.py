@@ -3,9 +3,12 @@
 The script is nanoGPT-shaped (STYLE.md, "repro scripts"): a docstring with where the finding came
 from and the exact commands, a block of constants, then one straight line per op, in order, each
 an op record handed to :class:`fuzz.engine.episode.Episode` (the executor the fuzzer and the replayer
-use, so the script cannot drift from them). No Hypothesis. It exits 1 when the bug shows, 0 when
-it does not, and takes ``--backend``, ``--mode``, ``--repeat`` and ``--zeroer`` so the same steps
-run on a GPU or against a race-free design.
+use, so the script cannot drift from them). No Hypothesis. It keeps the exit-status convention of
+every command here (:mod:`fuzz.cli`, through :func:`fuzz.cli.run_main`): 1 when the bug shows, 0
+when it does not, 2 for a bad option or a zeroer that cannot run here, 3 for a bug of kvzero-fuzz,
+each error one line on stderr and never a traceback (``--debug`` adds it), so that a script that
+crashed can never pass for one that reproduced. It takes ``--backend``, ``--mode``, ``--repeat``
+and ``--zeroer`` so the same steps run on a GPU or against a race-free design.
 
 Comments on the ops (the block ids an ``allocate`` gets, the step a finding names) come from a
 replay on the simulator during the export.
@@ -108,7 +111,9 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         lines += _wrap(f"finding: {finding['message']}", "  ")
     lines += [
         "",
-        "Run it from the repository root. Exit status: 1 when the bug shows, 0 when it does not.",
+        "Run it from the repository root. Exit status: 1 when the bug shows, 0 when it does not, 2 for a",
+        "bad option or a zeroer that cannot run here, 3 for a bug of kvzero-fuzz (one line on stderr;",
+        "--debug adds the traceback).",
         f"    {run}                              # the CPU simulator",
         f"    {run} --backend cuda --repeat 20   # a GPU: gates force the recorded schedule",
         f"    {run} --zeroer per_call            # the same steps on a race-free design: exits 0",
@@ -116,14 +121,14 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "",
         "from __future__ import annotations",
         "",
-        "import argparse",
         "import sys",
         "from pathlib import Path",
         "",
         f"sys.path.insert(0, str(Path(__file__).resolve().parents[{_root_parents(output)}]))  # the repository root",
         "",
+        "from fuzz.cli import ArgumentParser, run_main  # noqa: E402",
         "from fuzz.environment import describe, environment  # noqa: E402",
-        "from fuzz.engine.episode import Episode, EpisodeConfig  # noqa: E402",
+        "from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised  # noqa: E402",
         "",
         "# -- the episode, as found " + "-" * 70,
         f"ZEROER = {config.zeroer!r}",
@@ -149,25 +154,41 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "",
         "",
         "def run_once(config: EpisodeConfig) -> list:",
-        "    episode = Episode(config)",
-        "    steps(episode)",
-        "    return episode.finish()  # one synchronisation, then the oracle checks every read and block",
+        '    """One episode of the steps, judged as the fuzzer and the replayer judge it (run_ops)."""',
+        "    try:",
+        "        episode = Episode(config)",
+        "    except ZeroerRaised as raised:  # the zeroer's factory raised: that is the finding",
+        "        return [raised.finding]",
+        "    try:",
+        "        steps(episode)",
+        "        return episode.finish()  # one synchronisation, then the oracle checks every read and block",
+        "    except ZeroerRaised:  # the zeroer raised: a finding, with those made before it",
+        "        return list(episode.findings)",
+        "    finally:",
+        "        if not episode.finished:  # stopped by an error: still free the runtime (open every gate on cuda)",
+        "            episode.abandon()",
         "",
         "",
-        "def main() -> int:",
-        "    parser = argparse.ArgumentParser(description=__doc__.split('\\n\\n')[0])",
+        "def main(argv: list[str] | None = None) -> int:",
+        '    """The exit status: 1 reproduced, 0 not, 2 a bad option or a zeroer that cannot run here, 3 a bug',
+        '    of kvzero-fuzz; an error is one line on stderr (--debug adds the traceback)."""',
+        "    return run_main(_main, argv, Path(__file__).name)",
+        "",
+        "",
+        "def _main(argv: list[str]) -> int:",
+        "    parser = ArgumentParser(description=__doc__.split('\\n\\n')[0])",
         "    parser.add_argument('--backend', choices=('sim', 'cuda'), default=BACKEND)",
         "    parser.add_argument('--mode', choices=('controlled', 'free'), default=MODE)",
         "    parser.add_argument('--repeat', type=int, default=1, help='run the steps N times and count')",
         "    parser.add_argument('--zeroer', default=ZEROER, help='another zeroer spec, e.g. a race-free design')",
-        "    args = parser.parse_args()",
+        "    args = parser.parse_args(argv)",
         "    if args.repeat < 1:",
         "        parser.error(f'--repeat {args.repeat} must be at least 1')",
         "    kernel = KERNEL if args.zeroer == ZEROER else None",
         "    config = EpisodeConfig(zeroer=args.zeroer, geometry=GEOMETRY, backend=args.backend, mode=args.mode,",
         "                           kernel=kernel, streams=STREAMS, caller_fault=CALLER_FAULT)",
         "    print(f'found on: {describe(FOUND_ON)}')",
-        "    print(f'running on: {describe(environment())}')",
+        "    print(f'running on: {describe(environment())}', flush=True)",
         "    shown, first = 0, []",
         "    for _ in range(args.repeat):",
         "        findings = run_once(config)",

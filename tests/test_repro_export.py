@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -17,6 +18,8 @@ import pytest
 
 from fuzz.engine.campaigns import PROFILES, run_campaign
 from fuzz.engine.episode import EpisodeConfig
+from fuzz.engine.harness_error import HarnessError
+from fuzz.engine.resources import ResourceExhausted
 from fuzz.trace import load_trace, write_trace
 from repro.__main__ import main
 from repro.export import render_script
@@ -97,6 +100,69 @@ def test_an_exported_script_runs_alone_without_hypothesis_and_exits_1(tmp_path):
         target.unlink()
 
 
+def _exported(tmp_path: Path) -> Path:
+    trace = write_trace(tmp_path, EpisodeConfig(zeroer="single_buffer", kernel="torch"), RACE, [], seed=3, campaign="c-shard0")
+    script = tmp_path / "case.py"
+    assert main(["export", str(trace), "-o", str(script)]) == 0
+    return script
+
+
+def test_an_exported_script_that_cannot_run_says_so_in_one_line_and_never_exits_1(tmp_path):
+    # Exit 1 means "reproduced": a script that crashed must never exit with it (an uncaught
+    # exception does, with a traceback that a caller reading stdout never sees).
+    run = subprocess.run([sys.executable, str(_exported(tmp_path)), "--zeroer", "no_such_design"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.startswith("error: unknown zeroer 'no_such_design'; use a built-in name (") and run.stderr.count("\n") == 1, run.stderr
+    assert "reproduced" not in run.stdout
+
+
+def _failing_episode(error: BaseException):
+    """An Episode class stand-in that raises ``error`` (the harness failing, not the zeroer)."""
+    def build(config):
+        raise error
+    return build
+
+
+@pytest.mark.parametrize("error, status, line", [
+    (RuntimeError("boom"), 3, "case.py: internal error, a bug in kvzero-fuzz: RuntimeError: boom (rerun with --debug for "
+                              "the traceback and report it)"),
+    (HarnessError("harness error at step 2 in x, not a finding: the fix", 2), 2,
+     "case.py: harness error at step 2 in x, not a finding: the fix"),
+    (ResourceExhausted("the GPU ran out of memory (x);\nrun fewer workers"), 2,
+     "case.py: the GPU ran out of memory (x); run fewer workers"),
+], ids=["internal", "harness", "out-of-memory"])
+def test_an_exported_script_keeps_the_exit_status_convention_on_errors(tmp_path, monkeypatch, capsys, error, status, line):
+    script = _exported(tmp_path)
+    spec = importlib.util.spec_from_file_location("_repro_case", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "Episode", _failing_episode(error))
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    assert module.main() == status
+    captured = capsys.readouterr()
+    assert captured.err == line + "\n" and "reproduced" not in captured.out
+    if status == 3:  # --debug adds the traceback, the status stays
+        assert module.main(["--debug"]) == 3
+        assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_an_exported_script_counts_a_zeroer_that_raises_as_reproduced(tmp_path, monkeypatch, capsys):
+    """A zeroer's own exception is a finding (as in the fuzzer and the replayer), not a crash."""
+    (tmp_path / "raiser.py").write_text(
+        "from zeroer.designs import PerCallZeroer\n\n"
+        "class Raiser(PerCallZeroer):\n"
+        "    def zero_block_ids(self, block_ids):\n"
+        "        if list(block_ids) != [0]:\n"
+        "            raise ValueError('no room')\n"
+        "        super().zero_block_ids(block_ids)\n\n"
+        "def make(cache, runtime):\n    return Raiser(cache, runtime, kernel='torch')\n\n"
+        "make.capabilities = Raiser.capabilities\n")
+    assert run_script(_exported(tmp_path), "--zeroer", f"{tmp_path / 'raiser.py'}:make", monkeypatch=monkeypatch) == 1
+    out = capsys.readouterr().out
+    assert "zeroer raised at step 2 in zero_block_ids" in out and out.rstrip().endswith("reproduced 1 of 1 on sim"), out
+
+
 def test_export_refuses_an_output_name_that_is_not_a_module_name(tmp_path, capsys):
     trace = write_trace(tmp_path, EpisodeConfig(zeroer="single_buffer"), RACE, [])
     assert main(["export", str(trace), "-o", str(tmp_path / "my-case.py")]) == 2
@@ -136,3 +202,25 @@ def test_a_seed_from_a_summary_regenerates_the_same_shrunk_trace(tmp_path, capsy
 def test_regenerate_explains_bad_input_and_exits_2(args, message, capsys):
     assert main(args) == 2
     assert __import__("re").match(message + "$", capsys.readouterr().err.strip())
+
+
+def test_a_finding_saved_after_ctrl_c_does_not_wait_for_the_gpu_probe(tmp_path, monkeypatch):
+    """On a busy GPU the probe (CUDA's initialisation, nvidia-smi) took seconds after the signal;
+    the trace saved on the way out records the versions and says the GPU was not probed."""
+    from fuzz import environment as probe
+    from fuzz.engine.campaigns import Campaign, _save_interrupted
+    from fuzz.engine.machine import ZeroerViolation
+    from fuzz.engine.oracle import Finding
+
+    def no_probe_now():
+        raise AssertionError("the GPU was probed after Ctrl-C")
+
+    monkeypatch.setattr(probe, "_environment", functools.lru_cache(maxsize=1)(no_probe_now))
+    config = EpisodeConfig(zeroer="single_buffer", kernel="torch")
+    violation = ZeroerViolation([Finding("hazard", None, "hazard at step 3: planted")], RACE, config)
+    stop = KeyboardInterrupt()
+    _save_interrupted(stop, violation, tmp_path, 7, Campaign(config))
+    (trace,) = tmp_path.glob("*.json")
+    environment = load_trace(trace).environment
+    assert environment["gpu_probed"] is False and environment["torch"] and environment["gpu"] is None
+    assert stop.__notes__[0].startswith("single_buffer-tiny-sim-k-torch-shard0: interrupted after a finding")

@@ -43,6 +43,7 @@ from fuzz.engine.journal import Journal
 from fuzz.engine.machine import BudgetSpent, CampaignStats, ZeroerViolation, machine_for
 from fuzz.engine.minimize import minimize
 from fuzz.engine.resources import ResourceExhausted
+from fuzz.environment import environment
 from fuzz.trace import write_trace
 from zeroer.cache.geometries import geometry_names
 from zeroer.designs import StagedZeroer
@@ -283,6 +284,8 @@ def run_campaign(
     else:
         run_seed = campaign.seed
     result.seeds.append(run_seed)
+    if campaign.config.backend == "cuda":
+        environment()  # probe the GPU now (cached), not in a save after Ctrl-C; its context exists anyway
     if journal is not None:
         journal.seed = run_seed
     machine = machine_for(campaign.config, campaign.id, stats=stats, journal=journal,
@@ -352,8 +355,10 @@ def _save_interrupted(stop: KeyboardInterrupt, violation: ZeroerViolation | None
     on the interruption. (Only the first signal interrupts, so this write is not cut off.)"""
     if violation is None:
         return
+    # Not the GPU probe now (CUDA's initialisation and nvidia-smi: seconds on a busy GPU, 18 s
+    # once on the H200): the user asked to stop.
     path = write_trace(repro_dir, violation.config, violation.trace, violation.findings, seed=run_seed,
-                       campaign=campaign.id)
+                       campaign=campaign.id, probe=False)
     stop.add_note(f"{campaign.id}: interrupted after a finding; its program so far ({len(violation.trace)} ops, "
                   f"maybe not fully shrunk) is saved in {path}")
 

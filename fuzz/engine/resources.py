@@ -18,8 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import torch
-
 
 class ResourceExhausted(BaseException):
     """The GPU ran out of memory. A BaseException, like an interruption: Hypothesis lets it
@@ -33,6 +31,8 @@ _OOM_TEXT = ("out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAlloca
 def is_out_of_memory(error: BaseException) -> bool:
     """Is ``error`` (or an error it was raised from) the GPU running out of memory (or already
     the :class:`ResourceExhausted` that says so)?"""
+    import torch  # here, not at import: commands that only catch ResourceExhausted need no torch (fuzz.cli)
+
     seen = 0
     while error is not None and seen < 8:
         if isinstance(error, (ResourceExhausted, torch.cuda.OutOfMemoryError)):

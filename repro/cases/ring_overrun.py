@@ -11,7 +11,9 @@ Provenance:
   read it yet: no event or synchronisation observed by the host orders the copy before the
   write (the vLLM #48085 hazard)
 
-Run it from the repository root. Exit status: 1 when the bug shows, 0 when it does not.
+Run it from the repository root. Exit status: 1 when the bug shows, 0 when it does not, 2 for a
+bad option or a zeroer that cannot run here, 3 for a bug of kvzero-fuzz (one line on stderr;
+--debug adds the traceback).
     python repro/cases/ring_overrun.py                              # the CPU simulator
     python repro/cases/ring_overrun.py --backend cuda --repeat 20   # a GPU: gates force the recorded schedule
     python repro/cases/ring_overrun.py --zeroer per_call            # the same steps on a race-free design: exits 0
@@ -19,14 +21,14 @@ Run it from the repository root. Exit status: 1 when the bug shows, 0 when it do
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
+from fuzz.cli import ArgumentParser, run_main  # noqa: E402
 from fuzz.environment import describe, environment  # noqa: E402
-from fuzz.engine.episode import Episode, EpisodeConfig  # noqa: E402
+from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised  # noqa: E402
 
 # -- the episode, as found ----------------------------------------------------------------------
 ZEROER = 'ring'
@@ -58,25 +60,41 @@ def steps(episode: Episode) -> None:
 
 
 def run_once(config: EpisodeConfig) -> list:
-    episode = Episode(config)
-    steps(episode)
-    return episode.finish()  # one synchronisation, then the oracle checks every read and block
+    """One episode of the steps, judged as the fuzzer and the replayer judge it (run_ops)."""
+    try:
+        episode = Episode(config)
+    except ZeroerRaised as raised:  # the zeroer's factory raised: that is the finding
+        return [raised.finding]
+    try:
+        steps(episode)
+        return episode.finish()  # one synchronisation, then the oracle checks every read and block
+    except ZeroerRaised:  # the zeroer raised: a finding, with those made before it
+        return list(episode.findings)
+    finally:
+        if not episode.finished:  # stopped by an error: still free the runtime (open every gate on cuda)
+            episode.abandon()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+def main(argv: list[str] | None = None) -> int:
+    """The exit status: 1 reproduced, 0 not, 2 a bad option or a zeroer that cannot run here, 3 a bug
+    of kvzero-fuzz; an error is one line on stderr (--debug adds the traceback)."""
+    return run_main(_main, argv, Path(__file__).name)
+
+
+def _main(argv: list[str]) -> int:
+    parser = ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--backend', choices=('sim', 'cuda'), default=BACKEND)
     parser.add_argument('--mode', choices=('controlled', 'free'), default=MODE)
     parser.add_argument('--repeat', type=int, default=1, help='run the steps N times and count')
     parser.add_argument('--zeroer', default=ZEROER, help='another zeroer spec, e.g. a race-free design')
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f'--repeat {args.repeat} must be at least 1')
     kernel = KERNEL if args.zeroer == ZEROER else None
     config = EpisodeConfig(zeroer=args.zeroer, geometry=GEOMETRY, backend=args.backend, mode=args.mode,
                            kernel=kernel, streams=STREAMS, caller_fault=CALLER_FAULT)
     print(f'found on: {describe(FOUND_ON)}')
-    print(f'running on: {describe(environment())}')
+    print(f'running on: {describe(environment())}', flush=True)
     shown, first = 0, []
     for _ in range(args.repeat):
         findings = run_once(config)
