@@ -145,7 +145,9 @@ def test_a_slow_detection_is_detected_but_misses_the_time_target():
 def test_a_method_that_raises_is_recorded_as_an_error_never_as_a_finding(tmp_path):
     job = Job("fuzz", "nope", "zoo", 1, EpisodeConfig(zeroer="nope"), 1.0, str(tmp_path))
     result = run_job(job)
-    assert not result["found"] and result["error"].startswith("ZeroerSpecError: unknown zeroer 'nope'")
+    assert not result["found"] and result["message"] == "harness error"
+    assert result["error"].startswith("harness error in building the episode, not a finding: ZeroerSpecError: "
+                                      "unknown zeroer 'nope'")
 
 
 # -- real runs, bounded ---------------------------------------------------------------------------

@@ -310,7 +310,7 @@ def fake_config(**overrides) -> SimpleNamespace:
     values = {
         "fuzz_backend": "sim", "cuda_mode": "both", "zeroer": None, "fuzz_profile": None, "fuzz_minutes": None,
         "repro_dir": "repro/failures", "fuzz_db": ".hypothesis/fuzz-db", "fuzz_summary": "repro/summary.json",
-        "fuzz_journal": "auto", "hypothesis_seed": None, "fuzz_geometry": None, "fuzz_shard": None,
+        "fuzz_journal": "auto", "hypothesis_seed": None, "fuzz_geometry": None, "fuzz_shard": None, "fuzz_debug": False,
     }
     values.update(overrides)
     return SimpleNamespace(getoption=lambda name, default=None: values[name])

@@ -97,7 +97,7 @@ def _not_a_finding(result: CampaignResult, status: int, starts: str) -> None:
 def test_an_unroutable_call_is_a_harness_error_the_user_can_fix_naming_the_call_and_its_line(tmp_path):
     result = _run("UsesACudaGraph", tmp_path)
     _not_a_finding(result, 2, "harness error at step 1 in the zeroer's warmup, called at ")
-    assert re.search(r"called at \S+tests/test_harness_errors\.py:\d+ \(torch\.cuda\.CUDAGraph\(\) # the harness "
+    assert re.search(r"called at \S*tests/test_harness_errors\.py:\d+ \(torch\.cuda\.CUDAGraph\(\) # the harness "
                      r"cannot order or schedule it\), not a finding: InterceptError: torch\.cuda\.CUDAGraph: the harness "
                      r"cannot order or schedule it; run this zeroer on a GPU in the free-running mode instead",
                      result.harness_error), result.harness_error
