@@ -72,3 +72,13 @@ def test_a_bad_verdicts_dict_is_one_line_naming_the_entry(tmp_path, capsys, verd
     spec = _file(tmp_path, verdicts)
     assert main([spec]) == 2
     assert capsys.readouterr().err == f"error: {spec}: {message}\n"
+
+
+def test_jobs_past_the_time_limit_are_reported_as_not_run_never_as_met(tmp_path, capsys):
+    spec = _file(tmp_path, {"staged_per_call": "race-free"})
+    out = tmp_path / "out.json"
+    status = main([spec, "--max-seconds", "0.001", "-j", "1", "--json", str(out), "--repro-dir", str(tmp_path / "t")])
+    assert status == 1
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["campaigns"] == 0 and row["not_run"] == 3 and not row["met"]
+    assert "| `staged_per_call` | race-free | 0 | 0 |" in capsys.readouterr().out

@@ -96,12 +96,15 @@ def load_verdicts(path: str) -> dict[str, str]:
 
 
 def campaign_jobs(verdicts: dict[str, str], backend: str, geometries: tuple[str, ...] | None,
-                  repro_dir: str) -> list[Job]:
-    """Every campaign ``pytest fuzz --zeroer SPEC`` runs for each factory (skipped ones left out)."""
+                  repro_dir: str, modes: tuple[str, ...] = ("controlled", "free")) -> list[Job]:
+    """Every campaign ``pytest fuzz --zeroer SPEC`` runs for each factory (skipped ones left out;
+    on cuda, in ``modes``)."""
     jobs = []
     for spec, verdict in verdicts.items():
         expect = "finds" if verdict == "racy" else "clean"
         for campaign, skipped in default_campaigns([backend], spec, geometries):
+            if backend == "cuda" and campaign.config.mode not in modes:
+                continue
             if skipped is not None or (campaign.config.mode == "free" and verdict == "racy"):
                 continue  # a race in the free-running mode shows only when timing allows
             jobs.append(Job("campaign", spec, verdict, replace(campaign, expect=expect), repro_dir=repro_dir))
@@ -134,30 +137,40 @@ def _init_worker(device: int | None) -> None:
         torch.cuda.set_device(device)
 
 
-def run_jobs(jobs: Iterable[Job], workers: int, follow_up: Callable[[dict], list[Job]], device: int | None) -> Iterator[dict]:
+def run_jobs(jobs: Iterable[Job], workers: int, follow_up: Callable[[dict], list[Job]], device: int | None,
+             deadline: float | None = None) -> Iterator[dict]:
     """Yield each job's record as it completes, in ``workers`` spawned processes (1: in this
-    one); ``follow_up(record)`` returns jobs to queue after it (replays of a finding, more soak)."""
+    one); ``follow_up(record)`` returns jobs to queue after it (replays of a finding, more soak).
+    Past ``deadline`` (``time.monotonic()``) no job starts: each one left is yielded as a
+    ``not run`` record."""
     queue = list(jobs)
+
+    def open_() -> bool:
+        return deadline is None or time.monotonic() < deadline
+
     if workers <= 1:
         _init_worker(device)
-        while queue:
+        while queue and open_():
             record = run_job(queue.pop(0))
             queue.extend(follow_up(record))
             yield record
-        return
-    context = multiprocessing.get_context("spawn")  # a forked torch can hang in its thread pools
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
-                             initargs=(device,)) as pool:
-        running: set[Future] = set()
-        while queue or running:
-            while queue and len(running) < workers:
-                running.add(pool.submit(run_job, queue.pop(0)))
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished:
-                running.discard(future)
-                record = future.result()
-                queue.extend(follow_up(record))
-                yield record
+    else:
+        context = multiprocessing.get_context("spawn")  # a forked torch can hang in its thread pools
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
+                                 initargs=(device,)) as pool:
+            running: set[Future] = set()
+            while running or (queue and open_()):
+                while queue and len(running) < workers and open_():
+                    running.add(pool.submit(run_job, queue.pop(0)))
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    running.discard(future)
+                    record = future.result()
+                    queue.extend(follow_up(record))
+                    yield record
+    for job in queue:
+        yield {"kind": "not run", "job": job.kind, "spec": job.spec, "verdict": job.verdict,
+               "campaign": job.campaign.id if job.campaign is not None else None, "trace": job.trace}
 
 
 class Soak:
@@ -200,6 +213,7 @@ def summarize(verdicts: dict[str, str], records: list[dict], replays: int, soak_
     rows = []
     for spec, verdict in verdicts.items():
         campaigns = [r for r in records if r["spec"] == spec and r["kind"] == "campaign"]
+        not_run = [r for r in records if r["spec"] == spec and r["kind"] == "not run"]
         shown = [r for r in records if r["spec"] == spec and r["kind"] == "replay"]
         soaked = [r for r in records if r["spec"] == spec and r["kind"] == "soak"]
         errors = [r for r in campaigns + soaked if r.get("harness_error") or r.get("resource_error")]
@@ -212,6 +226,7 @@ def summarize(verdicts: dict[str, str], records: list[dict], replays: int, soak_
             "replayed": sum(r["shown"] for r in shown), "replays": sum(r["replays"] for r in shown),
             "soak_steps": sum(r["steps"] for r in soaked), "soak_findings": sum(1 for r in soaked if r["found"]),
             "seconds": round(sum(r["seconds"] for r in campaigns), 1),
+            "not_run": len(not_run),
         }
         if verdict == "racy":
             row["met"] = bool(campaigns) and len(found) == len(campaigns) and not errors and max(ops, default=99) <= MAX_TRACE_OPS \
@@ -219,6 +234,7 @@ def summarize(verdicts: dict[str, str], records: list[dict], replays: int, soak_
         else:
             row["met"] = bool(campaigns) and not found and not errors and not row["soak_findings"] \
                 and row["soak_steps"] >= soak_steps
+        row["met"] = row["met"] and not not_run  # cut off by --max-seconds: not shown
         rows.append(row)
     return rows
 
@@ -230,7 +246,8 @@ def table(rows: list[dict], backend: str) -> str:
         replays = f"{row['replayed']} of {row['replays']}" if row["replays"] else ""
         lines.append(f"| `{row['spec'].rsplit(':', 1)[1]}` | {row['verdict']} | {row['campaigns']} | {row['found']} | "
                      f"{row['max_trace_ops'] if row['max_trace_ops'] is not None else ''} | {replays} | "
-                     f"{row['soak_steps'] or ''} | {len(row['errors'])} | {'met' if row['met'] else 'MISSED'} |")
+                     f"{row['soak_steps'] or ''} | {len(row['errors'])} | "
+                     + ("met |" if row["met"] else f"not all run ({row['not_run']} jobs left) |" if row["not_run"] else "MISSED |"))
     return "\n".join(lines)
 
 
@@ -266,6 +283,8 @@ def parser() -> ArgumentParser:
     p.add_argument("--geometry", default=None, help="NAME[,NAME...]: only these geometries (default: every one a factory supports)")
     p.add_argument("--replays", type=positive(int, "replays", "20"), default=DEFAULT_REPLAYS, help="replays of each finding")
     p.add_argument("--soak-steps", type=int, default=0, help="steps of fresh-seed fuzzing per race-free factory (cuda: free-running)")
+    p.add_argument("--cuda-mode", choices=("both", "controlled", "free"), default="both", help="cuda: the campaigns' modes (soaks need free)")
+    p.add_argument("--max-seconds", type=positive(float, "seconds", "420"), default=None, help="start no job after this many seconds; what is left is reported as not run")
     p.add_argument("-j", "--jobs", type=positive(int, "worker processes", "4"), default=None, help="worker processes (default: every core; cuda: what the free GPU memory holds, at most 8)")
     p.add_argument("--repro-dir", type=Path, default=None, help="where traces of findings go (default: a temporary directory)")
     p.add_argument("--json", type=Path, default=None, help="write every record and the table's rows here")
@@ -286,10 +305,13 @@ def _main(argv: list[str]) -> int:
     geometries = _geometries(args.geometry)
     verdicts = load_verdicts(args.file)
     repro_dir = str(args.repro_dir or Path(tempfile.mkdtemp(prefix="kvzero-examples-")))
-    jobs = campaign_jobs(verdicts, args.backend, geometries, repro_dir)
-    soak = Soak(verdicts, args.backend, args.soak_steps, repro_dir)
+    modes = ("controlled", "free") if args.cuda_mode == "both" else (args.cuda_mode,)
+    jobs = campaign_jobs(verdicts, args.backend, geometries, repro_dir, modes)
+    soaks = args.soak_steps if args.backend != "cuda" or "free" in modes else 0
+    soak = Soak(verdicts, args.backend, soaks, repro_dir)
     workers = _workers(args.jobs, args.backend, jobs)
     started = time.monotonic()
+    deadline = None if args.max_seconds is None else started + args.max_seconds
 
     def follow_up(record: dict) -> list[Job]:
         if record["kind"] == "soak":
@@ -300,7 +322,8 @@ def _main(argv: list[str]) -> int:
 
     records = []
     per_spec = max(1, workers // max(1, len(soak.campaigns)))  # soak runs side by side, once the campaigns are queued
-    for record in run_jobs(jobs + soak.start(per_spec), workers, follow_up, 0 if args.backend == "cuda" else None):
+    for record in run_jobs(jobs + soak.start(per_spec), workers, follow_up, 0 if args.backend == "cuda" else None,
+                           deadline):
         records.append(record)
         if record["kind"] == "campaign":
             what = ("HARNESS ERROR" if record.get("harness_error") else "RESOURCE ERROR" if record.get("resource_error")
@@ -308,7 +331,7 @@ def _main(argv: list[str]) -> int:
             print(f"{record['campaign']}: {what} ({record['examples']} examples, {record['seconds']} s)", flush=True)
         elif record["kind"] == "replay":
             print(f"replay {Path(record['trace']).name}: shown {record['shown']} of {record['replays']}", flush=True)
-    rows = summarize(verdicts, records, args.replays, args.soak_steps)
+    rows = summarize(verdicts, records, args.replays, soaks)
     print(table(rows, args.backend))
     wall = round(time.monotonic() - started, 1)
     print(f"{len(records)} jobs in {wall} s on {workers} worker(s); traces in {repro_dir}")
@@ -318,9 +341,10 @@ def _main(argv: list[str]) -> int:
             "date": datetime.date.today().isoformat(), "machine": machine(args.backend), "workers": workers,
             "wall_s": wall, "rows": rows, "records": records,
         })
-    if any(r["found"] != (r["verdict"] == "racy") for r in records if r["kind"] == "campaign" and not not_judged(r)):
+    judged = [r for r in records if r["kind"] == "campaign" and not not_judged(r)]
+    if any(r["found"] != (r["verdict"] == "racy") for r in judged):
         return FINDING  # a verdict the factory's VERDICTS entry contradicts, whatever else happened
-    harness = harness_status(records)
+    harness = harness_status([r for r in records if r["kind"] in ("campaign", "soak")])
     if harness:
         return harness
     return CLEAN if all(row["met"] for row in rows) else FINDING
