@@ -80,5 +80,5 @@ def test_jobs_past_the_time_limit_are_reported_as_not_run_never_as_met(tmp_path,
     status = main([spec, "--max-seconds", "0.001", "-j", "1", "--json", str(out), "--repro-dir", str(tmp_path / "t")])
     assert status == 1
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["campaigns"] == 0 and row["not_run"] == 3 and not row["met"]
-    assert "| `staged_per_call` | race-free | 0 | 0 |" in capsys.readouterr().out
+    assert row["campaigns"] + row["not_run"] == 3 and row["not_run"] >= 2 and not row["met"]  # one may start in the first ms
+    assert f"not all run ({row['not_run']} jobs left)" in capsys.readouterr().out
