@@ -163,13 +163,10 @@ REFUSED = [
     (lambda z: torch.cuda.Event(enable_timing=True),
      "torch.cuda.Event(enable_timing=True, interprocess=False): timing and interprocess events have no meaning on "
      "the harness's schedule; create the event without them (the zeroer contract needs ordering only)"),
-    (lambda z: torch.cuda.set_stream(torch.cuda.Stream()),
-     "torch.cuda.set_stream: a zeroer may not change the caller's current stream for good; use `with "
-     "torch.cuda.stream(s):` around the work instead"),
 ]
 
 
-@pytest.mark.parametrize("body, message", REFUSED, ids=["ctypes-cudart", "cupy", "cuda-graph", "timing-event", "set-stream"])
+@pytest.mark.parametrize("body, message", REFUSED, ids=["ctypes-cudart", "cupy", "cuda-graph", "timing-event"])
 def test_what_cannot_be_routed_is_an_error_naming_the_call_and_the_way_forward(body, message):
     bound = _refused(body)
     with pytest.raises(InterceptError, match=exactly(message)):

@@ -14,11 +14,18 @@ Which mechanism covers which call (docs/fuzz-your-zeroer.md has the table):
   ``.cuda``, ``.pin_memory``, ``is_pinned``, indexing, ``record_stream``;
 * aten ops: a tensor subclass's ``__torch_dispatch__`` on the simulator (:mod:`.sim_tensor`,
   :mod:`.sim_ops`), a ``TorchDispatchMode`` on CUDA (:mod:`.cuda_ops`);
-* patched, in one place and undone on exit: ``torch.cuda``'s streams, events and synchronisation
-  (:mod:`.cuda_api`) and ``JITFunction.run`` (:mod:`.triton_launch`);
+* patched, in one place and undone on exit: ``torch.cuda``'s, ``torch.accelerator``'s and the
+  device-generic ``torch.Stream``/``torch.Event``'s streams, events and synchronisation
+  (:mod:`.cuda_api`; on the simulator also the device queries, :mod:`.sim_device`) and
+  ``JITFunction.run`` (:mod:`.triton_launch`);
+* device values read on the host (``.tolist()``, ``repr``, ...), after the stream, as on CUDA
+  (:mod:`.host_reads`);
 * shadow copies of the zeroer's pinned buffers for host writes no torch op sees (:mod:`.host_memory`);
 * refused with a clear error: GPU packages other than torch, CUDA libraries through ctypes
   (:mod:`.unroutable`).
+
+Several zeroers may share one runtime (one per KV cache, the ``x2`` campaigns): each has its own
+session, and what names their streams, buffers and blocks is the runtime's (:mod:`.shared`).
 
 Example::
 

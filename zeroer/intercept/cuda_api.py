@@ -1,15 +1,25 @@
 """``torch.cuda``'s streams, events and synchronisation, as seen by an intercepted zeroer.
 
 While a plain torch zeroer runs, ``torch.cuda.Stream``, ``torch.cuda.Event``, ``current_stream``,
-``default_stream``, ``stream(...)``, ``set_stream``, ``synchronize`` (and, on the simulator,
-``is_available``, ``device_count``, ``current_device``, ``set_device``, ``device``,
-``get_device_name``, ``get_device_capability``) are replaced by stand-ins over the harness's
-runtime (:meth:`CudaApi.patches`). A stream is a runtime stream (``torch.cuda.Stream()`` makes a
+``default_stream``, ``stream(...)``, ``set_stream``, ``synchronize``, the device-generic
+``torch.Stream`` and ``torch.Event``, and ``torch.accelerator``'s ``current_stream``,
+``set_stream`` and ``synchronize`` are replaced by stand-ins over the harness's runtime
+(:meth:`CudaApi.patch_tables`; on the simulator also the device queries of
+:mod:`zeroer.intercept.sim_device`). A stream is a runtime stream (``torch.cuda.Stream()`` makes a
 new one; ``current_stream()`` is the stream the harness made current for the call), an event a
 runtime event, so recording, waiting, querying and synchronising are ordered, scheduled and
-checked by the runtime exactly as a runtime-API zeroer's calls are. The stand-ins are found
-through the ``torch.cuda`` module: a zeroer that bound ``from torch.cuda import Stream`` before
-the harness loaded it keeps torch's own (docs/fuzz-your-zeroer.md).
+checked by the runtime exactly as a runtime-API zeroer's calls are. ``torch.accelerator.synchronize()``
+(vLLM #48085's ring calls it when it grows) is the runtime's synchronisation on both backends: in
+the controlled CUDA mode a real device synchronisation would wait for ops parked behind the
+runtime's gates, which only the runtime releases. The stand-ins are found through the modules:
+a zeroer that bound ``from torch.cuda import Stream`` before the harness loaded it keeps torch's
+own (docs/fuzz-your-zeroer.md).
+
+Which stream is current follows CUDA: ``with torch.cuda.stream(s):`` and ``with s:`` restore the
+stream that was current when they were entered; ``torch.cuda.set_stream(s)`` switches until the
+next switch (vLLM's ``stream(to, from)`` helper sets ``to`` and, in its ``finally``, ``from``
+again). Whatever the zeroer switched to, the caller's stream is current again when its call ends
+(:meth:`CudaApi.restore_streams`): a zeroer may not leave the caller on another stream.
 
 The real classes stay reachable for the runtime itself, which captured them at import.
 
@@ -66,6 +76,19 @@ class StreamProxy:
     def priority(self) -> int:
         return 0
 
+    # torch.Stream's identity (torch.Stream() is this class too)
+    @property
+    def stream_id(self) -> int:
+        return self.cuda_stream
+
+    @property
+    def device_index(self) -> int:
+        return self._api.device.index or 0
+
+    @property
+    def device_type(self) -> int:
+        return 1  # c10::DeviceType::CUDA
+
     def wait_event(self, event: "EventProxy") -> None:
         self._api.boundary("Stream.wait_event")
         self._api.rt.wait_event(self._api.event_of(event), stream=self.runtime_stream)
@@ -98,13 +121,12 @@ class StreamProxy:
     def __repr__(self) -> str:
         return f"<torch.cuda.Stream (intercepted) runtime stream '{self.runtime_stream.name}'>"
 
-    def __enter__(self) -> "StreamProxy":
-        self._api._contexts.append(self._api.rt.use_stream(self.runtime_stream))
-        self._api._contexts[-1].__enter__()
+    def __enter__(self) -> "StreamProxy":  # ``with s:``, as ``with torch.cuda.stream(s):``
+        self._api._with_scopes.append(self._api.open_scope(self.runtime_stream, "with"))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._api._contexts.pop().__exit__(*exc)
+        self._api.close_scope(self._api._with_scopes.pop())
 
 
 @stand_in
@@ -112,11 +134,13 @@ class EventProxy:
     """``torch.cuda.Event`` over a runtime event (each session makes a subclass bound to it)."""
 
     _api: "CudaApi"
+    _spelled = "torch.cuda.Event"
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        # ``blocking`` only changes how the host waits in synchronize(), not what it waits for.
         if enable_timing or interprocess:
             raise unroutable(
-                f"torch.cuda.Event(enable_timing={enable_timing}, interprocess={interprocess})",
+                f"{self._spelled}(enable_timing={enable_timing}, interprocess={interprocess})",
                 "timing and interprocess events have no meaning on the harness's schedule",
                 "create the event without them (the zeroer contract needs ordering only)",
             )
@@ -150,8 +174,22 @@ class EventProxy:
         handle = self.runtime_event.handle
         return int(getattr(handle, "cuda_event", 0xE0000 + self.runtime_event.index))
 
+    @property
+    def device(self) -> torch.device:
+        return self._api.device
+
     def __repr__(self) -> str:
-        return f"<torch.cuda.Event (intercepted) {self.runtime_event!r}>"
+        return f"<{self._spelled} (intercepted) {self.runtime_event!r}>"
+
+
+class _GenericEvent(EventProxy):
+    """``torch.Event(device=None, *, ...)``: the device-generic event, on the current accelerator."""
+
+    _spelled = "torch.Event"
+
+    def __init__(self, device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        super().__init__(enable_timing, blocking, interprocess)
 
 
 @stand_in
@@ -159,27 +197,26 @@ class _StreamContext:
     """``torch.cuda.stream(s)``: make ``s`` current inside (None: no change)."""
 
     def __init__(self, api: "CudaApi", stream: StreamProxy | None) -> None:
-        self._scope = api.rt.use_stream(api.stream_of(stream)) if stream is not None else contextlib.nullcontext()
+        self._api = api
+        self._stream = api.stream_of(stream) if stream is not None else None
+        self._opened: list[_Opened] = []
 
     def __enter__(self) -> None:
-        self._scope.__enter__()
+        if self._stream is not None:
+            self._opened.append(self._api.open_scope(self._stream, "with"))
 
     def __exit__(self, *exc: object) -> None:
-        self._scope.__exit__(*exc)
+        if self._opened:
+            self._api.close_scope(self._opened.pop())
 
 
-@stand_in
-class _DeviceContext:
-    """``torch.cuda.device(i)`` on the simulator: there is one device, 0."""
+class _Opened:
+    """A stream made current by the zeroer: by a ``with`` scope or ``set_stream``, and what was current before."""
 
-    def __init__(self, device: Any = None) -> None:
-        pass
+    __slots__ = ("kind", "scope", "previous")
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def __init__(self, kind: str, scope: Any, previous: Stream) -> None:
+        self.kind, self.scope, self.previous = kind, scope, previous
 
 
 class CudaApi:
@@ -191,10 +228,13 @@ class CudaApi:
         self.device = session.device
         self._proxies: dict[int, StreamProxy] = {}
         self._made = itertools.count(1)
-        self._contexts: list[Any] = []
+        self._opened: list[_Opened] = []  # streams the zeroer made current, innermost last
+        self._with_scopes: list[_Opened] = []  # ``with s:`` on a stream object
         # What the zeroer sees as torch.cuda.Stream and torch.cuda.Event: classes bound to this session.
+        # torch.Stream() is the same class: on the current accelerator, CUDA, it makes a CUDA stream.
         self.Stream: type[StreamProxy] = type("Stream", (StreamProxy,), {"_api": self, "__module__": "torch.cuda"})
         self.Event: type[EventProxy] = type("Event", (EventProxy,), {"_api": self, "__module__": "torch.cuda"})
+        self.GenericEvent: type[EventProxy] = type("Event", (_GenericEvent, self.Event), {"_api": self, "__module__": "torch"})
 
     def boundary(self, what: str) -> None:
         self.session.boundary(what)
@@ -228,7 +268,17 @@ class CudaApi:
         if kwargs:
             raise unroutable(f"torch.cuda.Stream(**{kwargs!r})", "only device and priority are supported")
         self.boundary("torch.cuda.Stream()")
-        return self.proxy(self.rt.new_stream(f"zeroer-{next(self._made)}"))
+        return self.proxy(self.rt.new_stream(self._stream_name()))
+
+    def _stream_name(self) -> str:
+        """``zeroer-1``, ``zeroer-2``, ... for the runtime's first zeroer, ``zeroer[1]-1`` for its
+        second (zeroer.intercept.shared): unique per runtime, the same on every run."""
+        tag = "" if self.session.index == 0 else f"[{self.session.index}]"
+        taken = {s.name for s in self.rt.streams}
+        while True:
+            name = f"zeroer{tag}-{next(self._made)}"
+            if name not in taken:  # a name the runtime's owner gave one of its own streams
+                return name
 
     # -- functions -------------------------------------------------------------------------------
     def current_stream(self, device: Any = None) -> StreamProxy:
@@ -242,22 +292,50 @@ class CudaApi:
         return _StreamContext(self, stream)
 
     def set_stream(self, stream: StreamProxy) -> None:
-        raise unroutable("torch.cuda.set_stream", "a zeroer may not change the caller's current stream for good",
-                         "use `with torch.cuda.stream(s):` around the work instead")
+        """``torch.cuda.set_stream(s)``: ``s`` is current until the next switch, or the call's end."""
+        target = self.stream_of(stream)
+        self.boundary("torch.cuda.set_stream")
+        top = self._opened[-1] if self._opened else None
+        if top is not None and top.kind == "set" and top.previous is target:
+            self.close_scope(top)  # switching back (vLLM's helper, in its finally): the switch is undone
+        elif target is not self.rt.current_stream():
+            self.open_scope(target, "set")
+
+    def open_scope(self, stream: Stream, kind: str) -> _Opened:
+        """Make ``stream`` current (``kind``: ``with`` or ``set``), remembering what was."""
+        previous = self.rt.current_stream()
+        scope = self.rt.use_stream(stream)
+        scope.__enter__()
+        opened = _Opened(kind, scope, previous)
+        self._opened.append(opened)
+        return opened
+
+    def close_scope(self, opened: _Opened) -> None:
+        """Leave ``opened``: as CUDA's stream scope restores the stream current at its entry, the
+        switches made inside it are undone first (the runtime's scopes nest)."""
+        while opened in self._opened:
+            self._opened.pop().scope.__exit__(None, None, None)
+
+    def restore_streams(self) -> None:
+        """At the end of a zeroer's call: every stream it made current is undone, innermost first."""
+        self._with_scopes.clear()
+        while self._opened:
+            self._opened.pop().scope.__exit__(None, None, None)
 
     def synchronize(self, device: Any = None) -> None:
-        self.boundary("torch.cuda.synchronize")
+        """``torch.cuda.synchronize()`` and ``torch.accelerator.synchronize()``: every stream's work."""
+        self.boundary("synchronize")
         self.rt.synchronize()
 
     # -- patches ---------------------------------------------------------------------------------
-    def patches(self) -> dict[str, Any]:
-        """``torch.cuda`` attribute -> stand-in, for the session's patch scope."""
+    def patch_tables(self) -> list[tuple[Any, dict[str, Any]]]:
+        """(module, attribute -> stand-in) for the session's patch scope."""
         def refuse(name: str, fix: str = "") -> Any:
             def call(*args: Any, **kwargs: Any) -> Any:
                 raise unroutable(f"torch.cuda.{name}", "the harness cannot order or schedule it", *((fix,) if fix else ()))
             return call
 
-        table: dict[str, Any] = {
+        cuda: dict[str, Any] = {
             "Stream": self.Stream,
             "Event": self.Event,
             "current_stream": self.current_stream,
@@ -271,20 +349,18 @@ class CudaApi:
             "graph": refuse("graph"),
             "caching_allocator_alloc": refuse("caching_allocator_alloc"),
         }
+        generic = {"Stream": self.Stream, "Event": self.GenericEvent}
+        accelerator: dict[str, Any] = {
+            "current_stream": self.current_stream,
+            "set_stream": self.set_stream,
+            "synchronize": self.synchronize,
+        }
         if self.session.backend == "sim":
-            table.update({
-                "is_available": lambda: True,
-                "is_initialized": lambda: True,
-                "init": lambda: None,
-                "device_count": lambda: 1,
-                "current_device": lambda: 0,
-                "set_device": lambda device: None,
-                "device": _DeviceContext,
-                "get_device_name": lambda device=None: "simulated GPU (kvzero-fuzz)",
-                "get_device_capability": lambda device=None: (9, 0),
-                "_sleep": refuse("_sleep", "on the simulator a stream is held back by the fuzzer's delay steps"),
-            })
-        return table
+            from zeroer.intercept.sim_device import ACCELERATOR, CUDA_DEVICE
+
+            cuda.update(CUDA_DEVICE)
+            accelerator.update(ACCELERATOR)
+        return [(torch.cuda, cuda), (torch, generic), (torch.accelerator, accelerator)]
 
 
 @contextlib.contextmanager

@@ -45,7 +45,9 @@ class CudaOps(TorchDispatchMode):
         super().__init__()
         self.session = session
         self._cache_storages: set[int] = set()
-        self._recorded: set[int] = set()  # storages record_stream tied to another stream
+        # Storages record_stream tied to another stream: one caching allocator serves every zeroer
+        # of the runtime, so the set is the runtime's (zeroer.intercept.shared).
+        self._recorded: set[int] = session.share.recorded
 
     def note_cache(self, storages: list[int]) -> None:
         self._cache_storages = set(storages)
@@ -96,7 +98,9 @@ class CudaOps(TorchDispatchMode):
             target = torch.device(device) if device is not None else source.device
             non_blocking = bool(kwargs.get("non_blocking", False))
             if source.is_cuda and target.type == "cpu":
-                return self._copy(func, args, kwargs, None, source, non_blocking, pin=bool(kwargs.get("pin_memory")))
+                # aten's _to_copy pins the result of a non-blocking move to the host: a queued copy.
+                pin = bool(kwargs.get("pin_memory")) or non_blocking
+                return self._copy(func, args, kwargs, None, source, non_blocking, pin=pin)
             if not source.is_cuda and target.type == "cuda":
                 return self._copy(func, args, kwargs, None, source, non_blocking, to_device=True)
         positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]

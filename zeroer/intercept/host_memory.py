@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ class PinnedBuffer:
     id: int
     base: torch.Tensor
     name: str
+    origin: str = ""  # the call that made it: torch.empty(pin_memory=True), Tensor.pin_memory()
 
     @property
     def key(self) -> tuple:
@@ -66,20 +68,31 @@ class _PendingRead:
 class HostMemory:
     """The pinned buffers of one intercepted zeroer and the reads still pending on them."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, ids: Iterator[int] | None = None, owner: str = "the zeroer") -> None:
         self.rt = runtime
-        self._ids = itertools.count(1)
+        self._ids = ids if ids is not None else itertools.count(1)  # per runtime (zeroer.intercept.shared)
+        self._owner = owner
         self._by_storage: dict[int, PinnedBuffer] = {}  # storage data_ptr -> buffer
         self._pending: list[_PendingRead] = []
         self.device_written: set[int] = set()  # buffers a device-to-host copy writes: not diffed
 
     def register(self, tensor: torch.Tensor, origin: str = "") -> PinnedBuffer:
         """Remember ``tensor`` (a CPU tensor) as pinned memory the zeroer allocated."""
-        buffer = PinnedBuffer(next(self._ids), tensor, "")
-        buffer.name = f"pinned host buffer p{buffer.id} of the zeroer" + (f" ({origin})" if origin else "")
+        buffer = PinnedBuffer(next(self._ids), tensor, "", origin)
         self._by_storage[tensor.untyped_storage().data_ptr()] = buffer
-        self.rt.hb.name_resource(buffer.key, buffer.name)
+        self._name(buffer)
         return buffer
+
+    def _name(self, buffer: PinnedBuffer) -> None:
+        origin = f" ({buffer.origin})" if buffer.origin else ""
+        buffer.name = f"pinned host buffer p{buffer.id} of {self._owner}{origin}"
+        self.rt.hb.name_resource(buffer.key, buffer.name)
+
+    def rename_owner(self, owner: str) -> None:
+        """Name every buffer as ``owner``'s (``zeroer 0`` once a second zeroer shares the runtime)."""
+        self._owner = owner
+        for buffer in self._by_storage.values():
+            self._name(buffer)
 
     def lookup(self, tensor: torch.Tensor) -> PinnedBuffer | None:
         """The pinned buffer ``tensor`` (a CPU tensor, maybe a view) lives in, if any."""

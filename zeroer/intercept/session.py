@@ -18,6 +18,11 @@
 Everything the zeroer enqueues goes through :meth:`enqueue` (one runtime op) or :meth:`run_now`
 (a synchronising op), labelled with the call it belongs to, so a race report names the call and
 the op, exactly as for a runtime-API zeroer.
+
+A runtime may hold several sessions, one per zeroer (:mod:`zeroer.intercept.shared`): a session
+has an ``index`` in the order they were bound, shares the runtime's pinned-buffer numbering and
+(on the simulator) device memory, and once there are several its labels say which zeroer it is
+(``spec[1].zero_block_ids#3([4])``, ``pinned host buffer p3 of zeroer 1``, stream ``zeroer[1]-1``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 
 from zeroer.intercept.cuda_api import CudaApi, patched
 from zeroer.intercept.host_memory import HostMemory
+from zeroer.intercept.shared import share_of
 from zeroer.intercept.sim_memory import SIM_DEVICE, Block, SimDeviceMemory
 from zeroer.intercept.triton_launch import TritonLaunches
 from zeroer.intercept.unroutable import unroutable_guard
@@ -46,7 +52,10 @@ class InterceptSession:
         self.spec = spec
         self.backend = runtime.backend
         self.device = SIM_DEVICE if self.backend == "sim" else runtime.device
-        self.host = HostMemory(runtime)
+        self.share = share_of(runtime)
+        self.host = HostMemory(runtime, self.share.pinned_ids)
+        self.index = self.share.join(self)  # after self.host: a second session renames the first's buffers
+        self.host.rename_owner(self.owner)
         self.cuda_api = CudaApi(self)
         self.triton = TritonLaunches(self)
         self.memory: SimDeviceMemory | None = None
@@ -55,7 +64,7 @@ class InterceptSession:
         if self.backend == "sim":
             from zeroer.intercept.sim_ops import SimOps
 
-            self.memory = SimDeviceMemory(runtime)
+            self.memory = self.share.sim_memory()
             self.sim_ops = SimOps(self)
         else:
             from zeroer.intercept.cuda_ops import CudaOps
@@ -70,6 +79,22 @@ class InterceptSession:
         self._calls = itertools.count(1)
         self._depth = 0
 
+    # -- which zeroer ------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The zeroer in labels: its spec, with its index once the runtime has several (``spec[1]``)."""
+        return self.spec if self.share.count == 1 else f"{self.spec}[{self.index}]"
+
+    @property
+    def owner(self) -> str:
+        """The zeroer in resource names: ``the zeroer``, or ``zeroer 1`` once the runtime has several."""
+        return "the zeroer" if self.share.count == 1 else f"zeroer {self.index}"
+
+    @property
+    def in_call(self) -> bool:
+        """Whether one of the zeroer's calls is running (its code, not the harness's, is asking)."""
+        return self._depth > 0
+
     # -- the scope ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def running(self, what: str, ids: Sequence[int] = ()) -> Iterator[None]:
@@ -79,7 +104,7 @@ class InterceptSession:
             return
         number = next(self._calls)
         shown = list(ids) if len(ids) <= 8 else [*ids[:8], "..."]
-        self.call = f"{self.spec}.{what}#{number}" + (f"({shown})" if what == "zero_block_ids" else "")
+        self.call = f"{self.name}.{what}#{number}" + (f"({shown})" if what == "zero_block_ids" else "")
         self.ids = tuple(int(i) for i in ids)
         self._last = "the start of the call"
         self.host.check(f"the host, before {self.call}")
@@ -90,8 +115,12 @@ class InterceptSession:
                 # On CUDA this also makes the runtime's current stream torch's: what torch allocates
                 # and launches inside lands there.
                 scope.enter_context(self.rt.use_stream(self.rt.current_stream()))
+                # Whatever stream the zeroer made current (torch.cuda.set_stream, a scope it left
+                # open), the caller's is current again when the call ends.
+                scope.callback(self.cuda_api.restore_streams)
                 scope.enter_context(unroutable_guard(self))
-                scope.enter_context(patched(torch.cuda, self.cuda_api.patches()))
+                for module, table in self.cuda_api.patch_tables():
+                    scope.enter_context(patched(module, table))
                 from triton.runtime.jit import JITFunction
 
                 scope.enter_context(patched(JITFunction, self.triton.patches()))

@@ -221,8 +221,10 @@ class SimOps:
         dtype = dtype or x.dtype
         target = torch.device(device) if device is not None else x.device
         if target.type == "cpu":
-            out = torch.empty(tuple(x.size()), dtype=dtype)
-            if pin_memory:
+            out = torch.zeros(tuple(x.size()), dtype=dtype)  # zeros, not garbage: a run replays the same
+            # CUDA pins the result of a non-blocking move to the host (aten's _to_copy), so the copy
+            # stays queued: its values are there once the stream has run it (an event, a sync).
+            if pin_memory or non_blocking:
                 self.session.host.register(out, "pinned result of .to()")
             return self.copy(out, x, non_blocking)
         out = self.new(tuple(x.size()), dtype, name=".to() result")

@@ -11,6 +11,10 @@ On a CPU-only build of torch, the Python indexing code (``x[1:3]``, ``x[idx] = 0
 device guard that such a build does not have; the session then indexes a *cloaked* twin
 (:func:`cloak`), the same wrapper reporting ``cpu``, whose ops reach the same router.
 
+Read on the host by the zeroer's code (``repr``, ``f"{t}"``, ``.tolist()``), its values are read
+after the current stream and printed as CUDA prints them (:mod:`zeroer.intercept.host_reads`);
+printed by the harness, between the zeroer's calls, it describes itself and runs nothing.
+
 Example (inside an intercepted zeroer call on the simulator)::
 
     ids = torch.empty(8, dtype=torch.int64, device="cuda")    # a SimCudaTensor
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 
 from zeroer.intercept.errors import InterceptError
+from zeroer.intercept.host_reads import cuda_format, cuda_repr
 from zeroer.intercept.sim_memory import SIM_DEVICE, Allocation
 
 
@@ -62,8 +67,17 @@ class SimCudaTensor(torch.Tensor):
         return self._inner.untyped_storage()
 
     def __repr__(self) -> str:
+        if self._session.in_call:  # the zeroer's repr/str/print: the values, as CUDA prints them
+            self._session.boundary("repr(tensor)")
+            return cuda_repr(self)
+        # The harness looking (a debugger, an assertion): a description that runs no stream.
         return (f"SimCudaTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device='{self.device}', "
                 f"block=d{self._alloc.block.id})")
+
+    def __format__(self, spec: str) -> str:
+        if self._session.in_call:
+            return cuda_format(self, spec)
+        return object.__format__(self, spec)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise InterceptError("a simulated CUDA tensor cannot be pickled or deep-copied; keep it in the zeroer")

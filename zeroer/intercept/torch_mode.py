@@ -14,6 +14,8 @@ must be decided at the torch call:
 * **host to device moves** on the simulator: ``x.to("cuda", non_blocking=...)``, ``x.cuda()``:
   fresh device memory and a copy with CUDA's meaning (:func:`zeroer.intercept.ops.copy_kind`);
 * **indexing** of simulated CUDA tensors, through a cloaked twin (:mod:`zeroer.intercept.sim_tensor`);
+* **host reads** on the simulator that torch does not pass down whole (``.tolist()``, ``.numpy()``):
+  :mod:`zeroer.intercept.host_reads`;
 * ``record_stream``, which takes the zeroer's stream stand-in (patched on ``torch.Tensor``: its
   argument parser would reject the stand-in before any mode sees the call).
 
@@ -28,7 +30,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from zeroer.intercept.errors import forward, raise_as_cuda, simulator_gap, unroutable
+from zeroer.intercept import host_reads
+from zeroer.intercept.errors import forward, simulator_gap, unroutable
 from zeroer.intercept.sim_tensor import SimCudaTensor, cloak, uncloak
 
 _HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
@@ -50,6 +53,11 @@ def _name(func: Any) -> str:
     name = getattr(func, "__name__", None) or str(func)
     qualname = getattr(func, "__qualname__", "") or ""
     return f"Tensor.{name}" if qualname.startswith(("TensorBase.", "Tensor.")) else f"torch.{name}"
+
+
+def _tensor_data(args: tuple, kwargs: dict) -> bool:
+    """Whether a host-data factory's data is a tensor (whose move to the device torch dispatches)."""
+    return isinstance(args[0] if args else kwargs.get("data"), torch.Tensor)
 
 
 def _has_sim(args: tuple, kwargs: dict) -> bool:
@@ -86,7 +94,10 @@ class InterceptMode(TorchFunctionMode):
             _T.__getitem__: self._getitem,
             _T.__setitem__: self._setitem,
             _T.numpy: self._numpy,
+            _T.__array__: self._numpy,
+            _T.tolist: self._tolist,
             _T.data_ptr: self._data_ptr,
+            _T.new_tensor: self._new_tensor,
         }
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -98,6 +109,9 @@ class InterceptMode(TorchFunctionMode):
         if device is not None and _is_cuda(device) and self.sim:
             self.session.boundary(_name(func))
             return self._device_factory(func, args, kwargs)
+        if device is not None and _is_cuda(device) and func in _HOST_DATA and not _tensor_data(args, kwargs):
+            self.session.boundary(_name(func))
+            return self._host_data_to_cuda(func, args, kwargs)
         if kwargs.get("pin_memory"):
             self.session.boundary(_name(func))
             return self._pinned_factory(func, args, kwargs)
@@ -134,6 +148,8 @@ class InterceptMode(TorchFunctionMode):
 
     def _pin_memory(self, func: Any, args: tuple, kwargs: dict) -> Any:
         self.session.boundary("Tensor.pin_memory")
+        if self.session.host.is_pinned(args[0]):  # torch returns a pinned tensor itself: registered already
+            return args[0] if self.sim else forward(func, *args, **kwargs)
         result = args[0].clone() if self.sim else forward(func, *args, **kwargs)
         self.session.host.register(result, "Tensor.pin_memory()")
         return result
@@ -143,6 +159,26 @@ class InterceptMode(TorchFunctionMode):
             tensor = args[0]
             return not isinstance(tensor, SimCudaTensor) and self.session.host.is_pinned(tensor)
         return forward(func, *args, **kwargs)
+
+    def _host_data_to_cuda(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``torch.tensor(list, device="cuda")`` on a GPU: torch copies the data to the device below
+        the dispatcher's Python key, where no mode sees it: a blocking copy on a stream whose gates
+        spin in the controlled mode, i.e. a hang. The same copy made visible: the host tensor, then
+        a blocking ``.to`` that the dispatch mode routes (the stream is run first, as CUDA does)."""
+        host = forward(func, *args, **{k: v for k, v in kwargs.items() if k != "device"})
+        return host.to(kwargs["device"])
+
+    def _new_tensor(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``x.new_tensor(data)``: torch's host-data copy again (:meth:`_host_data_to_cuda`)."""
+        tensor, data = args[0], args[1] if len(args) > 1 else kwargs.get("data")
+        device = kwargs.get("device") or tensor.device
+        if not _is_cuda(device) or isinstance(data, torch.Tensor):
+            return forward(func, *args, **kwargs)
+        self.session.boundary("Tensor.new_tensor")
+        factory = {"dtype": kwargs.get("dtype") or tensor.dtype, "device": device}
+        if self.sim:
+            return self._device_factory(torch.tensor, (data,), factory)
+        return self._host_data_to_cuda(torch.tensor, (data,), factory)
 
     # -- device memory (simulator) -------------------------------------------------------------------
     def _device_factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -246,10 +282,13 @@ class InterceptMode(TorchFunctionMode):
 
     def _numpy(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.sim and isinstance(args[0], SimCudaTensor):
-            raise_as_cuda(TypeError(
-                "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host "
-                "memory first."
-            ))
+            host_reads.refuse_numpy(args[0])
+        return forward(func, *args, **kwargs)
+
+    def _tolist(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.sim and isinstance(args[0], SimCudaTensor):
+            self.session.boundary("Tensor.tolist")
+            return host_reads.tolist(args[0])
         return forward(func, *args, **kwargs)
 
     def _data_ptr(self, func: Any, args: tuple, kwargs: dict) -> Any:
