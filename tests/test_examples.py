@@ -1,32 +1,39 @@
-"""Every factory in examples/ runs on every backend and mode it declares, and is judged as its docstring says.
+"""Every factory in examples/ runs on every backend and mode it declares, and is judged as its file says.
 
 The examples are what a user copies first, so each one is fuzzed where it says it runs: the
-simulator here, and both CUDA modes on a GPU (the cuda cases skip without one). A racy example
-must be found and shrunk to a few ops; a race-free one must come out clean.
+simulator here, and both CUDA modes on a GPU (the cuda cases skip without one), each on geometry
+``tiny`` and in the two-zeroer (``x2``) campaign. A racy example must be found and shrunk to a few
+ops; a race-free one must come out clean. Every geometry's campaigns are the job of
+``python -m fuzz.bench.examples``; here each race-free engine example zeroes, with the device
+synchronised between calls, exactly the pages of its blocks on every geometry, which is cheap.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from fuzz.engine.campaigns import PROFILES, Campaign, run_campaign
-from fuzz.engine.episode import EpisodeConfig
+import engine_zeroers  # examples/ is on sys.path (tests/conftest.py)
+from fuzz.engine.campaigns import PROFILES, default_campaigns, run_campaign
+from zeroer.cache.geometries import geometry, geometry_names
+from zeroer.cache.layout import build_cache
 from zeroer.registry import load_zeroer
+from zeroer.runtime import make_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
+ENGINE = "examples/engine_zeroers.py"
 
-# What each example factory is, as its module's docstring says.
+# What each example factory is: engine_zeroers.py says so in its VERDICTS (which
+# python -m fuzz.bench.examples reads too); runtime_zeroer.py has one factory.
 VERDICTS = {
-    "examples/engine_zeroers.py:single_pinned_buffer": "racy",
-    "examples/engine_zeroers.py:pinned_ring": "racy",
-    "examples/engine_zeroers.py:fresh_pinned_per_call": "race-free",
-    "examples/engine_zeroers.py:event_guarded_ring": "race-free",
+    **{f"{ENGINE}:{name}": verdict for name, verdict in engine_zeroers.VERDICTS.items()},
     "examples/runtime_zeroer.py:RuntimePerCall": "race-free",
 }
 
@@ -48,31 +55,63 @@ def _factories_in(path: Path) -> list[str]:
 
 
 def _cases() -> list:
+    """Each factory's tiny campaign (shard 0) and its x2 campaign, on every backend and mode it declares."""
     cases = []
     for spec, verdict in sorted(VERDICTS.items()):
         attr = spec.split(":")[1]
-        capabilities = load_zeroer(spec).capabilities
-        for backend in capabilities.backends:
-            modes = capabilities.cuda_modes if backend == "cuda" else ("controlled",)
-            for mode in modes:
+        for backend in load_zeroer(spec).capabilities.backends:
+            for campaign, skipped in default_campaigns([backend], spec, ("tiny",)):
+                if skipped is not None or campaign.shard != 0:
+                    continue
+                config = campaign.config
                 marks = []
                 if backend == "cuda":
                     marks.append(pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required"))
-                cases.append(pytest.param(spec, verdict, backend, mode, marks=marks, id=f"{attr}-{backend}-{mode}"))
+                where = backend if backend == "sim" else f"{backend}-{config.mode}"
+                name = f"{attr}-{where}" + (f"-x{config.zeroers}" if config.zeroers > 1 else "")
+                cases.append(pytest.param(spec, verdict, campaign, marks=marks, id=name))
     return cases
 
 
 def test_every_example_factory_is_listed_here():
     found = sorted(spec for path in sorted(EXAMPLES.glob("*.py")) for spec in _factories_in(path))
-    assert found == sorted(VERDICTS), "an example factory was added or removed: list it in VERDICTS with its verdict"
+    assert found == sorted(VERDICTS), "an example factory was added or removed: give it a verdict (engine_zeroers.VERDICTS)"
 
 
-@pytest.mark.parametrize(("spec", "verdict", "backend", "mode"), _cases())
-def test_each_example_is_judged_rightly_where_it_declares_it_runs(spec, verdict, backend, mode, tmp_path):
-    if backend == "cuda" and mode == "free" and verdict == "racy":
+def test_the_engine_examples_docstring_table_gives_each_factory_its_verdict():
+    rows = dict(re.findall(r"^``(\w+)``\s.*?(race-free|racy)$", engine_zeroers.__doc__, re.MULTILINE))
+    assert rows == engine_zeroers.VERDICTS
+
+
+@pytest.mark.parametrize(("spec", "verdict", "chosen"), _cases())  # not `campaign`: the fuzz plugin's parameter
+def test_each_example_is_judged_rightly_where_it_declares_it_runs(spec, verdict, chosen, tmp_path):
+    if chosen.config.mode == "free" and verdict == "racy":
         pytest.skip("free-running: a race shows only when timing allows (the controlled mode forces it)")
-    config = EpisodeConfig(zeroer=spec, geometry="tiny", backend=backend, mode=mode)
-    result = run_campaign(Campaign(config, 0, "finds" if verdict == "racy" else "clean"), PROFILES["quick"], tmp_path)
+    expect = "finds" if verdict == "racy" else "clean"
+    result = run_campaign(replace(chosen, expect=expect), PROFILES["quick"], tmp_path)
+    assert not result.harness_error, result.harness_error
     assert result.found == (verdict == "racy"), result.violation
     if result.found:
         assert len(result.violation.trace) <= 4, result.violation.trace  # shrunk to a few ops
+
+
+@pytest.mark.parametrize("name", sorted(n for n, verdict in engine_zeroers.VERDICTS.items() if verdict == "race-free"))
+def test_each_race_free_engine_example_zeroes_exactly_its_blocks_on_every_geometry(name):
+    """The racy ones share their address tables and the kernel with these (one of them races
+    within a single call: the kernel may read its ids before their copy)."""
+    loaded = load_zeroer(f"{ENGINE}:{name}")
+    for geometry_name in geometry_names():
+        rt = make_runtime("sim")
+        cache = build_cache(geometry(geometry_name), device=rt.device)
+        zeroer = loaded.build(cache, rt)
+        last = cache.spec.num_blocks - 1
+        for ids in ([last, 1], [2], [2, 1]):
+            zeroer.zero_block_ids(ids)
+            rt.synchronize()  # one call at a time: the table and the kernel, not the staging, are under test
+        zeroed = {1, 2, last}
+        for seg in range(len(cache.segments)):
+            pages = cache.pages(seg)
+            for block in range(cache.spec.num_blocks):
+                assert bool((pages[block] == 0).all()) == (block in zeroed), (geometry_name, seg, block)
+        assert not cache.guard_violations(), (geometry_name, cache.guard_violations())
+        zeroer.close()

@@ -1,83 +1,96 @@
 """Plain torch zeroers that the intercepted fuzzer must judge rightly (tests/test_intercept.py).
 
-Each is a variation of ``examples/engine_zeroers.py`` that differs in one way an engine's code
-could: racy ones name their race, race-free ones say why they are. None imports the runtime.
+Each is a variation of ``examples/engine_zeroers.py``, written the same way (vLLM's
+``KVBlockZeroer`` idioms: ``zero_block_ids(self, block_ids: list[int])``, ``if not block_ids:
+return``, streams and events made in the constructor, ``warmup(num_kv_blocks)`` bound by the
+factory) and different in one way an engine's code could be: racy ones name their race,
+race-free ones say why they are. None imports the runtime.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
-from engine_zeroers import FreshPinnedPerCall, _KVBlockZeroerBase, _segments  # examples/ is on sys.path (conftest)
+from engine_zeroers import FreshPinnedPerCall, _KVBlockZeroerBase  # examples/ is on sys.path (conftest)
 
 
-class SideStreamNoWait(FreshPinnedPerCall):
+class SideStreamNoWait(_KVBlockZeroerBase):
     """Zeroes on a side stream and never joins it back to the caller's. Racy (contract 1)."""
 
     def __init__(self, cache) -> None:
         super().__init__(cache)
-        self.side = torch.cuda.Stream()
+        self._zero_stream = torch.cuda.Stream()
 
-    def zero_block_ids(self, block_ids) -> None:
-        ids = self._check(block_ids)
-        if not ids:
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
             return
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            idx = torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+        self._zero_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._zero_stream):
+            idx = torch.tensor(block_ids, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
             self._launch(idx)
 
 
 class SideStreamJoined(SideStreamNoWait):
     """The same, with the caller's stream waiting for the side stream after the launch. Race-free."""
 
-    def zero_block_ids(self, block_ids) -> None:
+    def zero_block_ids(self, block_ids: list[int]) -> None:
         super().zero_block_ids(block_ids)
-        torch.cuda.current_stream().wait_stream(self.side)
+        torch.cuda.current_stream().wait_stream(self._zero_stream)
 
 
 class DeviceIdsToSideStream(_KVBlockZeroerBase):
     """Stages each call's ids on a side stream, in device memory allocated there, for a kernel on
     the caller's stream, then drops them. The block goes back to the side stream's pool, and the
     next call's copy on the side stream may rewrite it before the caller's stream has run the
-    kernel that reads it: ``record_stream`` is what ties the block to the caller's stream. Racy."""
+    kernel that reads it: ``record_stream`` is what ties the block to the caller's stream. Racy.
 
-    record = False
+    (``examples/engine_zeroers.py:side_stream_copy_no_record`` is the same race with ``.to()``
+    and an event; here the copy is ``torch.empty`` plus ``copy_`` and the join ``wait_stream``.)
+    """
 
     def __init__(self, cache) -> None:
         super().__init__(cache)
-        self.side = torch.cuda.Stream()
+        self._copy_stream = torch.cuda.Stream()
 
-    def zero_block_ids(self, block_ids) -> None:
-        ids = self._check(block_ids)
-        if not ids:
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
             return
         caller = torch.cuda.current_stream()
-        staged = torch.tensor(ids, dtype=torch.int64, pin_memory=True)
-        with torch.cuda.stream(self.side):
-            idx = torch.empty(len(ids), dtype=torch.int64, device=self.device)
-            idx.copy_(staged, non_blocking=True)
-        caller.wait_stream(self.side)
+        ids_cpu = torch.tensor(block_ids, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(self._copy_stream):
+            idx = torch.empty(len(block_ids), dtype=torch.int64, device=self.device)
+            idx.copy_(ids_cpu, non_blocking=True)
+        caller.wait_stream(self._copy_stream)
         self._launch(idx)
-        if self.record:
-            idx.record_stream(caller)
 
 
 class DeviceIdsToSideStreamRecorded(DeviceIdsToSideStream):
     """The same with ``idx.record_stream(caller)``: the block waits for the caller's stream. Race-free."""
 
-    record = True
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        caller = torch.cuda.current_stream()
+        ids_cpu = torch.tensor(block_ids, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(self._copy_stream):
+            idx = torch.empty(len(block_ids), dtype=torch.int64, device=self.device)
+            idx.copy_(ids_cpu, non_blocking=True)
+        caller.wait_stream(self._copy_stream)
+        self._launch(idx)
+        idx.record_stream(caller)
 
 
 class PageableStaging(_KVBlockZeroerBase):
     """Ids in a fresh pageable tensor, copied non-blocking: CUDA stages them before returning. Race-free."""
 
-    def zero_block_ids(self, block_ids) -> None:
-        ids = self._check(block_ids)
-        if ids:
-            self._launch(torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True))
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        idx = torch.tensor(block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self._launch(idx)
 
 
 class PersistentPageableBuffer(_KVBlockZeroerBase):
@@ -88,17 +101,17 @@ class PersistentPageableBuffer(_KVBlockZeroerBase):
 
     def __init__(self, cache) -> None:
         super().__init__(cache)
-        self.host = torch.empty(8192, dtype=torch.int64)
-        self.dev = torch.empty(8192, dtype=torch.int64, device=self.device)
+        self._ids_cpu = torch.empty(8192, dtype=torch.int64)
+        self._ids_gpu = torch.empty(8192, dtype=torch.int64, device=self.device)
 
-    def zero_block_ids(self, block_ids) -> None:
-        ids = self._check(block_ids)
-        if not ids:
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
             return
-        n = len(ids)
-        self.host[:n] = torch.tensor(ids)
-        self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        self._launch(self.dev[:n])
+        n = len(block_ids)
+        self._ids_cpu[:n] = torch.tensor(block_ids, dtype=torch.int64)
+        idx = self._ids_gpu[:n]
+        idx.copy_(self._ids_cpu[:n], non_blocking=True)
+        self._launch(idx)
 
 
 class PageableStagingPerCallDevice(_KVBlockZeroerBase):
@@ -106,15 +119,14 @@ class PageableStagingPerCallDevice(_KVBlockZeroerBase):
 
     def __init__(self, cache) -> None:
         super().__init__(cache)
-        self.host = torch.empty(8192, dtype=torch.int64)
+        self._ids_cpu = torch.empty(8192, dtype=torch.int64)
 
-    def zero_block_ids(self, block_ids) -> None:
-        ids = self._check(block_ids)
-        if not ids:
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
             return
-        n = len(ids)
-        self.host[:n] = torch.tensor(ids)
-        self._launch(self.host[:n].to(self.device, non_blocking=True))
+        n = len(block_ids)
+        self._ids_cpu[:n] = torch.tensor(block_ids, dtype=torch.int64)
+        self._launch(self._ids_cpu[:n].to(self.device, non_blocking=True))
 
 
 class PinnedBufferSynchronized(_KVBlockZeroerBase):
@@ -122,22 +134,20 @@ class PinnedBufferSynchronized(_KVBlockZeroerBase):
 
     def __init__(self, cache) -> None:
         super().__init__(cache)
-        self.pinned = torch.empty(8192, dtype=torch.int64, pin_memory=True)
-        self.dev = torch.empty(8192, dtype=torch.int64, device=self.device)
-        self.done = None
+        self._ids_pinned = torch.empty(8192, dtype=torch.int64, pin_memory=True)
+        self._ids_gpu = torch.empty(8192, dtype=torch.int64, device=self.device)
+        self._ids_read = torch.cuda.Event()
 
-    def zero_block_ids(self, block_ids) -> None:
-        ids = self._check(block_ids)
-        if not ids:
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
             return
-        if self.done is not None:
-            self.done.synchronize()
-        n = len(ids)
-        self.pinned[:n] = torch.tensor(ids)  # a torch op this time: seen directly
-        self.dev[:n].copy_(self.pinned[:n], non_blocking=True)
-        self._launch(self.dev[:n])
-        self.done = torch.cuda.Event()
-        self.done.record()
+        self._ids_read.synchronize()  # the last call's kernel has run (at once if never recorded)
+        n = len(block_ids)
+        self._ids_pinned[:n] = torch.tensor(block_ids, dtype=torch.int64)  # a torch op this time: seen directly
+        idx = self._ids_gpu[:n]
+        idx.copy_(self._ids_pinned[:n], non_blocking=True)
+        self._launch(idx)
+        self._ids_read.record()
 
 
 class PinnedBufferCtypes(_KVBlockZeroerBase):
@@ -145,42 +155,42 @@ class PinnedBufferCtypes(_KVBlockZeroerBase):
 
     def __init__(self, cache) -> None:
         super().__init__(cache)
-        self.pinned = torch.empty(8192, dtype=torch.int64, pin_memory=True)
-        self.dev = torch.empty(8192, dtype=torch.int64, device=self.device)
+        self._ids_pinned = torch.empty(8192, dtype=torch.int64, pin_memory=True)
+        self._ids_gpu = torch.empty(8192, dtype=torch.int64, device=self.device)
 
-    def zero_block_ids(self, block_ids) -> None:
-        ids = self._check(block_ids)
-        if not ids:
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
             return
-        n = len(ids)
-        staged = (ctypes.c_int64 * n)(*ids)
-        ctypes.memmove(self.pinned.data_ptr(), staged, 8 * n)
-        self.dev[:n].copy_(self.pinned[:n], non_blocking=True)
-        self._launch(self.dev[:n])
+        n = len(block_ids)
+        staged = (ctypes.c_int64 * n)(*block_ids)
+        ctypes.memmove(self._ids_pinned.data_ptr(), staged, 8 * n)
+        idx = self._ids_gpu[:n]
+        idx.copy_(self._ids_pinned[:n], non_blocking=True)
+        self._launch(idx)
 
 
 class TorchIndexFill:
     """No Triton: zeroes every layer's pages with ``index_fill_`` on device ids. Race-free."""
 
     def __init__(self, cache) -> None:
-        self.cache = cache
+        self.device = cache.device
         self.ratio = cache.spec.block_size // cache.spec.kernel_block_size
-        self.num_blocks = cache.spec.num_blocks
+        self.kv_caches = []  # (tensor, block dim), each tensor once
+        for tensor in cache.spec.tensors:
+            kv = cache.layer_tensors[tensor.layers[0]]
+            self.kv_caches.append((kv, 1 if tensor.kv_outer else 0))
 
-    def zero_block_ids(self, block_ids) -> None:
-        ids = [int(b) for b in (block_ids if block_ids is not None else [])]
-        if not ids:
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
             return
-        if not all(0 <= b < self.num_blocks for b in ids):
-            raise ValueError(f"block id out of range: {ids}")
-        rows = torch.tensor([b * self.ratio + j for b in ids for j in range(self.ratio)],
-                            dtype=torch.int64, pin_memory=True).to(self.cache.device, non_blocking=True)
-        for t, spec in enumerate(self.cache.spec.tensors):
-            kv = self.cache.layer_tensors[spec.layers[0]]
-            kv.index_fill_(1 if spec.kv_outer else 0, rows, 0)
+        rows = [b * self.ratio + j for b in block_ids for j in range(self.ratio)]  # kernel blocks
+        idx = torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+        for kv, block_dim in self.kv_caches:
+            kv.index_fill_(block_dim, idx, 0)
 
-    def warmup(self) -> None:
-        self.zero_block_ids([0])
+    def warmup(self, num_kv_blocks: int) -> None:
+        if num_kv_blocks > 0:
+            self.zero_block_ids([0])
 
 
 class WildKernel(FreshPinnedPerCall):
@@ -188,13 +198,19 @@ class WildKernel(FreshPinnedPerCall):
 
     def __init__(self, cache) -> None:
         super().__init__(cache)
-        addrs = _segments(cache)[0]
-        self.seg_addrs = torch.tensor([addrs[0] + (1 << 20), *addrs[1:]], dtype=torch.uint64, device=self.device)
+        seg_addrs = self._meta[0].tolist()  # read back from the device, as vLLM's tests read it
+        seg_addrs[0] += 1 << 20
+        self._meta = (torch.tensor(seg_addrs, dtype=torch.uint64, device=self.device), *self._meta[1:])
 
 
 def factory(cls):
+    """``name(cache, runtime)``: build ``cls`` for the cache and bind the warm-up's block count."""
+
     def make(cache, runtime):
-        return cls(cache)
+        zeroer = cls(cache)
+        zeroer.warmup = functools.partial(zeroer.warmup, cache.spec.num_blocks)
+        return zeroer
+
     make.__name__ = cls.__name__
     return make
 
