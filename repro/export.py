@@ -31,6 +31,8 @@ from fuzz.environment import describe
 from fuzz.engine.episode import Episode
 from fuzz.trace import Trace
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the directory that holds fuzz/, zeroer/ and repro/
+
 
 def _annotations(trace: Trace) -> dict[int, str]:
     """Per op index, a short comment from a replay on the simulator (best effort)."""
@@ -83,15 +85,20 @@ def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
     return lines
 
 
-def _root_parents(output: str) -> int:
-    """How many directories above the script the repository root is. The script is run from the
-    root, so that is the directories in ``output`` below the current one (``repro/cases/x.py``: 2);
-    a script written outside it is taken to sit one directory down, like ``repro/x.py``."""
+def _root_line(output: str) -> str:
+    """The line that puts the repository root on ``sys.path``. The script is run from the root, so
+    for a script written inside it that is as many directories up as ``output`` lies below the
+    current one (``repro/cases/x.py``: 2), and the script keeps working in another checkout. A
+    script written elsewhere (``/tmp/race.py``) names this checkout's root by its absolute path:
+    the directories above it say nothing about where kvzero-fuzz lies, and where it is not
+    installed the script would stop at its first import (seen on the H200, running the suite
+    from a copy of the tree)."""
     here = Path.cwd().resolve()
     try:
-        return len((here / output).resolve().relative_to(here).parts) - 1
+        parents = len((here / output).resolve().relative_to(here).parts) - 1
     except ValueError:
-        return 1
+        return f"sys.path.insert(0, {str(PROJECT_ROOT)!r})  # the kvzero-fuzz checkout that exported it"
+    return f"sys.path.insert(0, str(Path(__file__).resolve().parents[{parents}]))  # the repository root"
 
 
 def render_script(trace: Trace, output: str, *, title: str | None = None, today: datetime.date | None = None) -> str:
@@ -124,7 +131,7 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "import sys",
         "from pathlib import Path",
         "",
-        f"sys.path.insert(0, str(Path(__file__).resolve().parents[{_root_parents(output)}]))  # the repository root",
+        _root_line(output),
         "",
         "from fuzz.cli import ArgumentParser, run_main  # noqa: E402",
         "from fuzz.environment import describe, environment  # noqa: E402",

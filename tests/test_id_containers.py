@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+from typing_extensions import TypeAliasType
 
 from fuzz.engine.campaigns import PROFILES, Campaign, run_campaign
 from fuzz.engine.episode import Episode, EpisodeConfig, run_ops
@@ -26,6 +27,10 @@ from zeroer.protocol import Capabilities, ZeroerSpecError
 from zeroer.registry import load_zeroer
 
 BlockIds = NewType("BlockIds", list)
+
+
+_T = typing.TypeVar("_T")
+_IdArray = TypeAliasType("_IdArray", np.ndarray[Any, np.dtype[_T]], type_params=(_T,))
 
 
 def _call(annotation: Any):
@@ -55,6 +60,10 @@ def _call(annotation: Any):
     ("list[int]", ("list",)),  # from __future__ import annotations
     ("Sequence[BlockId] | None", ("list", "tuple")),  # a name only type checkers see: read by its text
     ("npt.NDArray[np.int64] | list[int]", ("list", "array")),
+    # numpy >= 2.3 on Python 3.12 spells NDArray as a PEP 695 alias (``type NDArray[T] = ...``):
+    # the H200's numpy 2.5 made npt.NDArray[np.int64] unreadable until aliases were followed.
+    (_IdArray[np.int64], ("array",)),
+    (_IdArray[np.int64] | list[int], ("list", "array")),
 ])
 def test_the_annotation_of_zero_block_ids_says_which_containers_the_caller_hands_over(annotation, containers):
     assert accepted_containers(_call(annotation)) == containers

@@ -224,3 +224,14 @@ def test_a_finding_saved_after_ctrl_c_does_not_wait_for_the_gpu_probe(tmp_path, 
     environment = load_trace(trace).environment
     assert environment["gpu_probed"] is False and environment["torch"] and environment["gpu"] is None
     assert stop.__notes__[0].startswith("single_buffer-tiny-sim-k-torch-shard0: interrupted after a finding")
+
+
+def test_a_script_exported_outside_the_checkout_finds_kvzero_fuzz_where_it_is_not_installed(tmp_path):
+    # Written to /tmp, the script used to put the directory above itself on sys.path: where
+    # kvzero-fuzz was not pip-installed (the H200 ran the suite from a copy of the tree) its first
+    # import failed. It names the exporting checkout instead.
+    text = _exported(tmp_path).read_text()
+    line = next(line for line in text.splitlines() if line.startswith("sys.path.insert(0, "))
+    root = Path(eval(line.split("sys.path.insert(0, ", 1)[1].rsplit(")", 1)[0].split("  #")[0],  # noqa: S307
+                     {"Path": Path, "str": str, "__file__": str(tmp_path / "case.py")}))
+    assert (root / "fuzz" / "cli.py").is_file(), line

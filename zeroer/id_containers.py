@@ -72,6 +72,11 @@ def _of_type(hint: Any) -> set[str] | None:
     if supertype is not None:
         return _of_type(supertype)
     origin = typing.get_origin(hint)
+    # A PEP 695 alias (``type NDArray[T] = ndarray[..., dtype[T]]``, numpy >= 2.3 on Python 3.12):
+    # ``NDArray[np.int64]`` has the alias as its origin, not a class; read what it stands for.
+    alias = getattr(origin if origin is not None else hint, "__value__", None)
+    if alias is not None:
+        return _of_type(alias)
     if origin is typing.Union or (hasattr(types, "UnionType") and origin is types.UnionType):
         found: set[str] = set()
         for member in typing.get_args(hint):
@@ -132,6 +137,8 @@ def accepted_containers(call: Any, spec: str = "zeroer") -> tuple[str, ...]:
         except Exception:  # noqa: BLE001 - a name imported only for type checkers: read the text instead
             pass
     found = _of_text(hint) if isinstance(hint, str) else _of_type(hint)
+    if found is None and not isinstance(hint, str):  # a typing construct this does not read: its names
+        found = _of_text(str(hint))
     if hint is Any or (isinstance(hint, str) and hint.strip() in ("Any", "typing.Any", "object")):
         found = set(DEFAULT_CONTAINERS)
     names = _order(found or set())
