@@ -3,6 +3,9 @@
 Every module of ``zeroer``, ``fuzz`` and ``repro`` is read (imports inside functions included) and
 each project import is checked against :data:`RULES`, which docs/architecture.md shows as its
 table (a test checks the two agree).
+
+It also holds the rules for ``docs/data/`` (docs/results.md, "Data files"): every file there is
+cited by a docs page and named for what it measures and when.
 """
 
 from __future__ import annotations
@@ -104,3 +107,40 @@ def test_nothing_relative_imports_across_packages():
         tree = ast.parse(path.read_text())
         relative = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0]
         assert not relative, f"{path.relative_to(ROOT)}: relative import at lines {relative}"
+
+
+# -- docs/data: what a results file is named and where it is cited (docs/results.md, "Data files") --
+
+DATA = ROOT / "docs" / "data"
+# MACHINE-WHAT-YYYY-MM.EXT, lower case, words joined by "-".
+DATA_NAME = re.compile(r"[a-z0-9]+(-[a-z0-9]+)+-20\d\d-(0[1-9]|1[0-2])\.[a-z0-9]+")
+# Words that say how the work was organised, not what a file measures.
+ORGANISATIONAL = re.compile(r"session|part\d*|final|explore|exploration|hunt|new|old|tmp|temp|wip|draft|scratch"
+                            r"|misc|attempt\d*|try\d*")
+
+
+def data_files() -> list[Path]:
+    return sorted(p for p in DATA.rglob("*") if p.is_file())
+
+
+def docs_text() -> str:
+    return "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
+def test_every_data_file_is_cited_by_a_docs_page():
+    text = docs_text()
+    uncited = [p.relative_to(ROOT).as_posix() for p in data_files()
+               if not re.search(r"(?<![\w.-])" + re.escape(p.name) + r"(?![\w-])", text)]
+    assert data_files(), "docs/data is empty or missing"
+    assert not uncited, (
+        f"not cited by name in docs/*.md or README.md: {uncited}; cite each where its figures are shown, "
+        "saying what it is, or remove it (git history keeps it)")
+
+
+def test_every_data_file_is_named_for_what_it_measures_and_when():
+    badly_named = [p.name for p in data_files() if not DATA_NAME.fullmatch(p.name)]
+    assert not badly_named, f"docs/data files not named MACHINE-WHAT-YYYY-MM.EXT (docs/results.md): {badly_named}"
+    organisational = [p.name for p in data_files()
+                      if "session" in p.name.lower()
+                      or any(ORGANISATIONAL.fullmatch(word) for word in re.split(r"[-.]", p.name.lower()))]
+    assert not organisational, f"docs/data files named after how the work was organised: {organisational}"

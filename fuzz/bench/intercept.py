@@ -10,8 +10,8 @@ in interleaved rounds and the ratio reported per geometry as the median over rou
 
 Run it::
 
-    python -m fuzz.bench.intercept --json docs/data/sim-intercept-bench.json
-    python -m fuzz.bench.intercept --backend cuda --mode controlled --json h200-intercept.json
+    python -m fuzz.bench.intercept --json docs/data/sim-intercept-cost-$(date +%Y-%m).json
+    python -m fuzz.bench.intercept --backend cuda --mode controlled --json h200-intercept-cost-$(date +%Y-%m).json
     python -m fuzz.bench.intercept --quick        # CI: a tiny run, that it still works
 
 Exit status (:mod:`fuzz.cli`) 0, 2 for a bad command line (one line naming the value), 3 for a bug

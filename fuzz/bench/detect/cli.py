@@ -20,10 +20,10 @@ simulator); any finding fails it. ``plot REPORT.json --png FILE`` draws a saved 
 
 Run it::
 
-    PYTHONPATH=. python -m fuzz.bench.detect --seeds 5 -j 2 --json detect-sim.json --png detect-sim.png
-    PYTHONPATH=. python -m fuzz.bench.detect --steps-clean 1000000 -j 2 --json soak-sim.json
-    python -m fuzz.bench.detect --backend cuda --mode controlled --json detect-h200.json    # all methods
-    python -m fuzz.bench.detect plot detect-sim.json --png detect-sim.png
+    PYTHONPATH=. python -m fuzz.bench.detect --seeds 5 -j 2 --json sim-detect-$(date +%Y-%m).json --png sim-detect-$(date +%Y-%m).png
+    PYTHONPATH=. python -m fuzz.bench.detect --steps-clean 1000000 -j 2 --json sim-clean-soak-$(date +%Y-%m).json
+    python -m fuzz.bench.detect --backend cuda --mode controlled --json h200-detect-$(date +%Y-%m).json    # all methods
+    python -m fuzz.bench.detect plot docs/data/sim-detect-2026-12.json --png sim-detect.png
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ of every design's ``zero_block_ids`` call (issue 6; docs/performance.md).
 Run it on the GPU (one run gives every table, the targets, the JSON and, with matplotlib, the
 figures; it stops measuring after ``--max-seconds`` and always writes its JSON)::
 
-    python -m fuzz.bench.kernel --json docs/data/h200-zeroer-bench.json --png-dir docs/img
+    python -m fuzz.bench.kernel --json docs/data/h200-zeroer-bench-$(date +%Y-%m).json --png-dir docs/img
 
 and without one, as CI does, to check that it still runs (no figures)::
 
@@ -12,7 +12,7 @@ and without one, as CI does, to check that it still runs (no figures)::
 
 Figures can be drawn later from the JSON, where matplotlib is installed::
 
-    python -m fuzz.bench.kernel plot docs/data/h200-zeroer-bench.json --png-dir docs/img
+    python -m fuzz.bench.kernel plot docs/data/h200-zeroer-bench-2026-12.json --png-dir docs/img
 
 Modules: :mod:`.caches` (the benchmark's KV caches), :mod:`.timing` (how things are timed),
 :mod:`.measure` (one function per table), :mod:`.report` (targets, tables, JSON),

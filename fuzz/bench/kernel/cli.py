@@ -38,7 +38,7 @@ QUICK_BLOCKS = (1, 4)
 QUICK_IDS = (1, 4)
 SECTIONS = ("launch", "bandwidth", "host", "configs")
 DEFAULT_MAX_SECONDS = 240.0
-GPU_COMMAND = "python -m fuzz.bench.kernel --json docs/data/h200-zeroer-bench.json --png-dir docs/img"
+GPU_COMMAND = "python -m fuzz.bench.kernel --json docs/data/h200-zeroer-bench-$(date +%Y-%m).json --png-dir docs/img"
 PROG = "python -m fuzz.bench.kernel"
 
 
