@@ -6,7 +6,9 @@ summary (``--fuzz-summary``; the schema is :mod:`fuzz.engine.summary`'s). Merged
 campaigns, crashed and not-run lists are concatenated and the totals recomputed by the code that
 writes a summary; the result is partial if any shard was. A campaign that appears in two
 summaries is an input error (shards of different ``N``, or one summary given twice), and so are
-summaries of different profiles.
+summaries of different profiles. The merged ``bugs`` list groups the campaigns of every shard by
+the bug they showed (:mod:`fuzz.engine.bugs`): shards run apart, so each shrank its own trace of a
+bug they share, and the merged bug lists them all.
 
 Outputs: ``--json`` the merged summary (same schema), ``--junit`` JUnit XML, ``--markdown`` a
 table for ``$GITHUB_STEP_SUMMARY`` (:mod:`fuzz.reports`), ``--unexpected-traces`` the trace
@@ -94,9 +96,11 @@ def merge(summaries: list[tuple[str, dict]]) -> tuple[str, dict, dict[str, str]]
 
 def unexpected_traces(summary: dict) -> list[str]:
     """The trace files of the findings in designs that must be clean (a campaign's, or one saved
-    when Ctrl-C cut its campaign off)."""
-    return ([r["trace"] for r in summary["campaigns"] if r["found"] and r["expect"] == "clean" and r.get("trace")]
-            + [s["trace"] for s in summary.get("saved_at_interruption", []) if s["expect"] == "clean"])
+    when Ctrl-C cut its campaign off), each once: campaigns that stopped at a bug another campaign
+    had shrunk name that campaign's trace."""
+    traces = ([r["trace"] for r in summary["campaigns"] if r["found"] and r["expect"] == "clean" and r.get("trace")]
+              + [s["trace"] for s in summary.get("saved_at_interruption", []) if s["expect"] == "clean"])
+    return list(dict.fromkeys(traces))
 
 
 def verdict(summary: dict) -> int:

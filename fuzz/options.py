@@ -43,6 +43,7 @@ class FuzzOptions:
     shard: tuple[int, int] | None = None  # --fuzz-shard i/N: this run's share of the campaigns
     database: str = ".hypothesis/fuzz-db"  # --fuzz-db: DIR, redis://host:port/N or DIR,redis://host:port/N
     debug: bool = False  # --fuzz-debug: tracebacks of usage and harness errors
+    shrink_seconds: float | None = None  # --fuzz-shrink-seconds; None: fuzz.engine.shrink.SHRINK_BOUND_S per backend
 
 
 def parse_backend(value: str, cuda_available: bool) -> str:
@@ -100,6 +101,21 @@ def parse_minutes(value: str | None) -> float | None:
     if not (minutes > 0 and math.isfinite(minutes)):
         raise pytest.UsageError(f"--fuzz-minutes {value!r} must be a finite number greater than 0; give minutes, e.g. 30")
     return minutes
+
+
+def parse_shrink_seconds(value: str | None) -> float | None:
+    """``--fuzz-shrink-seconds S``: how long each stage of shrinking a finding may take (None: the
+    default of the backend it replays on, fuzz.engine.shrink.SHRINK_BOUND_S)."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise pytest.UsageError(f"--fuzz-shrink-seconds {value!r} is not a number; give seconds, e.g. 30") from None
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise pytest.UsageError(f"--fuzz-shrink-seconds {value!r} must be a finite number of seconds, 0 or more; "
+                                f"e.g. 30 (0 keeps each finding's first failing program)")
+    return seconds
 
 
 def parse_geometries(value: str | None, zeroer: str | None) -> tuple[str, ...] | None:
@@ -212,6 +228,7 @@ def fuzz_options(config: pytest.Config) -> FuzzOptions:
         shard=parse_shard(config.getoption("fuzz_shard")),
         database=database,
         debug=bool(config.getoption("fuzz_debug", False)),
+        shrink_seconds=parse_shrink_seconds(config.getoption("fuzz_shrink_seconds")),
     )
 
 

@@ -1,5 +1,6 @@
 """The pytest plugin behind ``pytest fuzz``: options, campaign parametrization, GPU per worker,
-interrupts, crashed workers and the run's summary.
+interrupts, crashed workers, the run's registry of shrunk bugs (shared with every xdist worker, so
+a bug is shrunk once per run: :mod:`fuzz.engine.known_bugs`) and the run's summary.
 
 It is registered by this distribution's ``pytest11`` entry point, named ``fuzz.plugin``, so it
 loads in any repository where the package is installed: the entry point's module
@@ -21,7 +22,9 @@ import atexit
 import gc
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +41,7 @@ interrupts.install()
 
 from fuzz.engine.campaigns import Campaign, default_campaigns  # noqa: E402
 from fuzz.engine.journal import Journal, rescue  # noqa: E402
+from fuzz.engine.known_bugs import KnownBugs  # noqa: E402
 from fuzz.engine.summary import harness_status, is_unexpected, render_summary, write_summary  # noqa: E402
 from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker  # noqa: E402
 from fuzz.cli import USAGE as USAGE_EXIT  # noqa: E402
@@ -46,6 +50,7 @@ from zeroer.errors import ZeroerError  # noqa: E402
 from zeroer.runtime.cuda.gate import request_hardware_queues  # noqa: E402
 
 CAMPAIGNS_MODULE = Path(__file__).with_name("test_campaigns.py")
+BUGS_KEY = "kvzero_fuzz_bugs"  # workerinput: the run's registry of shrunk bugs (fuzz.engine.known_bugs)
 
 
 class _Run:
@@ -81,6 +86,8 @@ class _Run:
             verdict = "RESOURCE ERROR (GPU out of memory, not judged)"
         elif record.get("harness_error"):
             verdict = "HARNESS ERROR (not judged)"
+        elif record.get("same_as"):
+            verdict += f" (same bug as {record['same_as']}: not shrunk again)"
         reporter.ensure_newline()
         reporter.write_line(
             f"[{len(self.results)}/{total}] {record['campaign']}: {verdict}, {record['examples']} examples, "
@@ -114,6 +121,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--fuzz-summary", dest="fuzz_summary", default="repro/summary.json", help="where the run's JSON summary is written")
     add("--fuzz-journal", dest="fuzz_journal", default="auto", help="save each op before it runs, so a crashed worker leaves its trace: auto (on for cuda), on or off")
     add("--fuzz-shard", dest="fuzz_shard", default=None, help="i/N: run the i-th of N disjoint shares of the campaigns (a sharded nightly)")
+    add("--fuzz-shrink-seconds", dest="fuzz_shrink_seconds", default=None, help="how long each stage of shrinking a finding may take, in seconds (default: 120 on the simulator, 30 on cuda); the smallest trace so far is kept")
     add("--fuzz-debug", dest="fuzz_debug", action="store_true", default=False, help="show the traceback of a usage or harness error (pytest's own --debug writes its log)")
 
 
@@ -140,7 +148,32 @@ def pytest_configure(config: pytest.Config) -> None:
         _usage_exit(config, error)
     config._fuzz_run = _Run(config)
     config.pluginmanager.register(config._fuzz_run, "fuzz-run")
+    config._fuzz_bugs = _bug_registry(config)
     _size_gpu_workers(config)
+
+
+def _bug_registry(config: pytest.Config) -> str | None:
+    """The directory of the run's shrunk bugs (fuzz.engine.known_bugs), shared by all its
+    campaigns: made by the controlling process, or the only one, and handed to each xdist worker
+    in its ``workerinput`` (:func:`pytest_configure_node`). A fresh one per run, removed at its end:
+    a bug of an earlier run is never taken as shrunk."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return workerinput.get(BUGS_KEY)
+    try:
+        directory = tempfile.mkdtemp(prefix="kvzero-fuzz-bugs-")
+    except OSError:  # no temporary directory to write in: every campaign shrinks its own findings
+        return None
+    config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+    return directory
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist, in the controller: a worker is about to start; give it the run's registry."""
+    directory = getattr(node.config, "_fuzz_bugs", None)
+    if directory is not None:
+        node.workerinput[BUGS_KEY] = directory
 
 
 def _size_gpu_workers(config: pytest.Config) -> None:
@@ -269,6 +302,13 @@ def fuzz_journal(request: pytest.FixtureRequest, campaign: Campaign) -> Journal 
     if not options.journal:
         return None
     return Journal(options.repro_dir, os.environ.get("PYTEST_XDIST_WORKER"), campaign.id)
+
+
+@pytest.fixture
+def fuzz_known_bugs(request: pytest.FixtureRequest, campaign: Campaign) -> KnownBugs | None:
+    """The bugs other campaigns of this run have shrunk (fuzz.engine.known_bugs), or None where
+    this worker cannot see the run's registry (each campaign then shrinks its own findings)."""
+    return KnownBugs.at(getattr(request.config, "_fuzz_bugs", None), campaign.id)
 
 
 @pytest.fixture

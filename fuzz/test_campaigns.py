@@ -18,7 +18,7 @@ from fuzz.timeline import write_timeline
 
 
 def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fuzz_budget, fuzz_journal,
-                  record_property) -> None:
+                  fuzz_known_bugs, record_property) -> None:
     options = fuzz_options_fixture
     if campaign.config.backend == "cuda":
         campaign = replace(campaign, config=replace(campaign.config, device=fuzz_cuda_device))
@@ -30,6 +30,8 @@ def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fu
         database=example_database(options.database) if options.profile.database else None,
         seed_override=options.seed,
         journal=fuzz_journal,
+        shrink_bound_s=options.shrink_seconds,
+        known_bugs=fuzz_known_bugs,
     )
     record = result_record(result)
     if result.trace_path is not None:
@@ -42,6 +44,8 @@ def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fu
         pytest.fail(result.harness_error + debug, pytrace=False)
     replay = f"python -m repro replay {result.trace_path}" if result.trace_path else ""
     if campaign.expect == "clean":
+        if result.same_as is not None:  # one line: the campaign that shrank this bug has the full report
+            pytest.fail(result.same_as.message(), pytrace=False)
         if result.found:
             flaky = "" if result.reproduced else (
                 "\n(it did not show again when Hypothesis replayed the program: timing-dependent; the trace "

@@ -66,10 +66,12 @@ def trace_data(
     seed: int | None = None,
     campaign: str | None = None,
     reproduction: dict[str, Any] | None = None,
+    shrink: dict[str, Any] | None = None,
     probe: bool = True,
 ) -> dict[str, Any]:
     """The JSON object of a trace file (docs/trace-format.md). ``reproduction``: how often a
     free-running finding showed again when it was replayed on the spot (fuzz.engine.campaigns);
+    ``shrink``: how its ops were shrunk (fuzz.engine.shrink.ShrinkRecord);
     ``probe=False``: do not start the GPU probe for its environment (a save after Ctrl-C)."""
     data = {
         "version": TRACE_VERSION,
@@ -82,6 +84,8 @@ def trace_data(
     }
     if reproduction is not None:
         data["reproduction"] = reproduction
+    if shrink is not None:
+        data["shrink"] = shrink
     return data
 
 
@@ -99,10 +103,12 @@ def write_trace(
     seed: int | None = None,
     campaign: str | None = None,
     reproduction: dict[str, Any] | None = None,
+    shrink: dict[str, Any] | None = None,
     probe: bool = True,
 ) -> Path:
     """Save a finding under ``directory`` with its content-hash name; returns the path."""
-    data = trace_data(config, ops, findings, seed=seed, campaign=campaign, reproduction=reproduction, probe=probe)
+    data = trace_data(config, ops, findings, seed=seed, campaign=campaign, reproduction=reproduction, shrink=shrink,
+                      probe=probe)
     return write_trace_data(directory / trace_name(config, ops), data)
 
 

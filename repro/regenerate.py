@@ -80,7 +80,9 @@ def from_summary(path: Path) -> list[Regeneration]:
             raise RegenerateError(f"{path}: field 'campaigns[{index}].seeds' is {seeds!r}; it must be a list of integer seeds")
         if not isinstance(record.get("campaign"), str):
             raise RegenerateError(f"{path}: field 'campaigns[{index}].campaign' is {record.get('campaign')!r}; it must be a campaign id")
-        runs.append(Regeneration(record["campaign"], seeds[-1], profile, record.get("trace")))
+        # A campaign that stopped at a bug another had shrunk (same_as) names that campaign's trace, not its own.
+        own_trace = None if record.get("same_as") else record.get("trace")
+        runs.append(Regeneration(record["campaign"], seeds[-1], profile, own_trace))
     return runs
 
 

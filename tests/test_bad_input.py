@@ -266,6 +266,10 @@ ROWS: list[Row] = [
           "than 0; give minutes, e.g. 30") for value in ("0", "-1", "nan", "inf")),
     Row("pytest fuzz --fuzz-minutes abc", 2,
         "Exit: error: --fuzz-minutes 'abc' is not a number; give a positive number of minutes, e.g. 30"),
+    Row("pytest fuzz --fuzz-shrink-seconds -1", 2, "Exit: error: --fuzz-shrink-seconds '-1' must be a finite number of "
+        "seconds, 0 or more; e.g. 30 (0 keeps each finding's first failing program)"),
+    Row("pytest fuzz --fuzz-shrink-seconds abc", 2,
+        "Exit: error: --fuzz-shrink-seconds 'abc' is not a number; give seconds, e.g. 30"),
     Row("pytest fuzz --fuzz-profile weekly", 2,
         "Exit: error: --fuzz-profile 'weekly' is not a profile; choose one of: ci, nightly, quick"),
     Row("pytest fuzz --fuzz-journal always", 2,

@@ -32,7 +32,7 @@ def options_for(backend: str, shard: str | None):
         "fuzz_backend": "sim", "cuda_mode": "both", "zeroer": None, "fuzz_profile": "quick", "fuzz_minutes": None,
         "repro_dir": "repro/failures", "fuzz_db": ".hypothesis/fuzz-db", "fuzz_summary": "repro/summary.json",
         "fuzz_journal": "auto", "hypothesis_seed": None, "fuzz_geometry": None, "fuzz_shard": shard,
-        "fuzz_debug": False,
+        "fuzz_debug": False, "fuzz_shrink_seconds": None,
     }
     options = fuzz_options(SimpleNamespace(getoption=lambda name, default=None: values[name]))
     return dataclasses.replace(options, backends=[backend])  # cuda's list is built without a GPU
@@ -143,6 +143,8 @@ def test_merging_three_collected_shards_gives_the_campaign_list_of_an_unsharded_
         "examples": 10 * (len(unsharded) - 2), "steps": 100 * (len(unsharded) - 2),
         "seconds": round(1.5 * (len(unsharded) - 2), 3),
         "findings": 1 + sum(1 for r in merged["campaigns"] if r["expect"] == "finds"), "unexpected": 1,
+        # records written before signatures: each finding is a bug of its own (fuzz.engine.bugs)
+        "bugs": 1 + sum(1 for r in merged["campaigns"] if r["expect"] == "finds"),
         "resource_errors": 0, "harness_errors": 0,
     }
     assert (out / "traces.txt").read_text() == f"repro/failures/{racy}.json\n"

@@ -29,6 +29,7 @@ from fuzz.options import (
     parse_minutes,
     parse_seed,
     parse_profile,
+    parse_shrink_seconds,
     parse_zeroer,
 )
 from zeroer.registry import zeroer_names
@@ -311,6 +312,7 @@ def fake_config(**overrides) -> SimpleNamespace:
         "fuzz_backend": "sim", "cuda_mode": "both", "zeroer": None, "fuzz_profile": None, "fuzz_minutes": None,
         "repro_dir": "repro/failures", "fuzz_db": ".hypothesis/fuzz-db", "fuzz_summary": "repro/summary.json",
         "fuzz_journal": "auto", "hypothesis_seed": None, "fuzz_geometry": None, "fuzz_shard": None, "fuzz_debug": False,
+        "fuzz_shrink_seconds": None,
     }
     values.update(overrides)
     return SimpleNamespace(getoption=lambda name, default=None: values[name])
@@ -404,3 +406,14 @@ def test_a_racy_zeroer_fails_its_campaign_and_a_race_free_one_passes(tmp_path):
     assert clean_code == pytest.ExitCode.OK, clean_out
     assert "1 passed" in clean_out
     assert not (clean_dir / "traces").exists() or not any((clean_dir / "traces").iterdir())
+
+
+def test_the_shrink_bound_takes_seconds_and_a_bad_one_is_a_usage_error_naming_it():
+    assert parse_shrink_seconds(None) is None and parse_shrink_seconds("12.5") == 12.5 and parse_shrink_seconds("0") == 0.0
+    assert fuzz_options(fake_config(fuzz_shrink_seconds="30")).shrink_seconds == 30.0
+    for value in ("-1", "nan", "inf"):
+        with pytest.raises(pytest.UsageError, match=rf"^--fuzz-shrink-seconds '{value}' must be a finite number of "
+                                                    r"seconds, 0 or more; e\.g\. 30 \(0 keeps each finding's first failing program\)$"):
+            parse_shrink_seconds(value)
+    with pytest.raises(pytest.UsageError, match=r"^--fuzz-shrink-seconds 'abc' is not a number; give seconds, e\.g\. 30$"):
+        parse_shrink_seconds("abc")

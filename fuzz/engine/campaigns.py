@@ -13,7 +13,9 @@ the same way, and no two campaigns share a key.
 :func:`run_campaign` runs the campaign's state machine once, as a plain Hypothesis test
 (``run_state_machine_as_test``), within its profile's example count or time budget, and returns
 a :class:`CampaignResult` with the counts and, if the oracle fired, the shrunk finding and the
-path of its trace file.
+path of its trace file. Under ``pytest fuzz`` it is also given the run's registry of shrunk bugs
+(:mod:`fuzz.engine.known_bugs`): a finding another campaign of the run has already shrunk ends the
+campaign at that failing example, unshrunk, as ``same_as`` that campaign, which holds the trace.
 
 Example::
 
@@ -40,9 +42,11 @@ from hypothesis.statistics import collector
 from fuzz.engine.episode import EpisodeConfig, count_shown, run_ops
 from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.journal import Journal
-from fuzz.engine.machine import BudgetSpent, CampaignStats, ZeroerViolation, machine_for
-from fuzz.engine.minimize import minimize
+from fuzz.engine.known_bugs import KnownBug, KnownBugs, SameBug
+from fuzz.engine.machine import BudgetSpent, CampaignStats, ShrinkBoundReached, ZeroerViolation, machine_for
 from fuzz.engine.resources import ResourceExhausted
+from fuzz.engine.shrink import ShrinkPlan, plan_for, shrink_bound, shrink_finding
+from fuzz.interrupts import interrupted
 from fuzz.environment import environment
 from fuzz.trace import write_trace
 from zeroer.cache.geometries import geometry_names
@@ -149,13 +153,17 @@ class CampaignResult:
     trace_path: Path | None = None
     seeds: list[int] = field(default_factory=list)
     reproduced: bool = True  # False: the finding did not show again when Hypothesis replayed it
-    shrunk_by_hypothesis: int | None = None  # ops of Hypothesis's shrunk trace, before minimize()
+    shrunk_by_hypothesis: int | None = None  # ops Hypothesis's shrinking left, before minimize(); None: it did not shrink
+    shrink: dict | None = None  # how it was shrunk: where, confirmed where, cut off by the bound (ShrinkRecord)
     reproduction: dict | None = None  # free-running findings: replays on the spot (measure_reproduction)
     found_in_phase: str | None = None  # "reuse": replayed from the example database; "generate": new
     resource_error: str | None = None  # the GPU ran out of memory: neither a finding nor clean
     harness_error: str | None = None  # the harness could not follow or run the zeroer: not a verdict
     harness_status: int | None = None  # 2: the user can act on it; 3: a bug of kvzero-fuzz
     harness_details: str | None = None  # its traceback
+    # Another campaign of the run had shrunk this bug: this one stopped at its first failing example
+    # (``violation``, unshrunk), and that campaign's trace holds the bug (fuzz.engine.known_bugs).
+    same_as: KnownBug | None = None
 
     @property
     def found(self) -> bool:
@@ -240,9 +248,13 @@ def default_campaigns(backends: list[str], zeroer: str | None = None,
     return sorted(campaigns, key=lambda pair: pair[0].id)
 
 
-def campaign_settings(profile: Profile, database: ExampleDatabase | None, max_examples: int) -> settings:
+def campaign_settings(profile: Profile, database: ExampleDatabase | None, max_examples: int, *,
+                      shrink: bool = True) -> settings:
     # Every field that Hypothesis's own "ci" profile (auto-loaded when CI is set) would change is
     # chosen here on purpose: seeds come from the campaign, the database from the profile.
+    # shrink=False leaves out the shrink phase: the finding is shrunk on the simulator instead
+    # (fuzz.engine.shrink).
+    phases = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target) + ((Phase.shrink,) if shrink else ())
     return settings(
         max_examples=max_examples,
         stateful_step_count=profile.steps,
@@ -252,7 +264,7 @@ def campaign_settings(profile: Profile, database: ExampleDatabase | None, max_ex
         report_multiple_bugs=False,
         print_blob=False,
         suppress_health_check=list(HealthCheck),
-        phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
+        phases=phases,
     )
 
 
@@ -266,17 +278,28 @@ def run_campaign(
     seed_override: int | None = None,
     journal: Journal | None = None,
     minimize_trace: bool = True,
+    shrink_bound_s: float | None = None,
+    shrink_plan: ShrinkPlan | None = None,
+    known_bugs: KnownBugs | None = None,
 ) -> CampaignResult:
     """Run one campaign, once; save the shrunk trace of a finding under ``repro_dir``.
 
     ``seed_override`` runs with that seed (``--hypothesis-seed``, ``python -m repro regenerate``);
     ``journal`` saves each op before it runs (:mod:`fuzz.engine.journal`); ``minimize_trace``
-    takes Hypothesis's shrunk trace on to a locally minimal one (:mod:`fuzz.engine.minimize`).
+    takes the trace on to a locally minimal one (:mod:`fuzz.engine.minimize`). A finding is
+    shrunk as ``shrink_plan`` says (default :func:`~fuzz.engine.shrink.plan_for`: on cuda, on the
+    simulator where the zeroer runs there), each stage for at most ``shrink_bound_s`` seconds
+    (default :data:`~fuzz.engine.shrink.SHRINK_BOUND_S` of its backend). ``known_bugs``: the run's
+    bugs shrunk by other campaigns (:mod:`fuzz.engine.known_bugs`); a failing example of one of them
+    ends the campaign there, unshrunk, with :attr:`CampaignResult.same_as` set and no trace of its own.
     """
     result = CampaignResult(campaign)
     budget = budget_s if budget_s is not None else profile.budget_s
+    plan = shrink_plan if shrink_plan is not None else plan_for(campaign.config, minimize_trace=minimize_trace)
     started = time.monotonic()
-    stats = CampaignStats(started=started, deadline=None if budget is None else started + budget)
+    stats = CampaignStats(started=started, deadline=None if budget is None else started + budget,
+                          shrink_bound_s=shrink_bound(campaign.config.backend, shrink_bound_s)
+                          if plan.hypothesis_shrinks else None)
     if seed_override is not None:
         run_seed = seed_override
     elif profile.fresh_seeds:
@@ -289,7 +312,7 @@ def run_campaign(
     if journal is not None:
         journal.seed = run_seed
     machine = machine_for(campaign.config, campaign.id, stats=stats, journal=journal,
-                          database_key=campaign.database_key)
+                          database_key=campaign.database_key, known_bugs=known_bugs)
     factor = FINDS_BUDGET_FACTOR if campaign.expect == "finds" else 1
     examples = UNBOUNDED_EXAMPLES if budget is not None else profile.max_examples * factor
     # Every full garbage collection re-scans the ~300k objects torch and the imports left
@@ -298,13 +321,23 @@ def run_campaign(
     # back afterwards.
     gc.freeze()
     statistics: dict = {}  # Hypothesis's per-phase statistics of the run, noted before it raises a finding
+    cut_off = False  # the shrink bound stopped Hypothesis's shrink phase
+    run_settings = campaign_settings(profile, database, examples, shrink=plan.hypothesis_shrinks)
     try:
         with collector.with_value(statistics.update):
-            run_state_machine_as_test(seed(run_seed)(machine), settings=campaign_settings(profile, database, examples))
+            run_state_machine_as_test(seed(run_seed)(machine), settings=run_settings)
     except ZeroerViolation as error:
         result.violation = error
+    except ShrinkBoundReached as stop:
+        if interrupted():  # Ctrl-C came too: an interruption, whatever else was due
+            interruption = KeyboardInterrupt("the run was interrupted")
+            _save_interrupted(interruption, stats.smallest, repro_dir, run_seed, campaign)
+            raise interruption from stop
+        result.violation, cut_off = stats.smallest, True  # the smallest program so far: still the finding
     except BudgetSpent:
         pass  # the clock ran out with nothing found
+    except SameBug as same:  # another campaign of the run has shrunk this bug: not a second time
+        result.violation, result.same_as = same.violation, same.known
     except ResourceExhausted as error:  # no verdict either way (fuzz.engine.resources)
         result.resource_error = str(error)
     except HarnessError as error:  # no verdict either way (fuzz.engine.harness_error)
@@ -326,25 +359,33 @@ def run_campaign(
         setattr(result, name, getattr(stats, name))
     if journal is not None:
         journal.discard()  # the run ended without a crash
+    if result.same_as is not None:  # nothing to shrink, replay or save: the other campaign's trace holds it
+        result.seconds = time.monotonic() - started
+        return result
     try:
         if result.violation is not None:
             result.found_in_phase = failing_phase(statistics)
-            result.shrunk_by_hypothesis = len(result.violation.trace)
-            scheduled = campaign.config.backend == "sim" or campaign.config.mode == "controlled"
-            if minimize_trace and result.reproduced and scheduled:
-                result.violation = minimize(result.violation)
+            if plan.hypothesis_shrinks:
+                result.shrunk_by_hypothesis = len(result.violation.trace)
+            found_at = started + (stats.first_finding_s or 0.0)
+            result.violation, record = shrink_finding(
+                result.violation, plan, found_at=found_at, bound_s=shrink_bound_s, hypothesis_cut_off=cut_off,
+                minimize_trace=minimize_trace, reproduced=result.reproduced)
+            result.shrink = record.as_dict()
         if result.violation is not None and campaign.config.backend == "cuda" and campaign.config.mode == "free":
             result.reproduction = measure_reproduction(result.violation.config, result.violation.trace)
         result.seconds = time.monotonic() - started
         if result.violation is not None:
             result.trace_path = write_trace(
                 repro_dir, result.violation.config, result.violation.trace, result.violation.findings,
-                seed=run_seed, campaign=campaign.id, reproduction=result.reproduction,
+                seed=run_seed, campaign=campaign.id, reproduction=result.reproduction, shrink=result.shrink,
             )
     except KeyboardInterrupt as stop:  # while minimising or replaying: save Hypothesis's shrunk program
         if result.trace_path is None:
             _save_interrupted(stop, result.violation, repro_dir, run_seed, campaign)
         raise
+    if known_bugs is not None and result.trace_path is not None:
+        known_bugs.register(result.violation, result.trace_path)  # only now that its trace is on disk
     return result
 
 

@@ -52,6 +52,7 @@ from fuzz.interrupts import interrupted
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import CacheSpec, KVCache, build_cache
 from zeroer.errors import ZeroerError
+from zeroer.origin import blame
 from zeroer.protocol import BoundZeroer
 from zeroer.registry import kernel_options, load_zeroer
 from zeroer.runtime import Event, make_runtime
@@ -557,7 +558,9 @@ def _failing_op(error: BaseException) -> str | None:
 def _raised_finding(episode: Episode, what: str, error: BaseException) -> Finding:
     details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     message = f"zeroer raised at step {episode.step} in {what}: {type(error).__name__}: {error}"
-    finding = Finding("zeroer raised", None, message, episode.config.caller_fault is not None, details)
+    # Where in the zeroer's code it came from: what makes two raises the same bug (fuzz.engine.signature).
+    where = blame(error).where or ""
+    finding = Finding("zeroer raised", None, message, episode.config.caller_fault is not None, details, where)
     episode.findings.append(finding)
     return finding
 

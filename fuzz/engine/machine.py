@@ -24,7 +24,9 @@ making simple ones rare:
   (``hypothesis.target``), and Hypothesis's target phase steers towards deeper queues.
 
 What an example did is counted into the campaign's :class:`CampaignStats`, which the machine class
-is given (:func:`machine_for`), and a finding leaves as the :class:`ZeroerViolation` it raises.
+is given (:func:`machine_for`), and a finding leaves as the :class:`ZeroerViolation` it raises,
+or, when another campaign of the run has already shrunk the same bug, as
+:class:`~fuzz.engine.known_bugs.SameBug`, which Hypothesis does not shrink.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from fuzz.engine.cache_pool import CachePool
 from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised
 from fuzz.engine.harness_error import harness_error
 from fuzz.engine.journal import Journal
+from fuzz.engine.known_bugs import KnownBugs
 from fuzz.engine.ops import IDS_AS, THEN
 from fuzz.engine.oracle import Finding
 from fuzz.engine.resources import raise_if_out_of_memory
@@ -59,6 +62,15 @@ class BudgetSpent(KeyboardInterrupt):
     """A campaign's time budget ran out with nothing found. Not a failure (Hypothesis would shrink
     an Exception): Hypothesis lets an interruption through at once, checking nothing, and
     :func:`~fuzz.engine.campaigns.run_campaign` reports the campaign clean."""
+
+
+class ShrinkBoundReached(KeyboardInterrupt):
+    """Hypothesis has shrunk a finding for as long as the campaign's shrink bound allows
+    (:data:`fuzz.engine.shrink.SHRINK_BOUND_S`). Raised instead of starting the next example, it
+    passes through Hypothesis at once, as :class:`BudgetSpent` does, and
+    :func:`~fuzz.engine.campaigns.run_campaign` reports the smallest program so far
+    (:attr:`CampaignStats.smallest`) as the finding, marked cut off. A real Ctrl-C is a plain
+    KeyboardInterrupt (and :func:`~fuzz.interrupts.interrupted` is set), never this class."""
 
 
 class ZeroerViolation(AssertionError):
@@ -86,6 +98,14 @@ class CampaignStats:
     # The shortest program that showed a finding so far: what run_campaign saves if Ctrl-C cuts
     # the run off while Hypothesis is still shrinking it.
     smallest: ZeroerViolation | None = None
+    # Seconds Hypothesis may spend shrinking, from the first finding; None: no bound.
+    shrink_bound_s: float | None = None
+
+    def shrink_overdue(self) -> bool:
+        """A finding was made and Hypothesis has shrunk it for longer than the bound."""
+        if self.shrink_bound_s is None or self.first_finding_s is None:
+            return False
+        return time.monotonic() - self.started > self.first_finding_s + self.shrink_bound_s
 
     def found(self, violation: ZeroerViolation) -> None:
         if self.first_finding_s is None:
@@ -114,6 +134,8 @@ class ZeroerMachine(RuleBasedStateMachine):
     stats: CampaignStats | None = None
     #: where each op is saved before it runs (cuda: a fault kills the worker), or None
     journal: Journal | None = None
+    #: the run's bugs shrunk by other campaigns: a failing example of one of them stops the campaign
+    known_bugs: KnownBugs | None = None
     blocks = Bundle("blocks")
 
     def __init__(self) -> None:
@@ -123,6 +145,8 @@ class ZeroerMachine(RuleBasedStateMachine):
             raise BudgetSpent()
         if interrupted():
             raise KeyboardInterrupt("the run was interrupted")
+        if stats is not None and stats.shrink_overdue():  # checked after Ctrl-C, which wins
+            raise ShrinkBoundReached()
         super().__init__()
         if stats is not None:
             stats.examples += 1
@@ -173,6 +197,8 @@ class ZeroerMachine(RuleBasedStateMachine):
         violation = ZeroerViolation(findings, trace, self.config)
         if self.stats is not None:
             self.stats.found(violation)
+        if self.known_bugs is not None:  # shrunk by another campaign of the run: stop here (SameBug)
+            self.known_bugs.check(violation)
         raise violation
 
     def _n_streams(self, stream: int) -> int:
@@ -304,11 +330,14 @@ def _cache_field(block: BlockRef) -> dict:
 
 
 def machine_for(config: EpisodeConfig, name: str, *, stats: CampaignStats | None = None,
-                journal: Journal | None = None, database_key: bytes | None = None) -> type[ZeroerMachine]:
+                journal: Journal | None = None, database_key: bytes | None = None,
+                known_bugs: KnownBugs | None = None) -> type[ZeroerMachine]:
     """A state machine class bound to ``config`` and named ``name`` (a shrunk program says what
-    it ran); ``database_key`` identifies its examples in an example database."""
+    it ran); ``database_key`` identifies its examples in an example database; ``known_bugs`` is
+    the run's registry of shrunk bugs (:mod:`fuzz.engine.known_bugs`), None to shrink every finding."""
     label = "".join(c if c.isalnum() else "_" for c in name)
-    machine = type(label, (ZeroerMachine,), {"config": config, "stats": stats, "journal": journal})
+    machine = type(label, (ZeroerMachine,), {"config": config, "stats": stats, "journal": journal,
+                                             "known_bugs": known_bugs})
     if database_key is not None:
         # Hypothesis keys a stateful test's examples by the machine class; a class made here has
         # no source, so its name and this digest decide (one key per campaign, not per name).

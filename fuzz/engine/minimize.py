@@ -1,29 +1,61 @@
-"""Take a shrunk trace on to a locally minimal one: no single op or argument can be dropped.
+"""Take a finding's trace on to a locally minimal one: no op, chunk of ops or argument can be dropped.
 
 Hypothesis shrinks the choices that generated a program; what it hands back can still hold an op
 whose removal keeps the bug (a ``reallocate`` that only drained the device, a ``delay`` nobody
-waits on), because removing it changes the choices after it. :func:`minimize` works on the ops
-themselves: it replays the trace without each op in turn, and with each argument set back to its
-default or made smaller, keeps every change after which the same kind of finding still shows, and
-repeats until no change helps. On the simulator and in the controlled cuda mode a replay is exact
-(the schedule is in the ops), so the result is deterministic, and it is what the trace file holds.
+waits on), because removing it changes the choices after it. And on cuda, where every shrink step
+pays for gated launches, Hypothesis does not shrink at all when the simulator can show the finding
+(:mod:`fuzz.engine.shrink`): :func:`minimize` then takes the first failing program, as generated,
+all the way down on the simulator. It works on the ops themselves, with block ids made symbolic
+(:mod:`fuzz.engine.handles`), so that dropping an allocation drops what used its blocks and the
+rest still replays, and keeps every change after which the same kind of finding still shows:
+
+1. cut the trace after the shortest prefix that shows it (a hazard stops the program at its op);
+2. drop chunks of ops, halves first, then quarters, down to single ops (never the ``start`` op);
+3. set each argument back to its default or make it smaller; an allocation shrinks to the blocks
+   later ops use, or to one, or merges with the allocation right after it (one zero call fewer);
+
+and repeats until a round changes nothing. On the simulator and in the controlled cuda mode a
+replay is exact (the schedule is in the ops), so the result is deterministic.
+
+Two bounds: :data:`MAX_REPLAYS`, and ``deadline`` (a ``time.monotonic()`` value). Cut off by the
+deadline, it returns the smallest trace so far and says so (:attr:`Minimized.cut_off`); every trace
+it keeps showed the same kind of finding when it was replayed, so a cut-off result is still that
+finding, only not as small as it could be.
 
 Example::
 
-    violation = minimize(violation)      # e.g. 6 ops -> 3: start, allocate, allocate
+    minimized = minimize(violation, deadline=time.monotonic() + 60)   # e.g. 24 ops -> 3: start, allocate, allocate
+    minimized.violation.trace, minimized.replays, minimized.cut_off
 """
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import dataclass, replace
+
 from fuzz.engine.cache_pool import CachePool
 from fuzz.engine.episode import EpisodeConfig, run_ops
+from fuzz.engine.handles import Ref, compact, concrete, merge, symbolic
 from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.machine import ZeroerViolation
 from fuzz.engine.ops import FIELDS
 from fuzz.engine.oracle import Finding
+from zeroer.cache.geometries import geometry
 
-MAX_REPLAYS = 400  # a bound on the work: a trace of 25 ops needs a few dozen
+# A bound on the work besides the clock: first failing programs of up to 24 ops took 9 to 41
+# replays on the simulator (the engine-style races of examples/engine_zeroers.py, docs/fuzzing.md).
+MAX_REPLAYS = 1000
 _POOL = CachePool()
+
+
+@dataclass
+class Minimized:
+    """What :func:`minimize` made of a finding."""
+
+    violation: ZeroerViolation  # the smallest trace that showed the same kind of finding, with its findings
+    replays: int  # candidate programs it ran
+    cut_off: bool = False  # the deadline stopped it before a round changed nothing
 
 
 def _shows(config: EpisodeConfig, ops: list[dict], kind: str) -> list[Finding] | None:
@@ -38,8 +70,7 @@ def _shows(config: EpisodeConfig, ops: list[dict], kind: str) -> list[Finding] |
 
 def _smaller(op: dict) -> list[dict]:
     """Variants of ``op`` with one argument dropped to its default or made smaller."""
-    name = op["op"]
-    defaults = FIELDS[name][1]
+    defaults = FIELDS[op["op"]][1]
     variants = []
     for field, value in op.items():
         if field == "op":
@@ -51,35 +82,102 @@ def _smaller(op: dict) -> list[dict]:
     return variants
 
 
-def minimize(violation: ZeroerViolation) -> ZeroerViolation:
-    """A locally minimal version of ``violation``'s trace showing the same kind of finding."""
-    config, ops = violation.config, list(violation.trace)
+class _Stop(Exception):
+    """The deadline or the replay cap: keep the smallest trace so far."""
+
+
+class _Search:
+    """The smallest trace so far, and the replays that try to make it smaller."""
+
+    def __init__(self, violation: ZeroerViolation, deadline: float | None) -> None:
+        self.config = violation.config
+        self.kind = violation.findings[0].kind
+        self.num_blocks = geometry(self.config.geometry).num_blocks
+        self.refs: list[Ref] = symbolic(violation.trace, self.num_blocks)
+        self.ops: list[dict] = list(violation.trace)
+        self.findings = violation.findings
+        self.deadline = deadline
+        self.replays = 0
+        self.cut_off = False
+        self._tried: set[str] = set()
+
+    def attempt(self, refs: list[Ref]) -> bool:
+        """Keep ``refs`` if its program shows the same kind of finding."""
+        ops = concrete(refs, self.num_blocks)
+        if ops is None:
+            return False
+        if ops == self.ops:  # only ops that were left out anyway went: the same program, no replay
+            if len(refs) < len(self.refs):
+                self.refs = refs
+                return True
+            return False
+        key = json.dumps(ops, sort_keys=True)
+        if key in self._tried:
+            return False
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.cut_off = True
+            raise _Stop
+        if self.replays >= MAX_REPLAYS:
+            raise _Stop
+        self._tried.add(key)
+        self.replays += 1
+        found = _shows(self.config, ops, self.kind)
+        if found is None:
+            return False
+        self.refs, self.ops, self.findings = refs, ops, found
+        return True
+
+    def truncate(self) -> None:
+        """Binary search for the shortest prefix that shows it (exact for a hazard, which stops
+        the program at its op; for a value finding every kept prefix was replayed anyway)."""
+        base = self.refs
+        low, high = 1, len(base)
+        while low < high:
+            middle = (low + high) // 2
+            if self.attempt(base[:middle]):
+                high = middle
+            else:
+                low = middle + 1
+
+    def drop_chunks(self) -> None:
+        size = max(1, (len(self.refs) - 1) // 2)
+        while size >= 1:
+            start = len(self.refs) - size
+            while start >= 1:  # never the start op
+                self.attempt(self.refs[:start] + self.refs[start + size:])
+                start -= size
+            size //= 2
+
+    def smaller_arguments(self) -> None:
+        index = 0
+        while index < len(self.refs):  # a merge makes the list shorter
+            ref = self.refs[index]
+            variants = []
+            if ref.allocation is not None:
+                variants += [v for v in (compact(self.refs, index), merge(self.refs, index)) if v is not None]
+            variants += [self.refs[:index] + [replace(ref, op=op)] + self.refs[index + 1:] for op in _smaller(ref.op)]
+            for variant in variants:
+                if self.attempt(variant):
+                    break
+            index += 1
+
+
+def minimize(violation: ZeroerViolation, *, deadline: float | None = None) -> Minimized:
+    """A locally minimal version of ``violation``'s trace showing the same kind of finding, replayed
+    on ``violation.config``; past ``deadline`` (``time.monotonic()``) the smallest one so far."""
     if not violation.findings:
-        return violation
-    kind = violation.findings[0].kind
-    best = violation.findings
-    replays = 0
-    changed = True
-    while changed and replays < MAX_REPLAYS:
-        changed = False
-        for i in range(len(ops) - 1, 0, -1):  # never the start op
-            if replays >= MAX_REPLAYS:
+        return Minimized(violation, 0)
+    search = _Search(violation, deadline)
+    try:
+        while True:
+            before = (search.ops, len(search.refs))
+            search.truncate()
+            search.drop_chunks()
+            search.smaller_arguments()
+            if (search.ops, len(search.refs)) == before:
                 break
-            candidate = ops[:i] + ops[i + 1:]
-            replays += 1
-            found = _shows(config, candidate, kind)
-            if found is not None:
-                ops, best, changed = candidate, found, True
-        for i in range(len(ops)):
-            for variant in _smaller(ops[i]):
-                if replays >= MAX_REPLAYS:
-                    break
-                candidate = ops[:i] + [variant] + ops[i + 1:]
-                replays += 1
-                found = _shows(config, candidate, kind)
-                if found is not None:
-                    ops, best, changed = candidate, found, True
-                    break
-    if ops == violation.trace:
-        return violation
-    return ZeroerViolation(best, ops, config)
+    except _Stop:
+        pass
+    if search.ops == violation.trace:
+        return Minimized(violation, search.replays, search.cut_off)
+    return Minimized(ZeroerViolation(search.findings, search.ops, violation.config), search.replays, search.cut_off)

@@ -71,6 +71,7 @@ class Finding:
     message: str
     caller_fault: bool = False
     details: str = ""  # "zeroer raised": the exception's traceback
+    where: str = ""  # "zeroer raised": the zeroer's line it came from, "file:line (code)" (zeroer.origin.blame)
 
     def __str__(self) -> str:
         prefix = "[caller fault] " if self.caller_fault else ""

@@ -1,4 +1,5 @@
-"""The end-of-run summary: campaigns, examples, steps, findings with their trace paths."""
+"""The end-of-run summary: campaigns, examples, steps, and the distinct bugs found, each with the
+campaigns that showed it and the trace that holds it (:mod:`fuzz.engine.bugs`)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fuzz.atomic_file import write_json_atomically
+from fuzz.engine.bugs import distinct_bugs
+from fuzz.engine.signature import violation_signature
 
 if TYPE_CHECKING:  # only for the annotation: python -m fuzz.merge renders summaries with the standard library alone
     from fuzz.engine.campaigns import CampaignResult
 
 
 def result_record(result: CampaignResult) -> dict:
-    """What one campaign contributes to the summary (plain JSON, sent from xdist workers)."""
+    """What one campaign contributes to the summary (plain JSON, sent from xdist workers).
+
+    ``signature`` is its finding's (fuzz.engine.signature); ``same_as`` the campaign of the run
+    that had already shrunk the same bug, when this one stopped at its first failing example
+    instead (fuzz.engine.known_bugs): its ``trace`` is then that campaign's."""
     violation = result.violation
+    same = result.same_as
+    signature = None if violation is None else violation_signature(violation)
     return {
         "campaign": result.campaign.id,
         "expect": result.campaign.expect,
@@ -27,6 +36,7 @@ def result_record(result: CampaignResult) -> dict:
         "runs": result.runs,
         "deepest_queue": result.deepest_queue,
         "shrunk_by_hypothesis": result.shrunk_by_hypothesis,
+        "shrink": result.shrink,  # where it was shrunk, confirmed where, cut off by the bound (fuzz.engine.shrink)
         "seconds": round(result.seconds, 3),
         "seeds": result.seeds,
         "first_finding_s": None if result.first_finding_s is None else round(result.first_finding_s, 3),
@@ -35,14 +45,31 @@ def result_record(result: CampaignResult) -> dict:
         "found_in_phase": result.found_in_phase,
         "reproduced": result.reproduced,
         "reproduction": result.reproduction,
-        "trace": None if result.trace_path is None else str(result.trace_path),
-        "trace_ops": None if violation is None else len(violation.trace),
+        "trace": same.trace if same else None if result.trace_path is None else str(result.trace_path),
+        "trace_ops": same.trace_ops if same else None if violation is None else len(violation.trace),
+        "signature": None if signature is None else str(signature),
+        "same_as": None if same is None else same.campaign,
         "findings": [] if violation is None else [str(f) for f in violation.findings[:5]],
         "resource_error": result.resource_error,
         "harness_error": result.harness_error,
         "harness_status": result.harness_status,
         "harness_details": result.harness_details,
     }
+
+
+def shrink_note(shrink: dict | None) -> str:
+    """What a summary line says about how a finding was shrunk: only what is out of the ordinary
+    (shrunk on the simulator for a GPU campaign, a fallback, the bound)."""
+    if not shrink:
+        return ""
+    notes = []
+    if shrink.get("confirmed_on"):
+        notes.append(f"shrunk on {shrink['shrunk_on']}, confirmed on {shrink['confirmed_on']}")
+    elif shrink.get("fallback") and shrink.get("by") == "minimize":
+        notes.append(f"shrunk on {shrink['shrunk_on']}: {shrink['fallback']}")
+    if shrink.get("cut_off"):
+        notes.append(f"shrinking cut off by its {shrink.get('bound_s')} s bound: the smallest trace so far")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def not_judged(record: dict) -> bool:
@@ -80,6 +107,7 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
     harness = [r for r in records if r.get("harness_error")]
     unexpected = [r for r in records if is_unexpected(r)]
     saved = sorted(saved or (), key=lambda s: s["campaign"])
+    bugs = distinct_bugs(records)
     totals = {
         "profile": profile,
         "partial": partial,
@@ -91,12 +119,15 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
         "seconds": round(sum(r["seconds"] for r in records), 3),
         "findings": sum(1 for r in records if r["found"]) + len(saved),
         "unexpected": len(unexpected) + sum(1 for s in saved if s["expect"] == "clean"),
+        "bugs": len(bugs),  # distinct bugs among the campaigns with findings (fuzz.engine.bugs)
         "resource_errors": len(resources),
         "harness_errors": len(harness),
     }
     lines = [
         f"profile {profile}: {totals['campaigns']} campaigns, {totals['examples']} examples, "
-        f"{totals['steps']} steps, {totals['findings']} with findings, {totals['unexpected']} unexpected"
+        f"{totals['steps']} steps, {totals['findings']} with findings"
+        + (f" ({len(bugs)} distinct bug{'s' if len(bugs) != 1 else ''})" if bugs else "")
+        + f", {totals['unexpected']} unexpected"
         + (f", {len(crashed)} crashed" if crashed else "")
         + (f", {len(resources)} resource errors (not judged)" if resources else "")
         + (f", {len(harness)} harness errors (not judged)" if harness else "")
@@ -113,18 +144,42 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
             lines.append(f"  {r['campaign']}: RESOURCE ERROR, not judged: {r['resource_error']}")
         elif r.get("harness_error"):
             lines.append(f"  {r['campaign']}: HARNESS ERROR, not judged: {r['harness_error']}")
-        elif r["found"]:
-            verdict = "found (expected)" if r["expect"] == "finds" else "VIOLATION"
-            flaky = "" if r.get("reproduced", True) else " (did not show again on replay: timing-dependent)"
-            replayed = " (replayed from the example database)" if r.get("found_in_phase") == "reuse" else ""
-            lines.append(f"  {r['campaign']}: {verdict}{flaky}{replayed} after {r['first_finding_s']} s, "
-                         f"{r['trace_ops']} ops -> {r['trace']}")
-        elif r["expect"] == "finds":
+        elif not r["found"] and r["expect"] == "finds":
             lines.append(f"  {r['campaign']}: MISSED a known race in {r['examples']} examples")
-    data = {"totals": totals, "campaigns": records, "crashed": crashed, "not_run": not_run}
+    by_id = {r["campaign"]: r for r in records}
+    for number, bug in enumerate(bugs, 1):
+        lines += bug_block(bug, by_id, number, len(bugs))
+    data = {"totals": totals, "campaigns": records, "bugs": bugs, "crashed": crashed, "not_run": not_run}
     if saved:
         data["saved_at_interruption"] = saved
     return "\n".join(lines), data
+
+
+def bug_block(bug: dict, records: dict[str, dict], number: int, count: int) -> list[str]:
+    """One distinct bug (fuzz.engine.bugs): what it is and where it showed, then the line of each
+    campaign that shrank it, then the campaigns that stopped at it without shrinking it again."""
+    verdict = "VIOLATION" if bug["unexpected"] else "found (expected)"
+    shown = len(bug["campaigns"])
+    where = f"{', '.join(bug['geometries'])} ({', '.join(bug['backends'])})"
+    lines = [f"  bug {number} of {count}: {verdict} in {shown} campaign{'s' if shown != 1 else ''} on {where}: "
+             f"{bug['finding']}"]
+    for campaign in bug["campaigns"]:
+        record = records.get(campaign)
+        if record is not None and not record.get("same_as"):
+            lines.append(f"    {finding_line(record)}")
+    if bug["not_shrunk"]:
+        lines.append(f"    same bug, not shrunk again: {', '.join(bug['not_shrunk'])} (trace of {bug['shrunk_by']}: "
+                     f"{bug['trace']})")
+    return lines
+
+
+def finding_line(record: dict) -> str:
+    """A campaign that found something and shrank it: verdict, when, and its trace."""
+    verdict = "found (expected)" if record["expect"] == "finds" else "VIOLATION"
+    flaky = "" if record.get("reproduced", True) else " (did not show again on replay: timing-dependent)"
+    replayed = " (replayed from the example database)" if record.get("found_in_phase") == "reuse" else ""
+    return (f"{record['campaign']}: {verdict}{flaky}{replayed} after {record['first_finding_s']} s, "
+            f"{record['trace_ops']} ops{shrink_note(record.get('shrink'))} -> {record['trace']}")
 
 
 def write_summary(path: Path, data: dict) -> Path:
