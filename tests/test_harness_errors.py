@@ -64,6 +64,15 @@ class RaisesItself(_VllmStyle):
         raise RuntimeError(f"planted: cannot zero {block_ids}")
 
 
+class FaultsTheGpu(_VllmStyle):
+    def body(self, block_ids: list[int]) -> None:
+        # What torch raises at the next CUDA call once a kernel made an illegal access (the H200,
+        # side_stream_copy_event_on_caller in the controlled mode: its kernel read ids the race
+        # had left unwritten).
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
+                           "asynchronously reported at some other API call")
+
+
 class BadTorchCall(_VllmStyle):
     def body(self, block_ids: list[int]) -> None:
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
@@ -205,3 +214,21 @@ def test_an_attribute_the_documented_cache_lacks_is_the_users_to_fix_and_a_stand
     gap = blame(_raised(lambda: stream.native_handle))  # torch's Stream has it, our stand-in does not
     assert gap.harness and gap.status == 3
     assert not blame(_raised(lambda: torch.empty(1).no_such_method)).harness  # the zeroer's own mistake
+
+
+def test_a_gpu_fault_is_a_resource_error_and_the_processs_later_cuda_campaigns_stop_at_once(tmp_path, monkeypatch):
+    from fuzz.engine import resources
+
+    monkeypatch.setattr(resources, "_LOST", [])
+    result = _run("FaultsTheGpu", tmp_path)
+    assert not result.found and result.violation is None and result.harness_error is None
+    assert result.resource_error.startswith(
+        "the GPU faulted in warmup (CUDA error: an illegal memory access was encountered); CUDA keeps that error, "
+        "so this process can run nothing more on the GPU and the campaign has no verdict."), result.resource_error
+    assert "--backend sim" in result.resource_error and "\n" not in result.resource_error
+    assert not is_unexpected(result_record(result))
+    # CUDA keeps the error: a later cuda campaign of this process would fail somewhere unrelated.
+    later = run_campaign(Campaign(EpisodeConfig(zeroer="per_call", backend="cuda"), 0, "clean"), PROFILES["quick"], tmp_path)
+    assert not later.found and later.harness_error is None
+    assert later.resource_error.startswith("this process's GPU was lost to an earlier fault (CUDA error: an illegal "
+                                           "memory access was encountered in warmup)"), later.resource_error

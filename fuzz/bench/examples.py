@@ -46,6 +46,7 @@ from fuzz.bench.speed import machine
 from fuzz.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive, run_main
 from fuzz.engine.campaigns import PROFILES, Campaign, default_campaigns, run_campaign
 from fuzz.engine.episode import count_shown
+from fuzz.engine.resources import ResourceExhausted
 from fuzz.engine.summary import harness_status, not_judged, result_record
 from fuzz.trace import load_trace
 from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES
@@ -117,9 +118,13 @@ def run_job(job: Job) -> dict[str, Any]:
     base: dict[str, Any] = {"kind": job.kind, "spec": job.spec, "verdict": job.verdict}
     if job.kind == "replay":
         trace = load_trace(Path(job.trace))
-        shown = count_shown(trace.config, trace.ops, job.replays)
+        lost = None
+        try:
+            shown = count_shown(trace.config, trace.ops, job.replays)
+        except ResourceExhausted as error:  # out of memory, or a GPU fault: no count either way
+            shown, lost = 0, str(error)
         record = {**base, "trace": job.trace, "ops": len(trace.ops), "replays": job.replays, "shown": shown,
-                  "mode": trace.config.mode if trace.config.backend == "cuda" else "sim"}
+                  "mode": trace.config.mode if trace.config.backend == "cuda" else "sim", "resource_error": lost}
     else:
         campaign = job.campaign
         seed = job.seed if job.kind == "soak" else None
@@ -156,8 +161,11 @@ def run_jobs(jobs: Iterable[Job], workers: int, follow_up: Callable[[dict], list
             yield record
     else:
         context = multiprocessing.get_context("spawn")  # a forked torch can hang in its thread pools
+        # On cuda each job gets a process of its own: a GPU fault (fuzz.engine.resources.DeviceFault)
+        # leaves a process's CUDA context unusable, and must not take the jobs after it down too.
+        fresh = {"max_tasks_per_child": 1} if device is not None else {}
         with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
-                                 initargs=(device,)) as pool:
+                                 initargs=(device,), **fresh) as pool:
             running: set[Future] = set()
             while running or (queue and open_()):
                 while queue and len(running) < workers and open_():
@@ -216,7 +224,7 @@ def summarize(verdicts: dict[str, str], records: list[dict], replays: int, soak_
         not_run = [r for r in records if r["spec"] == spec and r["kind"] == "not run"]
         shown = [r for r in records if r["spec"] == spec and r["kind"] == "replay"]
         soaked = [r for r in records if r["spec"] == spec and r["kind"] == "soak"]
-        errors = [r for r in campaigns + soaked if r.get("harness_error") or r.get("resource_error")]
+        errors = [r for r in campaigns + soaked + shown if r.get("harness_error") or r.get("resource_error")]
         found = [r for r in campaigns if r["found"]]
         ops = [r["trace_ops"] for r in found if r.get("trace_ops") is not None]
         row = {

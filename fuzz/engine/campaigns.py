@@ -368,12 +368,18 @@ def run_campaign(
             if plan.hypothesis_shrinks:
                 result.shrunk_by_hypothesis = len(result.violation.trace)
             found_at = started + (stats.first_finding_s or 0.0)
-            result.violation, record = shrink_finding(
-                result.violation, plan, found_at=found_at, bound_s=shrink_bound_s, hypothesis_cut_off=cut_off,
-                minimize_trace=minimize_trace, reproduced=result.reproduced)
-            result.shrink = record.as_dict()
+            try:
+                result.violation, record = shrink_finding(
+                    result.violation, plan, found_at=found_at, bound_s=shrink_bound_s, hypothesis_cut_off=cut_off,
+                    minimize_trace=minimize_trace, reproduced=result.reproduced)
+                result.shrink = record.as_dict()
+            except ResourceExhausted as error:  # the GPU faulted on a replay: keep the program the GPU found
+                result.shrink = {"shrunk_on": None, "confirmed_on": None, "gpu_lost": str(error)}
         if result.violation is not None and campaign.config.backend == "cuda" and campaign.config.mode == "free":
-            result.reproduction = measure_reproduction(result.violation.config, result.violation.trace)
+            try:
+                result.reproduction = measure_reproduction(result.violation.config, result.violation.trace)
+            except ResourceExhausted as error:
+                result.reproduction = {"mode": "free", "gpu_lost": str(error)}
         result.seconds = time.monotonic() - started
         if result.violation is not None:
             result.trace_path = write_trace(

@@ -47,7 +47,7 @@ from fuzz.engine.cache_pool import CachePool
 from fuzz.engine.harness_error import harness_error, raise_if_harness
 from fuzz.engine.ops import OPS, check_op
 from fuzz.engine.oracle import Finding, Shadow, all_rows_match
-from fuzz.engine.resources import raise_if_out_of_memory
+from fuzz.engine.resources import raise_if_gpu_lost, raise_if_resource
 from fuzz.interrupts import interrupted
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import CacheSpec, KVCache, build_cache
@@ -170,6 +170,8 @@ class Episode:
 
     def __init__(self, config: EpisodeConfig, caches: CachePool | None = None) -> None:
         self.config = config
+        if config.backend == "cuda":
+            raise_if_gpu_lost()  # an earlier campaign's fault left this process's GPU unusable
         self.rt = make_runtime(config.backend, mode=config.mode, device=config.device)
         self.streams = [self.rt.default_stream] + [self.rt.new_stream(f"s{i}") for i in range(1, config.streams)]
         # Recycled caches on the simulator only: there close() means every queued op has run,
@@ -256,8 +258,8 @@ class Episode:
             raise
         except Exception as error:
             _stop_if_interrupted(error)
-            raise_if_out_of_memory(error, "running queued device work")
             origin = _failing_op(error)
+            raise_if_resource(error, f"running queued device work ({origin or 'op unknown'})")
             if origin is None or origin.startswith(_HARNESS_OPS):  # the caller's own device work
                 raise harness_error(error, f"the harness's queued op {origin or '(unknown)'}", step=self.step) from error
             raise_if_harness(error, f"the zeroer's queued op {origin}", step=self.step)
@@ -532,7 +534,7 @@ class _ZeroerCall:
         if error is None or not isinstance(error, Exception) or isinstance(error, ZeroerRaised):
             return False
         _stop_if_interrupted(error)
-        raise_if_out_of_memory(error, f"in {self._what}")
+        raise_if_resource(error, f"in {self._what}")
         many = len(self._episode.groups) > 1
         what = self._group.label(many) + self._what
         # An unroutable call, a simulator gap, a clash in the runtime: the harness's, not a finding.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import traceback
 
+from fuzz.engine.resources import raise_if_device_fault
 from zeroer.origin import HARNESS_BUG, USER_FIXABLE, blame
 
 __all__ = ["HARNESS_BUG", "USER_FIXABLE", "HarnessError", "harness_error", "raise_if_harness"]
@@ -54,7 +55,10 @@ def harness_error(error: BaseException, during: str, *, step: int | None = None,
     """The :class:`HarnessError` for ``error``, raised ``during`` (the zeroer's call, or the op).
 
     ``where`` is the zeroer's ``file:line (code)`` the call came from, when there is one;
-    ``status`` by default 2 for a refusal that names its fix (``user_fixable``), else 3."""
+    ``status`` by default 2 for a refusal that names its fix (``user_fixable``), else 3. A CUDA
+    fault is neither: it raises :class:`~fuzz.engine.resources.DeviceFault` instead, whose code
+    it surfaced in says nothing about whose it is (the error is reported at a later CUDA call)."""
+    raise_if_device_fault(error, during)
     if status is None:
         status = USER_FIXABLE if getattr(error, "user_fixable", False) else HARNESS_BUG
     at = f" at step {step}" if step is not None else ""
@@ -67,6 +71,7 @@ def harness_error(error: BaseException, during: str, *, step: int | None = None,
 
 def raise_if_harness(error: BaseException, during: str, *, step: int | None = None) -> None:
     """Raise a :class:`HarnessError` from ``error`` when the harness, not the zeroer, raised it."""
+    raise_if_device_fault(error, during)
     verdict = blame(error)
     if verdict.harness:
         raise harness_error(error, during, step=step, where=verdict.where, status=verdict.status) from error

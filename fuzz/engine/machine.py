@@ -46,7 +46,7 @@ from fuzz.engine.journal import Journal
 from fuzz.engine.known_bugs import KnownBugs
 from fuzz.engine.ops import IDS_AS, THEN
 from fuzz.engine.oracle import Finding
-from fuzz.engine.resources import raise_if_out_of_memory
+from fuzz.engine.resources import raise_if_resource
 from fuzz.interrupts import interrupted
 
 # Every simulator campaign's examples share one pool of KV caches (fuzz.engine.cache_pool says
@@ -159,7 +159,7 @@ class ZeroerMachine(RuleBasedStateMachine):
         except ZeroerRaised as error:  # the zeroer's factory raised: a finding of its own
             self._fail([error.finding], [])
         except Exception as error:  # the harness building caches may run the GPU out of memory
-            raise_if_out_of_memory(error, "building the episode's caches")
+            raise_if_resource(error, "building the episode's caches")
             raise harness_error(error, "building the episode") from error
         self._may_reallocate = self.episode.loaded.capabilities.follows_reallocation
 
@@ -176,7 +176,7 @@ class ZeroerMachine(RuleBasedStateMachine):
             self._fail(list(episode.findings), list(episode.trace))
             raise AssertionError("unreachable") from error  # _fail raised
         except Exception as error:  # the zeroer's own calls are judged in the episode: this is the harness's
-            raise_if_out_of_memory(error, f"in op {op.get('op')!r}")
+            raise_if_resource(error, f"in op {op.get('op')!r}")
             raise harness_error(error, f"op {op.get('op')!r}", step=len(episode.trace)) from error
         # Happens-before hazards are checked after every op, so a shrunk program stops at the op
         # that raised the first one (here rather than in an @invariant: that machinery cost 5 to
@@ -318,7 +318,7 @@ class ZeroerMachine(RuleBasedStateMachine):
         except BaseException as error:  # Ctrl-C while judging, or an error of the harness: no verdict
             episode.abandon()
             if isinstance(error, Exception):  # the oracle's reads may run the GPU out of memory
-                raise_if_out_of_memory(error, "judging the episode")
+                raise_if_resource(error, "judging the episode")
                 raise harness_error(error, "judging the episode", step=len(episode.trace)) from error
             raise
         if findings:

@@ -7,6 +7,15 @@ allocating, a queued copy), becomes :class:`ResourceExhausted`: the campaign sto
 no trace written and nothing judged, and is reported as a resource error (exit status 2: run
 fewer workers), never as a finding and never as clean.
 
+A GPU fault is the other resource a campaign can lose (:class:`DeviceFault`). When a kernel makes
+an illegal access (on the H200, a racy engine-style zeroer whose forced schedule ran its kernel
+before the copy of its block ids: the kernel read uninitialised device memory as ids), CUDA keeps
+the error for the rest of the process: every later CUDA call fails with it. Wherever it surfaces
+(a harness's poll, the zeroer's next call, the oracle's read), it is not a verdict and not a bug of
+the harness's code: the campaign stops with a resource error that says so, and every later
+campaign of the same process stops at once with the same error instead of failing somewhere
+unrelated (:func:`raise_if_gpu_lost`). Benchmarks run each cuda job in a process of its own.
+
 Example::
 
     try:
@@ -24,6 +33,17 @@ class ResourceExhausted(BaseException):
     through at once instead of shrinking it as a failure, and ``except Exception`` in a
     zeroer or a library does not swallow it."""
 
+
+class DeviceFault(ResourceExhausted):
+    """The GPU faulted (an illegal address, a launch failure): CUDA keeps the error for the rest of
+    the process, so nothing more can run on the GPU here. A resource error, like running out of
+    memory: no verdict either way."""
+
+
+_FAULT_TEXT = ("illegal memory access", "cudaErrorIllegalAddress", "CUDA_ERROR_ILLEGAL_ADDRESS",
+               "unspecified launch failure", "misaligned address", "illegal instruction",
+               "device-side assert triggered", "an illegal instruction")
+_LOST: list[str] = []  # the first fault this process saw: its CUDA context is unusable since
 
 _OOM_TEXT = ("out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation")
 
@@ -51,3 +71,47 @@ def raise_if_out_of_memory(error: BaseException, where: str = "") -> None:
             f"the GPU ran out of memory{' ' + where if where else ''} ({first_line}); this is a resource "
             f"error, not a finding: run fewer workers (pytest -n, python -m fuzz.bench.detect -j) or free GPU memory"
         ) from error
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """Is ``error`` (or an error it was raised from) a sticky CUDA fault (or the :class:`DeviceFault`
+    that says so)?"""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, DeviceFault) or any(text in str(error) for text in _FAULT_TEXT):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def raise_if_device_fault(error: BaseException, where: str = "") -> None:
+    """Raise :class:`DeviceFault` from ``error`` when it is a CUDA fault; remember that this
+    process's GPU is lost."""
+    if isinstance(error, DeviceFault):
+        raise error
+    if is_device_fault(error):
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        place = f" {where}" if where else ""
+        if not _LOST:
+            _LOST.append(f"{first_line}{place}")
+        raise DeviceFault(
+            f"the GPU faulted{place} ({first_line}); CUDA keeps that error, so this process can run nothing "
+            f"more on the GPU and the campaign has no verdict. A zeroer's kernel that faults under the fuzzer's "
+            f"schedule has usually read ids a race left unwritten: fuzz the same zeroer on the simulator "
+            f"(--backend sim), which checks every address a kernel touches"
+        ) from error
+
+
+def raise_if_resource(error: BaseException, where: str = "") -> None:
+    """:func:`raise_if_out_of_memory`, then :func:`raise_if_device_fault`."""
+    raise_if_out_of_memory(error, where)
+    raise_if_device_fault(error, where)
+
+
+def raise_if_gpu_lost() -> None:
+    """Raise :class:`DeviceFault` when an earlier fault of this process left its GPU unusable."""
+    if _LOST:
+        raise DeviceFault(
+            f"this process's GPU was lost to an earlier fault ({_LOST[0]}); CUDA keeps that error, so the "
+            f"campaign did not run: rerun it (each pytest-xdist worker and each benchmark job has its own GPU context)"
+        )
