@@ -11,8 +11,10 @@ synchronised between calls, exactly the pages of its blocks on every geometry, w
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import inspect
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 import engine_zeroers  # examples/ is on sys.path (tests/conftest.py)
+from fuzz.bench.examples import Job, run_job
 from fuzz.engine.campaigns import PROFILES, default_campaigns, run_campaign
 from zeroer.cache.geometries import geometry, geometry_names
 from zeroer.cache.layout import build_cache
@@ -88,11 +91,32 @@ def test_each_example_is_judged_rightly_where_it_declares_it_runs(spec, verdict,
     if chosen.config.mode == "free" and verdict == "racy":
         pytest.skip("free-running: a race shows only when timing allows (the controlled mode forces it)")
     expect = "finds" if verdict == "racy" else "clean"
-    result = run_campaign(replace(chosen, expect=expect), PROFILES["quick"], tmp_path)
-    assert not result.harness_error, result.harness_error
-    assert result.found == (verdict == "racy"), result.violation
-    if result.found:
-        assert len(result.violation.trace) <= 4, result.violation.trace  # shrunk to a few ops
+    campaign = replace(chosen, expect=expect)
+    if campaign.config.backend == "cuda":
+        record = _on_a_gpu_of_its_own(Job("campaign", spec, verdict, campaign, repro_dir=str(tmp_path)))
+        found, ops, harness_error, resource_error = (record["found"], record.get("trace_ops"), record["harness_error"],
+                                                     record["resource_error"])
+    else:
+        result = run_campaign(campaign, PROFILES["quick"], tmp_path)
+        found, harness_error, resource_error = result.found, result.harness_error, result.resource_error
+        ops = len(result.violation.trace) if result.found else None
+    assert not harness_error, harness_error
+    if resource_error and resource_error.startswith("the GPU faulted") and verdict == "racy":
+        # The forced schedule ran the kernel before its ids were copied: it read uninitialised
+        # memory as ids and faulted (seen on the H200 with side_stream_copy_event_on_caller).
+        # The race's own consequence, but no verdict the tool can claim (fuzz.engine.resources).
+        pytest.xfail(resource_error)
+    assert not resource_error, resource_error
+    assert found == (verdict == "racy")
+    if found:
+        assert ops is not None and ops <= 4, ops  # shrunk to a few ops
+
+
+def _on_a_gpu_of_its_own(job: Job) -> dict:
+    """``job``'s record, run in a spawned process: a GPU fault leaves the CUDA context of the process
+    it happens in unusable, which must not fail the GPU tests that this xdist worker runs next."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_job, job).result()
 
 
 @pytest.mark.parametrize("name", sorted(n for n, verdict in engine_zeroers.VERDICTS.items() if verdict == "race-free"))
