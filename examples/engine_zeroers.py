@@ -351,43 +351,36 @@ class SideStreamCopyEventOnCaller(SideStreamCopy):
 # -- factories: build the zeroer for the cache, bind the warm-up's block count --------------------
 
 
-def single_pinned_buffer(cache, runtime) -> SinglePinnedBuffer:
-    zeroer = SinglePinnedBuffer(cache)
+def _with_block_count(zeroer, cache):
+    """``zeroer`` with ``warmup`` bound to the cache's block count, as vLLM's runner passes
+    ``kv_cache_config.num_blocks``: the harness then calls ``warmup()``."""
     zeroer.warmup = functools.partial(zeroer.warmup, cache.spec.num_blocks)
     return zeroer
+
+
+def single_pinned_buffer(cache, runtime) -> SinglePinnedBuffer:
+    return _with_block_count(SinglePinnedBuffer(cache), cache)
 
 
 def fresh_pinned_per_call(cache, runtime) -> FreshPinnedPerCall:
-    zeroer = FreshPinnedPerCall(cache)
-    zeroer.warmup = functools.partial(zeroer.warmup, cache.spec.num_blocks)
-    return zeroer
+    return _with_block_count(FreshPinnedPerCall(cache), cache)
 
 
 def pinned_ring(cache, runtime) -> PinnedRing:
-    zeroer = PinnedRing(cache)
-    zeroer.warmup = functools.partial(zeroer.warmup, cache.spec.num_blocks)
-    return zeroer
+    return _with_block_count(PinnedRing(cache), cache)
 
 
 def event_guarded_ring(cache, runtime) -> EventGuardedRing:
-    zeroer = EventGuardedRing(cache)
-    zeroer.warmup = functools.partial(zeroer.warmup, cache.spec.num_blocks)
-    return zeroer
+    return _with_block_count(EventGuardedRing(cache), cache)
 
 
 def side_stream_copy_no_record(cache, runtime) -> SideStreamCopyNoRecord:
-    zeroer = SideStreamCopyNoRecord(cache)
-    zeroer.warmup = functools.partial(zeroer.warmup, cache.spec.num_blocks)
-    return zeroer
+    return _with_block_count(SideStreamCopyNoRecord(cache), cache)
 
 
 def side_stream_copy_event_on_caller(cache, runtime) -> SideStreamCopyEventOnCaller:
-    zeroer = SideStreamCopyEventOnCaller(cache)
-    zeroer.warmup = functools.partial(zeroer.warmup, cache.spec.num_blocks)
-    return zeroer
+    return _with_block_count(SideStreamCopyEventOnCaller(cache), cache)
 
 
 def side_stream_copy(cache, runtime) -> SideStreamCopy:
-    zeroer = SideStreamCopy(cache)
-    zeroer.warmup = functools.partial(zeroer.warmup, cache.spec.num_blocks)
-    return zeroer
+    return _with_block_count(SideStreamCopy(cache), cache)
