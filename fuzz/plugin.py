@@ -362,6 +362,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if interrupted and (any(r["found"] != (r["expect"] == "finds") and r["found"] for r in run.results)
                         or any(s["expect"] == "clean" for s in run.saved)):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif interrupted and not run.crashed:
+        # No finding: a campaign the signal cut off may still have failed, with whatever the
+        # signal broke on its way out (seen once in 40 signalled runs: exit 1, "1 failed", for a
+        # race-free zeroer whose summary listed no finding). That failure is no verdict.
+        session.exitstatus = pytest.ExitCode.INTERRUPTED
     # No verdict where something stood in the way and nothing else went wrong: the harness could
     # not follow or run the zeroer (fuzz.engine.harness_error: 3, or 2 where the user can act),
     # the GPU ran out of memory (fuzz.engine.resources: 2, run fewer workers); never 1, which

@@ -744,3 +744,34 @@ def test_a_sigint_python_drops_still_marks_the_run_interrupted_once_the_plugin_i
     # The test harness tells Python's own dropped interrupt (no message) from the plugin's.
     point = Point(0, False, "ring", signal.SIGINT, False, "start-up", 0.1, False, False, forked=False)
     assert dropped_by_python(point, result.stderr) is (not marked)
+
+
+BROKEN_BY_THE_SIGNAL = """
+import pytest
+
+from fuzz import interrupts
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    # As a signal can: the run is interrupted, and the campaign it cut off fails on its way out
+    # with an error that is no verdict on the zeroer.
+    interrupts.mark_interrupted()
+    yield
+    raise RuntimeError("broken by the signal on its way out")
+"""
+
+
+def test_a_campaign_the_signal_broke_is_no_finding_and_the_run_exits_as_interrupted(tmp_path):
+    # Seen once in 40 signalled runs of a race-free zeroer (the random-point test): "1 failed",
+    # no finding in the summary, and exit 1, the status of a finding.
+    (tmp_path / "broken_by_the_signal.py").write_text(BROKEN_BY_THE_SIGNAL)
+    env = clean_env(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    args = [sys.executable, "-m", "pytest", "fuzz", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+            "-p", "broken_by_the_signal", "--backend", "sim", "--zeroer", "per_call", "--geometry", "tiny",
+            "-k", "k-torch and shard0 and not x2", "--repro-dir", str(tmp_path / "traces"),
+            "--fuzz-summary", str(tmp_path / "summary.json")]
+    run = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "1 failed" in run.stdout and not trace_files(tmp_path)
