@@ -1,0 +1,131 @@
+"""``python -m fuzz.sanitize [options] -- python my_script.py [args]``: sanitize a program.
+
+The program runs in this process, under the sanitizer (``python -m MODULE`` works too), and then
+every distinct race is printed once, with how often it happened. Exit status (fuzz/cli.py): 0 no
+race, 1 a race, 2 a usage error, a program that failed with no race, or something the sanitizer
+cannot follow, 3 a bug of the sanitizer.
+
+Example::
+
+    python -m fuzz.sanitize -- python engine_step.py --steps 100
+    python -m fuzz.sanitize --force --json races.json -- python -m my_engine.bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from fuzz.atomic_file import write_json_atomically
+from fuzz.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
+from fuzz.sanitize.races import distinct
+from fuzz.sanitize.runner import BACKENDS, Outcome, sanitize
+
+PROG = "python -m fuzz.sanitize"
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Run a Python program under the pinned-staging race sanitizer.")
+    p.add_argument("--force", action="store_true",
+                   help="hold queued copies from pinned memory until the host next synchronises, so a race also "
+                        "shows as wrong values (GPU only; the simulator always does)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="cuda: the observer on this machine's GPU; sim: the program's cuda work on the CPU "
+                        "simulator; auto (default): cuda when there is a GPU")
+    p.add_argument("--partial", action="store_true",
+                   help="report what cannot be followed (a CUDA graph replay) as a note, not an error")
+    p.add_argument("--json", metavar="PATH", help="also write the races as JSON to PATH")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS] or -- python -m MODULE [ARGS]")
+    return p
+
+
+def _program(command: list[str]) -> tuple[str, str, list[str]]:
+    """(``"path"`` or ``"module"``, target, argv) from ``python SCRIPT ...`` / ``python -m MOD ...``."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if command and Path(command[0]).name.startswith("python"):
+        command = command[1:]
+    if not command:
+        raise UsageError("no program given; e.g. python -m fuzz.sanitize -- python my_script.py")
+    if command[0] == "-m":
+        if len(command) < 2:
+            raise UsageError("-m needs a module name; e.g. python -m fuzz.sanitize -- python -m my_pkg.bench")
+        return "module", command[1], command[1:]
+    if command[0].startswith("-"):
+        raise UsageError(f"python option {command[0]!r} is not supported here; give a script path or -m MODULE")
+    script = Path(command[0])
+    if not script.is_file():
+        raise UsageError(f"program {command[0]!r} is not a file; give the path of a Python script, "
+                         f"e.g. python -m fuzz.sanitize -- python my_script.py")
+    return "path", str(script), command
+
+
+def _run(kind: str, target: str, argv: list[str]) -> None:
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = argv
+    sys.path.insert(0, str(Path(target).resolve().parent) if kind == "path" else os.getcwd())
+    try:
+        if kind == "path":
+            runpy.run_path(target, run_name="__main__")
+        else:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            raise
+    finally:
+        sys.argv, sys.path = saved_argv, saved_path
+
+
+def report(outcome: Outcome, name: str, *, partial: bool, out: object = None) -> int:
+    out = out or sys.stdout
+    groups = distinct(outcome.races)
+    for first, members in groups:
+        print(first.format(), file=out)
+        if len(members) > 1:
+            print(f"  seen:    {len(members)} times in this run", file=out)
+        print(file=out)
+    for line in outcome.unfollowed:
+        print(f"{line}{'' if partial else '; rerun with --partial to check the rest of the program'}", file=out)
+    mode = f"{outcome.mode} mode, {outcome.backend}" if outcome.backend == "cuda" else "simulator"
+    if groups:
+        print(f"kvz-sanitize: {len(groups)} distinct race{'s' if len(groups) != 1 else ''} "
+              f"({len(outcome.races)} seen) in {name} [{mode}]", file=out)
+    if outcome.error is not None:
+        print(outcome.error_text, file=sys.stderr, end="")
+        if not groups:
+            print(f"kvz-sanitize: {name} failed on its own ({type(outcome.error).__name__}) with no race seen "
+                  f"[{mode}]", file=sys.stderr)
+            return USAGE
+    if groups:
+        return FINDING
+    if outcome.unfollowed and not partial:
+        return USAGE
+    print(f"kvz-sanitize: no race in {name} [{mode}]", file=out)
+    return CLEAN
+
+
+def _main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    json_path = check_output("--json", args.json)
+    kind, target, program_argv = _program(args.command)
+    if args.force:
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # a lazily loaded kernel would wait behind a gate
+    outcome = sanitize(lambda: _run(kind, target, program_argv), backend=args.backend,
+                       mode="force" if args.force else "observe", name=target)
+    if json_path is not None:
+        data = {"program": target, "backend": outcome.backend, "mode": outcome.mode,
+                "races": [r.to_json() for r in outcome.races], "unfollowed": outcome.unfollowed,
+                "program_error": repr(outcome.error) if outcome.error is not None else None}
+        write_json_atomically(json_path, data)
+    return report(outcome, target, partial=args.partial)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(_main, argv, PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Force mode: queued copies from pinned memory held behind gate kernels until the host synchronises.
+
+In observe mode a race is reported from enqueue order, and the values usually come out right
+because the copy ran before the host got to its write. Force mode makes them come out wrong when
+they can: every non-blocking copy from pinned memory (and every kernel reading pinned memory) is
+issued behind a gate kernel (:class:`zeroer.runtime.cuda.gate.GatePool`: a one-warp kernel spinning
+on a pinned flag) on its stream, so it runs only when the host next waits for the GPU: an event,
+stream or device synchronisation, a ``query``, a blocking copy or ``.item()``, a pinned allocation,
+a first launch of a Triton kernel (loading its module waits for the GPU), ``empty_cache``, or the
+end of the test. Just before the gates open, the bytes each held copy is about to read are compared
+with what was staged when it was queued; a difference is the wrong values it delivers, and the
+report says which.
+
+A host call that waits for the GPU without any of those signs (a ``cudaFree`` inside the allocator,
+another library's synchronisation) would wait behind a gate forever: every gate opens by itself
+after :data:`HOLD_LIMIT_S` seconds, which only closes the window early (``timeouts`` counts it),
+never makes a race up.
+
+Example (needs a GPU)::
+
+    forcing = Forcing()
+    held = forcing.hold(torch.cuda.current_stream())     # before the copy is issued
+    dst.copy_(pinned, non_blocking=True)                  # queued behind the gate
+    forcing.watch(held, pending_read)                     # the bytes it will read
+    delivered = forcing.release()                         # [(pending_read, bytes it read)] that differ
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+HOLD_LIMIT_S = 2.0
+MAX_HELD = 64  # gates spinning at once; beyond it the oldest are released (each holds an SM busy)
+
+
+@dataclass(eq=False)
+class Held:
+    gate: Any
+    done: Any  # an event recorded behind the gate: its flag is recycled once it completed
+    reads: list = field(default_factory=list)
+
+
+class Forcing:
+    """The gates of one sanitized process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        from zeroer.runtime.cuda.gate import GatePool, request_hardware_queues
+
+        request_hardware_queues()  # a stream sharing a hardware queue with a gated one would stall too
+        self.pool = GatePool()
+        self._held: list[Held] = []
+        self._launched: set[int] = set()
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._expired = False
+        self.timeouts = 0
+        self.holds = 0
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def hold(self, stream: Any) -> Held:
+        """A closed gate on ``stream`` (a ``torch.cuda.Stream``): what is queued next waits for it."""
+        if len(self._held) >= MAX_HELD:
+            self.release()
+        gate = self.pool.acquire()
+        self.pool.launch(gate, stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+        held = Held(gate, done)
+        with self._lock:
+            self._held.append(held)
+            self.holds += 1
+            if self._timer is None:
+                self._expired = False
+                self._timer = threading.Timer(HOLD_LIMIT_S, self._expire)
+                self._timer.daemon = True
+                self._timer.start()
+        return held
+
+    def watch(self, held: Held, pending: Any) -> None:
+        """``pending`` (a read of pinned bytes, with their snapshot) is queued behind ``held``."""
+        held.reads.append(pending)
+
+    def first_launch(self, jit: Any) -> bool:
+        """Whether this Triton kernel is launched for the first time (its module is not loaded yet)."""
+        key = id(jit)
+        if key in self._launched:
+            return False
+        self._launched.add(key)
+        return True
+
+    def release(self) -> list[tuple[Any, np.ndarray]]:
+        """Open every gate; the held reads whose bytes changed since they were queued, with the
+        bytes they read now (none when a gate had already opened by itself)."""
+        from fuzz.sanitize.observer import _ints
+
+        with self._lock:
+            held, self._held = self._held, []
+            timer, self._timer = self._timer, None
+            expired = self._expired
+        if timer is not None:
+            timer.cancel()
+        changed: list[tuple[Any, np.ndarray]] = []
+        for item in held:
+            if not expired:
+                for pending in item.reads:
+                    now = _ints(pending.view)
+                    if not np.array_equal(now.reshape(-1), pending.staged().reshape(-1)):
+                        changed.append((pending, now.copy()))
+            self.pool.open(item.gate)
+            self.pool.retire(item.gate, item.done)
+        return changed
+
+    def _expire(self) -> None:
+        with self._lock:
+            if not self._held:
+                return
+            self._expired = True
+            self.timeouts += 1
+        self.pool.open_all()  # host memory writes only: safe while the host is stuck in a CUDA call
+
+    def close(self) -> None:
+        self.release()
+        self.pool.open_all()

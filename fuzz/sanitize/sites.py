@@ -1,0 +1,111 @@
+"""Where in the program's own code a torch call was made: ``file:line`` of its first frame that is
+not torch's, Triton's, the standard library's plumbing, or the sanitizer's.
+
+A report names two code locations (the queued op and the later access or host write) and a
+buffer's allocation site; each is the innermost frame of the program, found by walking the stack
+up from the hook that saw the call. Whether a code object is the program's is decided once per
+code object, so a walk costs a few frame hops.
+
+Example::
+
+    site = caller_site()          # inside a hook called from prog.py line 12
+    str(site)                     # 'prog.py:12 (main)'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import CodeType, FrameType
+
+import torch
+
+_SANITIZER = str(Path(__file__).resolve().parent) + os.sep
+_LIBRARIES = tuple(
+    str(Path(module.__file__).resolve().parent) + os.sep
+    for module in (torch, contextlib, threading)
+    if getattr(module, "__file__", None)
+) + (_SANITIZER,)
+
+
+def _triton_root() -> tuple[str, ...]:
+    try:
+        import triton
+    except ImportError:  # pragma: no cover - triton is a dependency
+        return ()
+    return (str(Path(triton.__file__).resolve().parent) + os.sep,)
+
+
+_SKIPPED = _LIBRARIES + _triton_root()
+_STDLIB_PLUMBING = {functools.__file__, contextlib.__file__}
+_ALSO: list[str] = []
+
+
+def also_skip(directory: str | Path) -> None:
+    """Count the frames of ``directory`` as plumbing too (the simulator's interception, whose
+    frames stand between a program and torch there)."""
+    prefix = str(Path(directory).resolve()) + os.sep
+    if prefix not in _ALSO:
+        _ALSO.append(prefix)
+        _is_library.cache_clear()
+
+
+@dataclass(frozen=True)
+class Site:
+    """One line of the program: ``file`` (relative to the working directory when under it)."""
+
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} ({self.function})"
+
+    @property
+    def short(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+UNKNOWN = Site("<unknown>", 0, "?")
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library(code: CodeType) -> bool:
+    name = code.co_filename
+    if name in _STDLIB_PLUMBING or name.startswith("<frozen"):
+        return True
+    try:
+        resolved = str(Path(name).resolve())
+    except (OSError, ValueError):
+        return False
+    return resolved.startswith(_SKIPPED) or resolved.startswith(tuple(_ALSO))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shown(filename: str) -> str:
+    try:
+        return os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        return filename
+
+
+def _display(filename: str) -> str:
+    shown = _shown(filename)
+    return filename if shown.startswith("..") else shown
+
+
+def caller_site(skip: int = 1, *, beyond: str | None = None) -> Site:
+    """The innermost frame of the program's own code above the caller (``skip`` frames up);
+    with ``beyond`` (a directory), the first frame outside it too."""
+    frame: FrameType | None = sys._getframe(skip)
+    while frame is not None and (_is_library(frame.f_code)
+                                 or (beyond is not None and frame.f_code.co_filename.startswith(beyond))):
+        frame = frame.f_back
+    if frame is None:
+        return UNKNOWN
+    return Site(_display(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name)

@@ -1,0 +1,122 @@
+"""``python -m fuzz.sanitize`` and ``pytest --kvz-sanitize`` on the simulator: verdicts, reports,
+exit statuses and bad input (docs/sanitizer.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fuzz.bench.sanitizer.programs import path
+from fuzz.sanitize.races import Access, Race, distinct
+from fuzz.sanitize.sites import Site
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sanitize_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fuzz.sanitize", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_racy_program_is_reported_once_with_both_lines_and_exits_1(tmp_path: Path) -> None:
+    report = tmp_path / "races.json"
+    done = sanitize_cli("--backend", "sim", "--json", str(report), "--",
+                        "python", str(path("block_table_one_buffer")), "--steps", "4")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.count("[host-write-vs-pending-copy]") == 1  # one distinct race, however many steps
+    assert "queued:  copy_" in done.stdout and "block_table_one_buffer.py:" in done.stdout
+    assert "through the buffer's numpy view" in done.stdout
+    data = json.loads(report.read_text())
+    assert data["races"] and {r["kind"] for r in data["races"]} == {"host-write-vs-pending-copy"}
+
+
+def test_a_race_free_twin_is_clean_and_exits_0() -> None:
+    done = sanitize_cli("--backend", "sim", "--", "python", str(path("block_table_fresh_pinned")), "--steps", "4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no race" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "sim"], "no program given"),
+    (["--backend", "sim", "--", "python", "no_such_script.py"], "is not a file"),
+    (["--backend", "sim", "--", "python", "-m"], "-m needs a module name"),
+    (["--backend", "sim", "--", "python", "-X", "dev"], "is not supported here"),
+    (["--backend", "tpu", "--", "python", "x.py"], "invalid choice"),
+])
+def test_bad_input_is_one_line_naming_the_value_and_exit_2(args: list[str], message: str) -> None:
+    done = sanitize_cli(*args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_cuda_without_a_gpu_says_how_to_use_the_simulator() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = sanitize_cli("--backend", "cuda", "--", "python", str(path("block_table_fresh_pinned")))
+    assert done.returncode == 2 and "--backend sim" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_program_that_fails_on_its_own_with_no_race_exits_2_with_its_traceback(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("import torch\nx = torch.ones(2, device='cuda')\nraise ValueError('the program itself')\n")
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script))
+    assert done.returncode == 2
+    assert "ValueError: the program itself" in done.stderr and "failed on its own" in done.stderr
+
+
+def test_pytest_plugin_fails_the_racy_test_and_lists_the_race_once(tmp_path: Path) -> None:
+    (tmp_path / "test_engine.py").write_text(textwrap.dedent("""
+        import torch
+
+        def stage(buf, dev, steps):
+            for s in range(steps):
+                buf.numpy()[:4] = [s, s + 1, s + 2, s + 3]
+                dev[:4].copy_(buf[:4], non_blocking=True)
+
+        def test_racy_one():
+            stage(torch.empty(8, dtype=torch.int64, pin_memory=True), torch.zeros(8, dtype=torch.int64, device="cuda"), 3)
+            torch.cuda.synchronize()
+
+        def test_racy_two():
+            stage(torch.empty(8, dtype=torch.int64, pin_memory=True), torch.zeros(8, dtype=torch.int64, device="cuda"), 2)
+            torch.cuda.synchronize()
+
+        def test_clean():
+            dev = torch.zeros(4, dtype=torch.int64, device="cuda")
+            for s in range(3):
+                dev.copy_(torch.tensor([s] * 4).pin_memory(), non_blocking=True)
+            torch.cuda.synchronize()
+            assert dev.tolist() == [2] * 4
+    """))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fuzz.plugin",
+                           "--rootdir", str(tmp_path), "-c", "/dev/null", "--kvz-sanitize",
+                           "--kvz-sanitize-backend", "sim", str(tmp_path / "test_engine.py")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    out = done.stdout
+    assert done.returncode == 1, out + done.stderr
+    assert "2 failed, 1 passed" in out
+    summary = out.split("kvz-sanitize (simulator)")[1]
+    assert summary.count("[host-write-vs-pending-copy]") == 1 and "over 2 tests" in summary
+    assert "test_engine.py:7 (stage)" in summary  # the queued copy's line
+
+
+def _race(file: str, queued: int, later: int, stream: str = "the default stream", address: str = "0x1") -> Race:
+    return Race("host-write-vs-pending-copy", f"pinned host buffer at {address}", Site(file, 3, "main"),
+                Access("copy_", stream, Site(file, queued, "main")), Access("host write", "the host", Site(file, later, "main")))
+
+
+def test_a_race_is_the_same_bug_whatever_its_addresses_and_streams() -> None:
+    same = [_race("p.py", 7, 6), _race("p.py", 7, 6, stream="stream 0x55aa", address="0x2")]
+    other = _race("p.py", 9, 6)
+    groups = distinct([*same, other])
+    assert [len(members) for _, members in groups] == [2, 1]
+    assert Race.from_json(json.loads(json.dumps(other.to_json()))) == other
