@@ -55,10 +55,12 @@ CSAN_SUMMARY = (
 
 
 # -- (b) the plain stress loop ---------------------------------------------------------------------
-def test_the_stress_loop_finds_the_single_buffer_race_on_the_simulator_within_a_second(tmp_path):
+def test_the_stress_loop_finds_the_single_buffer_race_on_the_simulator_within_five_examples(tmp_path):
+    # Counted in examples, not seconds: a timed assert fails on a loaded machine (or under
+    # pytest --kvz-sanitize); the detection benchmark measures the seconds.
     outcome = METHODS["stress"](SINGLE_BUFFER, 5.0, 1, repro_dir=tmp_path)
     assert outcome.found and outcome.error is None
-    assert outcome.seconds < 1.0 and outcome.examples <= 5
+    assert outcome.examples <= 5
     assert outcome.message.startswith("non-zero after zeroing: block ")
     assert "0xffffffff (NaN poison" in outcome.message and "\n" not in outcome.message
     trace = read_trace(outcome.repro)
