@@ -18,7 +18,7 @@ timeout 60 $py -m pytest tests/test_sanitizer_gpu.py -q -p no:cacheprovider -n 4
 # The whole suite under the sanitizer takes longer than this command may (over 7 minutes with 16
 # workers on an H200, where 16 workers also run the GPU out of memory): here the tests that run the
 # most CUDA work. The whole suite: pytest tests --kvz-sanitize --kvz-sanitize-partial -n 8
-timeout 200 $py -m pytest tests/test_examples.py tests/test_interrupts.py tests/test_sanitizer_cli.py \
+timeout 170 $py -m pytest tests/test_examples.py tests/test_interrupts.py tests/test_sanitizer_cli.py \
   tests/test_zeroer_bench.py tests/test_intercept.py -k "cuda or single_buffer or pytest_plugin or twin or unchecked" \
   -q -p no:cacheprovider -n 6 --tb=line -rf --kvz-sanitize --kvz-sanitize-partial -W ignore::pytest.PytestWarning \
   > "$out/own-suite-full.txt" 2>&1
