@@ -20,7 +20,7 @@ timeout 60 $py -m pytest tests/test_sanitizer_gpu.py -q -p no:cacheprovider -n 4
 # most CUDA work. The whole suite: pytest tests --kvz-sanitize --kvz-sanitize-partial -n 8
 timeout 170 $py -m pytest tests/test_examples.py tests/test_interrupts.py tests/test_sanitizer_cli.py \
   tests/test_zeroer_bench.py tests/test_intercept.py -k "cuda or single_buffer or pytest_plugin or twin or unchecked" \
-  -q -p no:cacheprovider -n 6 --tb=line -rf --kvz-sanitize --kvz-sanitize-partial -W ignore::pytest.PytestWarning \
+  -q -p no:cacheprovider -n 8 --tb=line -rf --kvz-sanitize --kvz-sanitize-partial -W ignore::pytest.PytestWarning \
   > "$out/own-suite-full.txt" 2>&1
 echo "exit $?" >> "$out/own-suite-full.txt"
 grep -v "^\.\|^s\|PytestBenchmarkWarning\|warner(\|cannot follow kvzero" "$out/own-suite-full.txt" | tail -150 > "$out/own-suite.txt"
