@@ -775,3 +775,32 @@ def test_a_campaign_the_signal_broke_is_no_finding_and_the_run_exits_as_interrup
     run = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2, run.stdout + run.stderr
     assert "1 failed" in run.stdout and not trace_files(tmp_path)
+
+
+def test_a_library_that_fails_after_the_signal_landed_in_it_makes_an_interruption_not_a_failure(tmp_path, monkeypatch):
+    # Seen once in CI: SIGTERM 0.74 s into a serial run of the race-free reference zeroer, and
+    # Hypothesis's stateful runner raised a bare AssertionError on its way out, which failed the
+    # campaign ("a race-free zeroer's run reported a failed test").
+    from fuzz.engine import campaigns
+    from fuzz.engine.episode import EpisodeConfig
+
+    def broken_by_the_signal(*args, **kwargs):
+        interrupts.mark_interrupted()
+        raise AssertionError
+
+    monkeypatch.setattr(campaigns, "run_state_machine_as_test", broken_by_the_signal)
+    try:
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            campaigns.run_campaign(campaigns.Campaign(EpisodeConfig(zeroer="reference", kernel="torch")),
+                                   campaigns.PROFILES["quick"], tmp_path)
+    finally:
+        interrupts.reset()
+    assert type(stopped.value) is KeyboardInterrupt and isinstance(stopped.value.__cause__, AssertionError)
+
+    def failing(*args, **kwargs):
+        raise AssertionError
+
+    monkeypatch.setattr(campaigns, "run_state_machine_as_test", failing)
+    with pytest.raises(AssertionError):  # with no signal, a failure stays the failure it is
+        campaigns.run_campaign(campaigns.Campaign(EpisodeConfig(zeroer="reference", kernel="torch")),
+                               campaigns.PROFILES["quick"], tmp_path)

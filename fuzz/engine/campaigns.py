@@ -352,6 +352,16 @@ def run_campaign(
         if original is None:
             raise
         result.violation, result.reproduced = original, False
+    except Exception as error:
+        if interrupted():
+            # The signal's KeyboardInterrupt landed inside Hypothesis's own bookkeeping, which
+            # then failed on its own (seen once in CI: a bare AssertionError from its stateful
+            # runner, SIGTERM 0.74 s into a run of a race-free zeroer). After Ctrl-C nothing is
+            # a verdict (fuzz.interrupts): an interruption, never a failed campaign.
+            interruption = KeyboardInterrupt("the run was interrupted")
+            _save_interrupted(interruption, stats.smallest, repro_dir, run_seed, campaign)
+            raise interruption from error
+        raise
     finally:
         gc.unfreeze()
     result.runs = 1
