@@ -59,7 +59,6 @@ class Forcing:
         self._timer: threading.Timer | None = None
         self._expired = False
         self.timeouts = 0
-        self.holds = 0
 
     @property
     def holding(self) -> bool:
@@ -76,7 +75,6 @@ class Forcing:
         held = Held(gate, done)
         with self._lock:
             self._held.append(held)
-            self.holds += 1
             if self._timer is None:
                 self._expired = False
                 self._timer = threading.Timer(HOLD_LIMIT_S, self._expire)

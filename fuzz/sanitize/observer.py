@@ -346,7 +346,8 @@ class Observer:
         if not self._pending:
             return func(*args, **kwargs)
         written = self._written_host(func, args, kwargs)
-        if not any(w.untyped_storage().data_ptr() in self._pending_keys() for w in written):
+        pending = self._pending_keys()
+        if not any(w.untyped_storage().data_ptr() in pending for w in written):
             return func(*args, **kwargs)
         site = caller_site()
         self.check_host(site)  # what the host wrote before this op, in the window up to it
@@ -690,32 +691,31 @@ class Observer:
         replay = torch.cuda.CUDAGraph.replay
         obs = self
 
-        @forwarding
-        def query_event(event: Any) -> bool:
-            if _ACTIVE is obs and not obs.paused:
-                obs._release(obs._boundary())
-            done = event_query(event)
-            if done and _ACTIVE is obs and not obs.paused:
-                obs.event_completed(int(event.cuda_event))
-            return done
+        def host_waits(original: Callable[..., Any], seen: Callable[[tuple, Any], None]) -> Callable[..., Any]:
+            """``original``, a call where the host may wait for the GPU: the host's writes are checked and
+            force mode's gates opened before it, and ``seen(args, result)`` is told after it."""
 
-        @forwarding
-        def query_stream(stream: Any) -> bool:
-            if _ACTIVE is obs and not obs.paused:
-                obs._release(obs._boundary())
-            done = stream_query(stream)
-            if done and _ACTIVE is obs and not obs.paused:
-                obs.stream_completed(int(stream.cuda_stream))
-            return done
+            @forwarding
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if _ACTIVE is obs and not obs.paused:
+                    obs._release(obs._boundary())
+                result = original(*args, **kwargs)
+                if _ACTIVE is obs and not obs.paused:
+                    seen(args, result)
+                return result
 
-        @forwarding
-        def empty(*args: Any, **kwargs: Any) -> Any:
-            if _ACTIVE is obs and not obs.paused:
-                obs._release(obs._boundary())
-            result = empty_cache(*args, **kwargs)
-            if _ACTIVE is obs and not obs.paused:
-                obs.cache_emptied()
-            return result
+            return call
+
+        def event_done(args: tuple, done: bool) -> None:
+            if done:
+                obs.event_completed(int(args[0].cuda_event))
+
+        def stream_done(args: tuple, done: bool) -> None:
+            if done:
+                obs.stream_completed(int(args[0].cuda_stream))
+
+        def emptied(args: tuple, result: Any) -> None:
+            obs.cache_emptied()
 
         @forwarding
         def numpy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -729,9 +729,9 @@ class Observer:
                 obs.graph_replayed(caller_site())
             return replay(graph, *args, **kwargs)
 
-        self._patch(torch.cuda.Event, "query", query_event)
-        self._patch(torch.cuda.Stream, "query", query_stream)
-        self._patch(torch.cuda, "empty_cache", empty)
+        self._patch(torch.cuda.Event, "query", host_waits(event_query, event_done))
+        self._patch(torch.cuda.Stream, "query", host_waits(stream_query, stream_done))
+        self._patch(torch.cuda, "empty_cache", host_waits(empty_cache, emptied))
         self._patch(torch.Tensor, "numpy", numpy)
         self._patch(torch.cuda.CUDAGraph, "replay", replay_graph)
         self._patch_harness()

@@ -31,8 +31,6 @@ from typing import Any
 
 from fuzz.sanitize.sites import Site
 
-KINDS = ("host-write-vs-pending-copy", "unordered-device-access", "reuse-without-record-stream")
-
 _HEADLINES = {
     "host-write-vs-pending-copy": "host write to pinned memory a queued copy may not have read yet",
     "unordered-device-access": "device memory accessed from two streams with no event between them",
@@ -89,11 +87,6 @@ class Race:
         queued = self.queued.site.short if self.queued.site else "?"
         later = self.later.site.short if self.later.site else "?"
         return (self.kind, queued, later)
-
-    def headline(self) -> str:
-        first = self.queued.site.short if self.queued.site else "?"
-        second = self.later.site.short if self.later.site else "?"
-        return f"{self.kind}: {_HEADLINES[self.kind]} ({first} / {second})"
 
     def format(self) -> str:
         """The multi-line report (docs/sanitizer.md shows one)."""
