@@ -4,6 +4,8 @@ exit statuses and bad input (docs/sanitizer.md)."""
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -53,6 +55,21 @@ def test_bad_input_is_one_line_naming_the_value_and_exit_2(args: list[str], mess
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("fuzz.bench.sanitizer.compare", ["--backend", "sim", "--only", "nosuch"],
+     r"^error: --only 'nosuch' is not a program of the benchmark; programs: block_table_one_buffer, "),
+    ("fuzz.bench.sanitizer.engine_loop", ["--zeroer", "nosuch.py:make"], r"^python -m fuzz.bench.sanitizer.engine_loop: "
+     r"error: --zeroer: "),
+    ("fuzz.bench.sanitizer.engine_loop", ["--zeroer", "examples/engine_zeroers.py:side_stream_copy", "--geometry",
+                                          "huge"], r"--geometry 'huge' is not one of block_outer_fp8, "),
+])
+def test_the_benchmarks_bad_input_is_one_line_and_exit_2(module: str, args: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and re.search(message, done.stderr), done.stderr
 
 
 def test_cuda_without_a_gpu_says_how_to_use_the_simulator() -> None:
@@ -121,3 +138,45 @@ def test_a_race_is_the_same_bug_whatever_its_addresses_and_streams() -> None:
     groups = distinct([*same, other])
     assert [len(members) for _, members in groups] == [2, 1]
     assert Race.from_json(json.loads(json.dumps(other.to_json()))) == other
+
+
+RACE_THEN_WAIT = """
+import sys, time
+import torch
+
+buf = torch.empty(4, dtype=torch.int64, pin_memory=True)
+dev = torch.zeros(4, dtype=torch.int64, device="cuda")
+for s in range(int(sys.argv[1])):
+    buf.numpy()[:] = s
+    dev.copy_(buf, non_blocking=True)
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("steps", [3, 0])
+def test_an_interrupted_run_keeps_the_races_it_saw_and_writes_no_result_file(tmp_path: Path, signum: int,
+                                                                              steps: int) -> None:
+    script = tmp_path / "race_then_wait.py"
+    script.write_text(RACE_THEN_WAIT)
+    report = tmp_path / "races.json"
+    report.write_text('{"a": "complete earlier result"}')
+    run = subprocess.Popen([sys.executable, "-m", "fuzz.sanitize", "--backend", "sim", "--json", str(report), "--",
+                            "python", str(script), str(steps)], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert run.stdout.readline().strip() == "ready"
+        run.send_signal(signum)
+        out, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert "Traceback" not in err, err
+    assert report.read_text() == '{"a": "complete earlier result"}'  # never replaced by a run cut short
+    if steps:
+        assert run.returncode == 1 and out.count("[host-write-vs-pending-copy]") == 1, out + err
+        assert err.strip().splitlines()[-1] == ("python -m fuzz.sanitize: interrupted; the races above were seen "
+                                                "before it (--json not written)")
+    else:
+        assert run.returncode == 130 and err.strip() == "python -m fuzz.sanitize: interrupted", out + err

@@ -3,7 +3,8 @@
 The program runs in this process, under the sanitizer (``python -m MODULE`` works too), and then
 every distinct race is printed once, with how often it happened. Exit status (fuzz/cli.py): 0 no
 race, 1 a race, 2 a usage error, a program that failed with no race, or something the sanitizer
-cannot follow, 3 a bug of the sanitizer.
+cannot follow, 3 a bug of the sanitizer. Interrupted (Ctrl-C, SIGTERM), it prints the races seen
+so far and exits 1, or exits 130 when it had seen none; ``--json`` is written only by a whole run.
 
 Example::
 
@@ -19,10 +20,11 @@ import runpy
 import sys
 from pathlib import Path
 
+from fuzz import interrupts
 from fuzz.atomic_file import write_json_atomically
 from fuzz.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
 from fuzz.sanitize.races import distinct
-from fuzz.sanitize.runner import BACKENDS, Outcome, sanitize
+from fuzz.sanitize.runner import BACKENDS, Outcome, prepare, sanitize
 
 PROG = "python -m fuzz.sanitize"
 
@@ -108,13 +110,22 @@ def report(outcome: Outcome, name: str, *, partial: bool, out: object = None) ->
 
 
 def _main(argv: list[str]) -> int:
+    interrupts.install()  # SIGTERM stops the program as Ctrl-C does
     args = parser().parse_args(argv)
     json_path = check_output("--json", args.json)
     kind, target, program_argv = _program(args.command)
-    if args.force:
-        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # a lazily loaded kernel would wait behind a gate
-    outcome = sanitize(lambda: _run(kind, target, program_argv), backend=args.backend,
-                       mode="force" if args.force else "observe", name=target)
+    mode = "force" if args.force else "observe"
+    prepare(mode)
+    outcome = sanitize(lambda: _run(kind, target, program_argv), backend=args.backend, mode=mode, name=target)
+    if outcome.interrupted:
+        # Nothing seen is lost, and no result file is written from a run cut short (it could
+        # replace a complete one): the races so far go to the terminal, then the interruption.
+        if not outcome.races:
+            raise KeyboardInterrupt
+        report(outcome, target, partial=args.partial)
+        print(f"{PROG}: interrupted; the races above were seen before it"
+              f"{' (--json not written)' if json_path is not None else ''}", file=sys.stderr)
+        return FINDING
     if json_path is not None:
         data = {"program": target, "backend": outcome.backend, "mode": outcome.mode,
                 "races": [r.to_json() for r in outcome.races], "unfollowed": outcome.unfollowed,

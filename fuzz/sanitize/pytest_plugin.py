@@ -20,7 +20,6 @@ Example::
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
@@ -47,13 +46,12 @@ def configure(config: pytest.Config) -> None:
     """Register the plugin when the run asks for the sanitizer (called from fuzz.plugin)."""
     if not (config.getoption("kvz_sanitize", False) or config.getoption("kvz_sanitize_force", False)):
         return
-    from fuzz.sanitize.runner import resolve_backend
+    from fuzz.sanitize.runner import prepare, resolve_backend
 
+    mode = "force" if config.getoption("kvz_sanitize_force") else "observe"
+    prepare(mode)  # before resolve_backend asks torch about the GPU
     backend = resolve_backend(config.getoption("kvz_sanitize_backend"))
-    force = config.getoption("kvz_sanitize_force")
-    if force and backend == "cuda":
-        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # a lazily loaded kernel would wait behind a gate
-    config.pluginmanager.register(SanitizePlugin(config, backend, "force" if force else "observe"), "kvz-sanitize")
+    config.pluginmanager.register(SanitizePlugin(config, backend, mode), "kvz-sanitize")
 
 
 class SanitizePlugin:
@@ -98,11 +96,11 @@ class SanitizePlugin:
             return self.gpu.checkpoint()
         if self.session is None:
             return [], []
-        from fuzz.sanitize.simulated import _race
+        from fuzz.sanitize.simulated import race_of
 
         hazards = self.session.rt.hb.hazards[self._seen:]
         self._seen += len(hazards)
-        return [r for r in (_race(self.session, h) for h in hazards) if r is not None], []
+        return [race_of(self.session, h) for h in hazards], []
 
     # -- verdicts ----------------------------------------------------------------------------------
     @pytest.hookimpl(hookwrapper=True)

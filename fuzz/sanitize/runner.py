@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,14 @@ class Outcome:
     error: BaseException | None = None  # what the program itself raised
     error_text: str = ""  # its traceback, as Python would print it
     forced_timeouts: int = 0  # force mode: gates that opened by themselves (a window closed early)
+    interrupted: bool = False  # Ctrl-C or SIGTERM stopped the program: the races are those seen before it
+
+
+def prepare(mode: str) -> None:
+    """What a run needs set before CUDA starts: in force mode every kernel module is loaded up front,
+    since loading one lazily waits for the GPU to drain, which a closed gate keeps from happening."""
+    if mode == "force":
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 
 def resolve_backend(choice: str) -> str:
@@ -95,6 +104,8 @@ def sanitize(program: Callable[[], Any], *, backend: str = "auto", mode: str = "
         from fuzz.sanitize.simulated import run_simulated
 
         outcome.races, outcome.error = run_simulated(program, name)
+        if isinstance(outcome.error, KeyboardInterrupt):
+            outcome.interrupted, outcome.error = True, None
         if outcome.error is not None:
             outcome.error_text = "".join(traceback.format_exception(outcome.error))
         return outcome
@@ -102,6 +113,8 @@ def sanitize(program: Callable[[], Any], *, backend: str = "auto", mode: str = "
     sanitizer.start()
     try:
         program()
+    except KeyboardInterrupt:  # the races seen so far are kept: the caller reports them as such
+        outcome.interrupted = True
     except Exception as error:  # noqa: BLE001 - the program's own failure is reported beside its races
         outcome.error = error
         outcome.error_text = "".join(traceback.format_exception(error))

@@ -112,19 +112,20 @@ class ProgramSession(InterceptSession):
 
 
 def run_simulated(main: Callable[[], Any], name: str = "program") -> tuple[list[Race], BaseException | None]:
-    """Run ``main`` with its ``cuda`` work on the simulator; its races, and what it raised (if anything)."""
+    """Run ``main`` with its ``cuda`` work on the simulator; its races, and what it raised (if anything,
+    a ``KeyboardInterrupt`` included: the races seen before Ctrl-C are not lost)."""
     session = ProgramSession(name)
     raised: BaseException | None = None
     with session.running("main"):
         try:
             main()
-        except Exception as error:  # noqa: BLE001 - the program's own failure is reported beside its races
+        except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - reported beside its races
             raised = error
-    races = [race for race in (_race(session, h) for h in session.rt.hb.hazards) if race is not None]
-    return races, raised
+    return [race_of(session, hazard) for hazard in session.rt.hb.hazards], raised
 
 
-def _race(session: ProgramSession, hazard: Hazard) -> Race | None:
+def race_of(session: ProgramSession, hazard: Hazard) -> Race:
+    """The checker's ``hazard`` as the report's :class:`Race`, with the program lines the session noted."""
     queued = session.ops.get(hazard.first) or Access(hazard.first, "?", None)
     if hazard.kind == "host-write-vs-pending-copy":
         later = getattr(hazard.second, "access", None) or Access(str(hazard.second), "the host", None)

@@ -38,7 +38,7 @@ from typing import Any
 
 from fuzz.atomic_file import write_json_atomically
 from fuzz.bench.sanitizer.programs import PROGRAMS, ZEROERS, Program, script
-from fuzz.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
+from fuzz.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, run_main
 from fuzz.environment import environment
 
 CSAN_MARK = "CSAN detected a possible data race"
@@ -142,7 +142,13 @@ def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     out = check_output("--json", args.json)
     tools = _tools(args.backend)
-    chosen = [p for p in (*PROGRAMS, *ZEROERS) if not args.only or p.name in args.only.split(",")]
+    every = (*PROGRAMS, *ZEROERS)
+    named = args.only.split(",") if args.only else []
+    unknown = [n for n in named if n not in {p.name for p in every}]
+    if unknown:
+        raise UsageError(f"--only {unknown[0]!r} is not a program of the benchmark; "
+                         f"programs: {', '.join(p.name for p in every)}")
+    chosen = [p for p in every if not named or p.name in named]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvz-sanitize-bench-") as scratch, \
             ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

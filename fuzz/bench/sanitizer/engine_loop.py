@@ -19,13 +19,14 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import torch
 
-from zeroer.cache.geometries import geometry
+from fuzz.cli import ArgumentParser
+from zeroer.cache.geometries import geometry, geometry_names
 from zeroer.cache.layout import build_cache
+from zeroer.protocol import ZeroerSpecError
 from zeroer.registry import load_zeroer
 
 WRITTEN_WORD = 0x5EED  # what the engine writes into a block it owns
@@ -72,10 +73,16 @@ def main(zeroer: str, steps: int = 48, seed: int = 0, geometry_name: str = "tiny
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m fuzz.bench.sanitizer.engine_loop", description=__doc__.splitlines()[0])
     parser.add_argument("--zeroer", required=True, help="the zeroer: file.py:factory or module:factory")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--geometry", default="tiny")
     options = parser.parse_args()
+    if options.geometry not in geometry_names():
+        parser.error(f"--geometry {options.geometry!r} is not one of {', '.join(geometry_names())}")
+    try:
+        load_zeroer(options.zeroer)
+    except ZeroerSpecError as error:
+        parser.error(f"--zeroer: {error}")
     main(options.zeroer, options.steps, options.seed, options.geometry)
