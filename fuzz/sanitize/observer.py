@@ -201,7 +201,7 @@ class Observer:
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         global _ACTIVE
-        # torch imports its compiler stack (torch._dynamo, about a second) on the first op that
+        # torch imports its compiler stack (torch._dynamo, a second or more) on the first op that
         # passes a Python dispatch mode (torch/_compile.py); importing it now makes that one-time
         # cost part of the sanitizer's start, not of whichever test comes first.
         import torch._dynamo  # noqa: F401

@@ -10,9 +10,9 @@ the tests' durations in pytest's JUnit XML, without the interpreter's and torch'
 Goals (issue 24), on wall time: at most 2x on the GPU-bound suite, at most 5x on the launch-bound
 one. The tests-alone ratio is printed beside it: it leaves out process start-up, including the
 sanitizer's own (torch imports its compiler stack on the first op through a Python dispatch mode,
-about a second, paid once when the sanitizer starts).
+a second or more, paid once when the sanitizer starts).
 
-Run it (needs a GPU; about two minutes on an H200)::
+Run it (needs a GPU; about 50 s a round on an H200)::
 
     python -m fuzz.bench.sanitizer.overhead --rounds 3 --json h200-sanitizer-overhead-$(date +%Y-%m).json
 """
