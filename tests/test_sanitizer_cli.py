@@ -149,3 +149,12 @@ def test_an_interrupted_run_keeps_the_races_it_saw_and_writes_no_result_file(tmp
                                                 "before it (--json not written)")
     else:
         assert run.returncode == 130 and err.strip() == "python -m fuzz.sanitize: interrupted", out + err
+
+
+def test_force_mode_says_when_its_gates_opened_by_the_time_limit(capsys: pytest.CaptureFixture) -> None:
+    from fuzz.sanitize.__main__ import report
+    from fuzz.sanitize.runner import Outcome
+
+    assert report(Outcome("cuda", "force", forced_timeouts=2), "p.py", partial=False) == 0
+    assert ("force mode opened its gates by the 2 s limit 2 time(s) (the host waited for the GPU where no hook shows "
+            "it): the values of those copies were not compared") in capsys.readouterr().out

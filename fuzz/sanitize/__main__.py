@@ -23,6 +23,7 @@ from pathlib import Path
 from fuzz import interrupts
 from fuzz.atomic_file import write_json_atomically
 from fuzz.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
+from fuzz.sanitize.forcing import HOLD_LIMIT_S
 from fuzz.sanitize.races import distinct
 from fuzz.sanitize.runner import BACKENDS, Outcome, prepare, sanitize
 
@@ -92,6 +93,10 @@ def report(outcome: Outcome, name: str, *, partial: bool, out: object = None) ->
     for line in outcome.unfollowed:
         print(f"{line}{'' if partial else '; rerun with --partial to check the rest of the program'}", file=out)
     mode = f"{outcome.mode} mode, {outcome.backend}" if outcome.backend == "cuda" else "simulator"
+    if outcome.forced_timeouts:
+        print(f"kvz-sanitize: force mode opened its gates by the {HOLD_LIMIT_S:g} s limit {outcome.forced_timeouts} "
+              f"time(s) (the host waited for the GPU where no hook shows it): the values of those copies were "
+              f"not compared", file=out)
     if groups:
         print(f"kvz-sanitize: {len(groups)} distinct race{'s' if len(groups) != 1 else ''} "
               f"({len(outcome.races)} seen) in {name} [{mode}]", file=out)
