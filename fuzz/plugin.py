@@ -45,11 +45,9 @@ from fuzz.engine.known_bugs import KnownBugs  # noqa: E402
 from fuzz.engine.summary import harness_status, is_unexpected, render_summary, write_summary  # noqa: E402
 from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker  # noqa: E402
 from fuzz.cli import USAGE as USAGE_EXIT  # noqa: E402
-from fuzz.cli import UsageError  # noqa: E402
-from fuzz.sanitize import pytest_plugin as sanitize_plugin  # noqa: E402
 from fuzz.trace import read_trace  # noqa: E402
 from zeroer.errors import ZeroerError  # noqa: E402
-from zeroer.runtime.cuda.gate import request_hardware_queues  # noqa: E402
+from racecheck.gate import request_hardware_queues  # noqa: E402
 
 CAMPAIGNS_MODULE = Path(__file__).with_name("test_campaigns.py")
 BUGS_KEY = "kvzero_fuzz_bugs"  # workerinput: the run's registry of shrunk bugs (fuzz.engine.known_bugs)
@@ -125,7 +123,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--fuzz-shard", dest="fuzz_shard", default=None, help="i/N: run the i-th of N disjoint shares of the campaigns (a sharded nightly)")
     add("--fuzz-shrink-seconds", dest="fuzz_shrink_seconds", default=None, help="how long each stage of shrinking a finding may take, in seconds (default: 120 on the simulator, 30 on cuda); the smallest trace so far is kept")
     add("--fuzz-debug", dest="fuzz_debug", action="store_true", default=False, help="show the traceback of a usage or harness error (pytest's own --debug writes its log)")
-    sanitize_plugin.add_options(parser)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -153,10 +150,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(config._fuzz_run, "fuzz-run")
     config._fuzz_bugs = _bug_registry(config)
     _size_gpu_workers(config)
-    try:
-        sanitize_plugin.configure(config)
-    except UsageError as error:
-        _usage_exit(config, error)
 
 
 def _bug_registry(config: pytest.Config) -> str | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DISTRIBUTION = "kvzero-fuzz"
-OWN_PACKAGES = ("fuzz", "repro", "zeroer")
+OWN_PACKAGES = ("fuzz", "repro", "zeroer", "racecheck", "sanitizer")
 MARKER = "__distribution__"  # set to DISTRIBUTION in each own package's __init__.py
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroer.runtime.cuda.gate import request_hardware_queues
+from racecheck.gate import request_hardware_queues
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

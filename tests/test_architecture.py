@@ -17,38 +17,43 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("zeroer", "fuzz", "repro")
+PACKAGES = ("racecheck", "zeroer", "fuzz", "repro", "sanitizer")
 
 # unit -> the units it may import (besides itself and its own submodules). A unit is the most
 # specific prefix listed here that names a module.
 RULES: dict[str, tuple[str, ...]] = {
     "zeroer.errors": (),
+    "racecheck": ("zeroer.errors",),
     "zeroer.origin": ("zeroer.errors",),
     "zeroer.id_containers": ("zeroer.errors",),
     "zeroer.cache": ("zeroer.errors",),
-    "zeroer.runtime": ("zeroer.errors",),
+    "zeroer.runtime": ("zeroer.errors", "racecheck"),
     "zeroer.protocol": ("zeroer.errors", "zeroer.cache", "zeroer.id_containers"),
     "zeroer.kernel": ("zeroer.errors", "zeroer.cache"),
     "zeroer.triton_cpu": (),
     "zeroer.designs": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol"),
     "zeroer.zoo": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol",
                    "zeroer.designs"),
-    "zeroer.intercept": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.protocol", "zeroer.triton_cpu",
-                         "zeroer.origin"),
+    "zeroer.intercept": ("zeroer.errors", "racecheck", "zeroer.cache", "zeroer.runtime", "zeroer.protocol",
+                         "zeroer.triton_cpu", "zeroer.origin"),
     "zeroer.registry": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.protocol", "zeroer.designs",
                         "zeroer.zoo", "zeroer.intercept"),
-    "fuzz.engine": ("zeroer", "fuzz.atomic_file", "fuzz.trace", "fuzz.environment", "fuzz.interrupts"),
-    "fuzz.trace": ("zeroer", "fuzz.engine", "fuzz.atomic_file", "fuzz.environment", "fuzz.cli"),
-    "fuzz.timeline": ("zeroer", "fuzz.engine", "fuzz.atomic_file", "fuzz.trace"),
-    "fuzz.plugin": ("zeroer", "fuzz"),
-    "fuzz.bench": ("zeroer", "fuzz"),
-    "fuzz": ("zeroer", "fuzz"),
-    "repro": ("zeroer", "fuzz", "repro"),
+    "fuzz.engine": ("racecheck", "zeroer", "fuzz.atomic_file", "fuzz.trace", "fuzz.environment", "fuzz.interrupts"),
+    "fuzz.trace": ("racecheck", "zeroer", "fuzz.engine", "fuzz.atomic_file", "fuzz.environment", "fuzz.cli"),
+    "fuzz.timeline": ("racecheck", "zeroer", "fuzz.engine", "fuzz.atomic_file", "fuzz.trace"),
+    "fuzz.plugin": ("racecheck", "zeroer", "fuzz"),
+    "fuzz.bench": ("racecheck", "zeroer", "fuzz"),
+    "fuzz": ("racecheck", "zeroer", "fuzz"),
+    "repro": ("racecheck", "zeroer", "fuzz", "repro"),
+    "sanitizer": ("racecheck", "zeroer", "sanitizer", "fuzz.cli", "fuzz.atomic_file", "fuzz.interrupts",
+                  "fuzz.environment"),
 }
 # What no module of a package may import, whatever the rules above allow.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "zeroer": ("fuzz", "repro"),
-    "fuzz": ("repro",),
+    "racecheck": ("zeroer.cache", "zeroer.runtime", "zeroer.intercept", "fuzz", "repro", "sanitizer"),
+    "zeroer": ("fuzz", "repro", "sanitizer"),
+    "fuzz": ("repro", "sanitizer"),
+    "repro": ("sanitizer",),
 }
 
 

@@ -49,8 +49,8 @@ MAINS = {  # command -> the module whose main(argv) it runs
     "python -m fuzz.bench.selfcheck": "fuzz.bench.selfcheck",
     "python -m fuzz.bench.examples": "fuzz.bench.examples",
     "python -m fuzz.merge": "fuzz.merge",
-    "python -m fuzz.sanitize": "fuzz.sanitize.__main__",
-    "python -m fuzz.bench.sanitizer.compare": "fuzz.bench.sanitizer.compare",
+    "python -m sanitizer": "sanitizer.__main__",
+    "python -m sanitizer.bench.compare": "sanitizer.bench.compare",
 }
 ZEROERS = "event_ring, graph_ring, per_call, reference, ring, single_buffer, torch_per_call, zoo.captured_stream"
 UNKNOWN_ZEROER = f"unknown zeroer 'nope'; use a built-in name ({ZEROERS}, ..."
@@ -219,26 +219,26 @@ ROWS: list[Row] = [
         "file, not a directory; give a file path you can write to"),
     Row("python -m fuzz.bench.examples --backend cuda", 2, "error: --backend cuda needs a CUDA GPU and none is visible "
         "here; use --backend sim", needs_no_gpu=True),
-    # -- python -m fuzz.sanitize and its benchmark --------------------------------------------------------------
-    Row("python -m fuzz.sanitize --backend sim", 2,
-        "error: no program given; e.g. python -m fuzz.sanitize -- python my_script.py"),
-    Row("python -m fuzz.sanitize --backend sim -- python nope.py", 2, "error: program 'nope.py' is not a file; give the "
-        "path of a Python script, e.g. python -m fuzz.sanitize -- python my_script.py"),
-    Row("python -m fuzz.sanitize --backend sim -- python -m", 2,
-        "error: -m needs a module name; e.g. python -m fuzz.sanitize -- python -m my_pkg.bench"),
-    Row("python -m fuzz.sanitize --backend sim -- python -X dev", 2,
+    # -- python -m sanitizer and its benchmark --------------------------------------------------------------
+    Row("python -m sanitizer --backend sim", 2,
+        "error: no program given; e.g. python -m sanitizer -- python my_script.py"),
+    Row("python -m sanitizer --backend sim -- python nope.py", 2, "error: program 'nope.py' is not a file; give the "
+        "path of a Python script, e.g. python -m sanitizer -- python my_script.py"),
+    Row("python -m sanitizer --backend sim -- python -m", 2,
+        "error: -m needs a module name; e.g. python -m sanitizer -- python -m my_pkg.bench"),
+    Row("python -m sanitizer --backend sim -- python -X dev", 2,
         "error: python option '-X' is not supported here; give a script path or -m MODULE"),
-    Row("python -m fuzz.sanitize --json README.md/x.json -- python nope.py", 2, "error: --json 'README.md/x.json': "
+    Row("python -m sanitizer --json README.md/x.json -- python nope.py", 2, "error: --json 'README.md/x.json': "
         "'README.md' is a file, not a directory; give a file path you can write to"),
-    Row("python -m fuzz.sanitize --backend cuda -- python examples/engine_zeroers.py", 2, "error: backend 'cuda' needs a GPU and torch with "
+    Row("python -m sanitizer --backend cuda -- python examples/engine_zeroers.py", 2, "error: backend 'cuda' needs a GPU and torch with "
         "CUDA, and this machine has none; use --backend sim to run the program's cuda work on the simulator",
         needs_no_gpu=True),
-    Row("python -m fuzz.bench.sanitizer.compare --backend sim --only nope", 2, "error: --only 'nope' is not a program "
+    Row("python -m sanitizer.bench.compare --backend sim --only nope", 2, "error: --only 'nope' is not a program "
         "of the benchmark; programs: block_table_one_buffer, block_table_fresh_pinned, ..."),
-    Row("python -m fuzz.bench.sanitizer.engine_loop --zeroer nope", 2,
-        f"python -m fuzz.bench.sanitizer.engine_loop: error: --zeroer: {UNKNOWN_ZEROER}", subprocess=True),
-    Row("python -m fuzz.bench.sanitizer.engine_loop --zeroer per_call --geometry huge", 2,
-        "python -m fuzz.bench.sanitizer.engine_loop: error: --geometry 'huge' is not one of block_outer_fp8, "
+    Row("python -m sanitizer.bench.engine_loop --zeroer nope", 2,
+        f"python -m sanitizer.bench.engine_loop: error: --zeroer: {UNKNOWN_ZEROER}", subprocess=True),
+    Row("python -m sanitizer.bench.engine_loop --zeroer per_call --geometry huge", 2,
+        "python -m sanitizer.bench.engine_loop: error: --geometry 'huge' is not one of block_outer_fp8, "
         "kv_outer_bf16, mixed_dtypes, mla_indexer, packed, ratio2, shared_layers, tiny", subprocess=True),
     # -- python -m fuzz.bench.speed, .intercept, .selfcheck ---------------------------------------------------
     Row("python -m fuzz.bench.speed --backend tpu", 2,

@@ -31,8 +31,8 @@ from zeroer.runtime.cuda import (
     PinnedArena,
     resolve_device,
 )
-from zeroer.runtime.cuda import real_cuda
-from zeroer.runtime.cuda.gate import (
+from racecheck import real_cuda
+from racecheck.gate import (
     GatePool,
     GateTimeoutError,
     Watchdog,
@@ -130,7 +130,7 @@ def test_hardware_queues_are_requested_only_while_cuda_has_not_started_and_nobod
 
 def test_importing_the_cuda_backend_leaves_the_environment_alone():
     code = (
-        "import os, zeroer.runtime.cuda, zeroer.runtime.cuda.gate; "
+        "import os, zeroer.runtime.cuda, racecheck.gate; "
         "print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'))"
     )
     env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
@@ -271,7 +271,7 @@ def test_a_nested_guard_keeps_the_outer_deadline():
 def test_the_gate_kernel_spins_until_the_host_writes_its_flag():
     """The kernel's logic, run by the Triton interpreter on CPU memory."""
     interpreter = pytest.importorskip("triton.runtime.interpreter")
-    from zeroer.runtime.cuda import gate as gate_module
+    from racecheck import gate as gate_module
 
     kernel = interpreter.InterpretedFunction(gate_module._gate_kernel.fn)
     pool = GatePool(2, pin_memory=False)

@@ -6,7 +6,7 @@ when the simulated or real device ran the work."""
 from __future__ import annotations
 
 from zeroer.runtime import EagerSchedule, SimRuntime
-from zeroer.runtime.hb import HappensBefore
+from racecheck.hb import HappensBefore
 
 
 def copy_then_rewrite(rt: SimRuntime, between=lambda rt, event: None) -> list:

@@ -255,7 +255,7 @@ def test_the_runtimes_gate_kernel_goes_straight_to_triton_and_any_other_kernel_i
     for the zeroer's, it was queued behind a new gate, itself a launch, and so on)."""
     from zeroer.intercept.triton_launch import TritonLaunches
     from zeroer.kernel import _compiled as zero_kernel
-    from zeroer.runtime.cuda.gate import _gate_kernel
+    from racecheck.gate import _gate_kernel
 
     launched = []
     launches = TritonLaunches(_NoSession())

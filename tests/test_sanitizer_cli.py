@@ -1,4 +1,4 @@
-"""``python -m fuzz.sanitize`` and ``pytest --kvz-sanitize`` on the simulator: verdicts, reports,
+"""``python -m sanitizer`` and ``pytest --kvz-sanitize`` on the simulator: verdicts, reports,
 exit statuses and bad input (docs/sanitizer.md)."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.bench.sanitizer.programs import path
-from fuzz.sanitize.races import Access, Race, distinct
-from fuzz.sanitize.sites import Site
+from sanitizer.bench.programs import path
+from sanitizer.races import Access, Race, distinct
+from sanitizer.sites import Site
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def sanitize_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fuzz.sanitize", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "sanitizer", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -132,7 +132,7 @@ def test_an_interrupted_run_keeps_the_races_it_saw_and_writes_no_result_file(tmp
     script.write_text(RACE_THEN_WAIT)
     report = tmp_path / "races.json"
     report.write_text('{"a": "complete earlier result"}')
-    run = subprocess.Popen([sys.executable, "-m", "fuzz.sanitize", "--backend", "sim", "--json", str(report), "--",
+    run = subprocess.Popen([sys.executable, "-m", "sanitizer", "--backend", "sim", "--json", str(report), "--",
                             "python", str(script), str(steps)], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -145,15 +145,15 @@ def test_an_interrupted_run_keeps_the_races_it_saw_and_writes_no_result_file(tmp
     assert report.read_text() == '{"a": "complete earlier result"}'  # never replaced by a run cut short
     if steps:
         assert run.returncode == 1 and out.count("[host-write-vs-pending-copy]") == 1, out + err
-        assert err.strip().splitlines()[-1] == ("python -m fuzz.sanitize: interrupted; the races above were seen "
+        assert err.strip().splitlines()[-1] == ("python -m sanitizer: interrupted; the races above were seen "
                                                 "before it (--json not written)")
     else:
-        assert run.returncode == 130 and err.strip() == "python -m fuzz.sanitize: interrupted", out + err
+        assert run.returncode == 130 and err.strip() == "python -m sanitizer: interrupted", out + err
 
 
 def test_force_mode_says_when_its_gates_opened_by_the_time_limit(capsys: pytest.CaptureFixture) -> None:
-    from fuzz.sanitize.__main__ import report
-    from fuzz.sanitize.runner import Outcome
+    from sanitizer.__main__ import report
+    from sanitizer.runner import Outcome
 
     assert report(Outcome("cuda", "force", forced_timeouts=2), "p.py", partial=False) == 0
     assert ("force mode opened its gates by the 2 s limit 2 time(s) (the host waited for the GPU where no hook shows "

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fuzz.bench.sanitizer.compare import run_one, verdict
-from fuzz.bench.sanitizer.programs import PROGRAMS, ZEROERS, Program
+from sanitizer.bench.compare import run_one, verdict
+from sanitizer.bench.programs import PROGRAMS, ZEROERS, Program
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_pytest_plugin_on_the_gpu(tmp_path: Path) -> None:
 
 def test_the_sanitizer_steps_aside_for_kvzeros_harness_and_resumes_after_it() -> None:
     from fuzz.engine.episode import Episode, EpisodeConfig
-    from fuzz.sanitize.observer import Observer
+    from sanitizer.observer import Observer
 
     obs = Observer()
     obs.start()

@@ -1,4 +1,4 @@
-"""The GPU observer (fuzz/sanitize/observer.py) where it meets the rest of kvzero, on the CPU.
+"""The GPU observer (sanitizer/observer.py) where it meets the rest of kvzero, on the CPU.
 
 ``pytest --kvz-sanitize`` on a GPU machine also runs every test that uses kvzero's own simulator
 and harness, so the observer must keep out of their way: the simulator's "cuda" tensors are CPU
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fuzz.engine.episode import Episode, EpisodeConfig
-from fuzz.sanitize.observer import Observer
+from sanitizer.observer import Observer
 from zeroer.origin import blame
 
 
@@ -63,7 +63,7 @@ def test_stopping_puts_every_patched_function_back() -> None:
 def test_a_pending_read_keeps_the_values_it_was_queued_with(dtype: torch.dtype) -> None:
     import ctypes
 
-    from fuzz.sanitize.observer import _EMPTY, _ints, _PendingRead
+    from sanitizer.observer import _EMPTY, _ints, _PendingRead
 
     buffer = torch.arange(6).reshape(2, 3).to(dtype)
     span = (buffer.data_ptr(), buffer.numel() * buffer.element_size())

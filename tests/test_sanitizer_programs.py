@@ -1,11 +1,11 @@
-"""The sanitizer benchmark's programs (fuzz/bench/sanitizer/programs) under the sanitizer, on the
+"""The sanitizer benchmark's programs (sanitizer/bench/programs) under the sanitizer, on the
 simulator: the CI half of the benchmark (issue 24). Every racy program must be reported with its
 planted kind and both program lines; every race-free twin must be clean and pass its own check.
 On the simulator queued work runs only when the host synchronises, so a racy program may also fail
 its own value check: that is the race showing.
 
 The same programs on a GPU, under PyTorch's sanitizer and ours: tests/test_sanitizer_gpu.py and
-``python -m fuzz.bench.sanitizer.compare`` (docs/sanitizer.md has the table).
+``python -m sanitizer.bench.compare`` (docs/sanitizer.md has the table).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.bench.sanitizer import engine_loop
-from fuzz.bench.sanitizer.programs import (BY_NAME, DEVICE_ACCESS, ENGINE_ZEROERS, HOST_WRITE, PROGRAMS, ZEROERS,
+from sanitizer.bench import engine_loop
+from sanitizer.bench.programs import (BY_NAME, DEVICE_ACCESS, ENGINE_ZEROERS, HOST_WRITE, PROGRAMS, ZEROERS,
                                            Program, load, path, zeroer_spec)
-from fuzz.sanitize.runner import sanitize
+from sanitizer.runner import sanitize
 
 STEPS = 8
 DEVICE_KINDS = {DEVICE_ACCESS, "reuse-without-record-stream"}

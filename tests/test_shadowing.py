@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvzero_fuzz.shadowing import Found, owner_of, resolve, shadowing_message
+from kvzero_fuzz.shadowing import OWN_PACKAGES, Found, owner_of, resolve, shadowing_message
 
 
 def exactly(message: str) -> str:
@@ -86,7 +86,7 @@ def test_several_shadowed_packages_are_named_on_one_line():
 # -- this interpreter ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["fuzz", "repro", "zeroer"])
+@pytest.mark.parametrize("name", OWN_PACKAGES)
 def test_this_checkout_resolves_to_our_own_packages(name):
     assert resolve(name).ours
 

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 from zeroer.errors import ZeroerError
 
 # Module name prefixes of the harness; everything of this distribution that is not a zeroer.
-HARNESS_MODULES = ("zeroer", "fuzz", "repro", "kvzero_fuzz")
+HARNESS_MODULES = ("zeroer", "fuzz", "repro", "kvzero_fuzz", "racecheck", "sanitizer")
 # This distribution's zeroers: the built-in designs, the zoo and the kernel they launch.
 ZEROER_MODULES = ("zeroer.designs", "zeroer.zoo", "zeroer.kernel")
 LIBRARIES = frozenset({

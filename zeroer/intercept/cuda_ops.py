@@ -2,11 +2,11 @@
 
 On the cuda backend a plain torch zeroer's tensors are real CUDA tensors. This
 ``TorchDispatchMode`` sees every aten op while the zeroer runs and acts on its kind
-(:func:`zeroer.intercept.ops.kind`): views and allocations run at once (torch allocates on its
+(:func:`racecheck.ops.kind`): views and allocations run at once (torch allocates on its
 current stream, which is the runtime's); queued ops are issued as one runtime op each, so in the
 controlled mode they wait behind the op's gate until the fuzzer's schedule runs them, and in the
 free-running mode they are issued at once; host copies follow
-:func:`~zeroer.intercept.ops.copy_kind` (a non-blocking copy from pageable memory is staged into
+:func:`~racecheck.ops.copy_kind` (a non-blocking copy from pageable memory is staged into
 fresh pinned memory first, as CUDA would stage it, so no driver staging can wait behind a gate);
 synchronising ops run after the current stream has (``Runtime.run_now``).
 
@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from zeroer.intercept.errors import forward, unroutable
-from zeroer.intercept.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
+from racecheck.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
 from zeroer.runtime import Stream
 
 

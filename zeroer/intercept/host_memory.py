@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroer.runtime import Runtime
-from zeroer.runtime.hb import OpStamp
+from racecheck.hb import OpStamp
 
 # numpy has no bfloat16 or fp8: compare those as integers of the same width.
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

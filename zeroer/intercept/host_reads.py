@@ -5,7 +5,7 @@ The model. On a GPU, every way of reading a device tensor's values on the host (
 a blocking ``t.cpu()``) is a synchronising device-to-host copy: the host waits until the work
 queued on the current stream has run, then reads. On the simulator most of these reach the
 simulated tensor's router whole and are synchronising ops there already (``_local_scalar_dense``
-under ``item``/``int``/``bool``, ``_to_copy`` under ``.cpu()``: :mod:`zeroer.intercept.ops`). What
+under ``item``/``int``/``bool``, ``_to_copy`` under ``.cpu()``: :mod:`racecheck.ops`). What
 does not is read here, with the same meaning: one synchronising op on the current stream
 (``InterceptSession.run_now``), after which the happens-before checker knows the host has seen
 that stream, exactly as after ``.cpu()``:

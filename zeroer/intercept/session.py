@@ -41,7 +41,7 @@ from zeroer.intercept.sim_memory import SIM_DEVICE, Block, SimDeviceMemory
 from zeroer.intercept.triton_launch import TritonLaunches
 from zeroer.intercept.unroutable import unroutable_guard
 from zeroer.runtime import Runtime
-from zeroer.runtime.hb import OpStamp
+from racecheck.hb import OpStamp
 
 
 class InterceptSession:

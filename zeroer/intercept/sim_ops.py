@@ -1,9 +1,9 @@
 """The simulator's meaning of every aten op on a :class:`SimCudaTensor`, as CUDA would run it.
 
-:func:`zeroer.intercept.ops.kind` says what an op does; this module does it on the simulator:
+:func:`racecheck.ops.kind` says what an op does; this module does it on the simulator:
 views at once, allocations from :class:`~zeroer.intercept.sim_memory.SimDeviceMemory` on the
 current stream, queued ops as one runtime op each (their outputs allocated now, from the op's
-meta kernel, and filled when the stream reaches them), copies by :func:`~zeroer.intercept.ops.copy_kind`,
+meta kernel, and filled when the stream reaches them), copies by :func:`~racecheck.ops.copy_kind`,
 and blocking ops after the current stream has run (``Runtime.run_now``). Each queued op declares the
 device blocks it reads and writes to the happens-before checker; one that writes the KV cache
 declares the blocks of the zero call it belongs to.
@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from zeroer.intercept.errors import forward, unroutable
-from zeroer.intercept.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
+from racecheck.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
 from zeroer.intercept.sim_memory import Allocation, Block
 from zeroer.intercept.sim_tensor import SimCudaTensor, uncloak
 

@@ -12,7 +12,7 @@ must be decided at the torch call:
   device memory on the current stream; ``zeros``/``full``/``arange``/... also queue the fill;
   ``torch.tensor(data, device="cuda")`` is a synchronous copy of host data, as on CUDA;
 * **host to device moves** on the simulator: ``x.to("cuda", non_blocking=...)``, ``x.cuda()``:
-  fresh device memory and a copy with CUDA's meaning (:func:`zeroer.intercept.ops.copy_kind`);
+  fresh device memory and a copy with CUDA's meaning (:func:`racecheck.ops.copy_kind`);
 * **indexing** of simulated CUDA tensors, through a cloaked twin (:mod:`zeroer.intercept.sim_tensor`);
 * **host reads** on the simulator that torch does not pass down whole (``.tolist()``, ``.numpy()``):
   :mod:`zeroer.intercept.host_reads`;

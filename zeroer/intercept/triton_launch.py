@@ -46,8 +46,8 @@ from triton.runtime.jit import JITFunction
 
 from zeroer.intercept.errors import SimulatorGap, forward, unroutable
 from zeroer.intercept.sim_tensor import SimCudaTensor
-from zeroer.runtime.cuda.gate import is_gate_kernel
-from zeroer.runtime.hb import Hazard
+from racecheck.gate import is_gate_kernel
+from racecheck.hb import Hazard
 from zeroer.triton_cpu import interpreted, nested_calls_interpreted
 
 _STORES = {"store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "atomic_min", "atomic_and",

@@ -11,7 +11,7 @@ import torch
 
 from zeroer.errors import RuntimeUsageError
 from zeroer.runtime.base import DeviceBuffer, Event, Hold, HostBuffer, Runtime, Stream
-from zeroer.runtime.hb import HappensBefore, Hazard
+from racecheck.hb import HappensBefore, Hazard
 from zeroer.runtime.sim import EagerSchedule, LazySchedule, RandomSchedule, Schedule, SimRuntime
 
 BACKENDS = ("auto", "cuda", "sim")

@@ -6,7 +6,7 @@ offers exactly those, so one zeroer source runs on a real GPU (``cuda`` backend)
 deterministic CPU simulator (``sim`` backend) that CI can use.
 
 The base class does the bookkeeping that is the same on every backend: names and labels, argument
-checks, and the happens-before checker (:mod:`zeroer.runtime.hb`), which sees every operation at
+checks, and the happens-before checker (:mod:`racecheck.hb`), which sees every operation at
 enqueue time. Backends implement the ``_`` hooks: how an op is enqueued and executed, what an
 event's completion means, where memory comes from.
 
@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 from zeroer.errors import RuntimeUsageError
-from zeroer.runtime.hb import HappensBefore, Hazard, OpStamp
+from racecheck.hb import HappensBefore, Hazard, OpStamp
 
 # What an unchecked runtime hands its backend instead of a real stamp: no clock, a fixed label.
 UNCHECKED_STAMP = OpStamp(0, 0, (), "an op of an unchecked runtime (no labels)")

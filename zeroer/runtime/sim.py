@@ -39,7 +39,7 @@ from typing import Callable, Protocol
 import torch
 
 from zeroer.runtime.base import Event, Hold, HostBuffer, Runtime, Stream
-from zeroer.runtime.hb import OpStamp
+from racecheck.hb import OpStamp
 from zeroer.runtime.host_memory import size_class
 from zeroer.runtime.queues import QueuedOp, StreamQueues
 

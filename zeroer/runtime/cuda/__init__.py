@@ -11,14 +11,14 @@ Two runtimes over shared parts, one module each:
 * :mod:`~zeroer.runtime.cuda.common`: :class:`CudaRuntimeBase`, what both share (device, pool
   streams, events, protected host memory and its allocator clocks, the watchdog, teardown);
   :mod:`~zeroer.runtime.cuda.arena` the unprotected pinned memory, :mod:`~zeroer.runtime.cuda.device`
-  the device argument, :mod:`~zeroer.runtime.cuda.gate` the gate kernel, its flags and watchdog.
+  the device argument, :mod:`~racecheck.gate` the gate kernel, its flags and watchdog.
 
 :func:`CudaRuntime` builds the runtime of a mode (``make_runtime("cuda", mode=...)`` calls it);
 ``isinstance(rt, CudaRuntimeBase)`` tells a cuda runtime of either mode.
 
 Importing this package needs neither a GPU nor triton, and changes nothing in the process (the
 controlled runtime asks for hardware queues when it is built:
-:func:`~zeroer.runtime.cuda.gate.request_hardware_queues`).
+:func:`~racecheck.gate.request_hardware_queues`).
 
 Example (needs a GPU)::
 

@@ -14,7 +14,7 @@ happens-before checker learns that the host has observed those copies, as on the
 Unprotected buffers come from a :class:`~zeroer.runtime.cuda.arena.PinnedArena`, reused at once.
 
 A host call stuck behind closed gates longer than ``timeout_s`` is turned into
-:class:`~zeroer.runtime.cuda.gate.GateTimeoutError` after every gate has been opened: never a hang.
+:class:`~racecheck.gate.GateTimeoutError` after every gate has been opened: never a hang.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import torch
 
 from zeroer.errors import RuntimeUsageError
 from zeroer.runtime.base import DeviceBuffer, Event, HostBuffer, Runtime, Stream
-from zeroer.runtime.cuda import real_cuda
+from racecheck import real_cuda
 from zeroer.runtime.cuda.arena import PinnedArena
 from zeroer.runtime.cuda.device import resolve_device
-from zeroer.runtime.cuda.gate import (
+from racecheck.gate import (
     GatePool,
     GateTimeoutError,
     Watchdog,
@@ -43,7 +43,7 @@ from zeroer.runtime.cuda.gate import (
     release_streams,
     spare_stream,
 )
-from zeroer.runtime.hb import OpStamp
+from racecheck.hb import OpStamp
 
 DEFAULT_TIMEOUT_S = 30.0  # longest one gated op or one guarded host call may take before we give up
 POLL_SPIN_S = 2e-4  # busy-poll a done event this long (a gate opens in ~20 us), then back off

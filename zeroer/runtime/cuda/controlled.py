@@ -3,7 +3,7 @@
 ``CudaRuntime(mode="controlled")`` (``scheduled = True``) keeps the simulator's model
 (:class:`StreamQueues`, one model stream per stream, the same op kinds and labels; nothing runs
 until ``advance`` or a host sync asks, like the simulator's lazy schedule). Every op is issued on
-its real stream when it is enqueued, behind its own closed gate (:mod:`zeroer.runtime.cuda.gate`),
+its real stream when it is enqueued, behind its own closed gate (:mod:`racecheck.gate`),
 and followed by a "done" event. When the model executes an op, the host opens that op's gate and
 waits for its done event. So an op has really run when the model says so, and nothing runs
 before: a copy reads its pinned source at ``advance``, not at enqueue. Event queries answer from
@@ -16,13 +16,13 @@ Rules while a controlled runtime has queued work (gates spin on the GPU):
 
 * do not synchronise the device yourself (``torch.cuda.synchronize()``, ``.item()``, ``.cpu()``
   of gated data): use the runtime's ``synchronize*``, which open the gates they need first, or
-  read on :func:`~zeroer.runtime.cuda.gate.spare_stream` after ``advance``;
+  read on :func:`~racecheck.gate.spare_stream` after ``advance``;
 * launch every kernel once before gating it (inside :meth:`ControlledCudaRuntime.ungated`, or
   before any op is queued): a kernel's first launch loads its module, which waits for the GPU to
   drain (NVIDIA/nvbench#136); ``CUDA_MODULE_LOADING=EAGER`` does that up front for torch's kernels;
 * use at most ``CUDA_DEVICE_MAX_CONNECTIONS`` streams (a stream that shares a hardware queue with
   a gated one stalls behind its gate); the runtime asks for 32 queues before it first touches CUDA
-  (:func:`~zeroer.runtime.cuda.gate.request_hardware_queues`), which only helps if nothing in the
+  (:func:`~racecheck.gate.request_hardware_queues`), which only helps if nothing in the
   process initialised CUDA earlier.
 
 Example (needs a GPU)::
@@ -49,10 +49,10 @@ import torch
 
 from zeroer.errors import RuntimeUsageError
 from zeroer.runtime.base import Event, Hold, HostBuffer, Stream
-from zeroer.runtime.cuda import real_cuda
+from racecheck import real_cuda
 from zeroer.runtime.cuda.common import DEFAULT_TIMEOUT_S, CudaRuntimeBase
-from zeroer.runtime.cuda.gate import hardware_queues, request_hardware_queues
-from zeroer.runtime.hb import OpStamp
+from racecheck.gate import hardware_queues, request_hardware_queues
+from racecheck.hb import OpStamp
 from zeroer.runtime.queues import QueuedOp, StreamQueues
 
 
@@ -61,7 +61,7 @@ class ControlledCudaRuntime(CudaRuntimeBase):
 
     mode = "controlled"
     scheduled = True
-    #: what :func:`~zeroer.runtime.cuda.gate.request_hardware_queues` did when this runtime was
+    #: what :func:`~racecheck.gate.request_hardware_queues` did when this runtime was
     #: built ("too late": something in the process had initialised CUDA first)
     hardware_queue_request: str
     max_streams: int  # the hardware queues its streams share, so the most streams it may have

@@ -3,7 +3,7 @@
 ``CudaRuntime(mode="free")`` (``scheduled = False``) issues every op on its stream when it is
 enqueued; ``delay`` is ``torch.cuda._sleep``, which is how the vLLM #48085 overwrite was
 reproduced on an H200. ``advance`` does nothing and ``pending`` is 0. Only a ``hold`` uses a gate
-(:mod:`zeroer.runtime.cuda.gate`); since the runtime cannot tell which work a sync needs, any
+(:mod:`racecheck.gate`); since the runtime cannot tell which work a sync needs, any
 sync while a hold is unreleased raises :class:`~zeroer.errors.DeadlockError` instead of hanging.
 
 ``checked=False`` (this mode only) is for measuring a zeroer, not for finding races: no
@@ -35,9 +35,9 @@ import torch
 
 from zeroer.errors import DeadlockError
 from zeroer.runtime.base import DeviceBuffer, Event, Hold, HostBuffer, Runtime, Stream
-from zeroer.runtime.cuda import real_cuda
+from racecheck import real_cuda
 from zeroer.runtime.cuda.common import DEFAULT_TIMEOUT_S, CudaRuntimeBase
-from zeroer.runtime.hb import OpStamp
+from racecheck.hb import OpStamp
 
 DELAY_CYCLES_PER_UNIT = 200_000  # torch.cuda._sleep cycles per delay unit: ~0.1 ms at ~2 GHz (H200)
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton uses too

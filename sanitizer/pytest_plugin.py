@@ -5,7 +5,7 @@ sanitizer saw during each phase (setup, call, teardown) is checked when the phas
 with a race fails with the race's report (a test that failed anyway keeps its own failure and gets
 the report beside it); the terminal summary lists each distinct race once, with the tests it was
 seen in. ``--kvz-sanitize-force`` also holds queued copies from pinned memory until the host next
-synchronises (:mod:`fuzz.sanitize.forcing`). Something the sanitizer cannot follow (a CUDA graph
+synchronises (:mod:`sanitizer.forcing`). Something the sanitizer cannot follow (a CUDA graph
 replay) fails the test with one line saying so, unless ``--kvz-sanitize-partial``.
 
 With pytest-xdist each worker sanitizes its own tests; the reports carry their races to the
@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 
-from fuzz.sanitize.races import Race, distinct
+from sanitizer.races import Race, distinct
 
 PROPERTY = "kvz_sanitize"
 
 
-def add_options(parser: pytest.Parser) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvz-sanitize", "pinned-staging race sanitizer (kvzero-fuzz)")
     add = group.addoption
     add("--kvz-sanitize", dest="kvz_sanitize", action="store_true", default=False,
@@ -42,11 +42,20 @@ def add_options(parser: pytest.Parser) -> None:
         help="auto (cuda when there is a GPU), cuda, or sim (the tests' cuda work on the CPU simulator)")
 
 
-def configure(config: pytest.Config) -> None:
-    """Register the plugin when the run asks for the sanitizer (called from fuzz.plugin)."""
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the sanitizer for this run when it asks for it."""
+    from fuzz.cli import USAGE, UsageError
+
+    try:
+        _configure(config)
+    except UsageError as error:
+        pytest.exit(f"error: {error}", returncode=USAGE)
+
+
+def _configure(config: pytest.Config) -> None:
     if not (config.getoption("kvz_sanitize", False) or config.getoption("kvz_sanitize_force", False)):
         return
-    from fuzz.sanitize.runner import prepare, resolve_backend
+    from sanitizer.runner import prepare, resolve_backend
 
     mode = "force" if config.getoption("kvz_sanitize_force") else "observe"
     prepare(mode)  # before resolve_backend asks torch about the GPU
@@ -69,7 +78,7 @@ class SanitizePlugin:
     # -- the sanitizer's life ---------------------------------------------------------------------
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         if self.backend == "cuda":
-            from fuzz.sanitize.runner import GpuSanitizer
+            from sanitizer.runner import GpuSanitizer
 
             self.gpu = GpuSanitizer(self.mode)
             self.gpu.start()
@@ -84,7 +93,7 @@ class SanitizePlugin:
         if self.backend != "sim":
             yield
             return
-        from fuzz.sanitize.simulated import ProgramSession
+        from sanitizer.simulated import ProgramSession
 
         self.session, self._seen = ProgramSession(item.nodeid), 0
         with self.session.running("test"):
@@ -96,7 +105,7 @@ class SanitizePlugin:
             return self.gpu.checkpoint()
         if self.session is None:
             return [], []
-        from fuzz.sanitize.simulated import race_of
+        from sanitizer.simulated import race_of
 
         hazards = self.session.rt.hb.hazards[self._seen:]
         self._seen += len(hazards)

@@ -49,8 +49,8 @@ PROGRAMS: tuple[Program, ...] = (
 BY_NAME: dict[str, Program] = {p.name: p for p in PROGRAMS}
 
 # The fuzz campaigns' vLLM-style zeroers (examples/engine_zeroers.py), each driven by the plain
-# engine loop of :mod:`fuzz.bench.sanitizer.engine_loop`: a row named ``zeroer:FACTORY``.
-ENGINE_ZEROERS = Path(__file__).resolve().parents[4] / "examples" / "engine_zeroers.py"
+# engine loop of :mod:`sanitizer.bench.engine_loop`: a row named ``zeroer:FACTORY``.
+ENGINE_ZEROERS = Path(__file__).resolve().parents[3] / "examples" / "engine_zeroers.py"
 _ZEROER_PATTERN = "a vLLM-style zeroer driven by an engine loop on two streams"
 ZEROERS: tuple[Program, ...] = (
     Program("zeroer:single_pinned_buffer", True, HOST_WRITE, "zeroer:fresh_pinned_per_call", _ZEROER_PATTERN),
@@ -72,7 +72,7 @@ def zeroer_spec(program: Program) -> str:
 def script(program: Program, steps: int) -> list[str]:
     """What follows ``python`` to run ``program`` for ``steps`` steps."""
     if program.name.startswith("zeroer:"):
-        return ["-m", "fuzz.bench.sanitizer.engine_loop", "--zeroer", zeroer_spec(program), "--steps", str(steps)]
+        return ["-m", "sanitizer.bench.engine_loop", "--zeroer", zeroer_spec(program), "--steps", str(steps)]
     return [str(path(program.name)), "--steps", str(steps)]
 
 

@@ -26,6 +26,8 @@ from types import CodeType, FrameType
 import torch
 
 _SANITIZER = str(Path(__file__).resolve().parent) + os.sep
+# The benchmark's programs live inside the package but are programs, not the sanitizer's plumbing.
+_PROGRAMS = _SANITIZER + "bench" + os.sep
 _LIBRARIES = tuple(
     str(Path(module.__file__).resolve().parent) + os.sep
     for module in (torch, contextlib, threading)
@@ -82,6 +84,8 @@ def _is_library(code: CodeType) -> bool:
     try:
         resolved = str(Path(name).resolve())
     except (OSError, ValueError):
+        return False
+    if resolved.startswith(_PROGRAMS):
         return False
     return resolved.startswith(_SKIPPED) or resolved.startswith(tuple(_ALSO))
 

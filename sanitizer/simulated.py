@@ -8,8 +8,8 @@ what the host left there by then: the simulator runs every program with the wind
 
 This module adds what a program's report needs and a zeroer's does not: each op and each host
 write labelled with the program line it came from, pinned buffers with their allocation sites, and
-the checker's hazards turned into :class:`~fuzz.sanitize.races.Race` records, the same records the
-GPU observer (:mod:`fuzz.sanitize.observer`) makes.
+the checker's hazards turned into :class:`~sanitizer.races.Race` records, the same records the
+GPU observer (:mod:`sanitizer.observer`) makes.
 
 Example::
 
@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from fuzz.sanitize.races import Access, Race
-from fuzz.sanitize.sites import Site, also_skip, caller_site
+from sanitizer.races import Access, Race
+from sanitizer.sites import Site, also_skip, caller_site
 from zeroer.intercept.session import InterceptSession
 from zeroer.runtime import make_runtime
-from zeroer.runtime.hb import Hazard, OpStamp
+from racecheck.hb import Hazard, OpStamp
 
 _STREAM = re.compile(r"^zeroer-(\d+)$")
 

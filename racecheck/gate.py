@@ -32,7 +32,7 @@ What spinning kernels cost, and how this module keeps the GPU from hanging:
 Example (needs a GPU)::
 
     import torch
-    from zeroer.runtime.cuda.gate import GatePool
+    from racecheck.gate import GatePool
     pool = GatePool()
     side = torch.cuda.Stream()
     x = torch.zeros(1, device="cuda")
@@ -58,7 +58,7 @@ from typing import Literal
 import torch
 
 from zeroer.errors import DeadlockError, RuntimeUsageError
-from zeroer.runtime.cuda import real_cuda
+from racecheck import real_cuda
 
 try:  # triton is optional: the simulator and every CPU test must import this module without it
     import triton
@@ -244,7 +244,7 @@ def request_hardware_queues() -> Literal["set", "already set", "too late"]:
 
     Example::
 
-        from zeroer.runtime.cuda.gate import request_hardware_queues
+        from racecheck.gate import request_hardware_queues
         request_hardware_queues()      # "set" in a fresh process without the variable
     """
     if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:

@@ -1,4 +1,4 @@
-"""``python -m fuzz.sanitize [options] -- python my_script.py [args]``: sanitize a program.
+"""``python -m sanitizer [options] -- python my_script.py [args]``: sanitize a program.
 
 The program runs in this process, under the sanitizer (``python -m MODULE`` works too), and then
 every distinct race is printed once, with how often it happened. Exit status (fuzz/cli.py): 0 no
@@ -8,8 +8,8 @@ so far and exits 1, or exits 130 when it had seen none; ``--json`` is written on
 
 Example::
 
-    python -m fuzz.sanitize -- python engine_step.py --steps 100
-    python -m fuzz.sanitize --force --json races.json -- python -m my_engine.bench
+    python -m sanitizer -- python engine_step.py --steps 100
+    python -m sanitizer --force --json races.json -- python -m my_engine.bench
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import runpy
 import sys
 from pathlib import Path
 
-from fuzz import interrupts
+import fuzz.interrupts as interrupts
 from fuzz.atomic_file import write_json_atomically
 from fuzz.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
-from fuzz.sanitize.forcing import HOLD_LIMIT_S
-from fuzz.sanitize.races import distinct
-from fuzz.sanitize.runner import BACKENDS, Outcome, prepare, sanitize
+from sanitizer.forcing import HOLD_LIMIT_S
+from sanitizer.races import distinct
+from sanitizer.runner import BACKENDS, Outcome, prepare, sanitize
 
-PROG = "python -m fuzz.sanitize"
+PROG = "python -m sanitizer"
 
 
 def parser() -> ArgumentParser:
@@ -52,17 +52,17 @@ def _program(command: list[str]) -> tuple[str, str, list[str]]:
     if command and Path(command[0]).name.startswith("python"):
         command = command[1:]
     if not command:
-        raise UsageError("no program given; e.g. python -m fuzz.sanitize -- python my_script.py")
+        raise UsageError("no program given; e.g. python -m sanitizer -- python my_script.py")
     if command[0] == "-m":
         if len(command) < 2:
-            raise UsageError("-m needs a module name; e.g. python -m fuzz.sanitize -- python -m my_pkg.bench")
+            raise UsageError("-m needs a module name; e.g. python -m sanitizer -- python -m my_pkg.bench")
         return "module", command[1], command[1:]
     if command[0].startswith("-"):
         raise UsageError(f"python option {command[0]!r} is not supported here; give a script path or -m MODULE")
     script = Path(command[0])
     if not script.is_file():
         raise UsageError(f"program {command[0]!r} is not a file; give the path of a Python script, "
-                         f"e.g. python -m fuzz.sanitize -- python my_script.py")
+                         f"e.g. python -m sanitizer -- python my_script.py")
     return "path", str(script), command
 
 

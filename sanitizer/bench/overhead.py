@@ -1,7 +1,7 @@
 """What the sanitizer costs: the same test suites with and without ``--kvz-sanitize``, side by side.
 
 Two small suites stand for the two kinds of test suite an engine has
-(:mod:`fuzz.bench.sanitizer.suites`): ``gpu_bound`` (a few large matmuls per test: the GPU sets the
+(:mod:`sanitizer.bench.suites`): ``gpu_bound`` (a few large matmuls per test: the GPU sets the
 pace) and ``launch_bound`` (hundreds of tiny ops and a pinned staging copy per step: the host
 sets it, and every op passes the sanitizer's hooks). Each round runs each suite plainly and under
 the sanitizer, in fresh pytest processes, alternating; a ratio is the median over rounds of
@@ -14,7 +14,7 @@ a second or more, paid once when the sanitizer starts).
 
 Run it (needs a GPU; about 50 s a round on an H200)::
 
-    python -m fuzz.bench.sanitizer.overhead --rounds 3 --json h200-sanitizer-overhead-$(date +%Y-%m).json
+    python -m sanitizer.bench.overhead --rounds 3 --json h200-sanitizer-overhead-$(date +%Y-%m).json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.atomic_file import write_json_atomically
-from fuzz.bench.stats import median
+from statistics import median
 from fuzz.cli import CLEAN, ArgumentParser, UsageError, check_output, run_main
 from fuzz.environment import environment
 
@@ -54,7 +54,7 @@ def run_suite(suite: str, flags: list[str], scratch: Path) -> dict[str, float]:
 
 
 def parser() -> ArgumentParser:
-    p = ArgumentParser(prog="python -m fuzz.bench.sanitizer.overhead", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m sanitizer.bench.overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--flags", default="--kvz-sanitize", help="the sanitizer's flags (default --kvz-sanitize)")
     p.add_argument("--json", help="write the measurements here")
@@ -86,14 +86,14 @@ def _main(argv: list[str]) -> int:
             print(f"{suite}: wall {wall:.2f}x (goal {GOALS[suite]}x, {'met' if met else 'missed'}), "
                   f"tests alone {tests:.2f}x, over {args.rounds} rounds")
     if out is not None:
-        write_json_atomically(out, {"command": "python -m fuzz.bench.sanitizer.overhead " + " ".join(argv),
+        write_json_atomically(out, {"command": "python -m sanitizer.bench.overhead " + " ".join(argv),
                                     "date": datetime.date.today().isoformat(), "environment": environment(),
                                     "flags": flags, "suites": results})
     return CLEAN
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(_main, argv, "python -m fuzz.bench.sanitizer.overhead")
+    return run_main(_main, argv, "python -m sanitizer.bench.overhead")
 
 
 if __name__ == "__main__":

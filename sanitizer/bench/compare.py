@@ -1,12 +1,12 @@
 """The sanitizer benchmark: every engine-like program under PyTorch's sanitizer and under ours.
 
-Each program of :mod:`fuzz.bench.sanitizer.programs`, and each of the fuzz campaigns' vLLM-style
-zeroers driven by :mod:`fuzz.bench.sanitizer.engine_loop` (rows ``zeroer:NAME``), runs in a fresh
+Each program of :mod:`sanitizer.bench.programs`, and each of the fuzz campaigns' vLLM-style
+zeroers driven by :mod:`sanitizer.bench.engine_loop` (rows ``zeroer:NAME``), runs in a fresh
 process, once per tool:
 
 * ``torch``: ``TORCH_CUDA_SANITIZER=1 python PROGRAM`` (``torch.cuda._sanitizer``, CSAN); found when
   it prints "CSAN detected a possible data race";
-* ``observe``: ``python -m fuzz.sanitize --json F -- python PROGRAM``; found when F lists a race;
+* ``observe``: ``python -m sanitizer --json F -- python PROGRAM``; found when F lists a race;
 * ``force``: the same with ``--force``; also whether the program's own check of its results failed
   (the race made visible as wrong values).
 
@@ -16,8 +16,8 @@ lists every program, the summary counts them per tool. On a machine without a GP
 
 Run it (one command, on an H200 about a minute)::
 
-    python -m fuzz.bench.sanitizer.compare --json h200-sanitizer-compare-$(date +%Y-%m).json -j 8
-    python -m fuzz.bench.sanitizer.compare --backend sim
+    python -m sanitizer.bench.compare --json h200-sanitizer-compare-$(date +%Y-%m).json -j 8
+    python -m sanitizer.bench.compare --backend sim
 
 Exit status (:mod:`fuzz.cli`): 0 when our sanitizer found every planted race with no false alarm,
 1 otherwise, 2 for a bad command line, 3 for a bug in this tool.
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.atomic_file import write_json_atomically
-from fuzz.bench.sanitizer.programs import PROGRAMS, ZEROERS, Program, script
+from sanitizer.bench.programs import PROGRAMS, ZEROERS, Program, script
 from fuzz.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, run_main
 from fuzz.environment import environment
 
@@ -56,7 +56,7 @@ def _command(tool: str, program: Program, steps: int, report: Path, backend: str
         env["TORCH_CUDA_SANITIZER"] = "1"
         return [sys.executable, *args], env
     flags = ["--force"] if tool == "force" else []
-    return [sys.executable, "-m", "fuzz.sanitize", "--backend", backend, *flags, "--json", str(report), "--",
+    return [sys.executable, "-m", "sanitizer", "--backend", backend, *flags, "--json", str(report), "--",
             "python", *args], env
 
 
@@ -129,7 +129,7 @@ def table(rows: list[dict[str, Any]], tools: tuple[str, ...], programs: list[Pro
 
 
 def parser() -> ArgumentParser:
-    p = ArgumentParser(prog="python -m fuzz.bench.sanitizer.compare", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m sanitizer.bench.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("cuda", "sim"), default="cuda")
     p.add_argument("--steps", type=int, default=32, help="steps each program runs (default 32)")
     p.add_argument("-j", "--jobs", type=int, default=4, help="programs run at once (default 4)")
@@ -165,7 +165,7 @@ def _main(argv: list[str]) -> int:
             print(f"{row['program']} under {row['tool']}: {row['error']}")
     if out is not None:
         write_json_atomically(out, {
-            "command": "python -m fuzz.bench.sanitizer.compare " + " ".join(argv),
+            "command": "python -m sanitizer.bench.compare " + " ".join(argv),
             "date": datetime.date.today().isoformat(), "environment": environment(),
             "seconds": round(time.perf_counter() - started, 1), "rows": rows, "summary": summary,
         })
@@ -174,7 +174,7 @@ def _main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(_main, argv, "python -m fuzz.bench.sanitizer.compare")
+    return run_main(_main, argv, "python -m sanitizer.bench.compare")
 
 
 if __name__ == "__main__":

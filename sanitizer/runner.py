@@ -1,9 +1,9 @@
 """One sanitized run: pick the backend, start the sanitizer, run the program, collect the verdict.
 
-The command (:mod:`fuzz.sanitize.__main__`), the pytest plugin (:mod:`fuzz.sanitize.pytest_plugin`)
-and the benchmark (:mod:`fuzz.bench.sanitizer`) all go through here, so a program gets the same
-verdict however it is run: on a GPU the observer (:mod:`fuzz.sanitize.observer`, plus
-:mod:`fuzz.sanitize.forcing` in force mode), elsewhere the simulator (:mod:`fuzz.sanitize.simulated`).
+The command (:mod:`sanitizer.__main__`), the pytest plugin (:mod:`sanitizer.pytest_plugin`)
+and the benchmark (:mod:`sanitizer.bench`) all go through here, so a program gets the same
+verdict however it is run: on a GPU the observer (:mod:`sanitizer.observer`, plus
+:mod:`sanitizer.forcing` in force mode), elsewhere the simulator (:mod:`sanitizer.simulated`).
 
 Example::
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fuzz.cli import UsageError
-from fuzz.sanitize.races import Race
+from sanitizer.races import Race
 
 BACKENDS = ("auto", "cuda", "sim")
 MODES = ("observe", "force")
@@ -65,8 +65,8 @@ class GpuSanitizer:
     """The observer on a GPU, started and stopped around whatever runs in between."""
 
     def __init__(self, mode: str = "observe") -> None:
-        from fuzz.sanitize.forcing import Forcing
-        from fuzz.sanitize.observer import Observer
+        from sanitizer.forcing import Forcing
+        from sanitizer.observer import Observer
 
         if mode not in MODES:
             raise UsageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
@@ -78,7 +78,7 @@ class GpuSanitizer:
 
     def checkpoint(self) -> tuple[list[Race], list[str]]:
         """End of a scope (a test phase): forced holds released, host checked; what it found."""
-        from fuzz.sanitize.sites import caller_site
+        from sanitizer.sites import caller_site
 
         self.observer.scope_end(caller_site())
         return self.observer.take_races(), [u.message() for u in self.observer.take_unfollowed()]
@@ -101,7 +101,7 @@ def sanitize(program: Callable[[], Any], *, backend: str = "auto", mode: str = "
         raise UsageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     outcome = Outcome(backend, mode)
     if backend == "sim":
-        from fuzz.sanitize.simulated import run_simulated
+        from sanitizer.simulated import run_simulated
 
         outcome.races, outcome.error = run_simulated(program, name)
         if isinstance(outcome.error, KeyboardInterrupt):

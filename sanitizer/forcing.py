@@ -3,7 +3,7 @@
 In observe mode a race is reported from enqueue order, and the values usually come out right
 because the copy ran before the host got to its write. Force mode makes them come out wrong when
 they can: every non-blocking copy from pinned memory (and every kernel reading pinned memory) is
-issued behind a gate kernel (:class:`zeroer.runtime.cuda.gate.GatePool`: a one-warp kernel spinning
+issued behind a gate kernel (:class:`racecheck.gate.GatePool`: a one-warp kernel spinning
 on a pinned flag) on its stream, so it runs only when the host next waits for the GPU: an event,
 stream or device synchronisation, a ``query``, a blocking copy or ``.item()``, a pinned allocation,
 a first launch of a Triton kernel (loading its module waits for the GPU), ``empty_cache``, or the
@@ -49,7 +49,7 @@ class Forcing:
     """The gates of one sanitized process (see the module docstring)."""
 
     def __init__(self) -> None:
-        from zeroer.runtime.cuda.gate import GatePool, request_hardware_queues
+        from racecheck.gate import GatePool, request_hardware_queues
 
         request_hardware_queues()  # a stream sharing a hardware queue with a gated one would stall too
         self.pool = GatePool()
@@ -97,7 +97,7 @@ class Forcing:
     def release(self) -> list[tuple[Any, np.ndarray]]:
         """Open every gate; the held reads whose bytes changed since they were queued, with the
         bytes they read now (none when a gate had already opened by itself)."""
-        from fuzz.sanitize.observer import _ints
+        from sanitizer.observer import _ints
 
         with self._lock:
             held, self._held = self._held, []

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The sanitizer's GPU evidence (docs/sanitizer.md, "Results"), one command, under 8 minutes on an H200:
-#   bash fuzz/bench/sanitizer/evidence.sh OUTDIR
+#   bash sanitizer/bench/evidence.sh OUTDIR
 # 1. the benchmark table: the engine-like programs and the fuzz campaigns' vLLM-style zeroers under
 #    PyTorch's sanitizer and ours (observe and force); 2. the overhead ratios; 3. the GPU tests the
 #    table does not already run; 4. no false alarms: this project's own test suite under --kvz-sanitize.
@@ -9,9 +9,9 @@ out=${1:?give an output directory}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 month=$(date +%Y-%m)
-timeout 120 $py -m fuzz.bench.sanitizer.compare -j 10 --json "$out/h200-sanitizer-compare-$month.json" \
+timeout 120 $py -m sanitizer.bench.compare -j 10 --json "$out/h200-sanitizer-compare-$month.json" \
   > "$out/compare.txt" 2>&1; echo "exit $?" >> "$out/compare.txt"
-timeout 130 $py -m fuzz.bench.sanitizer.overhead --rounds 2 --json "$out/h200-sanitizer-overhead-$month.json" \
+timeout 130 $py -m sanitizer.bench.overhead --rounds 2 --json "$out/h200-sanitizer-overhead-$month.json" \
   > "$out/overhead.txt" 2>&1; echo "exit $?" >> "$out/overhead.txt"
 timeout 60 $py -m pytest tests/test_sanitizer_gpu.py -q -p no:cacheprovider -n 4 -k "not each_program" \
   > "$out/gpu-tests.txt" 2>&1; echo "exit $?" >> "$out/gpu-tests.txt"

@@ -3,7 +3,7 @@
 The fuzz campaigns run a zeroer inside kvzero's harness, whose CUDA runtime orders streams with
 gate kernels the sanitizer steps aside for. This loop runs the same zeroer (a ``file.py:factory``
 spec written the way vLLM writes it, built with ``runtime=None``) the way an engine does, on real
-streams with nothing of ours in between, so ``python -m fuzz.sanitize`` can check it: each step
+streams with nothing of ours in between, so ``python -m sanitizer`` can check it: each step
 allocates a few free blocks, zeroes them on the current stream, checks on the device that they
 read zero, writes their KV, and frees some live blocks (their pages poisoned, as a recycled Mamba
 page holds NaN bytes). Now and then the engine hands over to its other stream, ordered after the
@@ -13,7 +13,7 @@ and raises ``AssertionError`` when a block read non-zero after zeroing.
 
 Example::
 
-    python -m fuzz.sanitize -- python -m fuzz.bench.sanitizer.engine_loop \\
+    python -m sanitizer -- python -m sanitizer.bench.engine_loop \\
         --zeroer examples/engine_zeroers.py:fresh_pinned_per_call --steps 64
 """
 
@@ -73,7 +73,7 @@ def main(zeroer: str, steps: int = 48, seed: int = 0, geometry_name: str = "tiny
 
 
 if __name__ == "__main__":
-    parser = ArgumentParser(prog="python -m fuzz.bench.sanitizer.engine_loop", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m sanitizer.bench.engine_loop", description=__doc__.splitlines()[0])
     parser.add_argument("--zeroer", required=True, help="the zeroer: file.py:factory or module:factory")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)

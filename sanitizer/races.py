@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fuzz.sanitize.sites import Site
+from sanitizer.sites import Site
 
 _HEADLINES = {
     "host-write-vs-pending-copy": "host write to pinned memory a queued copy may not have read yet",

@@ -2,7 +2,7 @@
 
 Nothing the program calls is replaced: its streams and events stay torch's, every op runs where
 torch runs it. The sanitizer watches through three windows and feeds one happens-before checker
-(:class:`zeroer.runtime.hb.HappensBefore`, the same one the fuzzer uses):
+(:class:`racecheck.hb.HappensBefore`, the same one the fuzzer uses):
 
 * a ``TorchDispatchMode`` sees every aten op with the tensors it reads and writes (the schema's
   ``(a!)`` arguments and fresh outputs are writes), on the stream torch is about to use, and the
@@ -25,7 +25,7 @@ host write under a pending copy, reported between the two program lines it was s
 the numpy view it went through).
 
 Verdicts come from enqueue order, never from timing: a race is reported on a run where the values
-came out right. :mod:`fuzz.sanitize.forcing` can also make them come out wrong (force mode).
+came out right. :mod:`sanitizer.forcing` can also make them come out wrong (force mode).
 
 Example (needs a GPU)::
 
@@ -50,12 +50,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from fuzz.sanitize.races import Access, Race
-from fuzz.sanitize.sites import Site, caller_site
-from zeroer.intercept.ops import aliased_returns, kind, written_args
+from sanitizer.races import Access, Race
+from sanitizer.sites import Site, caller_site
+from racecheck.ops import aliased_returns, kind, written_args
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
-from zeroer.runtime.hb import HappensBefore, Hazard, OpStamp
+from racecheck.hb import HappensBefore, Hazard, OpStamp
 
 aten = torch.ops.aten
 _PIN = {op for op in (getattr(aten, "_pin_memory", None), getattr(aten, "pin_memory", None)) if op is not None}
@@ -167,7 +167,7 @@ class Observer:
 
     def __init__(self, *, forcing: Any = None) -> None:
         self.hb = HappensBefore()
-        self.forcing = forcing  # fuzz.sanitize.forcing.Forcing in force mode, else None
+        self.forcing = forcing  # sanitizer.forcing.Forcing in force mode, else None
         self.races: list[Race] = []
         self.unfollowed: list[Unfollowed] = []
         self._busy = False  # the sanitizer's own CUDA work (force mode's gates) is under way
@@ -338,7 +338,7 @@ class Observer:
     def _host_op(self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
         if kwargs.get("pin_memory") or func in _PIN:
             site = caller_site()
-            self._release(site)  # pinned allocation may wait for the GPU (zeroer.runtime.cuda.gate)
+            self._release(site)  # pinned allocation may wait for the GPU (racecheck.gate)
             result = func(*args, **kwargs)
             if isinstance(result, torch.Tensor) and result.device.type == "cpu":
                 self._note_pinned(result, site, _op_name(func))
@@ -739,7 +739,7 @@ class Observer:
             from triton.runtime.jit import JITFunction
         except ImportError:  # pragma: no cover - triton is a dependency
             return
-        from zeroer.runtime.cuda.gate import is_gate_kernel
+        from racecheck.gate import is_gate_kernel
 
         run = JITFunction.run
 
