@@ -43,9 +43,9 @@ from fuzz.engine.campaigns import Campaign, default_campaigns  # noqa: E402
 from fuzz.engine.journal import Journal, rescue  # noqa: E402
 from fuzz.engine.known_bugs import KnownBugs  # noqa: E402
 from fuzz.engine.summary import harness_status, is_unexpected, render_summary, write_summary  # noqa: E402
+from fuzz.engine.trace import read_trace  # noqa: E402
 from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker  # noqa: E402
 from fuzz.cli import USAGE as USAGE_EXIT  # noqa: E402
-from fuzz.trace import read_trace  # noqa: E402
 from zeroer.errors import ZeroerError  # noqa: E402
 from racecheck.gate import request_hardware_queues  # noqa: E402
 

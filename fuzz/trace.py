@@ -1,22 +1,19 @@
-"""Trace files: the shrunk ops of a finding as versioned JSON, written atomically, read back checked.
+"""Trace files read back for replay and export: every field checked, nothing run from the file.
 
-A trace holds everything needed to run the episode again: the episode config (zeroer spec,
-geometry, backend), the Hypothesis seed of the run that found it, every op in order (schedule
-choices and delays included), the findings, and the machine it was found on (GPU, driver, torch,
-triton). The file name is a stable content hash of the config and ops, so the same finding from
-two workers lands in one file, and concurrent writers never clobber each other (temp file +
-rename, :mod:`fuzz.atomic_file`). The in-flight journal (:mod:`fuzz.engine.journal`) writes the
-same format. Format: docs/trace-format.md.
+Model. The trace format (what a trace holds, its version, its file name, how it is written) is the
+engine's, :mod:`fuzz.engine.trace`: the engine writes what it finds. This module is the other
+side, the commands' (``python -m repro``, the timeline, the examples benchmark): a trace file that
+a user hands a command is input, not the engine's own output, so it is checked before anything is
+built from it, and a file it cannot use is a usage error (exit status 2). It builds on the engine,
+never the other way round.
 
-Reading for replay or export (:func:`load_trace`) never runs code from the file: it checks every
-field of the JSON (the config's types and values, every op record) and builds an
-:class:`~fuzz.engine.episode.EpisodeConfig` and a list of op records, and a file it cannot use is
-a :class:`TraceError` (a usage error, exit status 2) whose one-line message names the file and the
-field. The only code it imports is the zeroer factory that ``config.zeroer`` names, to check it.
+:func:`load_trace` checks every field of the JSON (the config's types and values, every op record)
+and builds an :class:`~fuzz.engine.episode.EpisodeConfig` and a list of op records; a file it
+cannot use is a :class:`TraceError` whose one-line message names the file and the field. The only
+code it imports is the zeroer factory that ``config.zeroer`` names, to check it.
 
 Example::
 
-    path = write_trace(Path("repro/failures"), config, ops, findings, seed=12, campaign="ring-tiny-sim-shard0")
     trace = load_trace(Path("repro/cases/single_buffer_pre_48085.json"))
     trace.config.zeroer, len(trace.ops)      # ('single_buffer', 3)
 """
@@ -24,100 +21,20 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_json_atomically
 from fuzz.cli import UsageError
-from fuzz.environment import environment
 from fuzz.engine.episode import CALLER_FAULTS, MAX_ZEROERS, EpisodeConfig
 from fuzz.engine.ops import OpError, check_op
-from fuzz.engine.oracle import Finding
+from fuzz.engine.trace import TRACE_VERSION
 from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES, geometry
 from zeroer.designs.common import KERNELS
 from zeroer.errors import ZeroerError
 from zeroer.registry import load_zeroer
 from zeroer.runtime import CUDA_MODES
-
-TRACE_VERSION = 1
-
-
-# -- writing ---------------------------------------------------------------------------------
-
-def trace_name(config: EpisodeConfig, ops: list[dict]) -> str:
-    """``<zeroer>-<geometry>-<hash of config and ops>.json``: one file per distinct finding."""
-    body = json.dumps({"config": dataclasses.asdict(config), "ops": ops}, sort_keys=True)
-    digest = hashlib.sha256(body.encode()).hexdigest()[:16]
-    spec = config.zeroer
-    if ".py:" in spec:  # a file's factory: its name, not the whole path
-        spec = Path(spec.rpartition(":")[0]).name + ":" + spec.rpartition(":")[2]
-    safe = spec.replace("/", "_").replace(":", "_").replace(".", "_")
-    return f"{safe}-{config.geometry}-{digest}.json"
-
-
-def trace_data(
-    config: EpisodeConfig,
-    ops: list[dict],
-    findings: list[Finding],
-    *,
-    seed: int | None = None,
-    campaign: str | None = None,
-    reproduction: dict[str, Any] | None = None,
-    shrink: dict[str, Any] | None = None,
-    probe: bool = True,
-) -> dict[str, Any]:
-    """The JSON object of a trace file (docs/trace-format.md). ``reproduction``: how often a
-    free-running finding showed again when it was replayed on the spot (fuzz.engine.campaigns);
-    ``shrink``: how its ops were shrunk (fuzz.engine.shrink.ShrinkRecord);
-    ``probe=False``: do not start the GPU probe for its environment (a save after Ctrl-C)."""
-    data = {
-        "version": TRACE_VERSION,
-        "campaign": campaign,
-        "seed": seed,
-        "config": dataclasses.asdict(config),
-        "ops": ops,
-        "findings": [dataclasses.asdict(f) for f in findings],
-        "environment": environment(probe),
-    }
-    if reproduction is not None:
-        data["reproduction"] = reproduction
-    if shrink is not None:
-        data["shrink"] = shrink
-    return data
-
-
-def write_trace_data(path: Path, data: dict[str, Any]) -> Path:
-    """Write a trace object (:func:`trace_data`, or one read back) to ``path`` atomically."""
-    return write_json_atomically(path, data)
-
-
-def write_trace(
-    directory: Path,
-    config: EpisodeConfig,
-    ops: list[dict],
-    findings: list[Finding],
-    *,
-    seed: int | None = None,
-    campaign: str | None = None,
-    reproduction: dict[str, Any] | None = None,
-    shrink: dict[str, Any] | None = None,
-    probe: bool = True,
-) -> Path:
-    """Save a finding under ``directory`` with its content-hash name; returns the path."""
-    data = trace_data(config, ops, findings, seed=seed, campaign=campaign, reproduction=reproduction, shrink=shrink,
-                      probe=probe)
-    return write_trace_data(directory / trace_name(config, ops), data)
-
-
-# -- reading ---------------------------------------------------------------------------------
-
-def read_trace(path: Path) -> dict[str, Any]:
-    """The raw JSON object of a trace file, unchecked (:func:`load_trace` checks it)."""
-    with open(path) as handle:
-        return json.load(handle)
 
 
 class TraceError(UsageError):

@@ -23,7 +23,7 @@ from fuzz.bench.detect.baselines.stress import STRESS_OPS, BaselineUsageError, v
 from fuzz.bench.detect.baselines import METHODS, main, run_method
 from fuzz.engine.episode import Episode, EpisodeConfig
 from fuzz.engine.oracle import Finding
-from fuzz.trace import read_trace
+from fuzz.engine.trace import read_trace
 
 CUDA = torch.cuda.is_available()
 SINGLE_BUFFER = EpisodeConfig(zeroer="single_buffer", kernel="torch")

@@ -20,7 +20,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from fuzz.engine.campaigns import default_campaigns
 from fuzz.engine.episode import Episode, EpisodeConfig
-from fuzz.engine.machine import ZeroerViolation, machine_for
+from fuzz.engine.machine import machine_for
+from fuzz.engine.violation import ZeroerViolation
 from zeroer.designs import GraphRingProtocol, GraphRingZeroer, ModelledGraphRing, TorchPerCallZeroer, make_graph_ring
 from zeroer.designs.graph_ring_protocol import graph_size
 from zeroer.runtime import make_runtime

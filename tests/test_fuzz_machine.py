@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fuzz.engine.episode import EpisodeConfig
-from fuzz.engine.machine import ZeroerViolation, machine_for
+from fuzz.engine.machine import machine_for
+from fuzz.engine.violation import ZeroerViolation
 
 
 def test_a_hazard_is_raised_by_the_op_that_caused_it_not_at_the_end():

@@ -73,7 +73,7 @@ def test_the_exported_script_of_an_intercepted_finding_imports_the_users_module_
     import subprocess
     import sys
 
-    from fuzz.trace import write_trace
+    from fuzz.engine.trace import write_trace
     from repro.__main__ import main
     from repro.replay import replay
 

@@ -33,6 +33,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -290,7 +291,7 @@ def problems_of(outcome: Outcome) -> list[str]:
     return problems
 
 
-TRACE_NAME = re.compile(r"^[^.]+-[0-9a-f]{16}\.json$")  # fuzz.trace.trace_name: <zeroer>-<geometry>-<hash>.json
+TRACE_NAME = re.compile(r"^[^.]+-[0-9a-f]{16}\.json$")  # fuzz.engine.trace.trace_name: <zeroer>-<geometry>-<hash>.json
 
 
 def trace_files(run_dir: Path) -> list[Path]:
@@ -492,18 +493,31 @@ def _interrupt_at(n: int, files: tuple[str, ...], fn, where: list[str] | None = 
 
 @contextlib.contextmanager
 def _each_bytecode(files: frozenset[str], seen):
-    """Call ``seen(code)`` before every bytecode executed in ``files``; what it raises is raised there.
+    """Call ``seen(code)`` before every bytecode executed in ``files`` by the thread that entered;
+    what it raises is raised there.
 
     Python 3.12 never delivers the ``opcode`` events that ``f_trace_opcodes`` asks ``sys.settrace``
     for (seen on 3.12.1 here and 3.12.3 on the H200: no event at all, so these tests interrupted
-    nothing), so there it is ``sys.monitoring``'s INSTRUCTION event; elsewhere opcode tracing."""
+    nothing), so there it is ``sys.monitoring``'s INSTRUCTION event; elsewhere opcode tracing.
+
+    Only the entering thread's bytecodes count. ``sys.monitoring`` fires for every thread, and
+    other threads run code of these files too (racecheck/gate.py's watchdog): counting theirs made
+    the interruption land in the watchdog instead of the code under test (once on the H200, under
+    3.12), and would make the n-th bytecode depend on thread scheduling. ``sys.settrace`` traces
+    only the thread that set it; the check there says the same thing in the same words."""
+    owner = threading.get_ident()
     if sys.version_info[:2] == (3, 12):
         monitoring = sys.monitoring
         tool = monitoring.DEBUGGER_ID
 
         def on_instruction(code, offset):
             if code.co_filename not in files:
-                return monitoring.DISABLE  # not ours: never called for this instruction again
+                # Not ours, whichever thread runs it: never called for this instruction again.
+                return monitoring.DISABLE
+            if threading.get_ident() != owner:
+                # Ours, but another thread's. Not DISABLE: that turns the instruction off for
+                # every thread, the entering one included.
+                return None
             seen(code)
             return None
 
@@ -525,7 +539,7 @@ def _each_bytecode(files: frozenset[str], seen):
         return local
 
     def calls(frame, event, arg):
-        if frame.f_code.co_filename in files:
+        if frame.f_code.co_filename in files and threading.get_ident() == owner:
             frame.f_trace_opcodes = True
             return local
         return None
@@ -535,6 +549,43 @@ def _each_bytecode(files: frozenset[str], seen):
         yield
     finally:
         sys.settrace(None)
+
+
+def _spin(n: int) -> int:
+    """A few bytecodes of this file, for a thread to run."""
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def test_only_the_bytecodes_of_the_thread_that_entered_are_counted():
+    # Another thread runs code of a watched file while the count is on (as racecheck/gate.py's
+    # watchdog does during an example): none of its bytecodes is counted, and the same code run
+    # afterwards by the entering thread still is (on 3.12, a DISABLE for the other thread's
+    # instructions would have turned them off for this one too).
+    counted: list[tuple[int, str]] = []
+    done: list[int] = []
+
+    def seen(code) -> None:
+        counted.append((threading.get_ident(), code.co_name))
+
+    def both() -> None:
+        other = threading.Thread(target=lambda: done.append(_spin(50)))
+        other.start()
+        other.join()
+        _spin(50)
+
+    with _each_bytecode(frozenset({__file__}), seen):
+        both()
+    assert done == [_spin(50)]  # the other thread ran the watched code while the count was on
+    assert {thread for thread, _ in counted} == {threading.get_ident()}, counted
+    assert "_spin" in {name for _, name in counted}, counted
+    # And an interruption lands in the entering thread, even at a bytecode the other thread's
+    # would have outnumbered: the first of its own _spin, after the other thread's whole _spin.
+    where: list[str] = []
+    _interrupt_at(0, (__file__,), both, where)
+    assert _interrupt_at(where.index("_spin") + 1, (__file__,), both)
 
 
 def test_the_stream_queues_stay_consistent_whichever_bytecode_an_interruption_lands_on():
@@ -576,7 +627,8 @@ def test_an_example_interrupted_anywhere_is_never_judged_and_its_caches_never_po
     import fuzz.engine.machine as machine_module
     from fuzz.engine.cache_pool import CachePool
     from fuzz.engine.episode import EpisodeConfig, run_ops
-    from fuzz.engine.machine import ZeroerViolation, machine_for
+    from fuzz.engine.machine import machine_for
+    from fuzz.engine.violation import ZeroerViolation
 
     files = tuple(str(p) for p in (ROOT / "fuzz").rglob("*.py")) + tuple(str(p) for p in (ROOT / "zeroer").rglob("*.py"))
     kernel = "torch" if zeroer != "reference" else None

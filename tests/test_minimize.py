@@ -10,8 +10,8 @@ from types import SimpleNamespace
 from fuzz.engine import minimize as minimize_module
 from fuzz.engine.episode import EpisodeConfig, run_ops
 from fuzz.engine.handles import compact, concrete, merge, symbolic
-from fuzz.engine.machine import ZeroerViolation
 from fuzz.engine.minimize import minimize
+from fuzz.engine.violation import ZeroerViolation
 
 SINGLE = EpisodeConfig(zeroer="single_buffer", kernel="torch")
 # A first failing program as Hypothesis generates it: the race needs two zero calls queued behind

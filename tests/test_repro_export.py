@@ -20,7 +20,8 @@ from fuzz.engine.campaigns import PROFILES, run_campaign
 from fuzz.engine.episode import EpisodeConfig
 from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.resources import ResourceExhausted
-from fuzz.trace import load_trace, write_trace
+from fuzz.engine.trace import write_trace
+from fuzz.trace import load_trace
 from repro.__main__ import main
 from repro.export import render_script
 from repro.regenerate import find_campaign
@@ -209,8 +210,8 @@ def test_a_finding_saved_after_ctrl_c_does_not_wait_for_the_gpu_probe(tmp_path, 
     the trace saved on the way out records the versions and says the GPU was not probed."""
     from fuzz import environment as probe
     from fuzz.engine.campaigns import Campaign, _save_interrupted
-    from fuzz.engine.machine import ZeroerViolation
     from fuzz.engine.oracle import Finding
+    from fuzz.engine.violation import ZeroerViolation
 
     def no_probe_now():
         raise AssertionError("the GPU was probed after Ctrl-C")

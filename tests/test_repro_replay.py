@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fuzz.engine.episode import EpisodeConfig
-from fuzz.trace import write_trace
+from fuzz.engine.trace import write_trace
 from repro.__main__ import main
 
 RACE = [{"op": "start", "in_flight": 1}, {"op": "allocate", "n": 1, "stream": 0}, {"op": "allocate", "n": 1, "stream": 0}]

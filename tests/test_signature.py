@@ -16,7 +16,7 @@ import pytest
 from fuzz.engine.episode import EpisodeConfig, run_ops
 from fuzz.engine.oracle import Finding
 from fuzz.engine.signature import Signature, finding_signature, violation_signature, zeroer_label
-from fuzz.engine.machine import ZeroerViolation
+from fuzz.engine.violation import ZeroerViolation
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = "examples/engine_zeroers.py:"

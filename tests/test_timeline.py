@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from fuzz.engine.episode import EpisodeConfig
-from fuzz.trace import load_trace, write_trace
+from fuzz.engine.trace import write_trace
+from fuzz.trace import load_trace
 from repro.__main__ import main
 from fuzz.timeline import HOST_TID, TICK_US, build_timeline, host_op_name, render_html, stream_tid, write_timeline
 from zeroer.runtime.queues import QueuedOp, StreamQueues

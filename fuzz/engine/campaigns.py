@@ -43,12 +43,13 @@ from fuzz.engine.episode import EpisodeConfig, count_shown, run_ops
 from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.journal import Journal
 from fuzz.engine.known_bugs import KnownBug, KnownBugs, SameBug
-from fuzz.engine.machine import BudgetSpent, CampaignStats, ShrinkBoundReached, ZeroerViolation, machine_for
+from fuzz.engine.machine import BudgetSpent, CampaignStats, ShrinkBoundReached, machine_for
 from fuzz.engine.resources import ResourceExhausted
 from fuzz.engine.shrink import ShrinkPlan, plan_for, shrink_bound, shrink_finding
+from fuzz.engine.trace import write_trace
+from fuzz.engine.violation import ZeroerViolation
 from fuzz.interrupts import interrupted
 from fuzz.environment import environment
-from fuzz.trace import write_trace
 from zeroer.cache.geometries import geometry_names
 from zeroer.designs import StagedZeroer
 from zeroer.registry import BUILTINS, builtin_names, default_geometry, load_zeroer

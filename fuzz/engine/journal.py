@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fuzz.engine.episode import EpisodeConfig
-from fuzz.trace import read_trace, trace_data, trace_name, write_trace_data
+from fuzz.engine.trace import read_trace, trace_data, trace_name, write_trace_data
 
 JOURNAL_MODES = ("auto", "on", "off")
 

@@ -41,14 +41,11 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fuzz.atomic_file import write_json_atomically
 from fuzz.engine.bugs import same_bug_message
 from fuzz.engine.signature import Signature, violation_signature
-
-if TYPE_CHECKING:  # the machine imports this module
-    from fuzz.engine.machine import ZeroerViolation
+from fuzz.engine.violation import ZeroerViolation
 
 
 @dataclass(frozen=True)
@@ -134,7 +131,7 @@ class KnownBugs:
 
 
 def _is_trace(path: Path) -> bool:
-    """Whether ``path`` holds a trace file (written whole: fuzz.trace writes atomically)."""
+    """Whether ``path`` holds a trace file (written whole: fuzz.engine.trace writes atomically)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -24,9 +24,10 @@ making simple ones rare:
   (``hypothesis.target``), and Hypothesis's target phase steers towards deeper queues.
 
 What an example did is counted into the campaign's :class:`CampaignStats`, which the machine class
-is given (:func:`machine_for`), and a finding leaves as the :class:`ZeroerViolation` it raises,
-or, when another campaign of the run has already shrunk the same bug, as
-:class:`~fuzz.engine.known_bugs.SameBug`, which Hypothesis does not shrink.
+is given (:func:`machine_for`), and a finding leaves as the
+:class:`~fuzz.engine.violation.ZeroerViolation` it raises, or, when another campaign of the run
+has already shrunk the same bug, as :class:`~fuzz.engine.known_bugs.SameBug`, which Hypothesis
+does not shrink.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from fuzz.engine.known_bugs import KnownBugs
 from fuzz.engine.ops import IDS_AS, THEN
 from fuzz.engine.oracle import Finding
 from fuzz.engine.resources import raise_if_resource
+from fuzz.engine.violation import ZeroerViolation
 from fuzz.interrupts import interrupted
 
 # Every simulator campaign's examples share one pool of KV caches (fuzz.engine.cache_pool says
@@ -71,17 +73,6 @@ class ShrinkBoundReached(KeyboardInterrupt):
     :func:`~fuzz.engine.campaigns.run_campaign` reports the smallest program so far
     (:attr:`CampaignStats.smallest`) as the finding, marked cut off. A real Ctrl-C is a plain
     KeyboardInterrupt (and :func:`~fuzz.interrupts.interrupted` is set), never this class."""
-
-
-class ZeroerViolation(AssertionError):
-    """The oracle's verdict on one episode: a list of findings, phrased for a person."""
-
-    def __init__(self, findings: list[Finding], trace: list[dict], config: EpisodeConfig) -> None:
-        self.findings = findings
-        self.trace = trace
-        self.config = config
-        head = f"{len(findings)} finding(s) for zeroer {config.zeroer!r} on {config.geometry} ({config.backend})"
-        super().__init__("\n".join([head] + [f"  - {f}" for f in findings[:10]]))
 
 
 @dataclass

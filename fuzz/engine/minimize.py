@@ -38,9 +38,9 @@ from fuzz.engine.cache_pool import CachePool
 from fuzz.engine.episode import EpisodeConfig, run_ops
 from fuzz.engine.handles import Ref, compact, concrete, merge, symbolic
 from fuzz.engine.harness_error import HarnessError
-from fuzz.engine.machine import ZeroerViolation
 from fuzz.engine.ops import FIELDS
 from fuzz.engine.oracle import Finding
+from fuzz.engine.violation import ZeroerViolation
 from zeroer.cache.geometries import geometry
 
 # A bound on the work besides the clock: first failing programs of up to 24 ops took 9 to 41

@@ -50,9 +50,9 @@ from typing import Any
 
 from fuzz.engine.episode import EpisodeConfig, run_ops
 from fuzz.engine.harness_error import HarnessError
-from fuzz.engine.machine import ZeroerViolation
 from fuzz.engine.minimize import Minimized, minimize
 from fuzz.engine.oracle import Finding
+from fuzz.engine.violation import ZeroerViolation
 from zeroer.registry import kernel_options, load_zeroer
 
 # Seconds one stage of shrinking may take, by the backend its replays run on.

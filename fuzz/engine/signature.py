@@ -48,12 +48,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fuzz.engine.bugs import bug_id
-
-if TYPE_CHECKING:  # an annotation only: reports read signatures without torch or Hypothesis
-    from fuzz.engine.machine import ZeroerViolation
+from fuzz.engine.violation import ZeroerViolation  # standard library only: reports read signatures without torch
 
 VALUE_KINDS = ("non-zero after zeroing", "clobbered", "stray write")
 CALLER_STREAM = re.compile(r"stream '(?:main|s\d+)'")  # fuzz.engine.episode names the caller's streams so
@@ -115,7 +113,7 @@ def finding_signature(finding: Any, *, zeroer: str, geometry: str, caller_fault:
 
 
 def violation_signature(violation: ZeroerViolation) -> Signature | None:
-    """The signature of a :class:`~fuzz.engine.machine.ZeroerViolation`: its first finding's
+    """The signature of a :class:`~fuzz.engine.violation.ZeroerViolation`: its first finding's
     (None without findings)."""
     if not violation.findings:
         return None

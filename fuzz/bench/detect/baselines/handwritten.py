@@ -44,7 +44,7 @@ from fuzz.bench.detect.baselines.stress import (
 )
 from fuzz.bench.detect.outcome import DetectionOutcome
 from fuzz.engine.episode import Episode, EpisodeConfig
-from fuzz.trace import write_trace
+from fuzz.engine.trace import write_trace
 
 # vLLM's test stalls with torch.cuda._sleep(10_000_000); a delay unit is 200_000 cycles on cuda
 # (zeroer.runtime.cuda.DELAY_CYCLES_PER_UNIT), so 50 units is the same stall.

@@ -55,7 +55,7 @@ from fuzz.bench.detect.baselines.stress import (
 from fuzz.bench.detect.outcome import DetectionOutcome
 from fuzz.engine.episode import Episode, EpisodeConfig
 from fuzz.engine.oracle import Finding
-from fuzz.trace import write_trace
+from fuzz.engine.trace import write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "kvzero-baseline-result: "

@@ -35,7 +35,7 @@ from fuzz.bench.detect.outcome import DetectionOutcome
 from fuzz.cli import UsageError, one_line  # noqa: F401 - one_line: re-exported to the other baselines
 from fuzz.engine.episode import Episode, EpisodeConfig
 from fuzz.engine.oracle import Finding
-from fuzz.trace import write_trace
+from fuzz.engine.trace import write_trace
 
 STEPS_PER_EPISODE = 25  # the fuzzer's step count per example (quick and ci profiles)
 # Blocks per allocate, as the fuzzer's allocate_blocks rule draws them: 1..3 or 4..8, each half
