@@ -1,140 +1,145 @@
-"""A happens-before checker over the runtime's operations.
+"""The happens-before checker: what the host and the streams did to memory, and in which order.
 
-Model. There is one host thread (index 0) and one thread per stream (index 1..n). Each has a
-vector clock. Enqueueing work on a stream orders it after everything the host did before (the
-work cannot start before it is enqueued); recording an event snapshots the stream's clock;
-``wait_event`` joins that snapshot into the waiting stream; the host learns a snapshot only when it
-*observes* completion: ``Event.synchronize``, an ``Event.query`` that returned True, a stream or
-device synchronisation, or the caching host allocator reusing a block whose events completed.
+Model (the clocks: :mod:`racecheck.clocks`). Host threads and streams each have a vector clock.
+Enqueueing work on a stream orders it after everything the enqueueing host thread knows; events
+carry a stream's clock to the streams that wait on them; a host thread learns that work ran only
+when it *observes* it (a synchronisation, a query that answered True, an allocator that waited for
+an event), or from another host thread through a hand-off.
 
 All of this is computed when work is enqueued, never from when it happens to run, so the verdict
-does not depend on timing: a race is reported even on a run where the values came out right.
-That is what PyTorch's CUDA sanitizer cannot do for this bug class: it ignores host writes to
-pinned memory (the #48085 overwrite) and kernels that write through a raw address table.
+does not depend on timing: a race is reported on a run whose values came out right. That is what
+PyTorch's CUDA sanitizer cannot do for this bug class: it ignores host access to pinned memory.
 
-Two checks:
+Four checks, each on the bytes the two sides touch (:mod:`racecheck.shadow`):
 
-* **host write vs. pending copy**: the host rewrites a host buffer that a non-blocking copy reads,
-  and the host has not observed that copy's completion (vLLM #48085; the ring of #48085 when more
-  calls are outstanding than its depth; pinned memory outside the caching allocator).
-* **unordered device accesses**: two accesses to one device resource (a device buffer, or a KV
-  cache block) from different streams, at least one a write, with no event path between them.
+* **host write vs. pending copy**: a host thread writes host memory that a queued copy (or kernel)
+  reads or writes when its stream reaches it, and that thread has not observed the copy complete
+  (vLLM #48085; a ring deeper than its events; pinned memory outside the caching allocator);
+* **host read vs. pending copy**: a host thread reads host memory that a queued device-to-host
+  copy has not been observed to write yet (vLLM #36013);
+* **unordered device accesses**: two accesses to the same bytes of a device resource from
+  different streams, at least one a write, with no event path between them.
+
+When the conflict would be ordered by what *another* host thread saw (it observed the copy
+complete, then handed over in a way the checker does not follow: a lock, a flag in memory), it is
+recorded in :attr:`HappensBefore.notes`, not as a hazard: a hand-off the checker cannot see is
+said in one line, never reported as a race.
 
 Example::
 
     hb = HappensBefore()
     s = hb.add_stream("main")
     copy = hb.enqueue(s, "copy#1")
-    hb.device_read(("host", 7), copy)    # the copy reads host buffer 7 when it runs
-    hb.host_write(("host", 7), "zero_block_ids#2")
-    assert hb.hazards                     # nothing told the host that the copy had run
+    hb.copy_reads_host(("host", 7), copy)   # the copy reads host buffer 7 when it runs
+    hb.host_write(("host", 7), "host write")
+    assert hb.hazards                       # nothing told the host that the copy had run
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-Key = tuple  # ("host", id) / ("dev", id) / ("block", id)
+from racecheck.clocks import HOST, Clocks, OpStamp, ordered
+from racecheck.shadow import RangeShadow, Ranges, overlaps
 
-HOST = 0  # thread index of the host in every vector clock
+__all__ = ["HOST", "HappensBefore", "Hazard", "Key", "OpStamp", "Ranges"]
 
+Key = tuple  # ("host", id) / ("dev", id) / ("block", cache, id) / ("cudamem", address) ...
+MAX_PENDING_PER_KEY = 256  # pending copies kept per host buffer; the oldest are dropped (a miss, never a false race)
 
-@dataclass(frozen=True)
-class OpStamp:
-    """Where an enqueued operation sits in happens-before order."""
-
-    thread: int  # stream thread index (>= 1)
-    clock: int  # that stream's clock at this op
-    vc: tuple[int, ...]  # the full vector clock at this op
-    label: str  # human-readable name, e.g. "copy#12 on stream 'main' (zero_block_ids#3)"
+HOST_WRITE = "host-write-vs-pending-copy"
+HOST_READ = "host-read-vs-pending-copy"
+DEVICE = "unordered-device-access"
 
 
 @dataclass(frozen=True)
 class Hazard:
-    """One happens-before violation, already phrased for a person."""
+    """One happens-before violation, already phrased for a person (or, in ``notes``, a conflict
+    that an unseen hand-off between host threads may order)."""
 
-    kind: str  # "host-write-vs-pending-copy" or "unordered-device-access"
+    kind: str  # HOST_WRITE, HOST_READ or DEVICE
     resource: str
-    first: str
-    second: str
+    first: str  # the earlier op's label
+    second: str  # the later access's label
     message: str
 
     def __str__(self) -> str:
         return self.message
 
 
-@dataclass
-class _ResourceState:
-    last_write: OpStamp | None = None
-    reads: dict[int, OpStamp] = field(default_factory=dict)  # latest read per stream thread
-
-
-def _ordered(earlier: OpStamp, later_vc: tuple[int, ...] | list[int]) -> bool:
-    """True when ``earlier`` happens before whatever ``later_vc`` describes."""
-    return earlier.thread < len(later_vc) and earlier.clock <= later_vc[earlier.thread]
+@dataclass(frozen=True)
+class _Pending:
+    stamp: OpStamp
+    ranges: Ranges
 
 
 class HappensBefore:
-    """Vector-clock bookkeeping for one runtime. See the module docstring for the model."""
+    """Vector-clock bookkeeping for one process or runtime (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._names: list[str] = ["host"]
-        self._clocks: list[list[int]] = [[0]]  # one vector clock per thread
-        self._resources: dict[Key, _ResourceState] = {}
-        self._host_readers: dict[Key, list[OpStamp]] = {}  # copies that read a host buffer
+        self.clocks = Clocks()
+        self._shadows: dict[Key, RangeShadow] = {}
+        self._host_readers: dict[Key, list[_Pending]] = {}  # queued copies that read host memory
+        self._host_writers: dict[Key, list[_Pending]] = {}  # queued copies that write host memory
         self._resource_names: dict[Key, str] = {}
         self.hazards: list[Hazard] = []
+        self.notes: list[Hazard] = []
 
     # -- threads and clocks -------------------------------------------------------------------
     def add_stream(self, name: str) -> int:
-        self._names.append(name)
-        for vc in self._clocks:
-            vc.append(0)
-        self._clocks.append([0] * len(self._names))
-        return len(self._names) - 1
+        return self.clocks.add(name)
 
-    def _join(self, into: list[int], other: tuple[int, ...] | list[int]) -> None:
-        for i, value in enumerate(other):
-            if value > into[i]:
-                into[i] = value
+    def add_host(self, name: str, parent: int | None = HOST) -> int:
+        """A new host thread; started by ``parent`` it knows what ``parent`` knew (None: nothing)."""
+        if parent is None:
+            return self.clocks.add(name, host=True)
+        return self.clocks.fork(parent, name)
 
-    def enqueue(self, thread: int, label: str) -> OpStamp:
-        """Stamp an op enqueued by the host on stream ``thread``."""
-        vc = self._clocks[thread]
-        self._join(vc, self._clocks[HOST])
-        vc[thread] += 1
-        return OpStamp(thread, vc[thread], tuple(vc), label)
+    def enqueue(self, thread: int, label: str, host: int = HOST) -> OpStamp:
+        """Stamp an op that host thread ``host`` enqueues on stream ``thread``."""
+        return self.clocks.tick(thread, label, host)
 
     def snapshot(self, thread: int) -> tuple[int, ...]:
         """The clock an event recorded now on ``thread`` carries."""
-        return tuple(self._clocks[thread])
+        return self.clocks.snapshot(thread)
 
     def stream_waits(self, thread: int, snapshot: tuple[int, ...] | None) -> None:
         """``wait_event`` on ``thread`` for an event carrying ``snapshot`` (None: never recorded)."""
-        if snapshot is not None:
-            self._join(self._clocks[thread], snapshot)
+        self.clocks.join(thread, snapshot)
 
-    def host_observes(self, snapshot: tuple[int, ...] | None) -> None:
-        """The host learned that everything up to ``snapshot`` has executed."""
-        if snapshot is not None:
-            self._join(self._clocks[HOST], snapshot)
+    def host_observes(self, snapshot: tuple[int, ...] | None, host: int = HOST) -> None:
+        """Host thread ``host`` learned that everything up to ``snapshot`` has executed."""
+        self.clocks.host_join(host, snapshot)
 
-    def host_has_seen(self, stamp: OpStamp) -> bool:
-        """Whether the host has observed ``stamp``'s op complete (by a sync, a query or an allocator)."""
-        return _ordered(stamp, self._clocks[HOST])
+    def host_observes_stream(self, thread: int, host: int = HOST) -> None:
+        self.clocks.host_join(host, self.clocks.vc(thread))
 
-    def host_observes_stream(self, thread: int) -> None:
-        self._join(self._clocks[HOST], self._clocks[thread])
+    def host_observes_all(self, host: int = HOST) -> None:
+        for thread in range(len(self.clocks.names)):
+            if thread not in self.clocks.hosts:
+                self.host_observes_stream(thread, host)
 
-    def host_observes_all(self) -> None:
-        for thread in range(1, len(self._clocks)):
-            self.host_observes_stream(thread)
+    def host_has_seen(self, stamp: OpStamp, host: int = HOST) -> bool:
+        """Whether host thread ``host`` has observed ``stamp``'s op complete."""
+        return ordered(stamp, self.clocks.vc(host))
+
+    def seen_by_some_host(self, stamp: OpStamp) -> bool:
+        """Whether any host thread has observed ``stamp``'s op complete."""
+        return ordered(stamp, self.clocks.union)
+
+    def host_snapshot(self, host: int = HOST) -> tuple[int, ...]:
+        """What a hand-off from host thread ``host`` carries (:meth:`host_acquires` on the other side)."""
+        return self.clocks.host_snapshot(host)
+
+    def host_acquires(self, host: int, snapshot: tuple[int, ...] | None) -> None:
+        """Host thread ``host`` received a hand-off carrying ``snapshot``."""
+        self.clocks.host_join(host, snapshot)
 
     # -- resources ------------------------------------------------------------------------------
     def name_resource(self, key: Key, name: str) -> None:
         self._resource_names[key] = name
 
-    def _name(self, key: Key) -> str:
+    def name(self, key: Key) -> str:
         name = self._resource_names.get(key)
         if name is not None:
             return name
@@ -142,70 +147,99 @@ class HappensBefore:
             return f"block {key[2]}" + (f" of cache {key[1]}" if key[1] else "")
         return " ".join(str(part) for part in key)
 
+    _name = name  # the name callers used before
+
     def forget(self, key: Key) -> None:
         """``key`` names new memory from now on (an allocator handed its address out again after
         waiting for its events itself): its access history starts over."""
-        self._resources.pop(key, None)
+        self._shadows.pop(key, None)
         self._host_readers.pop(key, None)
+        self._host_writers.pop(key, None)
 
-    def copy_reads_host(self, key: Key, stamp: OpStamp) -> None:
-        """A non-blocking copy ``stamp`` reads host buffer ``key`` when its stream reaches it."""
-        self._host_readers.setdefault(key, []).append(stamp)
+    # -- host memory -----------------------------------------------------------------------------
+    def copy_reads_host(self, key: Key, stamp: OpStamp, ranges: Ranges = None) -> None:
+        """A queued op ``stamp`` reads host memory ``key`` (``ranges`` of it) when its stream reaches it."""
+        self._add_pending(self._host_readers, key, stamp, ranges)
 
-    def host_write(self, key: Key, label: str) -> None:
-        """The host writes buffer ``key`` now; flag every copy of it the host has not seen run."""
-        readers = self._host_readers.get(key)
-        if not readers:
-            return
-        host_vc = self._clocks[HOST]
-        pending = [r for r in readers if not _ordered(r, host_vc)]
-        for reader in pending:
-            self.hazards.append(
-                Hazard(
-                    kind="host-write-vs-pending-copy",
-                    resource=self._name(key),
-                    first=reader.label,
-                    second=label,
-                    message=(
-                        f"host write to {self._name(key)} by {label} while {reader.label} may "
-                        f"not have read it yet: no event or synchronisation observed by the host "
-                        f"orders the copy before the write (the vLLM #48085 hazard)"
-                    ),
-                )
-            )
-        # Readers the host has seen complete can never conflict again; pending ones were reported.
-        self._host_readers[key] = []
+    def copy_writes_host(self, key: Key, stamp: OpStamp, ranges: Ranges = None) -> None:
+        """A queued device-to-host copy ``stamp`` writes host memory ``key`` when its stream reaches it."""
+        self._add_pending(self._host_writers, key, stamp, ranges)
 
-    def device_access(self, key: Key, stamp: OpStamp, *, write: bool) -> None:
-        """``stamp`` reads or writes device resource ``key``; flag unordered conflicting accesses."""
-        state = self._resources.get(key)
-        if state is None:
-            state = self._resources[key] = _ResourceState()
-        conflicts: list[tuple[OpStamp, str]] = []
-        last = state.last_write
-        if last is not None and last.thread != stamp.thread and not _ordered(last, stamp.vc):
-            conflicts.append((last, "writes"))
-        if write:
-            for reader in state.reads.values():
-                if reader.thread != stamp.thread and not _ordered(reader, stamp.vc):
-                    conflicts.append((reader, "reads"))
-        for other, verb in conflicts:
-            mine = "writes" if write else "reads"
-            self.hazards.append(
-                Hazard(
-                    kind="unordered-device-access",
-                    resource=self._name(key),
-                    first=other.label,
-                    second=stamp.label,
-                    message=(
-                        f"{self._name(key)}: {other.label} {verb} it and {stamp.label} {mine} it "
-                        f"with no event path between stream '{self._names[other.thread]}' and "
-                        f"stream '{self._names[stamp.thread]}'"
-                    ),
-                )
-            )
-        if write:
-            state.last_write = stamp
-            state.reads = {}
+    def _add_pending(self, table: dict[Key, list[_Pending]], key: Key, stamp: OpStamp, ranges: Ranges) -> None:
+        pending = table.setdefault(key, [])
+        pending.append(_Pending(stamp, ranges))
+        if len(pending) > MAX_PENDING_PER_KEY:
+            union = self.clocks.union
+            pending[:] = [p for p in pending if not ordered(p.stamp, union)][-MAX_PENDING_PER_KEY:]
+
+    def pending_writes(self, key: Key, host: int = HOST, ranges: Ranges = None) -> list[OpStamp]:
+        """The queued device-to-host copies into ``ranges`` of ``key`` that host thread ``host``
+        has not observed complete: while one is pending the bytes change under the host."""
+        return [p.stamp for p in self._host_writers.get(key, ())
+                if overlaps(p.ranges, ranges) and not self.host_has_seen(p.stamp, host)]
+
+    def host_write(self, key: Key, label: str, host: int = HOST, ranges: Ranges = None) -> None:
+        """Host thread ``host`` writes ``ranges`` of host memory ``key`` now: every queued copy that
+        reads or writes those bytes and that the thread has not seen complete is a hazard."""
+        self._host_access(HOST_WRITE, key, label, host, ranges, (self._host_readers, self._host_writers))
+
+    def host_read(self, key: Key, label: str, host: int = HOST, ranges: Ranges = None) -> None:
+        """Host thread ``host`` reads ``ranges`` of host memory ``key`` now: every queued copy that
+        writes those bytes and that the thread has not seen complete is a hazard."""
+        self._host_access(HOST_READ, key, label, host, ranges, (self._host_writers,))
+
+    def _host_access(self, kind: str, key: Key, label: str, host: int, ranges: Ranges,
+                     tables: tuple[dict[Key, list[_Pending]], ...]) -> None:
+        vc = self.clocks.vc(host)
+        for table in tables:
+            pending = table.get(key)
+            if not pending:
+                continue
+            kept: list[_Pending] = []
+            for item in pending:
+                if ordered(item.stamp, vc):
+                    continue  # the thread has seen it complete: it can never conflict again
+                if not overlaps(item.ranges, ranges):
+                    kept.append(item)
+                    continue
+                if ordered(item.stamp, self.clocks.union):
+                    self.notes.append(self._host_hazard(kind, key, item.stamp, label, assumed=True))
+                else:
+                    self.hazards.append(self._host_hazard(kind, key, item.stamp, label))
+                # reported (or noted) once: the same pair is not reported again
+            table[key] = kept
+
+    def _host_hazard(self, kind: str, key: Key, stamp: OpStamp, label: str, *, assumed: bool = False) -> Hazard:
+        resource = self.name(key)
+        if kind == HOST_READ:
+            text = (f"host read of {resource} by {label} while {stamp.label} may not have written it yet: "
+                    f"no event or synchronisation observed by the host orders the copy before the read "
+                    f"(the vLLM #36013 hazard)")
         else:
-            state.reads[stamp.thread] = stamp
+            text = (f"host write to {resource} by {label} while {stamp.label} may not have read it yet: "
+                    f"no event or synchronisation observed by the host orders the copy before the write "
+                    f"(the vLLM #48085 hazard)")
+        if assumed:
+            text = (f"{text}; another host thread saw the copy complete first, and a hand-off the checker "
+                    f"does not follow may order it")
+        return Hazard(kind, resource, stamp.label, label, text)
+
+    # -- device memory ----------------------------------------------------------------------------
+    def device_access(self, key: Key, stamp: OpStamp, *, write: bool, ranges: Ranges = None) -> None:
+        """``stamp`` reads or writes ``ranges`` of device resource ``key``; flag unordered conflicts."""
+        shadow = self._shadows.get(key)
+        if shadow is None:
+            shadow = self._shadows[key] = RangeShadow()
+        for other, verb, _, _ in shadow.access(ranges, stamp, write=write):
+            mine = "writes" if write else "reads"
+            names = self.clocks.names
+            resource = self.name(key)
+            text = (f"{resource}: {other.label} {verb} it and {stamp.label} {mine} it with no event path "
+                    f"between stream '{names[other.thread]}' and stream '{names[stamp.thread]}'")
+            hazard = Hazard(DEVICE, resource, other.label, stamp.label, text)
+            if self.clocks.several_hosts and ordered(other, self.clocks.union):
+                self.notes.append(Hazard(DEVICE, resource, other.label, stamp.label,
+                                         f"{text}; another host thread saw the first access complete, and a "
+                                         f"hand-off the checker does not follow may order them"))
+            else:
+                self.hazards.append(hazard)

@@ -119,3 +119,57 @@ def aliased_returns(func: Any) -> list[int | None]:
                     break
         result.append(match)
     return result
+
+
+# -- ops that touch rows named by a device-side index tensor -----------------------------------------
+
+# op -> (position of the indexed tensor, position of its dim (or a fixed dim), position of the index, writes)
+_INDEXED: dict[Any, tuple[int, int | tuple[int], int, bool]] = {}
+for _name, _spec in {
+    "index_select.default": (0, 1, 2, False),
+    "index_copy_.default": (0, 1, 2, True),
+    "index_add_.default": (0, 1, 2, True),
+    "index_fill_.int_Scalar": (0, 1, 2, True),
+    "index_fill_.int_Tensor": (0, 1, 2, True),
+    "index_reduce_.default": (0, 1, 2, True),
+    "gather.default": (0, 1, 2, False),
+    "scatter_.src": (0, 1, 2, True),
+    "scatter_.value": (0, 1, 2, True),
+    "scatter_.reduce": (0, 1, 2, True),
+    "scatter_.value_reduce": (0, 1, 2, True),
+    "scatter_add_.default": (0, 1, 2, True),
+    "scatter_reduce_.two": (0, 1, 2, True),
+    "embedding.default": (0, (0,), 1, False),
+}.items():
+    for _op in _ops(_name):
+        _INDEXED[_op] = _spec
+_INDEX_LIST = {op: write for op, write in ((o, False) for o in _ops("index.Tensor"))}
+_INDEX_LIST.update({op: True for op in _ops("index_put_.default", "_index_put_impl_.default")})
+
+
+def indexed_rows(func: Any, args: tuple, kwargs: dict) -> tuple[int, int, torch.Tensor, bool] | None:
+    """For an op that reads or writes only the rows an index tensor names (``index_select``,
+    ``index_copy_``, ``x[idx]``, ``x[idx] = v``, gathers and scatters, ``embedding``):
+    (position of the indexed tensor, the dim, the index tensor, whether it writes). None for any
+    other op, and for indexing this cannot reduce to rows of one dim (several index tensors,
+    boolean masks)."""
+    spec = _INDEXED.get(func)
+    positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+    if spec is not None:
+        target, dim_at, index_at, writes = spec
+        dim = dim_at[0] if isinstance(dim_at, tuple) else positional[dim_at]
+        index = positional[index_at]
+        if not isinstance(index, torch.Tensor) or not isinstance(dim, int):
+            return None
+        return target, dim, index, writes
+    writes = _INDEX_LIST.get(func)
+    if writes is None:
+        return None
+    indices = positional[1] or ()
+    named = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if len(named) != 1:
+        return None
+    dim, index = named[0]
+    if not isinstance(index, torch.Tensor) or index.dtype in (torch.bool, torch.uint8):
+        return None
+    return 0, dim, index, writes

@@ -152,11 +152,15 @@ class CudaOps(TorchDispatchMode):
             stamp = self.session.enqueue(issue, name=name, reads=reads, writes=writes, cache_written=cache)
             if how == "h2d-async" and pinned is not None:
                 self.session.host.note_read(pinned, src, stamp)
-            elif how == "d2h-async" and pinned is not None:
-                self.session.host.note_device_write(pinned)
+            elif how == "d2h-async":
+                target = dst if dst is not None else box[0]
+                if pinned is None and dst is None and pin:  # .to("cpu", non_blocking=True): a fresh pinned result
+                    pinned = self.session.host.register(target, "pinned result of .to()")
+                if pinned is not None:
+                    self.session.host.note_device_write(pinned, target, stamp)
         result = box[0]
         if dst is None and isinstance(result, torch.Tensor) and result.is_cuda:
             self._fresh([result])
-        if dst is None and pin and isinstance(result, torch.Tensor) and not result.is_cuda:
+        if dst is None and pin and how != "d2h-async" and isinstance(result, torch.Tensor) and not result.is_cuda:
             self.session.host.register(result, "pinned result of .to()")
         return result

@@ -166,9 +166,8 @@ class InterceptSession:
     def address_ranges(self) -> list[tuple[int, int, Any]]:
         """[start, end) of every byte the zeroer's kernels may touch on the simulator, sorted."""
         ranges = list(self.memory.ranges()) if self.memory is not None else []
-        for buffer in self.host.buffers():
-            storage = buffer.base.untyped_storage()
-            ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), buffer))
+        for region in self.host.buffers():
+            ranges.append((region.start, region.end, region))
         return sorted(ranges, key=lambda r: r[0])
 
     def describe_address(self, address: int) -> str:
@@ -185,12 +184,14 @@ class InterceptSession:
 
 
 class _Key:
-    """A memory key in the shape ``Runtime.launch`` reads (an object with ``.key``)."""
+    """A memory key in the shape ``Runtime.launch`` reads (an object with ``.key``, and the
+    ``.ranges`` of bytes touched where known)."""
 
-    __slots__ = ("key",)
+    __slots__ = ("key", "ranges")
 
     def __init__(self, key: Any) -> None:
         self.key = key.key if hasattr(key, "key") else key
+        self.ranges = getattr(key, "ranges", None)
 
 
 def _name(owner: Any) -> str:

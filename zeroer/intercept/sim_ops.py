@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from zeroer.intercept.errors import forward, unroutable
 from racecheck.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
+from racecheck.ranges import byte_runs, merge
 from zeroer.intercept.sim_memory import Allocation, Block
 from zeroer.intercept.sim_tensor import SimCudaTensor, uncloak
 
@@ -112,12 +113,14 @@ class SimOps:
         return self._like(meta, f"{func}")
 
     def _accesses(self, tensors: list[SimCudaTensor], written: list[SimCudaTensor]) -> tuple[list, list, bool]:
-        """(blocks read, blocks written, whether the KV cache is written)."""
-        write_blocks = {id(t._alloc.block): t._alloc.block for t in written}
-        reads = [t._alloc.block for t in tensors if id(t._alloc.block) not in write_blocks]
-        cache = any(b.cache_tensor is not None for b in write_blocks.values())
-        writes = [b for b in write_blocks.values() if b.cache_tensor is None]
-        return _unique(reads), writes, cache
+        """(bytes read, bytes written, whether the KV cache is written): each a :class:`Span`, the
+        block and the runs of its bytes the tensor covers, so that two views of one allocation that
+        do not meet (``kv[3]`` and ``kv[7]``) are not taken for one memory."""
+        writes = _spans(t for t in written if t._alloc.block.cache_tensor is None)
+        cache = any(t._alloc.block.cache_tensor is not None for t in written)
+        written_ids = {id(t) for t in written}
+        reads = _spans(t for t in tensors if id(t) not in written_ids)
+        return reads, writes, cache
 
     def _queued(self, func: Any, args: tuple, kwargs: dict) -> Any:
         try:
@@ -212,7 +215,7 @@ class SimOps:
         if how == "h2d-async":
             self.session.host.note_read(pinned, src, stamp)
         elif how == "d2h-async":
-            self.session.host.note_device_write(pinned)
+            self.session.host.note_device_write(pinned, dst, stamp)
         return dst
 
     def _to_copy(self, x: SimCudaTensor, *, dtype: torch.dtype | None = None, layout: Any = None,
@@ -242,11 +245,23 @@ def _op_name(func: Any) -> str:
     return str(func).replace("aten.", "").replace(".default", "")
 
 
-def _unique(blocks: list[Block]) -> list[Block]:
-    seen: dict[int, Block] = {}
-    for block in blocks:
-        seen.setdefault(id(block), block)
-    return list(seen.values())
+class Span:
+    """The bytes of a simulated block an op touches: what ``Runtime.launch`` declares."""
+
+    __slots__ = ("block", "key", "ranges")
+
+    def __init__(self, block: Block, ranges: list[tuple[int, int]]) -> None:
+        self.block, self.key, self.ranges = block, block.key, ranges
+
+
+def _spans(tensors: Any) -> list[Span]:
+    """One :class:`Span` per block among ``tensors``, with the runs all of them cover there."""
+    by_block: dict[int, tuple[Block, list[tuple[int, int]]]] = {}
+    for tensor in tensors:
+        block = tensor._alloc.block
+        entry = by_block.setdefault(id(block), (block, []))
+        entry[1].extend(byte_runs(tensor._inner))
+    return [Span(block, merge(runs)) for block, runs in by_block.values()]
 
 
 Runner = Callable[[], None]

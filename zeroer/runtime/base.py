@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,9 @@ from typing import Callable
 import torch
 
 from zeroer.errors import RuntimeUsageError
+from racecheck.clocks import HOST
 from racecheck.hb import HappensBefore, Hazard, OpStamp
+from racecheck.threads import HostThreads
 
 # What an unchecked runtime hands its backend instead of a real stamp: no clock, a fixed label.
 UNCHECKED_STAMP = OpStamp(0, 0, (), "an op of an unchecked runtime (no labels)")
@@ -69,8 +72,16 @@ class _NoHappensBefore:
     def snapshot(self, thread: int) -> tuple[int, ...]:
         return ()
 
+    def add_host(self, name: str, parent: int | None = HOST) -> int:
+        self._threads += 1
+        return self._threads
+
+    def pending_writes(self, *args: object, **kwargs: object) -> list[OpStamp]:
+        return []
+
     stream_waits = host_observes = host_observes_stream = host_observes_all = staticmethod(_nothing)
-    name_resource = copy_reads_host = host_write = device_access = staticmethod(_nothing)
+    name_resource = copy_reads_host = copy_writes_host = host_write = host_read = staticmethod(_nothing)
+    device_access = host_acquires = forget = staticmethod(_nothing)
 
 
 @dataclass(eq=False)
@@ -224,8 +235,22 @@ class Runtime(ABC):
         self._buffer_ids = itertools.count(1)
         self._origin: list[str] = []
         self._block_space = 0  # which KV cache "block N" means (block_space)
+        self._local = threading.local()  # each Python thread's current stream, as CUDA keeps one per thread
+        self.threads = HostThreads(self.hb)
         self.default_stream = self.new_stream("main")
-        self._current = self.default_stream
+
+    # -- host threads and their current streams --------------------------------------------------
+    @property
+    def _current(self) -> Stream:
+        return getattr(self._local, "stream", None) or self.default_stream
+
+    @_current.setter
+    def _current(self, stream: Stream) -> None:
+        self._local.stream = stream
+
+    def host_thread(self) -> int:
+        """The happens-before index of the Python thread calling (:mod:`racecheck.threads`)."""
+        return self.threads.current()
 
     # -- labels ------------------------------------------------------------------------------
     def annotate(self, origin: str) -> contextlib.AbstractContextManager[None]:
@@ -316,7 +341,7 @@ class Runtime(ABC):
         """Record ``event`` (a new one if None) at the current end of ``stream``."""
         stream = self._resolve(stream)
         event = event or self.new_event()
-        stamp = self.hb.enqueue(stream.thread, self._label("record", stream))
+        stamp = self.hb.enqueue(stream.thread, self._label("record", stream), self.host_thread())
         event.stream = stream
         event.hb_snapshot = stamp.vc
         self._record(event, stream, stamp)
@@ -325,7 +350,7 @@ class Runtime(ABC):
     def wait_event(self, event: Event, stream: Stream | None = None) -> None:
         """Make later work on ``stream`` wait until ``event``'s recorded position has executed."""
         stream = self._resolve(stream)
-        stamp = self.hb.enqueue(stream.thread, self._label("wait", stream))
+        stamp = self.hb.enqueue(stream.thread, self._label("wait", stream), self.host_thread())
         self.hb.stream_waits(stream.thread, event.hb_snapshot)
         self._wait(event, stream, stamp)
 
@@ -333,23 +358,23 @@ class Runtime(ABC):
         """True when ``event`` has completed; the host then knows everything before it ran."""
         done = event.stream is None or self._event_done(event)
         if done:
-            self.hb.host_observes(event.hb_snapshot)
+            self.hb.host_observes(event.hb_snapshot, self.host_thread())
         return done
 
     def synchronize_event(self, event: Event) -> None:
         if event.stream is not None:
             self._sync_event(event)
-        self.hb.host_observes(event.hb_snapshot)
+        self.hb.host_observes(event.hb_snapshot, self.host_thread())
 
     def synchronize_stream(self, stream: Stream | None = None) -> None:
         stream = self._resolve(stream)
         self._sync_stream(stream)
-        self.hb.host_observes_stream(stream.thread)
+        self.hb.host_observes_stream(stream.thread, self.host_thread())
 
     def synchronize(self) -> None:
         """Wait for all work on every stream (``torch.cuda.synchronize``)."""
         self._sync_all()
-        self.hb.host_observes_all()
+        self.hb.host_observes_all(self.host_thread())
 
     # -- memory ------------------------------------------------------------------------------
     def host_buffer(self, n: int, dtype: torch.dtype = torch.int64, *, protected: bool = True) -> HostBuffer:
@@ -377,7 +402,8 @@ class Runtime(ABC):
                 f"writing {data.numel()} values at offset {offset} overflows pinned host buffer "
                 f"{buf.block} of {buf.tensor.numel()} elements"
             )
-        self.hb.host_write(buf.key, self._label("host-write") if not self._origin else self._origin[-1])
+        self.hb.host_write(buf.key, self._label("host-write") if not self._origin else self._origin[-1],
+                           self.host_thread())
         buf.tensor[offset : offset + data.numel()] = data
 
     def device_buffer(self, n: int, dtype: torch.dtype = torch.int64, *, name: str | None = None) -> DeviceBuffer:
@@ -404,7 +430,7 @@ class Runtime(ABC):
             raise RuntimeUsageError(
                 f"copy of {n} elements does not fit: source has {len(src)}, destination {len(dst)}"
             )
-        stamp = self.hb.enqueue(stream.thread, self._label("copy", stream))
+        stamp = self.hb.enqueue(stream.thread, self._label("copy", stream), self.host_thread())
         self.hb.copy_reads_host(src.key, stamp)
         self.hb.device_access(dst.key, stamp, write=True)
         source, target = src.tensor[:n], dst.tensor[:n]
@@ -433,7 +459,7 @@ class Runtime(ABC):
         logical block id.
         """
         stream = self._resolve(stream)
-        stamp = self.hb.enqueue(stream.thread, self._label(name, stream))
+        stamp = self.hb.enqueue(stream.thread, self._label(name, stream), self.host_thread())
         if self.checked:  # unchecked: even no-op calls would cost ~0.1 us per block
             self._declare(stamp, reads, writes, blocks_read, blocks_written)
         self._launch(fn, stream, stamp)
@@ -443,9 +469,9 @@ class Runtime(ABC):
                  blocks_read: Iterable[int], blocks_written: Iterable[int]) -> None:
         """Tell the happens-before checker what the op ``stamp`` reads and writes."""
         for buf in reads:
-            self.hb.device_access(buf.key, stamp, write=False)
+            self.hb.device_access(buf.key, stamp, write=False, ranges=getattr(buf, "ranges", None))
         for buf in writes:
-            self.hb.device_access(buf.key, stamp, write=True)
+            self.hb.device_access(buf.key, stamp, write=True, ranges=getattr(buf, "ranges", None))
         for block in blocks_read:
             self.hb.device_access(("block", self._block_space, int(block)), stamp, write=False)
         for block in blocks_written:
@@ -469,18 +495,19 @@ class Runtime(ABC):
         :meth:`launch`."""
         stream = self._resolve(stream)
         self.synchronize_stream(stream)
-        stamp = self.hb.enqueue(stream.thread, self._label(name, stream))
+        host = self.host_thread()
+        stamp = self.hb.enqueue(stream.thread, self._label(name, stream), host)
         if self.checked:
             self._declare(stamp, reads, writes, blocks_read, blocks_written)
         self._run_now(fn, stream, stamp)
-        self.hb.host_observes_stream(stream.thread)
+        self.hb.host_observes_stream(stream.thread, host)
 
     def query_stream(self, stream: Stream | None = None) -> bool:
         """True when every op queued on ``stream`` has run; the host then knows they did."""
         stream = self._resolve(stream)
         done = self._stream_done(stream)
         if done:
-            self.hb.host_observes_stream(stream.thread)
+            self.hb.host_observes_stream(stream.thread, self.host_thread())
         return done
 
     def delay(self, stream: Stream | None, amount: int) -> None:
@@ -492,14 +519,14 @@ class Runtime(ABC):
         stream = self._resolve(stream)
         if not isinstance(amount, int) or amount < 1:
             raise RuntimeUsageError(f"delay amount {amount!r} must be a positive int (units)")
-        stamp = self.hb.enqueue(stream.thread, self._label(f"delay({amount})", stream))
+        stamp = self.hb.enqueue(stream.thread, self._label(f"delay({amount})", stream), self.host_thread())
         self._delay(stream, amount, stamp)
 
     def hold(self, stream: Stream | None = None) -> Hold:
         """Stop ``stream`` at this point until :meth:`release`. Synchronising on held work is
         a :class:`~zeroer.errors.DeadlockError`, never a hang."""
         stream = self._resolve(stream)
-        stamp = self.hb.enqueue(stream.thread, self._label("hold", stream))
+        stamp = self.hb.enqueue(stream.thread, self._label("hold", stream), self.host_thread())
         hold = Hold(stream, stamp.label)
         self._hold(hold, stamp)
         return hold

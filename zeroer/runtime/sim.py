@@ -111,7 +111,7 @@ class SimHostAllocator:
                 if all(self._rt._event_done(e) for e in events):
                     chosen = free.pop(i)
                     for event in events:  # the allocator looked: the host now knows they ran
-                        self._rt.hb.host_observes(event.hb_snapshot)
+                        self._rt.hb.host_observes(event.hb_snapshot, self._rt.host_thread())
                     self._events.pop(block, None)
                     break
         elif free:

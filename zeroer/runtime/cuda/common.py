@@ -212,7 +212,7 @@ class CudaRuntimeBase(Runtime):
         if seen is not None:
             # PyTorch hands a block out again only after the events of its copies completed: the
             # allocator looked, so the host now knows those copies ran (as on the simulator).
-            self.hb.host_observes(seen)
+            self.hb.host_observes(seen, self.host_thread())
         block = next(self._block_ids)  # fresh: PyTorch, not us, decides when memory is reused
         self._block_ptrs[block] = address
         return HostBuffer(block, tensor, protected=True)

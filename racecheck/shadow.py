@@ -1,0 +1,133 @@
+"""Shadow state of one memory resource, byte range by byte range: its last write and reads since.
+
+Two accesses conflict when they touch a common byte, at least one writes, and neither happens
+before the other. A resource (a device allocation, a KV-cache block) is shadowed as segments of
+its address range, each with the last write and the latest read per thread since that write
+(the FastTrack scheme, per segment). An access to a few rows of a large tensor splits the segments
+at its edges and checks only those; a whole-tensor access covers every segment. Segments whose
+states are the same object are merged again, so a resource always written whole stays one segment.
+
+An access may be declared after others that happen after it (an indexed op whose rows became
+known only when it ran): the conflict test looks at both directions, and a state is never replaced
+by an access that happens before it, so the verdict does not depend on the order of declaration.
+
+Example::
+
+    shadow = RangeShadow()
+    shadow.access([(0, 64)], stamp_a, write=True)     # []
+    shadow.access([(64, 128)], stamp_b, write=True)   # []: other bytes
+    shadow.access(None, stamp_c, write=False)         # [(stamp_a, "writes", 0, 64), (stamp_b, ...)] if unordered
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from racecheck.clocks import OpStamp, ordered
+
+Ranges = list[tuple[int, int]] | None  # [start, end) byte runs; None: the whole resource
+WHOLE = (0, 1 << 64)
+
+
+@dataclass(frozen=True)
+class _State:
+    last_write: OpStamp | None
+    reads: tuple[OpStamp, ...]  # the latest read per thread since the last write
+
+
+_EMPTY = _State(None, ())
+
+
+def _unordered(a: OpStamp, b: OpStamp) -> bool:
+    return a.thread != b.thread and not ordered(a, b.vc) and not ordered(b, a.vc)
+
+
+def _after(state: _State, stamp: OpStamp, write: bool) -> _State:
+    """``state`` once ``stamp`` has accessed the bytes (never replaced by an earlier access)."""
+    last = state.last_write
+    if write:
+        if last is not None and ordered(stamp, last.vc) and stamp is not last:
+            return state  # a write declared late that happens before the last one: it changes nothing
+        return _State(stamp, tuple(r for r in state.reads if ordered(stamp, r.vc) and r is not stamp))
+    if last is not None and ordered(stamp, last.vc):
+        return state  # a read declared late (or the writing op's own read) that the last write follows
+    reads = []
+    placed = False
+    for read in state.reads:
+        if read.thread == stamp.thread:
+            reads.append(stamp if stamp.clock >= read.clock else read)
+            placed = True
+        else:
+            reads.append(read)
+    if not placed:
+        reads.append(stamp)
+    return _State(last, tuple(reads))
+
+
+class RangeShadow:
+    """The segments of one resource (see the module docstring)."""
+
+    __slots__ = ("starts", "states")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = [0]  # segment i covers [starts[i], starts[i + 1]), the last one to the end
+        self.states: list[_State] = [_EMPTY]
+
+    def _split(self, at: int) -> int:
+        """Index of the segment that starts at ``at``, splitting one if needed."""
+        i = bisect.bisect_right(self.starts, at) - 1
+        if self.starts[i] == at:
+            return i
+        self.starts.insert(i + 1, at)
+        self.states.insert(i + 1, self.states[i])
+        return i + 1
+
+    def access(self, ranges: Ranges, stamp: OpStamp, *, write: bool) -> list[tuple[OpStamp, str, int, int]]:
+        """Record ``stamp``'s access to ``ranges``; the unordered conflicts it meets:
+        (other access, "writes" or "reads", first byte, end byte), one per other access."""
+        found: dict[int, tuple[OpStamp, str, int, int]] = {}
+        memo: dict[int, _State] = {}
+        for start, end in ranges or (WHOLE,):
+            if end <= start:
+                continue
+            first = self._split(start)
+            last = self._split(end) if end < WHOLE[1] else len(self.starts)
+            for i in range(first, last):
+                state = self.states[i]
+                lo = self.starts[i]
+                hi = self.starts[i + 1] if i + 1 < len(self.starts) else end
+                prior = state.last_write
+                if prior is not None and _unordered(prior, stamp) and id(prior) not in found:
+                    found[id(prior)] = (prior, "writes", lo, hi)
+                if write:
+                    for read in state.reads:
+                        if _unordered(read, stamp) and id(read) not in found:
+                            found[id(read)] = (read, "reads", lo, hi)
+                new = memo.get(id(state))
+                if new is None:
+                    new = memo[id(state)] = _after(state, stamp, write)
+                self.states[i] = new
+            self._merge(max(first - 1, 0), min(last + 1, len(self.starts)))
+        return list(found.values())
+
+    def _merge(self, lo: int, hi: int) -> None:
+        """Merge neighbouring segments of ``[lo, hi)`` that share their state."""
+        i = max(lo, 1)
+        while i < min(hi, len(self.starts)):
+            if self.states[i] is self.states[i - 1]:
+                del self.starts[i]
+                del self.states[i]
+                hi -= 1
+            else:
+                i += 1
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
+def overlaps(a: Ranges, b: Ranges) -> bool:
+    """Whether two sets of byte runs share a byte (None is everything)."""
+    if a is None or b is None:
+        return True
+    return any(s1 < e2 and s2 < e1 for s1, e1 in a for s2, e2 in b)
