@@ -202,19 +202,25 @@ class HappensBefore:
                 if not overlaps(item.ranges, ranges):
                     kept.append(item)
                     continue
+                writes = table is self._host_writers
                 if ordered(item.stamp, self.clocks.union):
-                    self.notes.append(self._host_hazard(kind, key, item.stamp, label, assumed=True))
+                    self.notes.append(self._host_hazard(kind, key, item.stamp, label, writes, assumed=True))
                 else:
-                    self.hazards.append(self._host_hazard(kind, key, item.stamp, label))
+                    self.hazards.append(self._host_hazard(kind, key, item.stamp, label, writes))
                 # reported (or noted) once: the same pair is not reported again
             table[key] = kept
 
-    def _host_hazard(self, kind: str, key: Key, stamp: OpStamp, label: str, *, assumed: bool = False) -> Hazard:
+    def _host_hazard(self, kind: str, key: Key, stamp: OpStamp, label: str, copy_writes: bool, *,
+                     assumed: bool = False) -> Hazard:
         resource = self.name(key)
         if kind == HOST_READ:
             text = (f"host read of {resource} by {label} while {stamp.label} may not have written it yet: "
                     f"no event or synchronisation observed by the host orders the copy before the read "
                     f"(the vLLM #36013 hazard)")
+        elif copy_writes:
+            text = (f"host write to {resource} by {label} while {stamp.label} may not have written it yet "
+                    f"(the copy would overwrite the host's bytes): no event or synchronisation observed by the "
+                    f"host orders the copy before the write")
         else:
             text = (f"host write to {resource} by {label} while {stamp.label} may not have read it yet: "
                     f"no event or synchronisation observed by the host orders the copy before the write "

@@ -154,6 +154,8 @@ def indexed_rows(func: Any, args: tuple, kwargs: dict) -> tuple[int, int, torch.
     other op, and for indexing this cannot reduce to rows of one dim (several index tensors,
     boolean masks)."""
     spec = _INDEXED.get(func)
+    if spec is None and func not in _INDEX_LIST:
+        return None
     positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
     if spec is not None:
         target, dim_at, index_at, writes = spec

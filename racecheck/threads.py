@@ -18,43 +18,60 @@ Example::
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from racecheck.clocks import HOST
 
+_ACTIVE: dict[int, Any] = getattr(threading, "_active", {})  # ident -> Thread of the running threads
+
 
 class HostThreads:
-    """Which host thread of ``hb`` (a :class:`racecheck.hb.HappensBefore`) each Python thread is."""
+    """Which host thread of ``hb`` (a :class:`racecheck.hb.HappensBefore`) each Python thread is.
+
+    Threads are told apart by their ``threading.Thread`` object, not only their ident: the OS
+    gives an ended thread's ident to the next one, which must not inherit what the first had seen.
+    """
 
     def __init__(self, hb: object) -> None:
         self.hb = hb
-        self._index: dict[int, int] = {threading.get_ident(): HOST}
+        self._index: dict[int, tuple[Any, int]] = {threading.get_ident(): (threading.current_thread(), HOST)}
         self._lock = threading.Lock()
 
     def current(self) -> int:
         """The host thread asking (a thread met for the first time is added, knowing nothing)."""
         ident = threading.get_ident()
-        index = self._index.get(ident)
-        if index is None:
-            with self._lock:
-                index = self._index.get(ident)
-                if index is None:
-                    name = threading.current_thread().name
-                    index = self._index[ident] = self.hb.add_host(f"thread '{name}'", parent=None)
-        return index
-
-    def started(self, parent: int, child: int, name: str) -> int:
-        """Python thread ``child`` (an ident) was started by ``parent``: it knows what ``parent`` knew."""
+        entry = self._index.get(ident)
+        # The thread object without threading.current_thread(), which makes a dummy thread (and
+        # runs code) for a thread it does not know yet, as one is while it starts.
+        thread = _ACTIVE.get(ident)
+        if entry is not None and (thread is None or entry[0] is thread):
+            return entry[1]
         with self._lock:
-            parent_index = self._index.get(parent)
-            index = self.hb.add_host(f"thread '{name}'", parent=parent_index)
-            self._index[child] = index
+            entry = self._index.get(ident)
+            if entry is not None and (thread is None or entry[0] is thread):
+                return entry[1]
+            name = thread.name if thread is not None else str(ident)
+            index = self.hb.add_host(f"thread '{name}'", parent=None)
+            self._index[ident] = (thread, index)
+            return index
+
+    def started(self, parent: int, child: int, name: str, thread: Any = None) -> int:
+        """Python thread ``child`` (an ident; ``thread`` its object, found by the ident if not given)
+        was started by ``parent`` (an ident): it knows what ``parent`` knew."""
+        with self._lock:
+            entry = self._index.get(parent)
+            index = self.hb.add_host(f"thread '{name}'", parent=entry[1] if entry is not None else None)
+            if thread is None:
+                thread = next((t for t in threading.enumerate() if t.ident == child), threading.current_thread())
+            self._index[child] = (thread, index)
             return index
 
     def ended(self, ident: int) -> None:
         """Python thread ``ident`` ended: its ident may be reused by a new thread."""
         with self._lock:
-            if self._index.get(ident) != HOST:
-                self._index.pop(ident, None)
+            entry = self._index.get(ident)
+            if entry is not None and entry[1] != HOST:
+                del self._index[ident]
 
     def known(self, ident: int) -> bool:
         return ident in self._index

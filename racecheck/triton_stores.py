@@ -13,7 +13,7 @@ Example::
         offs = tl.arange(0, BLOCK)
         tl.store(out_ptr + offs, tl.load(x_ptr + offs) + 1, mask=offs < n)
 
-    stored_params(add_one.fn)        # frozenset({'out_ptr'})
+    stored_params(add_one.fn)        # frozenset({'out_ptr'}): BLOCK is a constexpr
 """
 
 from __future__ import annotations
@@ -30,11 +30,14 @@ _STORES = {"store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "at
 
 @functools.lru_cache(maxsize=None)
 def stored_params(fn: Any) -> frozenset[str]:
-    """Parameters of the kernel function ``fn`` that reach the pointer of a ``tl.store`` or atomic.
+    """Parameters of the kernel function ``fn`` (``constexpr`` ones aside) that reach the pointer of
+    a ``tl.store`` or atomic.
 
-    A small data-flow reading of the source: a parameter counts when its name, directly or
-    through local assignments, appears in the first argument of such a call. The happens-before
-    checker then records the kernel as writing those tensors and only reading the others.
+    A small data-flow reading of the source, statement by statement: a local name carries the
+    parameters its last assignment was built from (inside a branch or a loop, those of every
+    assignment so far), and a parameter counts when it reaches the first argument of a store. The
+    happens-before checker then records the kernel as writing those tensors and only reading the
+    others.
     """
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
@@ -43,27 +46,52 @@ def stored_params(fn: Any) -> frozenset[str]:
     func = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)), None)
     if func is None:
         return frozenset()
-    params = {a.arg for a in func.args.args}
-    flows: dict[str, set[str]] = {}
+    params = {a.arg for a in func.args.args if not _is_constexpr(a.annotation)}
     reached: set[str] = set()
-    for node in ast.walk(func):
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            sources = _pointer_names(node.value) if node.value is not None else set()
-            for target in targets:
-                for name in (n.id for n in ast.walk(target) if isinstance(n, ast.Name)):
-                    flows.setdefault(name, set()).update(sources)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _STORES:
-            pointer = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "pointer"), None)
-            if pointer is not None:
-                reached.update(_pointer_names(pointer))
-    frontier = list(reached)
-    while frontier:
-        for source in flows.get(frontier.pop(), ()):
-            if source not in reached:
-                reached.add(source)
-                frontier.append(source)
+
+    def sources(expression: ast.AST, env: dict[str, set[str]]) -> set[str]:
+        found: set[str] = set()
+        for name in _pointer_names(expression):
+            found |= env.get(name, {name} if name in params else set())
+        return found
+
+    def stores(node: ast.AST, env: dict[str, set[str]]) -> None:
+        for call in ast.walk(node):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in _STORES:
+                pointer = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "pointer"), None)
+                if pointer is not None:
+                    reached.update(sources(pointer, env))
+
+    def walk(statements: list[ast.stmt], env: dict[str, set[str]], branch: bool) -> None:
+        for statement in statements:
+            if isinstance(statement, (ast.If, ast.For, ast.While, ast.With, ast.Try)):
+                for part in ("test", "iter", "items"):
+                    if hasattr(statement, part):
+                        stores(getattr(statement, part) if not isinstance(getattr(statement, part), list)
+                               else ast.Tuple(elts=[i.context_expr for i in statement.items], ctx=ast.Load()), env)
+                for block in ("body", "orelse", "finalbody"):
+                    walk(getattr(statement, block, []), env, True)
+                for handler in getattr(statement, "handlers", []):
+                    walk(handler.body, env, True)
+                continue
+            stores(statement, env)
+            if isinstance(statement, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and statement.value is not None:
+                targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+                value = sources(statement.value, env)
+                for target in targets:
+                    for name in (n.id for n in ast.walk(target) if isinstance(n, ast.Name)):
+                        keep = branch or isinstance(statement, ast.AugAssign)
+                        env[name] = (env.get(name, set()) | value) if keep else set(value)
+
+    walk(func.body, {}, False)
     return frozenset(reached & params)
+
+
+def _is_constexpr(annotation: ast.AST | None) -> bool:
+    if annotation is None:
+        return False
+    text = ast.unparse(annotation)
+    return text == "constexpr" or text.endswith(".constexpr")
 
 
 def _pointer_names(expression: ast.AST) -> set[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import fuzz.interrupts as interrupts
 from fuzz.atomic_file import write_json_atomically
 from fuzz.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
-from sanitizer.forcing import HOLD_LIMIT_S
+from sanitizer.gpu.forcing import HOLD_LIMIT_S
 from sanitizer.races import distinct
 from sanitizer.runner import BACKENDS, Outcome, prepare, sanitize
 
@@ -33,8 +33,8 @@ PROG = "python -m sanitizer"
 def parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Run a Python program under the pinned-staging race sanitizer.")
     p.add_argument("--force", action="store_true",
-                   help="hold queued copies from pinned memory until the host next synchronises, so a race also "
-                        "shows as wrong values (GPU only; the simulator always does)")
+                   help="hold queued copies to and from pinned memory until the host next synchronises, so a race "
+                        "also shows as wrong values (on the simulator every run already does: accepted, changes nothing)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="cuda: the observer on this machine's GPU; sim: the program's cuda work on the CPU "
                         "simulator; auto (default): cuda when there is a GPU")
@@ -70,19 +70,25 @@ def _run(kind: str, target: str, argv: list[str]) -> None:
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = argv
     sys.path.insert(0, str(Path(target).resolve().parent) if kind == "path" else os.getcwd())
-    try:
+    try:  # a SystemExit of the program's own is the runner's to judge (sanitizer.runner)
         if kind == "path":
             runpy.run_path(target, run_name="__main__")
         else:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
-    except SystemExit as done:
-        if done.code not in (None, 0):
-            raise
     finally:
         sys.argv, sys.path = saved_argv, saved_path
 
 
-def report(outcome: Outcome, name: str, *, partial: bool, out: object = None) -> int:
+def describe(outcome: Outcome, *, forced: bool = False) -> str:
+    """The run's backend and mode as the summary line says them."""
+    if outcome.backend == "cuda":
+        return f"{outcome.mode} mode, cuda"
+    if forced:
+        return "simulator, which holds every copy until the host synchronises, as --force does on a GPU"
+    return "simulator"
+
+
+def report(outcome: Outcome, name: str, *, partial: bool, forced: bool = False, out: object = None) -> int:
     out = out or sys.stdout
     groups = distinct(outcome.races)
     for first, members in groups:
@@ -90,9 +96,11 @@ def report(outcome: Outcome, name: str, *, partial: bool, out: object = None) ->
         if len(members) > 1:
             print(f"  seen:    {len(members)} times in this run", file=out)
         print(file=out)
+    for line in outcome.notes:
+        print(line, file=out)
     for line in outcome.unfollowed:
         print(f"{line}{'' if partial else '; rerun with --partial to check the rest of the program'}", file=out)
-    mode = f"{outcome.mode} mode, {outcome.backend}" if outcome.backend == "cuda" else "simulator"
+    mode = describe(outcome, forced=forced)
     if outcome.forced_timeouts:
         print(f"kvz-sanitize: force mode opened its gates by the {HOLD_LIMIT_S:g} s limit {outcome.forced_timeouts} "
               f"time(s) (the host waited for the GPU where no hook shows it): the values of those copies were "
@@ -102,9 +110,12 @@ def report(outcome: Outcome, name: str, *, partial: bool, out: object = None) ->
               f"({len(outcome.races)} seen) in {name} [{mode}]", file=out)
     if outcome.error is not None:
         print(outcome.error_text, file=sys.stderr, end="")
-        if not groups:
-            print(f"kvz-sanitize: {name} failed on its own ({type(outcome.error).__name__}) with no race seen "
-                  f"[{mode}]", file=sys.stderr)
+        ended = (f"exited with status {outcome.exit_status}" if outcome.exit_status is not None
+                 else f"failed ({type(outcome.error).__name__})")
+        if groups:
+            print(f"kvz-sanitize: {name} {ended} after the race{'s' if len(groups) != 1 else ''} above", file=out)
+        else:
+            print(f"kvz-sanitize: {name} {ended} on its own with no race seen [{mode}]", file=sys.stderr)
             return USAGE
     if groups:
         return FINDING
@@ -127,16 +138,17 @@ def _main(argv: list[str]) -> int:
         # replace a complete one): the races so far go to the terminal, then the interruption.
         if not outcome.races:
             raise KeyboardInterrupt
-        report(outcome, target, partial=args.partial)
+        report(outcome, target, partial=args.partial, forced=args.force)
         print(f"{PROG}: interrupted; the races above were seen before it"
               f"{' (--json not written)' if json_path is not None else ''}", file=sys.stderr)
         return FINDING
     if json_path is not None:
         data = {"program": target, "backend": outcome.backend, "mode": outcome.mode,
                 "races": [r.to_json() for r in outcome.races], "unfollowed": outcome.unfollowed,
+                "notes": outcome.notes, "program_exit_status": outcome.exit_status,
                 "program_error": repr(outcome.error) if outcome.error is not None else None}
         write_json_atomically(json_path, data)
-    return report(outcome, target, partial=args.partial)
+    return report(outcome, target, partial=args.partial, forced=args.force)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,13 @@
 """``pytest --kvz-sanitize``: a repository's own tests, run under the sanitizer.
 
-Every test runs as it always does, on its own streams and schedule (observe mode); what the
-sanitizer saw during each phase (setup, call, teardown) is checked when the phase ends. A phase
+Every test runs as it always does, on its own streams, threads and schedule (observe mode); what
+the sanitizer saw during each phase (setup, call, teardown) is checked when the phase ends. A phase
 with a race fails with the race's report (a test that failed anyway keeps its own failure and gets
 the report beside it); the terminal summary lists each distinct race once, with the tests it was
-seen in. ``--kvz-sanitize-force`` also holds queued copies from pinned memory until the host next
-synchronises (:mod:`sanitizer.forcing`). Something the sanitizer cannot follow (a CUDA graph
-replay) fails the test with one line saying so, unless ``--kvz-sanitize-partial``.
+seen in. ``--kvz-sanitize-force`` also holds queued copies to and from pinned memory until the host
+next synchronises (:mod:`sanitizer.gpu.forcing`). Something the sanitizer cannot follow fails the
+test with one line saying so, unless ``--kvz-sanitize-partial``; what it assumed (an order between
+threads it cannot see) is a note beside the test, never a failure.
 
 With pytest-xdist each worker sanitizes its own tests; the reports carry their races to the
 controller (``user_properties``), which prints the summary.
@@ -30,16 +31,18 @@ PROPERTY = "kvz_sanitize"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("kvz-sanitize", "pinned-staging race sanitizer (kvzero-fuzz)")
+    group = parser.getgroup("kvz-sanitize", "race sanitizer for pinned memory and streams (kvzero-fuzz)")
     add = group.addoption
     add("--kvz-sanitize", dest="kvz_sanitize", action="store_true", default=False,
         help="run the tests under the race sanitizer (observe mode: the tests' own schedule)")
     add("--kvz-sanitize-force", dest="kvz_sanitize_force", action="store_true", default=False,
-        help="sanitize and hold queued copies from pinned memory until the host synchronises, so races show as wrong values")
+        help="sanitize and hold queued copies to and from pinned memory until the host synchronises, so races "
+             "show as wrong values (the simulator always does)")
     add("--kvz-sanitize-partial", dest="kvz_sanitize_partial", action="store_true", default=False,
-        help="report what the sanitizer cannot follow (CUDA graph replays) as a note instead of failing the test")
-    add("--kvz-sanitize-backend", dest="kvz_sanitize_backend", default="auto",
-        help="auto (cuda when there is a GPU), cuda, or sim (the tests' cuda work on the CPU simulator)")
+        help="with --kvz-sanitize: report what the sanitizer cannot follow as a note instead of failing the test")
+    add("--kvz-sanitize-backend", dest="kvz_sanitize_backend", default=None,
+        help="with --kvz-sanitize: auto (default: cuda when there is a GPU), cuda, or sim (the tests' cuda work "
+             "on the CPU simulator)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,13 +56,22 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _configure(config: pytest.Config) -> None:
-    if not (config.getoption("kvz_sanitize", False) or config.getoption("kvz_sanitize_force", False)):
+    from fuzz.cli import UsageError
+
+    asked = config.getoption("kvz_sanitize", False) or config.getoption("kvz_sanitize_force", False)
+    backend = config.getoption("kvz_sanitize_backend", None)
+    if not asked:
+        for flag, given in (("--kvz-sanitize-backend", backend is not None),
+                            ("--kvz-sanitize-partial", config.getoption("kvz_sanitize_partial", False))):
+            if given:
+                raise UsageError(f"{flag} is given without --kvz-sanitize, so nothing would be sanitized; "
+                                 f"add --kvz-sanitize (or --kvz-sanitize-force)")
         return
     from sanitizer.runner import prepare, resolve_backend
 
     mode = "force" if config.getoption("kvz_sanitize_force") else "observe"
     prepare(mode)  # before resolve_backend asks torch about the GPU
-    backend = resolve_backend(config.getoption("kvz_sanitize_backend"))
+    backend = resolve_backend(backend or "auto")
     config.pluginmanager.register(SanitizePlugin(config, backend, mode), "kvz-sanitize")
 
 
@@ -71,8 +83,8 @@ class SanitizePlugin:
         self.partial = config.getoption("kvz_sanitize_partial")
         self.gpu: Any = None
         self.session: Any = None  # the simulator's session of the running test
-        self._scope: Any = None
         self._seen = 0
+        self._notes_seen = 0
         self.reports: list[tuple[str, dict]] = []  # (nodeid, what its phase found), on the controller
 
     # -- the sanitizer's life ---------------------------------------------------------------------
@@ -93,31 +105,36 @@ class SanitizePlugin:
         if self.backend != "sim":
             yield
             return
-        from sanitizer.simulated import ProgramSession
+        from sanitizer.sim.session import ProgramSession, sanitized
 
-        self.session, self._seen = ProgramSession(item.nodeid), 0
-        with self.session.running("test"):
+        self.session, self._seen, self._notes_seen = ProgramSession(item.nodeid), 0, 0
+        with sanitized(self.session, "test"):
             yield
         self.session = None
 
-    def _checkpoint(self) -> tuple[list[Race], list[str]]:
+    def _checkpoint(self, failed: bool) -> tuple[list[Race], list[str], list[str]]:
         if self.gpu is not None:
-            return self.gpu.checkpoint()
+            return self.gpu.checkpoint(failed=failed)
         if self.session is None:
-            return [], []
-        from sanitizer.simulated import race_of
+            return [], [], []
+        watch = self.session.watch
+        with watch.lock:
+            from sanitizer.sites import caller_site
 
-        hazards = self.session.rt.hb.hazards[self._seen:]
-        self._seen += len(hazards)
-        return [race_of(self.session, h) for h in hazards], []
+            watch.boundary(caller_site())
+            watch.collect()
+        races, notes = watch.races[self._seen:], watch.notes[self._notes_seen:]
+        self._seen, self._notes_seen = len(watch.races), len(watch.notes)
+        return list(races), [], list(notes)
 
     # -- verdicts ----------------------------------------------------------------------------------
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Any:
-        races, unfollowed = self._checkpoint()
+        races, unfollowed, notes = self._checkpoint(failed=call.excinfo is not None and not call.excinfo.errisinstance(
+            pytest.skip.Exception))
         outcome = yield
         report = outcome.get_result()
-        if not races and not unfollowed:
+        if not races and not unfollowed and not notes:
             return
         races = [Race(**{**r.__dict__, "where": item.nodeid}) for r in races]
         groups = distinct(races)
@@ -125,15 +142,18 @@ class SanitizePlugin:
                  for first, all_ in groups]
         hint = "" if self.partial else "; rerun with --kvz-sanitize-partial to check the rest of the test"
         lines += [f"{line}{hint}" for line in unfollowed]
-        text = "\n\n".join(lines)
         failing = bool(races) or (bool(unfollowed) and not self.partial)
+        text = "\n\n".join(lines)
         if report.passed and failing:
             report.outcome = "failed"
-            report.longrepr = text
+            report.longrepr = text + ("\n\n" + "\n".join(notes) if notes else "")
         else:
-            report.sections.append((f"kvz-sanitize ({call.when})", text))
+            if text:
+                report.sections.append((f"kvz-sanitize ({call.when})", text))
+            if notes:
+                report.sections.append((f"kvz-sanitize notes ({call.when})", "\n".join(notes)))
         report.user_properties.append(
-            (PROPERTY, json.dumps({"races": [r.to_json() for r in races], "unfollowed": unfollowed})))
+            (PROPERTY, json.dumps({"races": [r.to_json() for r in races], "unfollowed": unfollowed, "notes": notes})))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         for name, value in report.user_properties:
@@ -145,17 +165,27 @@ class SanitizePlugin:
             return
         races = [Race.from_json(r) for _, data in self.reports for r in data["races"]]
         unfollowed = [(nodeid, line) for nodeid, data in self.reports for line in data["unfollowed"]]
+        notes = sorted({line for _, data in self.reports for line in data.get("notes", [])})
         write = terminalreporter.write_line
         where = f"{self.mode} mode" if self.backend == "cuda" else "simulator"
         terminalreporter.section(f"kvz-sanitize ({where})")
         groups = distinct(races)
         for first, members in groups:
-            tests = sorted({m.where for m in members})
             write(first.format())
-            write(f"  seen in: {len(members)} place{'s' if len(members) != 1 else ''} over {len(tests)} test"
-                  f"{'s' if len(tests) != 1 else ''}: {', '.join(tests[:5])}{' ...' if len(tests) > 5 else ''}")
+            write(f"  seen:    {seen_in(members)}")
             write("")
+        for line in notes:
+            write(line)
         for nodeid, line in unfollowed:
             write(f"{nodeid}: {line}")
         write(f"kvz-sanitize: {len(groups)} distinct race{'s' if len(groups) != 1 else ''}"
-              f"{'' if not unfollowed else f', {len(unfollowed)} thing(s) not followed'}")
+              f"{'' if not unfollowed else f', {len(unfollowed)} thing(s) not followed'}"
+              f"{'' if not notes else f', {len(notes)} note(s)'}")
+
+
+def seen_in(members: list[Race]) -> str:
+    """``5 times in 1 test: t.py::test_a`` (the tests it was seen in, at most five named)."""
+    tests = sorted({m.where for m in members})
+    times = "once" if len(members) == 1 else f"{len(members)} times"
+    shown = ", ".join(tests[:5]) + (" ..." if len(tests) > 5 else "")
+    return f"{times} in {len(tests)} test{'s' if len(tests) != 1 else ''}: {shown}"

@@ -10,7 +10,10 @@ every step, or a helper that races on every buffer it is given, is reported once
 The three kinds:
 
 * ``host-write-vs-pending-copy``: the host rewrote pinned memory that a queued non-blocking copy
-  (or a kernel reading pinned memory) may not have read yet (vLLM #48085);
+  (or a kernel reading pinned memory, or a replayed CUDA graph) may not have read yet, or that a
+  queued device-to-host copy may still overwrite (vLLM #48085);
+* ``host-read-vs-pending-copy``: the host read pinned memory that a queued device-to-host copy may
+  not have written yet (vLLM #36013);
 * ``unordered-device-access``: two streams touch the same device memory, one writing, with no event
   path between them;
 * ``reuse-without-record-stream``: the caching allocator handed memory another stream may still be
@@ -33,11 +36,16 @@ from sanitizer.sites import Site
 
 _HEADLINES = {
     "host-write-vs-pending-copy": "host write to pinned memory a queued copy may not have read yet",
+    "host-read-vs-pending-copy": "host read of pinned memory a queued copy may not have written yet",
     "unordered-device-access": "device memory accessed from two streams with no event between them",
     "reuse-without-record-stream": "device memory reused while another stream may still use it",
 }
 
 _ADVICE = {
+    "host-read-vs-pending-copy": (
+        "make the host wait for the copy before it reads the buffer: record an event after the copy on "
+        "its stream and call event.synchronize() (vLLM #36013), or synchronize the copy's stream"
+    ),
     "host-write-vs-pending-copy": (
         "make the host wait for the copy before it rewrites the buffer (an event recorded after the "
         "copy on its stream, then event.synchronize()), or stage each call in a fresh pinned tensor (vLLM #48399)"
@@ -68,6 +76,20 @@ class Access:
         if self.until is not None and self.until != self.site:
             return f"between {self.site} and {self.until}"
         return f"at {self.site}"
+
+
+class Label(str):
+    """An op's or a host access's label in the happens-before checker, carrying what a report says
+    of it (the checker treats labels as plain strings)."""
+
+    access: Access
+    generations: dict[int, int]  # device address -> its allocation count when this op used it
+
+    @classmethod
+    def of(cls, text: str, access: Access) -> "Label":
+        label = cls(text)
+        label.access, label.generations = access, {}
+        return label
 
 
 @dataclass(frozen=True)

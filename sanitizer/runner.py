@@ -1,9 +1,16 @@
 """One sanitized run: pick the backend, start the sanitizer, run the program, collect the verdict.
 
-The command (:mod:`sanitizer.__main__`), the pytest plugin (:mod:`sanitizer.pytest_plugin`)
-and the benchmark (:mod:`sanitizer.bench`) all go through here, so a program gets the same
-verdict however it is run: on a GPU the observer (:mod:`sanitizer.observer`, plus
-:mod:`sanitizer.forcing` in force mode), elsewhere the simulator (:mod:`sanitizer.simulated`).
+The command (:mod:`sanitizer.__main__`), the pytest plugin (:mod:`sanitizer.pytest_plugin`) and
+the benchmark (:mod:`sanitizer.bench`) all go through here, so a program gets the same verdict
+however it is run: on a GPU the observer (:mod:`sanitizer.gpu`, with force mode's gates when
+asked), elsewhere the simulator (:mod:`sanitizer.sim`).
+
+Force mode on a GPU and its failures. Holding a copy until the host next synchronises is a
+schedule the GPU could have chosen, so a race-free program gives the same results under it. When a
+program fails in force mode after a device-to-host copy into pinned memory was held, and no read of
+that memory was seen (it went through memory the sanitizer does not watch: ``np.asarray`` of a
+view, ``memoryview``, a C extension), the failure is reported as the race it shows: a host read of
+that buffer under the held copy, naming the copy and the buffer (:func:`unseen_reads`).
 
 Example::
 
@@ -22,7 +29,7 @@ from typing import Any
 import torch
 
 from fuzz.cli import UsageError
-from sanitizer.races import Race
+from sanitizer.races import Access, Race
 
 BACKENDS = ("auto", "cuda", "sim")
 MODES = ("observe", "force")
@@ -36,8 +43,10 @@ class Outcome:
     mode: str
     races: list[Race] = field(default_factory=list)
     unfollowed: list[str] = field(default_factory=list)  # one line each: what could not be followed, where
+    notes: list[str] = field(default_factory=list)  # one line each: what was assumed (never a race)
     error: BaseException | None = None  # what the program itself raised
     error_text: str = ""  # its traceback, as Python would print it
+    exit_status: int | None = None  # the program's own non-zero sys.exit status, if it ended so
     forced_timeouts: int = 0  # force mode: gates that opened by themselves (a window closed early)
     interrupted: bool = False  # Ctrl-C or SIGTERM stopped the program: the races are those seen before it
 
@@ -65,8 +74,8 @@ class GpuSanitizer:
     """The observer on a GPU, started and stopped around whatever runs in between."""
 
     def __init__(self, mode: str = "observe") -> None:
-        from sanitizer.forcing import Forcing
-        from sanitizer.observer import Observer
+        from sanitizer.gpu.forcing import Forcing
+        from sanitizer.gpu.observer import Observer
 
         if mode not in MODES:
             raise UsageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
@@ -76,21 +85,47 @@ class GpuSanitizer:
     def start(self) -> None:
         self.observer.start()
 
-    def checkpoint(self) -> tuple[list[Race], list[str]]:
-        """End of a scope (a test phase): forced holds released, host checked; what it found."""
+    def checkpoint(self, failed: bool = False) -> tuple[list[Race], list[str], list[str]]:
+        """End of a scope (a test phase): forced holds released, host checked; what it found
+        (``failed``: the scope's code failed, which in force mode may show an unseen host read)."""
         from sanitizer.sites import caller_site
 
-        self.observer.scope_end(caller_site())
-        return self.observer.take_races(), [u.message() for u in self.observer.take_unfollowed()]
+        obs = self.observer
+        obs.scope_end(caller_site())
+        races = obs.take_races()
+        if obs.forcing is not None:
+            held = obs.forcing.take_held_writes()
+            if failed and not races:  # a race seen explains the failure already
+                races = unseen_reads(held, races)
+        return races, [u.message() for u in obs.take_unfollowed()], obs.take_notes()
 
-    def stop(self) -> tuple[list[Race], list[str]]:
-        races = self.observer.stop()
-        return races, [u.message() for u in self.observer.take_unfollowed()]
+    def stop(self, failed: bool = False) -> tuple[list[Race], list[str], list[str]]:
+        obs = self.observer
+        races = obs.stop()
+        if failed and obs.forcing is not None and not races:  # a race seen explains the failure already
+            races = unseen_reads(obs.forcing.take_held_writes(), races)
+        return races, [u.message() for u in obs.take_unfollowed()], obs.take_notes()
 
     @property
     def timeouts(self) -> int:
         forcing = self.observer.forcing
         return forcing.timeouts if forcing is not None else 0
+
+
+def unseen_reads(held: list[tuple[Any, Any]], seen: list[Race]) -> list[Race]:
+    """The host reads force mode made visible only by the program's failure (module docstring):
+    one race per held device-to-host copy whose buffer no seen race already names."""
+    named = {race.resource for race in seen if race.kind == "host-read-vs-pending-copy"}
+    found: list[Race] = []
+    for region, access, released in held:
+        if region.name in named:
+            continue
+        named.add(region.name)
+        later = Access("a host read the sanitizer could not see as it happened (not through a torch op, "
+                       ".tolist() or the buffer's numpy view), shown by the program's failure after force mode "
+                       "held the copy open", "the host", None, until=released)
+        found.append(Race("host-read-vs-pending-copy", region.name, region.site, access, later))
+    return found
 
 
 def sanitize(program: Callable[[], Any], *, backend: str = "auto", mode: str = "observe",
@@ -101,24 +136,63 @@ def sanitize(program: Callable[[], Any], *, backend: str = "auto", mode: str = "
         raise UsageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     outcome = Outcome(backend, mode)
     if backend == "sim":
-        from sanitizer.simulated import run_simulated
+        from sanitizer.sim.session import run_simulated
 
-        outcome.races, outcome.error = run_simulated(program, name)
-        if isinstance(outcome.error, KeyboardInterrupt):
-            outcome.interrupted, outcome.error = True, None
-        if outcome.error is not None:
-            outcome.error_text = "".join(traceback.format_exception(outcome.error))
+        outcome.races, error, outcome.notes = run_simulated(program, name)
+        _settle(outcome, error)
         return outcome
     sanitizer = GpuSanitizer(mode)
     sanitizer.start()
+    error: BaseException | None = None
     try:
         program()
-    except KeyboardInterrupt:  # the races seen so far are kept: the caller reports them as such
-        outcome.interrupted = True
-    except Exception as error:  # noqa: BLE001 - the program's own failure is reported beside its races
-        outcome.error = error
-        outcome.error_text = "".join(traceback.format_exception(error))
+    except (Exception, KeyboardInterrupt, SystemExit) as raised:  # noqa: BLE001 - reported beside its races
+        error = raised
     finally:
-        outcome.races, outcome.unfollowed = sanitizer.stop()
+        failed = error is not None and not isinstance(error, KeyboardInterrupt) and not _clean_exit(error)
+        outcome.races, outcome.unfollowed, outcome.notes = sanitizer.stop(failed=failed)
         outcome.forced_timeouts = sanitizer.timeouts
+    _settle(outcome, error)
     return outcome
+
+
+def _clean_exit(error: BaseException) -> bool:
+    return isinstance(error, SystemExit) and error.code in (None, 0)
+
+
+def _settle(outcome: Outcome, error: BaseException | None) -> None:
+    """What the program raised, as the outcome says it: an interruption, its own exit status, or a
+    failure with its traceback."""
+    if error is None or _clean_exit(error):
+        return
+    if isinstance(error, KeyboardInterrupt):
+        outcome.interrupted = True
+        return
+    if isinstance(error, SystemExit):
+        code = error.code
+        outcome.exit_status = code if isinstance(code, int) else 1
+        outcome.error = error
+        outcome.error_text = "" if isinstance(code, int) else f"{code}\n"
+        return
+    outcome.error = error
+    outcome.error_text = program_traceback(error)
+
+
+def program_traceback(error: BaseException) -> str:
+    """``error``'s traceback as Python would print it for the program, without the frames of the
+    sanitizer that ran it (they are not the program's)."""
+    tb = error.__traceback__
+    while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))
+
+
+def _ours(filename: str) -> bool:
+    resolved = os.path.abspath(filename)
+    if resolved.startswith(_PROGRAMS):
+        return False  # the benchmark's programs are programs
+    return resolved.startswith(_OWN) or os.path.basename(resolved) == "runpy.py"
+
+
+_OWN = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PROGRAMS = _OWN + "bench" + os.sep

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, FrameType
 
+import numpy
 import torch
 
 _SANITIZER = str(Path(__file__).resolve().parent) + os.sep
@@ -30,7 +31,7 @@ _SANITIZER = str(Path(__file__).resolve().parent) + os.sep
 _PROGRAMS = _SANITIZER + "bench" + os.sep
 _LIBRARIES = tuple(
     str(Path(module.__file__).resolve().parent) + os.sep
-    for module in (torch, contextlib, threading)
+    for module in (torch, contextlib, threading, numpy)
     if getattr(module, "__file__", None)
 ) + (_SANITIZER,)
 
@@ -49,9 +50,10 @@ _ALSO: list[str] = []
 
 
 def also_skip(directory: str | Path) -> None:
-    """Count the frames of ``directory`` as plumbing too (the simulator's interception, whose
-    frames stand between a program and torch there)."""
-    prefix = str(Path(directory).resolve()) + os.sep
+    """Count the frames of ``directory`` (or of one file) as plumbing too (the simulator's
+    interception, whose frames stand between a program and torch there)."""
+    path = Path(directory).resolve()
+    prefix = str(path) + ("" if path.is_file() else os.sep)
     if prefix not in _ALSO:
         _ALSO.append(prefix)
         _is_library.cache_clear()

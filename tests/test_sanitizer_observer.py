@@ -1,44 +1,339 @@
-"""The GPU observer (sanitizer/observer.py) where it meets the rest of kvzero, on the CPU.
+"""The GPU observer's race logic on a CPU, through a stand-in for CUDA (tests/fake_cuda.py).
 
-``pytest --kvz-sanitize`` on a GPU machine also runs every test that uses kvzero's own simulator
-and harness, so the observer must keep out of their way: the simulator's "cuda" tensors are CPU
-memory (not a device the observer checks), and what torch raises under the observer's frames is
-still the caller's error, not kvzero's (zeroer/origin.py decides whose an exception is). The
-observer starts on a CPU-only torch too (it only sees no device work there), which is how these
-run in CI. Its step-aside for the harness's CUDA runtime runs on the device
-(tests/test_sanitizer_gpu.py).
+The observer (sanitizer/gpu/) decides from enqueue order, events and the host's observations, never
+from timing, so a stand-in that calls some CPU tensors device memory and reports streams and events
+as torch's trace callbacks do runs its logic as a GPU would: host writes and reads of pinned memory
+under pending copies (seen through torch ops, ``.tolist()``, numpy views, or found by snapshots),
+threads and their hand-offs, the rows of indexed ops, a buffer's history, stepping aside for a
+runtime with a schedule of its own. The same logic on a real GPU: tests/test_sanitizer_gpu.py.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+
+import numpy as np
 import pytest
 import torch
 
-from fuzz.engine.episode import Episode, EpisodeConfig
-from sanitizer.observer import Observer
+from fake_cuda import FakeCuda
+from racecheck import schedules
+from sanitizer.gpu.observer import Observer
 from zeroer.origin import blame
 
 
 @pytest.fixture
-def observer():
-    obs = Observer()
-    obs.start()
+def cuda():
+    return FakeCuda()
+
+
+@pytest.fixture
+def obs(cuda):
+    observer = Observer(device=cuda)
+    cuda.obs = observer
+    observer.start()
     try:
-        yield obs
+        yield observer
     finally:
-        obs.stop()
+        if observer._started:
+            observer.stop()
 
 
-def test_the_simulators_tensors_are_not_taken_for_device_memory(observer: Observer) -> None:
+def kinds(races) -> list[str]:
+    return sorted({r.kind for r in races})
+
+
+def lines(races, kind: str) -> set[tuple[int, int]]:
+    return {(r.queued.site.line, r.later.site.line) for r in races if r.kind == kind and r.later.site}
+
+
+def here() -> int:
+    import inspect
+
+    return inspect.currentframe().f_back.f_lineno
+
+
+# -- host writes under pending host-to-device copies ------------------------------------------------------
+
+def test_a_write_through_a_numpy_view_under_a_queued_copy_is_reported_at_its_own_line(obs, cuda):
+    staging = cuda.pinned(torch.zeros(8, dtype=torch.int64))
+    view = staging.numpy()  # taken once, as vLLM's CpuGpuBuffer.np is
+    ids = cuda.device(torch.zeros(8, dtype=torch.int64))
+    view[:4] = [1, 2, 3, 4]
+    ids.copy_(staging, non_blocking=True); copied = here()
+    view[:4] = [5, 6, 7, 8]; written = here()
+    races = obs.stop()
+    assert kinds(races) == ["host-write-vs-pending-copy"]
+    assert lines(races, "host-write-vs-pending-copy") == {(copied, written)}
+
+
+def test_a_write_through_fill_is_reported_at_its_own_line(obs, cuda):
+    staging = cuda.pinned(torch.zeros(8, dtype=torch.int64))
+    ids = cuda.device(torch.zeros(8, dtype=torch.int64))
+    ids.copy_(staging, non_blocking=True); copied = here()
+    staging.fill_(3); filled = here()
+    ids.copy_(staging, non_blocking=True)
+    assert lines(obs.stop(), "host-write-vs-pending-copy") == {(copied, filled)}
+
+
+def test_a_write_no_call_shows_is_found_between_two_lines(obs, cuda):
+    import ctypes
+
+    staging = cuda.pinned(torch.zeros(8, dtype=torch.int64))
+    ids = cuda.device(torch.zeros(8, dtype=torch.int64))
+    ids.copy_(staging, non_blocking=True); copied = here()
+    ctypes.memmove(staging.data_ptr(), (ctypes.c_int64 * 1)(9), 8)
+    cuda.synchronize(); seen = here()
+    (race,) = obs.stop()
+    assert race.kind == "host-write-vs-pending-copy" and race.queued.site.line == copied
+    assert race.later.until is not None and race.later.until.line == seen
+
+
+def test_a_host_that_waited_for_the_copys_event_may_rewrite(obs, cuda):
+    staging = cuda.pinned(torch.zeros(8, dtype=torch.int64))
+    ids = cuda.device(torch.zeros(8, dtype=torch.int64))
+    for step in range(3):
+        staging.numpy()[:] = step
+        ids.copy_(staging, non_blocking=True)
+        cuda.synchronize_event(cuda.record())
+    assert obs.stop() == []
+
+
+def test_a_write_to_other_bytes_of_the_buffer_is_not_a_race(obs, cuda):
+    staging = cuda.pinned(torch.zeros(8, dtype=torch.int64))
+    ids = cuda.device(torch.zeros(4, dtype=torch.int64))
+    ids.copy_(staging[:4], non_blocking=True)
+    staging[4:].fill_(1)  # the copy reads only the first half
+    staging.numpy()[6] = 2
+    assert obs.stop() == []
+
+
+# -- host reads under pending device-to-host copies (vLLM #36013) --------------------------------------------
+
+@pytest.mark.parametrize("read", ["tolist", "item", "numpy_view", "torch_op", "int"])
+def test_a_host_read_before_the_copy_was_seen_complete_is_a_race(obs, cuda, read):
+    counts = cuda.device(torch.arange(4, dtype=torch.int32))
+    host = cuda.pinned(torch.zeros(4, dtype=torch.int32))
+    view = host.numpy()
+    host.copy_(counts, non_blocking=True); copied = here()
+    if read == "tolist":
+        host.tolist(); at = here()
+    elif read == "item":
+        host[1].item(); at = here()
+    elif read == "numpy_view":
+        int(view[2]); at = here()
+    elif read == "torch_op":
+        host.sum(); at = here()
+    else:
+        int(host[0]); at = here()
+    races = obs.stop()
+    assert kinds(races) == ["host-read-vs-pending-copy"], races
+    assert lines(races, "host-read-vs-pending-copy") == {(copied, at)}
+
+
+def test_a_host_read_after_the_copys_event_was_synchronized_is_clean(obs, cuda):
+    counts = cuda.device(torch.arange(4, dtype=torch.int32))
+    host = cuda.pinned(torch.zeros(4, dtype=torch.int32))
+    view = host.numpy()
+    for _ in range(3):
+        host.copy_(counts, non_blocking=True)
+        done = cuda.record()
+        cuda.synchronize_event(done)
+        assert view.tolist() == [0, 1, 2, 3]
+    assert obs.stop() == []
+
+
+def test_a_buffer_that_received_a_device_to_host_copy_is_checked_again_once_the_host_saw_it(obs, cuda):
+    # The stale-state regression: a pinned bounce buffer used for a store (D2H) and then for loads (H2D).
+    kv = cuda.device(torch.zeros(4, dtype=torch.float32))
+    bounce = cuda.pinned(torch.zeros(4, dtype=torch.float32))
+    bounce.copy_(kv, non_blocking=True)
+    cuda.synchronize_event(cuda.record())
+    for block in range(2):
+        bounce.numpy()[:] = block; written = here()
+        kv.copy_(bounce, non_blocking=True); loaded = here()
+    races = obs.stop()
+    assert kinds(races) == ["host-write-vs-pending-copy"]
+    assert (loaded, written) in lines(races, "host-write-vs-pending-copy")
+
+
+# -- threads -------------------------------------------------------------------------------------------
+
+def _copy_in_thread(obs, cuda, host, counts, then):
+    """A helper thread queues the D2H copy on its own stream and records an event (vLLM's async
+    output thread); ``then(event)`` runs in that thread after it."""
+    def run() -> None:
+        side = cuda.new_stream()
+        with cuda.stream(side):
+            host.copy_(counts, non_blocking=True)
+            then(cuda.record())
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    return worker
+
+
+def test_a_main_thread_read_before_the_helper_threads_event_is_a_race(obs, cuda):
+    counts = cuda.device(torch.arange(4, dtype=torch.int64))
+    host = cuda.pinned(torch.zeros(4, dtype=torch.int64))
+    handed = queue.Queue()
+    worker = _copy_in_thread(obs, cuda, host, counts, handed.put)
+    event = handed.get()
+    host.tolist()
+    cuda.synchronize_event(event)
+    worker.join()
+    assert kinds(obs.stop()) == ["host-read-vs-pending-copy"]
+
+
+def test_a_helper_thread_that_synchronized_before_the_queue_hand_off_orders_the_main_threads_read(obs, cuda):
+    counts = cuda.device(torch.arange(4, dtype=torch.int64))
+    host = cuda.pinned(torch.zeros(4, dtype=torch.int64))
+    handed = queue.Queue()
+    worker = _copy_in_thread(obs, cuda, host, counts, lambda event: (cuda.synchronize_event(event), handed.put(1)))
+    handed.get()
+    host.tolist()
+    worker.join()
+    assert obs.stop() == [] and obs.take_notes() == []
+
+
+def test_a_hand_off_the_sanitizer_cannot_see_is_a_note_not_a_race(obs, cuda):
+    counts = cuda.device(torch.arange(4, dtype=torch.int64))
+    host = cuda.pinned(torch.zeros(4, dtype=torch.int64))
+    lock, ready = threading.Lock(), []
+    lock.acquire()
+
+    def done(event) -> None:
+        cuda.synchronize_event(event)
+        ready.append(True)
+        lock.release()  # a lock: a hand-off the checker does not follow
+
+    worker = _copy_in_thread(obs, cuda, host, counts, done)
+    lock.acquire()
+    host.tolist()
+    races = obs.stop()
+    worker.join()
+    assert races == []
+    notes = obs.take_notes()
+    assert len(notes) == 1 and notes[0].startswith("kvz-sanitize assumed an order it cannot see: the host read")
+
+
+def test_ops_of_a_thread_started_after_the_observer_are_seen(obs, cuda):
+    staging = cuda.pinned(torch.zeros(4, dtype=torch.int64))
+    ids = cuda.device(torch.zeros(4, dtype=torch.int64))
+
+    def run() -> None:
+        ids.copy_(staging, non_blocking=True)
+        staging.numpy()[0] = 1
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert kinds(obs.stop()) == ["host-write-vs-pending-copy"]
+
+
+# -- device accesses, rows and reuse --------------------------------------------------------------------
+
+def test_two_streams_touching_other_rows_of_one_tensor_do_not_race(obs, cuda):
+    kv = cuda.device(torch.zeros(8, 4))
+    side = cuda.new_stream()
+    kv[1].fill_(1.0)
+    with cuda.stream(side):
+        kv[5].fill_(2.0)
+    assert obs.stop() == []
+
+
+def test_an_index_select_reads_only_the_rows_its_staged_ids_name(obs, cuda):
+    # vLLM's offload worker: ids staged through pinned memory, index_select on the transfer stream
+    # after wait_stream(compute), while compute writes other blocks.
+    kv = cuda.device(torch.zeros(8, 4))
+    ids_host = cuda.pinned(torch.tensor([0, 2], dtype=torch.int64))
+    ids = cuda.device(torch.zeros(2, dtype=torch.int64))
+    transfer = cuda.new_stream()
+    kv[0].fill_(1.0)
+    kv[2].fill_(1.0)
+    ids.copy_(ids_host, non_blocking=True)
+    started = cuda.record()
+    with cuda.stream(transfer):
+        cuda.wait(started)
+        stored = kv.index_select(0, ids)
+    kv[5].fill_(3.0)  # compute writes another block meanwhile
+    kv[6].fill_(3.0)
+    del stored
+    assert obs.stop() == []
+
+
+def test_an_index_select_over_rows_compute_writes_is_a_race(obs, cuda):
+    kv = cuda.device(torch.zeros(8, 4))
+    ids_host = cuda.pinned(torch.tensor([0, 5], dtype=torch.int64))
+    ids = cuda.device(torch.zeros(2, dtype=torch.int64))
+    transfer = cuda.new_stream()
+    ids.copy_(ids_host, non_blocking=True)
+    started = cuda.record()
+    with cuda.stream(transfer):
+        cuda.wait(started)
+        kv.index_select(0, ids); gathered = here()
+    kv[5].fill_(3.0); written = here()
+    races = obs.stop()
+    assert lines(races, "unordered-device-access") == {(gathered, written)}
+
+
+# -- stepping aside ---------------------------------------------------------------------------------------
+
+def test_the_observer_steps_aside_while_a_runtime_with_its_own_schedule_runs(obs, cuda):
+    class Runtime:
+        pass
+
+    runtime = Runtime()
+    staging = cuda.pinned(torch.zeros(4, dtype=torch.int64))
+    ids = cuda.device(torch.zeros(4, dtype=torch.int64))
+    schedules.started(runtime, "a gated runtime")
+    ids.copy_(staging, non_blocking=True)
+    staging.numpy()[0] = 1  # its own work: not the program's to check
+    schedules.ended(runtime)
+    notes = [u.message() for u in obs.take_unfollowed()]
+    assert len(notes) == 1 and "a gated runtime" in notes[0]
+    ids.copy_(staging, non_blocking=True)
+    staging.numpy()[0] = 2  # checking resumed
+    assert kinds(obs.stop()) == ["host-write-vs-pending-copy"]
+
+
+def test_an_observer_inside_another_is_the_one_that_checks(cuda):
+    outer = Observer(device=cuda)
+    cuda.obs = outer
+    outer.start()
+    inner = Observer(device=cuda)
+    try:
+        inner.start()
+        cuda.obs = inner
+        staging = cuda.pinned(torch.zeros(4, dtype=torch.int64))
+        ids = cuda.device(torch.zeros(4, dtype=torch.int64))
+        ids.copy_(staging, non_blocking=True)
+        staging.numpy()[0] = 1
+        assert kinds(inner.stop()) == ["host-write-vs-pending-copy"]
+    finally:
+        cuda.obs = outer
+        races = outer.stop()
+    assert races == []
+
+
+# -- the observer where it meets the rest of kvzero -----------------------------------------------------------
+
+def test_the_simulators_tensors_pass_the_observer_by(obs):
+    from fuzz.engine.episode import Episode, EpisodeConfig
+
+    calls = []
+    original = obs.device.is_device
+    obs.device.is_device = lambda t: calls.append(type(t).__name__) or original(t)  # type: ignore[method-assign]
     episode = Episode(EpisodeConfig(zeroer="single_buffer", kernel="torch"))
     for op in ({"op": "allocate", "n": 2}, {"op": "allocate", "n": 2}, {"op": "sync_device"}):
         episode.apply(op)
     episode.rt.close()
-    assert observer.take_races() == []
-    assert observer.hb.hazards == []  # nothing of the simulator reached the observer's checker
+    assert "SimCudaTensor" not in calls  # never asked: the simulator's "cuda" is none of the observer's
+    assert obs.take_races() == [] and obs.hb.hazards == []
 
 
-def test_what_torch_raises_under_the_observer_is_still_the_callers(observer: Observer) -> None:
+def test_what_torch_raises_under_the_observer_is_still_the_callers(obs):
     try:
         torch.empty(3).view(4)
     except RuntimeError as error:
@@ -49,26 +344,20 @@ def test_what_torch_raises_under_the_observer_is_still_the_callers(observer: Obs
     assert verdict.where is not None and "test_sanitizer_observer.py" in verdict.where
 
 
-def test_stopping_puts_every_patched_function_back() -> None:
-    before = (torch.Tensor.numpy, torch.cuda.Event.query, torch.cuda.empty_cache)
-    obs = Observer()
-    obs.start()
+def test_stopping_puts_every_patched_function_back(cuda):
+    before = (torch.Tensor.numpy, torch.Tensor.tolist, torch.cuda.Event.query, torch.cuda.empty_cache)
+    observer = Observer(device=cuda)
+    observer.start()
     assert torch.Tensor.numpy is not before[0]
     torch.cuda.empty_cache()  # the patched call hands on to torch's (a no-op without CUDA)
-    obs.stop()
-    assert (torch.Tensor.numpy, torch.cuda.Event.query, torch.cuda.empty_cache) == before
+    observer.stop()
+    assert (torch.Tensor.numpy, torch.Tensor.tolist, torch.cuda.Event.query, torch.cuda.empty_cache) == before
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16, torch.bool])
-def test_a_pending_read_keeps_the_values_it_was_queued_with(dtype: torch.dtype) -> None:
-    import ctypes
-
-    from sanitizer.observer import _EMPTY, _ints, _PendingRead
-
-    buffer = torch.arange(6).reshape(2, 3).to(dtype)
-    span = (buffer.data_ptr(), buffer.numel() * buffer.element_size())
-    read = _PendingRead(("pinned", 0), buffer, _EMPTY, None, "buffer", None, span, ctypes.string_at(*span))
-    assert not read.changed() and (read.staged() == _ints(buffer)).all()  # what force mode reports as staged
-    staged = read.staged().copy()
-    buffer[1, 2] = 0
-    assert read.changed() and (read.staged() == staged).all()
+def test_a_numpy_view_of_pinned_memory_is_an_ndarray_with_the_same_values(obs, cuda):
+    host = cuda.pinned(torch.arange(6, dtype=torch.float32))
+    view = host.numpy()
+    assert isinstance(view, np.ndarray) and view.tolist() == [0, 1, 2, 3, 4, 5]
+    view += 1
+    assert host.tolist() == [1, 2, 3, 4, 5, 6] and isinstance(view, np.ndarray)
+    assert type(np.asarray(view)) is np.ndarray

@@ -1,11 +1,13 @@
-"""The sanitizer benchmark's programs (sanitizer/bench/programs) under the sanitizer, on the
-simulator: the CI half of the benchmark (issue 24). Every racy program must be reported with its
-planted kind and both program lines; every race-free twin must be clean and pass its own check.
-On the simulator queued work runs only when the host synchronises, so a racy program may also fail
-its own value check: that is the race showing.
+"""The sanitizer benchmark's programs on the simulator, judged strictly: the CI half of the benchmark.
 
-The same programs on a GPU, under PyTorch's sanitizer and ours: tests/test_sanitizer_gpu.py and
-``python -m sanitizer.bench.compare`` (docs/sanitizer.md has the table).
+Every racy program (the engine-like programs, the corpus of the engines' own races, and the fuzz
+campaigns' vLLM-style zeroers in a plain engine loop) must be reported with its planted kind and
+both of its marked lines (sanitizer/bench/verdict.py); every race-free twin must be clean and pass
+its own check. On the simulator queued work runs only when the host synchronises, so a racy program
+may also fail its own value check: that is the race showing.
+
+The same programs on a GPU, under PyTorch's sanitizer and ours, with the corpus's ground truth by
+forced sleeps: tests/test_sanitizer_gpu.py and ``python -m sanitizer.bench.compare`` (docs/sanitizer.md).
 """
 
 from __future__ import annotations
@@ -15,53 +17,74 @@ from pathlib import Path
 import pytest
 
 from sanitizer.bench import engine_loop
-from sanitizer.bench.programs import (BY_NAME, DEVICE_ACCESS, ENGINE_ZEROERS, HOST_WRITE, PROGRAMS, ZEROERS,
-                                           Program, load, path, zeroer_spec)
+from sanitizer.bench.corpus import CORPUS
+from sanitizer.bench.corpus import load as load_corpus
+from sanitizer.bench.programs import (BY_NAME, DEVICE_ACCESS, HOST_READ, HOST_WRITE, PROGRAMS, REUSE, ZEROERS,
+                                      Program, load, marked_lines, source, zeroer_spec)
+from sanitizer.bench.verdict import CLEAN, FOUND, judge
 from sanitizer.runner import sanitize
 
-STEPS = 8
-DEVICE_KINDS = {DEVICE_ACCESS, "reuse-without-record-stream"}
+STEPS = 6
 
 
-@pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
-def test_the_sanitizer_on_the_simulator_judges_each_program_rightly(program: Program) -> None:
-    outcome = sanitize(lambda: load(program.name).main(steps=STEPS), backend="sim", name=program.name)
-    kinds = sorted({r.kind for r in outcome.races})
-    if not program.racy:
-        assert not outcome.races, f"race-free {program.name}: " + "\n".join(r.format() for r in outcome.races)
-        assert outcome.error is None, f"race-free {program.name} failed its own check: {outcome.error}"
-        return
-    wanted = {program.hazard} if program.hazard == HOST_WRITE else DEVICE_KINDS
-    assert wanted & set(kinds), f"racy {program.name} ({program.hazard}): got {kinds or 'nothing'}"
-    source = Path(path(program.name)).name
-    race = next(r for r in outcome.races if r.kind in wanted)
-    assert race.queued.site is not None and race.queued.site.file.endswith(source), race.format()
-    assert race.later.site is not None and race.later.site.file.endswith(source), race.format()
+def _run(program: Program):
+    if program.collection == "zeroer":
+        spec = zeroer_spec(program)
+        return sanitize(lambda: engine_loop.main(spec, steps=24), backend="sim", name=program.name)
+    module = load(program.name) if program.collection == "programs" else load_corpus(program.name)
+    return sanitize(lambda: module.main(steps=STEPS), backend="sim", name=program.name)
 
 
-@pytest.mark.parametrize("program", ZEROERS, ids=lambda p: p.name)
-def test_the_fuzz_campaigns_zeroers_in_a_plain_engine_loop_get_their_verdicts(program: Program) -> None:
-    spec = zeroer_spec(program)
-    outcome = sanitize(lambda: engine_loop.main(spec, steps=24), backend="sim", name=program.name)
-    if not program.racy:
-        assert not outcome.races, f"race-free {spec}: " + "\n".join(r.format() for r in outcome.races)
-        assert outcome.error is None, f"race-free {spec} failed the loop's check: {outcome.error}"
-        return
-    wanted = {program.hazard} if program.hazard == HOST_WRITE else DEVICE_KINDS
-    kinds = {r.kind for r in outcome.races}
-    assert wanted & kinds, f"racy {spec} ({program.hazard}): got {sorted(kinds) or 'nothing'}"
-    race = next(r for r in outcome.races if r.kind in wanted)
-    assert race.queued.site is not None and race.queued.site.file.endswith(ENGINE_ZEROERS.name), race.format()
+@pytest.mark.parametrize("program", PROGRAMS + CORPUS + ZEROERS, ids=lambda p: p.name)
+def test_the_sanitizer_on_the_simulator_reports_the_planted_race_with_its_kind_and_both_lines(program: Program) -> None:
+    outcome = _run(program)
+    verdict = judge(program, [r.to_json() for r in outcome.races])
+    report = "\n".join(r.format() for r in outcome.races) or "nothing"
+    if program.racy:
+        assert verdict == FOUND, f"{program.name} ({program.hazard}): {verdict}\n{report}"
+    else:
+        assert verdict == CLEAN, f"race-free {program.name}: {report}"
+        assert outcome.error is None, f"race-free {program.name} failed its own check: {outcome.error_text}"
+        assert not outcome.notes, outcome.notes
 
 
-def test_the_registry_pairs_each_racy_program_with_a_race_free_twin() -> None:
-    assert len(BY_NAME) == len(PROGRAMS), "duplicate program names"
-    for program in PROGRAMS:
-        twin = BY_NAME[program.twin]
+@pytest.mark.parametrize("registry", [PROGRAMS, CORPUS], ids=["programs", "corpus"])
+def test_each_racy_program_has_a_race_free_twin_and_marks_its_two_lines(registry: tuple[Program, ...]) -> None:
+    names = {p.name: p for p in registry}
+    assert len(names) == len(registry), "duplicate program names"
+    for program in registry:
+        twin = names[program.twin]
         assert twin.twin == program.name and twin.racy != program.racy, f"{program.name} <-> {twin.name}"
-        assert twin.pattern == program.pattern
-        assert program.hazard in ((HOST_WRITE, DEVICE_ACCESS) if program.racy else ("",))
-        module = load(program.name)
-        assert path(program.name) == Path(module.__file__)
-        assert module.__doc__ and callable(module.main)
+        assert twin.pattern == program.pattern and twin.upstream == program.upstream
+        assert program.hazard in ((HOST_WRITE, HOST_READ, DEVICE_ACCESS, REUSE) if program.racy else ("",))
+        path = source(program)
+        module = load(program.name) if program.collection == "programs" else load_corpus(program.name)
+        assert Path(module.__file__) == path and module.__doc__ and callable(module.main)
         assert ("RACY" in module.__doc__.splitlines()[0]) == program.racy
+        if program.racy:
+            lines = marked_lines(path)
+            assert lines["queued"] != lines["later"], program.name
+        else:
+            with pytest.raises(ValueError, match=r": no '# race: queued' marker"):
+                marked_lines(path)
+
+
+def test_the_corpus_names_each_upstream_bug_the_issue_lists() -> None:
+    upstream = {p.upstream for p in CORPUS}
+    for bug in ("vLLM #48085", "vLLM #36013", "vLLM #46278", "vLLM #31841", "vLLM #24527", "SGLang #34076",
+                "SGLang #36738", "SGLang #27444", "SGLang #18746", "TensorRT-LLM #15546", "LMCache #4830"):
+        assert bug in upstream, bug
+    assert any("graph" in p.pattern for p in CORPUS if p.racy)
+
+
+def test_a_report_with_the_right_kind_at_other_lines_is_not_a_find() -> None:
+    program = BY_NAME["block_table_one_buffer"]
+    lines = marked_lines(source(program))
+    site = {"file": str(source(program)), "function": "main"}
+    race = {"kind": HOST_WRITE, "queued": {"site": {**site, "line": lines["queued"]}},
+            "later": {"site": {**site, "line": lines["later"]}}}
+    assert judge(program, [race]) == FOUND
+    moved = {**race, "later": {"site": {**site, "line": lines["later"] + 1}}}
+    assert judge(program, [moved]) == "wrong lines"
+    assert judge(program, [{**race, "kind": DEVICE_ACCESS}]) == "wrong kind"
+    assert judge(program, []) == "missed"

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -91,10 +92,14 @@ class StreamProxy:
 
     def wait_event(self, event: "EventProxy") -> None:
         self._api.boundary("Stream.wait_event")
+        if self._api.capturing():
+            return  # a node of the graph being captured: it orders nothing outside it
         self._api.rt.wait_event(self._api.event_of(event), stream=self.runtime_stream)
 
     def wait_stream(self, stream: "StreamProxy") -> None:
         self._api.boundary("Stream.wait_stream")
+        if self._api.capturing():
+            return
         other = self._api.stream_of(stream)
         marker = self._api.rt.record_event(stream=other)
         self._api.rt.wait_event(marker, stream=self.runtime_stream)
@@ -106,10 +111,12 @@ class StreamProxy:
 
     def query(self) -> bool:
         self._api.boundary("Stream.query")
+        self._api.refuse_sync("Stream.query")
         return self._api.rt.query_stream(self.runtime_stream)
 
     def synchronize(self) -> None:
         self._api.boundary("Stream.synchronize")
+        self._api.refuse_sync("Stream.synchronize")
         self._api.rt.synchronize_stream(self.runtime_stream)
 
     def __eq__(self, other: object) -> bool:
@@ -148,18 +155,24 @@ class EventProxy:
 
     def record(self, stream: StreamProxy | None = None) -> None:
         self._api.boundary("Event.record")
+        if self._api.capturing():
+            return
         self._api.rt.record_event(self.runtime_event, stream=self._api.stream_of(stream))
 
     def wait(self, stream: StreamProxy | None = None) -> None:
         self._api.boundary("Event.wait")
+        if self._api.capturing():
+            return
         self._api.rt.wait_event(self.runtime_event, stream=self._api.stream_of(stream))
 
     def query(self) -> bool:
         self._api.boundary("Event.query")
+        self._api.refuse_sync("Event.query")
         return self._api.rt.query_event(self.runtime_event)
 
     def synchronize(self) -> None:
         self._api.boundary("Event.synchronize")
+        self._api.refuse_sync("Event.synchronize")
         self._api.rt.synchronize_event(self.runtime_event)
 
     def elapsed_time(self, end_event: "EventProxy") -> float:
@@ -228,16 +241,39 @@ class CudaApi:
         self.device = session.device
         self._proxies: dict[int, StreamProxy] = {}
         self._made = itertools.count(1)
-        self._opened: list[_Opened] = []  # streams the zeroer made current, innermost last
-        self._with_scopes: list[_Opened] = []  # ``with s:`` on a stream object
+        self._local = threading.local()  # per thread, as CUDA's current stream is
         # What the zeroer sees as torch.cuda.Stream and torch.cuda.Event: classes bound to this session.
         # torch.Stream() is the same class: on the current accelerator, CUDA, it makes a CUDA stream.
         self.Stream: type[StreamProxy] = type("Stream", (StreamProxy,), {"_api": self, "__module__": "torch.cuda"})
         self.Event: type[EventProxy] = type("Event", (EventProxy,), {"_api": self, "__module__": "torch.cuda"})
         self.GenericEvent: type[EventProxy] = type("Event", (_GenericEvent, self.Event), {"_api": self, "__module__": "torch"})
 
+    @property
+    def _opened(self) -> list[_Opened]:
+        """The streams the calling thread made current, innermost last."""
+        opened = getattr(self._local, "opened", None)
+        if opened is None:
+            opened = self._local.opened = []
+        return opened
+
+    @property
+    def _with_scopes(self) -> list[_Opened]:
+        """The calling thread's ``with s:`` scopes on stream objects."""
+        scopes = getattr(self._local, "with_scopes", None)
+        if scopes is None:
+            scopes = self._local.with_scopes = []
+        return scopes
+
     def boundary(self, what: str) -> None:
         self.session.boundary(what)
+
+    def capturing(self) -> bool:
+        graphs = self.session.graphs
+        return graphs is not None and graphs.current() is not None
+
+    def refuse_sync(self, what: str) -> None:
+        if self.session.graphs is not None:
+            self.session.graphs.refuse_sync(what)
 
     # -- proxies ---------------------------------------------------------------------------------
     def proxy(self, stream: Stream) -> StreamProxy:
@@ -271,12 +307,11 @@ class CudaApi:
         return self.proxy(self.rt.new_stream(self._stream_name()))
 
     def _stream_name(self) -> str:
-        """``zeroer-1``, ``zeroer-2``, ... for the runtime's first zeroer, ``zeroer[1]-1`` for its
-        second (zeroer.intercept.shared): unique per runtime, the same on every run."""
-        tag = "" if self.session.index == 0 else f"[{self.session.index}]"
+        """The session's name for its next stream (``zeroer-1``, ``zeroer[1]-1`` for the runtime's
+        second zeroer: zeroer.intercept.shared): unique per runtime, the same on every run."""
         taken = {s.name for s in self.rt.streams}
         while True:
-            name = f"zeroer{tag}-{next(self._made)}"
+            name = self.session.stream_name(next(self._made))
             if name not in taken:  # a name the runtime's owner gave one of its own streams
                 return name
 
@@ -325,6 +360,7 @@ class CudaApi:
     def synchronize(self, device: Any = None) -> None:
         """``torch.cuda.synchronize()`` and ``torch.accelerator.synchronize()``: every stream's work."""
         self.boundary("synchronize")
+        self.refuse_sync("torch.cuda.synchronize")
         self.rt.synchronize()
 
     # -- patches ---------------------------------------------------------------------------------

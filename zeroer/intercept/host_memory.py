@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from racecheck.pinned import PinnedWatch, Region
+from zeroer.intercept.sim_graphs import CapturedOp
 from zeroer.runtime import Runtime
 
 PinnedBuffer = Region  # one pinned allocation of the code under test (views share it)
@@ -59,6 +60,18 @@ class HostMemory(PinnedWatch):
         self._owner = owner
         for region in self.regions.regions():
             self._name(region)
+
+    def note_read(self, region: Region, view: torch.Tensor, stamp: Any, keep: Any = None) -> Any:
+        if isinstance(stamp, CapturedOp):  # recorded by a CUDA graph capture: checked at each replay
+            stamp.pinned_reads.append((region, view))
+            return None
+        return super().note_read(region, view, stamp, keep)
+
+    def note_device_write(self, region: Region, view: torch.Tensor, stamp: Any) -> list[tuple[int, int]]:
+        if isinstance(stamp, CapturedOp):
+            stamp.pinned_writes.append((region, view))
+            return []
+        return super().note_device_write(region, view, stamp)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return self.lookup(tensor) is not None

@@ -47,13 +47,15 @@ from racecheck.hb import OpStamp
 class InterceptSession:
     """See the module docstring. ``spec`` names the zeroer in labels and messages."""
 
+    host_memory_class = HostMemory
+
     def __init__(self, runtime: Runtime, spec: str) -> None:
         self.rt = runtime
         self.spec = spec
         self.backend = runtime.backend
         self.device = SIM_DEVICE if self.backend == "sim" else runtime.device
         self.share = share_of(runtime)
-        self.host = HostMemory(runtime, self.share.pinned_ids)
+        self.host = self.host_memory_class(runtime, self.share.pinned_ids)
         self.index = self.share.join(self)  # after self.host: a second session renames the first's buffers
         self.host.rename_owner(self.owner)
         self.cuda_api = CudaApi(self)
@@ -73,6 +75,7 @@ class InterceptSession:
         from zeroer.intercept.torch_mode import InterceptMode
 
         self.mode = InterceptMode(self)
+        self.graphs: Any = None  # CUDA graph captures, where the session supports them (zeroer.intercept.sim_graphs)
         self.call: str = "construction"  # what the zeroer is doing now: its label in reports
         self.ids: tuple[int, ...] = ()  # the ids of the zero call in progress
         self._last: str = "the start of the call"
@@ -119,7 +122,7 @@ class InterceptSession:
                 # open), the caller's is current again when the call ends.
                 scope.callback(self.cuda_api.restore_streams)
                 scope.enter_context(unroutable_guard(self))
-                for module, table in self.cuda_api.patch_tables():
+                for module, table in self.patch_tables():
                     scope.enter_context(patched(module, table))
                 from triton.runtime.jit import JITFunction
 
@@ -127,12 +130,21 @@ class InterceptSession:
                 scope.enter_context(patched(torch.Tensor, self.mode.patches()))
                 if self.cuda_ops is not None:
                     scope.enter_context(self.cuda_ops)
-                scope.enter_context(self.mode)
+                for mode in self.modes():
+                    scope.enter_context(mode)
                 yield
                 self.boundary("the end of the call")
         finally:
             self._depth -= 1
             self.call, self.ids = "the harness", ()
+
+    def patch_tables(self) -> list[tuple[Any, dict[str, Any]]]:
+        """(module, attribute -> stand-in) patched while the code runs (:mod:`zeroer.intercept.cuda_api`)."""
+        return self.cuda_api.patch_tables()
+
+    def modes(self) -> list[Any]:
+        """The torch modes the code runs under, outermost first."""
+        return [self.mode]
 
     def boundary(self, what: str) -> None:
         """The zeroer reached ``what``: check the pinned bytes pending reads will see."""
@@ -146,12 +158,25 @@ class InterceptSession:
 
     def enqueue(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False) -> OpStamp:
-        """One queued op on the current stream; ``reads``/``writes`` are memory keys or blocks."""
+        """One queued op on the current stream; ``reads``/``writes`` are memory keys or blocks. While
+        the calling thread captures a CUDA graph it is recorded instead (:mod:`zeroer.intercept.sim_graphs`)."""
+        if self.graphs is not None:
+            capture = self.graphs.current()
+            if capture is not None:
+                return capture.record(fn, name, reads, writes, cache_written)  # type: ignore[return-value]
         return self.rt.launch(fn, name=name, **self._declare(reads, writes, cache_written))
+
+    def stream_name(self, number: int) -> str:
+        """The runtime name of the ``number``-th stream the code under test makes: ``zeroer-1``, or
+        ``zeroer[1]-1`` for the runtime's second zeroer (a program session names them otherwise)."""
+        tag = "" if self.index == 0 else f"[{self.index}]"
+        return f"zeroer{tag}-{number}"
 
     def run_now(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False) -> None:
         """A synchronising op: the current stream is run first, then ``fn`` (``Runtime.run_now``)."""
+        if self.graphs is not None:
+            self.graphs.refuse_sync(name)
         self.rt.run_now(fn, name=name, **self._declare(reads, writes, cache_written))
 
     # -- memory ------------------------------------------------------------------------------------

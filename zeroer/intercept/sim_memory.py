@@ -50,6 +50,7 @@ class Block:
     uses: set = field(default_factory=set)  # other streams (record_stream)
     waits: list[Event] = field(default_factory=list)  # events that must complete before reuse
     cache_tensor: int | None = None  # the KV cache's raw tensor index, for adopted cache memory
+    generation: int = 1  # how many times the allocator has handed these bytes out
 
     @property
     def key(self) -> tuple:
@@ -97,6 +98,7 @@ class SimDeviceMemory:
                 if all(self.rt.query_event(e) for e in block.waits):  # the allocator looked: the host knows
                     free.pop(i)
                     block.waits, block.uses, block.name = [], set(), name
+                    block.generation += 1
                     self.reused += 1
                     self.rt.hb.name_resource(block.key, f"device block d{block.id} (reused for {name})")
                     return self._track(block)

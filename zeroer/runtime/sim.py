@@ -141,6 +141,7 @@ class SimRuntime(Runtime):
 
     def __init__(self, schedule: Schedule | None = None) -> None:
         self.queues = StreamQueues(execute=self._execute)
+        self.executing = 0  # queued actions running now (the simulated device at work)
         self.schedule: Schedule = schedule or LazySchedule()
         super().__init__(torch.device("cpu"))
         self.allocator = SimHostAllocator(self)
@@ -148,11 +149,14 @@ class SimRuntime(Runtime):
     # -- plumbing ----------------------------------------------------------------------------
     def _execute(self, op: QueuedOp) -> None:
         if op.action is not None:
+            self.executing += 1  # device work, run on the CPU: no host access of the program's
             try:
                 op.action()
             except Exception as error:  # a kernel that fails: say which op, for whoever reports it
                 error.add_note(f"while running {op.label}")
                 raise
+            finally:
+                self.executing -= 1
 
     def _after_host_call(self) -> None:
         self.schedule.after_host_call(self)

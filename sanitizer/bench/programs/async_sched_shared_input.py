@@ -41,14 +41,14 @@ def main(steps: int = 32) -> None:
     inputs.numpy()[:len(tokens)] = tokens
     for step in range(steps):
         n = len(tokens)
-        dev_tokens[:n].copy_(inputs[:n], non_blocking=True)
+        dev_tokens[:n].copy_(inputs[:n], non_blocking=True)  # race: queued
         logits = embedding.index_select(0, dev_tokens[:n]) @ head  # the "model"
         outputs[:n].copy_(logits, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         if step + 1 < steps:  # overlap: schedule the next step while this one runs
             tokens = step_tokens(step + 1)
-            inputs.numpy()[:len(tokens)] = tokens  # RACE: step's H2D copy of inputs may still be queued
+            inputs.numpy()[:len(tokens)] = tokens  # RACE: step's H2D copy of inputs may still be queued  # race: later
         done.synchronize()
         results.append(outputs.numpy()[:n].copy())
 

@@ -34,8 +34,8 @@ def main(steps: int = 32) -> None:
     for step in range(steps):
         ids = block_ids(step)
         n = len(ids)
-        staging.numpy()[:n] = ids  # RACE: the previous step's copy of staging may still be queued
-        dev_ids[:n].copy_(staging[:n], non_blocking=True)
+        staging.numpy()[:n] = ids  # RACE: the previous step's copy of staging may still be queued  # race: later
+        dev_ids[:n].copy_(staging[:n], non_blocking=True)  # race: queued
         sums[step, :n] = kv.index_select(0, dev_ids[:n]).sum(dim=1)
 
     torch.cuda.synchronize()

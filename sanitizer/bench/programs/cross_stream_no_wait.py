@@ -23,9 +23,9 @@ def main(steps: int = 32) -> None:
     total = torch.zeros(N, dtype=torch.float32, device=device)
 
     for step in range(steps):
-        x.copy_(base + float(step))  # written on the main stream
+        x.copy_(base + float(step))  # written on the main stream  # race: queued
         with torch.cuda.stream(side):
-            out = x * 2.0  # RACE: the side stream reads x with no wait on the main stream
+            out = x * 2.0  # RACE: the side stream reads x with no wait on the main stream  # race: later
         total += out  # RACE: the main stream reads out with no wait on the side stream
 
     torch.cuda.synchronize()

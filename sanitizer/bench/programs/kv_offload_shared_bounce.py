@@ -37,8 +37,8 @@ def main(steps: int = 32) -> None:
 
     for step in range(steps):
         block, slot = reload_plan(step)
-        bounce.copy_(cpu_store[block])  # RACE: the previous reload's H2D copy of bounce may be queued
-        gpu_kv[slot].copy_(bounce, non_blocking=True)
+        bounce.copy_(cpu_store[block])  # RACE: the previous reload's H2D copy of bounce may be queued  # race: later
+        gpu_kv[slot].copy_(bounce, non_blocking=True)  # race: queued
         scores[step] = (gpu_kv[slot] * query).sum()
 
     torch.cuda.synchronize()

@@ -42,14 +42,14 @@ def main(steps: int = 32) -> None:
             event.synchronize()  # waits for the main stream only: the slot's copy may still be queued
         ids = block_ids(step)
         n = len(ids)
-        ring[k].numpy()[:n] = ids  # RACE: the copy on copy_stream from K steps ago may not have run
+        ring[k].numpy()[:n] = ids  # RACE: the copy on copy_stream from K steps ago may not have run  # race: later
         event = torch.cuda.Event()
         event.record()  # BUG: on the main (current) stream, before the copy is issued on copy_stream
         reuse[k] = event
         copied = torch.cuda.Event()
         copy_stream.wait_stream(main_stream)  # dev_ids[k] was read by the main stream K steps ago
         with torch.cuda.stream(copy_stream):
-            dev_ids[k, :n].copy_(ring[k][:n], non_blocking=True)
+            dev_ids[k, :n].copy_(ring[k][:n], non_blocking=True)  # race: queued
             copied.record(copy_stream)
         main_stream.wait_event(copied)  # the consumer waits for the copy: correct
         sums[step, :n] = kv.index_select(0, dev_ids[k, :n]).sum(dim=1)

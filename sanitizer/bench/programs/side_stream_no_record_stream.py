@@ -26,10 +26,10 @@ def main(steps: int = 32) -> None:
         hidden = torch.full((N,), float(step), dtype=torch.float32, device=device)  # on the main stream
         side.wait_stream(main_stream)  # the side stream sees hidden's values: correct
         with torch.cuda.stream(side):
-            outs.append(hidden * 2.0 + 1.0)
+            outs.append(hidden * 2.0 + 1.0)  # race: queued
         del hidden  # BUG: no hidden.record_stream(side): its block goes back to the main stream's pool
         scratch = torch.empty(N, dtype=torch.float32, device=device)  # may get hidden's memory
-        scratch.fill_(-1.0)  # RACE with the side stream's queued read of hidden
+        scratch.fill_(-1.0)  # RACE with the side stream's queued read of hidden  # race: later
         total += scratch
 
     torch.cuda.synchronize()

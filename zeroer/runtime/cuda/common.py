@@ -30,7 +30,7 @@ import torch
 
 from zeroer.errors import RuntimeUsageError
 from zeroer.runtime.base import DeviceBuffer, Event, HostBuffer, Runtime, Stream
-from racecheck import real_cuda
+from racecheck import real_cuda, schedules
 from zeroer.runtime.cuda.arena import PinnedArena
 from zeroer.runtime.cuda.device import resolve_device
 from racecheck.gate import (
@@ -98,6 +98,16 @@ class CudaRuntimeBase(Runtime):
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise RuntimeUsageError(f"timeout_s {timeout_s!r} must be a positive number of seconds")
         self._before_cuda_starts()
+        # A sanitizer watching this process steps aside while this runtime runs: its gates order
+        # streams in a way no torch hook shows (racecheck.schedules).
+        schedules.started(self, "kvzero's CUDA harness runtime")
+        try:
+            self._start(device, timeout_s, checked)
+        except BaseException:
+            schedules.ended(self)
+            raise
+
+    def _start(self, device: int | str | torch.device | None, timeout_s: float, checked: bool) -> None:
         device = resolve_device(device, real_cuda.device_count(), real_cuda.current_device())
         # Base __init__ creates the "main" stream through our hooks, so everything they use is set
         # up first (as SimRuntime does with its queues).
@@ -268,6 +278,12 @@ class CudaRuntimeBase(Runtime):
             self._shut_down()
 
     def _shut_down(self) -> None:
+        try:
+            self._release_everything()
+        finally:
+            schedules.ended(self)
+
+    def _release_everything(self) -> None:
         self._closed = True
         self.gates.open_all()
         deadline = time.monotonic() + self.timeout_s

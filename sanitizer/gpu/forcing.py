@@ -42,7 +42,8 @@ MAX_HELD = 64  # gates spinning at once; beyond it the oldest are released (each
 class Held:
     gate: Any
     done: Any  # an event recorded behind the gate: its flag is recycled once it completed
-    reads: list = field(default_factory=list)
+    reads: list = field(default_factory=list)  # snapshots of the pinned bytes held copies read
+    writes: list = field(default_factory=list)  # (region, access) of held device-to-host copies
 
 
 class Forcing:
@@ -59,6 +60,7 @@ class Forcing:
         self._timer: threading.Timer | None = None
         self._expired = False
         self.timeouts = 0
+        self._held_writes: list[tuple[Any, Any, Any]] = []  # (region, access, where the gate opened)
 
     @property
     def holding(self) -> bool:
@@ -82,9 +84,18 @@ class Forcing:
                 self._timer.start()
         return held
 
-    def watch(self, held: Held, pending: Any) -> None:
-        """``pending`` (a read of pinned bytes, with their snapshot) is queued behind ``held``."""
-        held.reads.append(pending)
+    def watch(self, held: Held, snapshot: Any) -> None:
+        """``snapshot`` (a read of pinned bytes, :class:`racecheck.pinned.Snapshot`) is queued behind ``held``."""
+        held.reads.append(snapshot)
+
+    def watch_write(self, held: Held, region: Any, access: Any) -> None:
+        """A device-to-host copy into ``region`` (``access``: what and where) is queued behind ``held``."""
+        held.writes.append((region, access))
+
+    def take_held_writes(self) -> list[tuple[Any, Any, Any]]:
+        """The device-to-host copies held since the last call: (region, access, where released)."""
+        taken, self._held_writes = self._held_writes, []
+        return taken
 
     def first_launch(self, jit: Any) -> bool:
         """Whether this Triton kernel is launched for the first time (its module is not loaded yet)."""
@@ -94,11 +105,10 @@ class Forcing:
         self._launched.add(key)
         return True
 
-    def release(self) -> list[tuple[Any, np.ndarray]]:
-        """Open every gate; the held reads whose bytes changed since they were queued, with the
-        bytes they read now (none when a gate had already opened by itself)."""
-        from sanitizer.observer import _ints
-
+    def release(self, site: Any = None) -> list[tuple[Any, np.ndarray]]:
+        """Open every gate (``site``: the program line the host waits at); the held reads whose
+        bytes changed since they were queued, with the bytes they read now (none when a gate had
+        already opened by itself)."""
         with self._lock:
             held, self._held = self._held, []
             timer, self._timer = self._timer, None
@@ -108,10 +118,10 @@ class Forcing:
         changed: list[tuple[Any, np.ndarray]] = []
         for item in held:
             if not expired:
-                for pending in item.reads:
-                    now = _ints(pending.view)
-                    if not np.array_equal(now.reshape(-1), pending.staged().reshape(-1)):
-                        changed.append((pending, now.copy()))
+                for snapshot in item.reads:
+                    if snapshot.changed():
+                        changed.append((snapshot, snapshot.now()))
+            self._held_writes.extend((region, access, site) for region, access in item.writes)
             self.pool.open(item.gate)
             self.pool.retire(item.gate, item.done)
         return changed
@@ -127,3 +137,13 @@ class Forcing:
     def close(self) -> None:
         self.release()
         self.pool.open_all()
+
+
+def shown_values(array: np.ndarray, dtype: torch.dtype, limit: int = 8) -> str:
+    """A few of ``array``'s elements (same-width integers of ``dtype``) as ``dtype`` values."""
+    flat = array.reshape(-1)
+    numpy_dtype = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}.get(dtype)
+    values = flat.view(numpy_dtype) if numpy_dtype is not None and flat.dtype.itemsize == np.dtype(numpy_dtype).itemsize \
+        else flat
+    shown = ", ".join(str(v) for v in values[:limit].tolist())
+    return f"[{shown}{', ...' if flat.size > limit else ''}]"

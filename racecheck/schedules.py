@@ -1,0 +1,86 @@
+"""Runtimes that order CUDA streams on a schedule of their own, announced to whoever watches.
+
+kvzero's fuzz harness runs a zeroer on CUDA through a runtime that holds its streams behind gate
+kernels spinning on flags the host writes (:mod:`racecheck.gate`): an order no torch hook shows.
+A sanitizer watching the same process would take that work for unordered and report races the
+gates prevent. So such a runtime announces itself here when it starts and when it closes
+(:func:`started`, :func:`ended`), and a sanitizer subscribes (:func:`subscribe`) and steps aside
+meanwhile; the runtime checks its own work with the same happens-before checker.
+
+Example::
+
+    unsubscribe = subscribe(lambda runtime, what: print("aside for", what), lambda runtime: print("back"))
+    started(rt, "kvzero's CUDA harness runtime")    # -> aside for kvzero's CUDA harness runtime
+    ended(rt)                                       # -> back
+    unsubscribe()
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+_SUBSCRIBERS: list[tuple[Callable[[Any, str], None], Callable[[Any], None]]] = []
+_LIVE: dict[int, tuple["weakref.ref[Any]", str, Any]] = {}  # id(runtime) -> (ref, what, finalizer)
+_LOCK = threading.Lock()
+
+
+def subscribe(on_start: Callable[[Any, str], None], on_end: Callable[[Any], None]) -> Callable[[], None]:
+    """Be told of every such runtime's start and end until the returned function is called; one
+    already running is told at once."""
+    entry = (on_start, on_end)
+    with _LOCK:
+        _SUBSCRIBERS.append(entry)
+        live = [(ref(), what) for ref, what, _ in _LIVE.values()]
+    for runtime, what in live:
+        if runtime is not None:
+            on_start(runtime, what)
+
+    def unsubscribe() -> None:
+        with _LOCK:
+            if entry in _SUBSCRIBERS:
+                _SUBSCRIBERS.remove(entry)
+
+    return unsubscribe
+
+
+def started(runtime: Any, what: str) -> None:
+    """``runtime`` starts ordering streams its own way (``what`` names it in a note)."""
+    key = id(runtime)
+    with _LOCK:
+        if key in _LIVE:
+            return
+        finalizer = weakref.finalize(runtime, _dropped, key)
+        _LIVE[key] = (weakref.ref(runtime), what, finalizer)
+        subscribers = list(_SUBSCRIBERS)
+    for on_start, _ in subscribers:
+        on_start(runtime, what)
+
+
+def ended(runtime: Any) -> None:
+    """``runtime`` closed: it has synchronised its work."""
+    with _LOCK:
+        entry = _LIVE.pop(id(runtime), None)
+        subscribers = list(_SUBSCRIBERS)
+    if entry is None:
+        return
+    entry[2].detach()
+    for _, on_end in subscribers:
+        on_end(runtime)
+
+
+def running() -> int:
+    """How many such runtimes are running now."""
+    return len(_LIVE)
+
+
+def _dropped(key: int) -> None:
+    """A runtime dropped without closing: its subscribers count it gone."""
+    with _LOCK:
+        entry = _LIVE.pop(key, None)
+        subscribers = list(_SUBSCRIBERS)
+    if entry is not None:
+        for _, on_end in subscribers:
+            on_end(None)

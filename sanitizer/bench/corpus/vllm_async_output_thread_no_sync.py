@@ -1,0 +1,91 @@
+"""vLLM async output thread: the main thread reads sampled token ids before the helper thread's copy event completed. RACY (host-read-vs-pending-copy).
+
+Upstream pattern: with async scheduling vLLM returns a step's sampled token ids without waiting for
+them (``AsyncGPUModelRunnerOutput``): on a copy stream that first waits on the main stream, the ids
+are moved to the host with ``.to("cpu", non_blocking=True)`` and an event is recorded; whoever
+consumes the output must ``synchronize()`` that event before using the host tensor, and the output
+is often consumed on another thread than the one that queued the copy. The host tensor is valid
+only once the event has completed: reading it earlier reads whatever the pinned block held,
+silently (the same host-read class as vLLM #36013).
+
+Here a helper thread (a ``ThreadPoolExecutor`` of one worker) queues each step's device-to-host
+copy and its event; the main thread takes the result and reads ``sampled_cpu.tolist()`` without
+synchronizing the event. The read races with the helper thread's queued
+``sampled_cpu = sampled.to("cpu", non_blocking=True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+SLEEP_CYCLES = 20_000_000  # about 10 ms of torch.cuda._sleep on an H200
+NUM_REQS = 8
+VOCAB = 32000
+
+
+def sampled_tokens(step: int) -> list[int]:
+    """What the sampler picks at ``step`` (never zero, never another step's ids)."""
+    return [1 + (step * 1000 + 37 * i) % (VOCAB - 1) for i in range(NUM_REQS)]
+
+
+class AsyncOutputCopier:
+    """Queues the device-to-host copy of sampled token ids from a helper thread."""
+
+    def __init__(self, main_stream: torch.cuda.Stream, sleep: bool) -> None:
+        self.main_stream = main_stream
+        self.copy_stream = torch.cuda.Stream()
+        self.sleep = sleep
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_output")
+
+    def _copy(self, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        with torch.cuda.stream(self.copy_stream):  # in the helper thread
+            self.copy_stream.wait_stream(self.main_stream)  # the sampler has written the ids: correct
+            if self.sleep:
+                torch.cuda._sleep(SLEEP_CYCLES)  # the copy stream is busy: the copy runs ~10 ms from now
+            sampled_cpu = sampled.to("cpu", non_blocking=True)  # race: queued
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        return sampled_cpu, ready
+
+    def submit(self, sampled: torch.Tensor):  # -> Future[tuple[Tensor, Event]]
+        return self.executor.submit(self._copy, sampled)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+def main(steps: int = 16, sleep: bool = False) -> None:
+    device = torch.device("cuda")
+    main_stream = torch.cuda.current_stream()
+    request_ids = torch.arange(NUM_REQS, dtype=torch.int64, device=device)
+    in_flight: list[torch.Tensor] = []  # a Python reference keeps each step's ids alive (no record_stream)
+    copier = AsyncOutputCopier(main_stream, sleep)
+    outputs: list[list[int]] = []
+    try:
+        for step in range(steps):
+            # The sampler, on the main stream: this step's token ids.
+            sampled = torch.remainder(request_ids * 37 + step * 1000, VOCAB - 1).add_(1)
+            in_flight.append(sampled)
+            future = copier.submit(sampled)
+            sampled_cpu, ready = future.result()  # the helper has queued the copy and recorded the event
+            outputs.append(sampled_cpu.tolist())  # race: later
+    finally:
+        copier.close()
+
+    torch.cuda.synchronize()
+    for step, got in enumerate(outputs):
+        want = sampled_tokens(step)
+        if got != want:
+            raise AssertionError(f"step {step}: the engine output token ids {got}, want {want} "
+                                 f"(read before the device-to-host copy had landed)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--sleep", action="store_true", help="delay the device so the race shows as wrong values")
+    args = parser.parse_args()
+    main(args.steps, args.sleep)

@@ -1,0 +1,78 @@
+"""Copies between host and device, as CUDA runs them: who may touch which bytes until when.
+
+``copy_(dst, src, non_blocking)`` and ``_to_copy(src, device=..., non_blocking=...)`` mean, by the
+memories involved (:func:`racecheck.ops.copy_kind`):
+
+* host to device, non-blocking, from pinned memory: queued; it reads the host bytes when its
+  stream gets there, so the host may not rewrite them before it has seen the copy complete (a
+  snapshot of them is kept, :mod:`racecheck.pinned`); force mode holds it behind a gate;
+* device to host, non-blocking, into pinned memory (``.to("cpu", non_blocking=True)`` pins its
+  result): queued; it writes the host bytes when its stream gets there, so the host may not read or
+  write them before it has seen the copy complete; force mode holds it too;
+* anything else with the host on one side: the host waits (a blocking copy synchronises the
+  stream; CUDA stages pageable bytes before returning) and has seen the stream after;
+* device to device: queued, like any kernel.
+
+The bytes a host-to-device copy stages are remembered for small integer tensors, so that a later
+``index_select`` over them knows its rows (:mod:`sanitizer.gpu.indices`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sanitizer.gpu.dispatch import op_name
+from sanitizer.sites import Site
+
+
+def copy(handler: Any, func: Any, args: tuple, kwargs: dict, what: str, site: Site, index: int) -> Any:
+    """Run and record ``copy_`` or ``_to_copy`` (called under the observer's lock)."""
+    obs, device = handler.obs, handler.device
+    if what == "copy":
+        dst, src = args[0], args[1]
+        non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        to_device = device.is_device(dst)
+    else:
+        dst, src = None, args[0]
+        non_blocking = bool(kwargs.get("non_blocking", False))
+        target = kwargs.get("device")
+        to_device = device.is_device(src) if target is None else torch.device(target).type == "cuda"
+    from_device = device.is_device(src)
+    h2d, d2h = not from_device and to_device, from_device and not to_device
+    region = obs.pinned_region(src) if h2d else (obs.pinned_region(dst) if d2h and dst is not None else None)
+    reads_pinned = h2d and non_blocking and region is not None
+    writes_pinned = d2h and non_blocking and (dst is None or region is not None)
+    host_waits = (h2d and not non_blocking) or (d2h and not writes_pinned)
+    how = ("non-blocking H2D copy" if reads_pinned else "H2D copy") if h2d else \
+          ("non-blocking D2H copy" if writes_pinned else "D2H copy") if d2h else "D2D copy"
+    if host_waits:
+        obs.release_forced(site)
+    held = obs.hold(index) if reads_pinned or writes_pinned else None
+    stream = device.current_stream(index)
+    stamp = obs.enqueue(f"{op_name(func)} ({how})", stream, site)
+    if from_device:
+        obs.device_access(src, stamp, write=False)
+    result = func(*args, **kwargs)
+    target_tensor = dst if dst is not None else result
+    if isinstance(target_tensor, torch.Tensor) and device.is_device(target_tensor):
+        obs.device_access(target_tensor, stamp, write=True)
+        if h2d:
+            obs.indices.staged(target_tensor, src)
+    if reads_pinned:
+        with torch._C.DisableTorchFunction():
+            keep = src.detach()  # our own alias: the host allocator cannot recycle it under the check
+        snapshot = obs.pinned.note_read(region, src, stamp, keep=keep)
+        if held is not None and snapshot is not None:
+            obs.forcing.watch(held, snapshot)
+    if writes_pinned and isinstance(target_tensor, torch.Tensor):
+        if region is None:
+            region = obs.note_pinned(target_tensor, site, f"the pinned result of .to('cpu', non_blocking=True)")
+        obs.pinned.note_device_write(region, target_tensor, stamp)
+        if held is not None:
+            obs.forcing.watch_write(held, region, stamp.label.access)
+    if host_waits:
+        obs.observes_stream(stream)
+    obs.collect()
+    return result

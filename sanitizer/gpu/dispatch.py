@@ -1,0 +1,178 @@
+"""Every aten op, seen on its way to torch: what it reads and writes, on which stream, from which thread.
+
+A ``TorchDispatchMode`` is entered in every thread the program runs torch in (modes are per thread;
+:meth:`sanitizer.gpu.observer.Observer.thread_setup`). For each op:
+
+* **device work** is stamped on the stream torch is about to use, with the bytes it reads and
+  writes (the schema's ``(a!)`` arguments and fresh outputs are writes; an indexed op touches only
+  the rows its index tensor names, :mod:`sanitizer.gpu.indices`);
+* **copies** take CUDA's meaning (:func:`racecheck.ops.copy_kind`): a non-blocking copy from
+  pinned memory reads it when its stream gets there (a snapshot of the bytes is kept); a
+  non-blocking copy to pinned memory writes it then (a pending write the host may not read or
+  write before it has seen the copy complete); a blocking one makes the host wait;
+* **host ops** on pinned memory (a torch op on the CPU tensor, ``.item()``) are host reads and
+  writes, checked against the copies pending on those bytes; pinned allocations are remembered with
+  the line that made them;
+* ops captured into a CUDA graph are recorded for its replays (:mod:`sanitizer.gpu.graphs`).
+
+The mode opts out of torch's compiler hook (``_should_skip_dynamo``): nothing here needs
+``torch._dynamo``, whose import costs seconds and whose per-call guard costs microseconds per op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from racecheck.ops import aliased_returns, kind
+from sanitizer.host_ops import op_name, pinned_access, tensors_of, written_tensors
+from sanitizer.sites import Site, caller_site
+from zeroer.intercept.sim_tensor import SimCudaTensor
+from zeroer.origin import forwarding
+
+aten = torch.ops.aten
+_PIN = {getattr(packet, "default") for packet in (getattr(aten, "_pin_memory", None), getattr(aten, "pin_memory", None))
+        if packet is not None and hasattr(packet, "default")}
+_SCALAR = aten._local_scalar_dense.default
+_RECORD_STREAM = aten.record_stream.default
+_ALIASED: dict[Any, list[int | None]] = {}
+_CUDA_DEVICES: dict[Any, bool] = {}
+
+
+class Ops(TorchDispatchMode):
+    """The mode (see the module docstring); one instance per thread."""
+
+    def __init__(self, observer: Any) -> None:
+        super().__init__()
+        self.handler = Handler(observer)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no torch._dynamo import, no per-op dynamo guard (module docstring)
+
+    @forwarding  # the program's own call, handed on: what torch raises under it is the program's
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        handler = self.handler
+        if handler.obs.paused:
+            return func(*args, **(kwargs or {}))
+        return handler.on_op(func, args, kwargs or {})
+
+
+def enter(observer: Any) -> Callable[[], None]:
+    """Enter a fresh mode in the calling thread; the function that leaves it again."""
+    mode = Ops(observer)
+    mode.__enter__()
+    return lambda: mode.__exit__(None, None, None)
+
+
+class Handler:
+    """What one op means to the observer (see the module docstring)."""
+
+    def __init__(self, observer: Any) -> None:
+        self.obs = observer
+        self.device = observer.device
+
+    @forwarding
+    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        tensors = tensors_of(args, kwargs)
+        device = self.device
+        on_device: list[torch.Tensor] = []
+        for tensor in tensors:
+            if isinstance(tensor, SimCudaTensor):
+                return func(*args, **kwargs)  # kvzero's simulator at work (its "cuda" is CPU memory)
+            if device.is_device(tensor):
+                on_device.append(tensor)
+        target = kwargs.get("device")
+        to_device = target is not None and _is_cuda(target)
+        if not on_device and not to_device:
+            return self.host_op(func, args, kwargs, tensors)
+        what = kind(func)
+        if what in ("view", "alloc"):
+            return func(*args, **kwargs)
+        obs = self.obs
+        site = caller_site()
+        index = device.device_index(on_device[0] if on_device else None)
+        with obs.lock:
+            obs.boundary(site)
+            record = obs.graphs.capturing()
+            if record is not None:
+                return record.op(self, func, args, kwargs, what, on_device, site)
+            if func is _RECORD_STREAM:
+                obs.stream_recorded(args[0])
+                return func(*args, **kwargs)
+            if what in ("copy", "to_copy"):
+                from sanitizer.gpu.copies import copy
+
+                return copy(self, func, args, kwargs, what, site, index)
+            blocking = what == "blocking" or func is _SCALAR
+            if blocking:
+                obs.release_forced(site)  # the host waits for the stream here: forced holds open first
+            stream = device.current_stream(index)
+            stamp = obs.enqueue(op_name(func), stream, site)
+            written = written_tensors(func, args, kwargs)
+            obs.indices.declare(func, args, kwargs, stamp, on_device, written)
+        result = func(*args, **kwargs)
+        with obs.lock:
+            for out in fresh_outputs(func, result, device, on_device):
+                obs.device_access(out, stamp, write=True)
+            if blocking:
+                obs.observes_stream(stream)
+            obs.collect()
+        return result
+
+    # -- host ops -----------------------------------------------------------------------------------
+    @forwarding
+    def host_op(self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
+        obs = self.obs
+        if kwargs.get("pin_memory") or func in _PIN:
+            site = caller_site()
+            with obs.lock:
+                obs.release_forced(site)  # pinned allocation may wait for the GPU (racecheck.gate)
+            result = func(*args, **kwargs)
+            if isinstance(result, torch.Tensor) and result.device.type == "cpu":
+                with obs.lock:
+                    obs.note_pinned(result, site, op_name(func))
+            return result
+        if not obs.pinned.regions or not tensors:
+            return func(*args, **kwargs)
+        site = pinned_access(obs, func, args, kwargs, tensors)
+        result = func(*args, **kwargs)
+        if site is not None:
+            obs.last_site = site
+        return result
+
+
+# -- what an op touches --------------------------------------------------------------------------------
+
+def _is_cuda(device: Any) -> bool:
+    found = _CUDA_DEVICES.get(device)
+    if found is None:
+        try:
+            found = torch.device(device).type == "cuda"
+        except (RuntimeError, TypeError):
+            found = False
+        try:
+            _CUDA_DEVICES[device] = found
+        except TypeError:
+            pass
+    return found
+
+
+def fresh_outputs(func: Any, result: Any, device: Any, on_device: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The device tensors ``func`` returned that alias none of its arguments (new memory it wrote)."""
+    aliased = _ALIASED.get(func)
+    if aliased is None:
+        aliased = _ALIASED[func] = aliased_returns(func)
+    outputs = result if isinstance(result, (tuple, list)) else (result,)
+    fresh = [o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)
+             and (i >= len(aliased) or aliased[i] is None)]
+    if on_device:
+        for out in fresh:
+            device.adopt(out)
+    return [o for o in fresh if device.is_device(o)]
+
+
+__all__ = ["Handler", "Ops", "Site", "enter", "fresh_outputs", "op_name", "written_tensors"]

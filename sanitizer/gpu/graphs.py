@@ -1,0 +1,147 @@
+"""CUDA graphs: what a capture records, and what each replay then does to memory.
+
+Work captured into a CUDA graph does not run at capture; it runs at every replay, on the stream
+``replay()`` is called on, reading whatever its pinned inputs hold then (onnxruntime #32121: the host
+rewrote a graph's static pinned input while a replay was queued). So while a thread captures
+(``CUDAGraph.capture_begin`` to ``capture_end``, which ``torch.cuda.graph`` and
+``make_graphed_callables`` call), every op it issues is recorded, not checked: the device bytes it
+reads and writes and the pinned host bytes a copy reads or writes. Each ``replay()`` is then those
+ops, in order, queued on the replay stream: stamped, checked against everything else, a snapshot of
+each pinned input taken as it is at the replay, a pending write for each pinned output; force mode
+holds the whole replay behind a gate. A report names the captured op and the replay's line.
+
+Not modelled: an order inside one graph (its captured ops are checked as one stream), and a graph
+captured by one thread and replayed by another (followed like any op of the replaying thread).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from racecheck.ops import indexed_rows
+from racecheck.pinned import Region
+from racecheck.ranges import Runs, byte_runs, row_runs
+from sanitizer.gpu.dispatch import fresh_outputs, op_name, written_tensors
+from sanitizer.sites import Site
+
+
+@dataclass
+class _Captured:
+    what: str
+    site: Site
+    device: list[tuple[torch.Tensor, bool, Runs]] = field(default_factory=list)  # (tensor, write, runs)
+    pinned_reads: list[tuple[Region, torch.Tensor]] = field(default_factory=list)
+    pinned_writes: list[tuple[Region, torch.Tensor]] = field(default_factory=list)
+
+
+class GraphRecord:
+    """The ops one capture recorded."""
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+        self.ops: list[_Captured] = []
+
+    def op(self, handler: Any, func: Any, args: tuple, kwargs: dict, what: str, on_device: list[torch.Tensor],
+           site: Site) -> Any:
+        """Record one op issued under capture, then let torch capture it (called under the lock)."""
+        obs, device = handler.obs, handler.device
+        captured = _Captured(op_name(func), site)
+        if what == "copy" or what == "to_copy":
+            dst = args[0] if what == "copy" else None
+            src = args[1] if what == "copy" else args[0]
+            if device.is_device(src):
+                captured.device.append((src, False, byte_runs(src)))
+            elif dst is not None and device.is_device(dst):
+                region = obs.pinned_region(src)
+                if region is not None:
+                    captured.pinned_reads.append((region, src.detach()))
+            if dst is not None and device.is_device(dst):
+                captured.device.append((dst, True, byte_runs(dst)))
+            elif dst is not None:
+                region = obs.pinned_region(dst)
+                if region is not None:
+                    captured.pinned_writes.append((region, dst.detach()))
+            result = func(*args, **kwargs)
+            if dst is None and isinstance(result, torch.Tensor):
+                if device.is_device(result):
+                    captured.device.append((result, True, byte_runs(result)))
+                else:
+                    region = obs.note_pinned(result, site, "the pinned result of a captured .to('cpu')")
+                    captured.pinned_writes.append((region, result.detach()))
+            self.ops.append(captured)
+            return result
+        written = written_tensors(func, args, kwargs)
+        indexed = indexed_rows(func, args, kwargs)
+        for tensor in on_device:
+            write = any(tensor is w for w in written)
+            runs = byte_runs(tensor)
+            if indexed is not None and tensor is args[indexed[0]]:
+                rows = obs.indices.values(indexed[2])
+                if rows is not None:
+                    runs = row_runs(tensor, indexed[1], rows)
+            captured.device.append((tensor, write, runs))
+        result = func(*args, **kwargs)
+        for out in fresh_outputs(func, result, device, on_device):
+            captured.device.append((out, True, byte_runs(out)))
+        self.ops.append(captured)
+        return result
+
+    def triton(self, what: str, site: Site, accesses: list[tuple[torch.Tensor, bool]],
+               pinned: list[tuple[Region, torch.Tensor]]) -> None:
+        captured = _Captured(what, site)
+        captured.device = [(t, write, byte_runs(t)) for t, write in accesses]
+        captured.pinned_reads = list(pinned)
+        self.ops.append(captured)
+
+
+class Graphs:
+    """The captures in progress and the graphs they recorded (see the module docstring)."""
+
+    def __init__(self, observer: Any) -> None:
+        self.obs = observer
+        self._capturing: dict[int, GraphRecord] = {}  # thread ident -> the capture it runs
+        self._records: "weakref.WeakKeyDictionary[Any, GraphRecord]" = weakref.WeakKeyDictionary()
+
+    def capturing(self) -> GraphRecord | None:
+        """The capture the calling thread is in, if any."""
+        if not self._capturing:
+            return None
+        return self._capturing.get(threading.get_ident())
+
+    def begin(self, graph: Any, site: Site) -> None:
+        record = GraphRecord(site)
+        self._capturing[threading.get_ident()] = record
+        self._records[graph] = record
+
+    def end(self, graph: Any) -> None:
+        self._capturing.pop(threading.get_ident(), None)
+
+    def replay(self, graph: Any, site: Site) -> Any:
+        """``graph.replay()`` at ``site`` is about to be issued: queue its ops; the held gate, if any."""
+        record = self._records.get(graph)
+        if record is None:
+            return None
+        obs = self.obs
+        index = obs.device.device_index(None)
+        held = obs.hold(index) if any(op.pinned_reads or op.pinned_writes for op in record.ops) else None
+        stream = obs.device.current_stream(index)
+        for captured in record.ops:
+            stamp = obs.enqueue(f"{captured.what} (captured into the CUDA graph at {record.site.short}, replayed)",
+                                stream, site)
+            for tensor, write, runs in captured.device:
+                obs.device_access(tensor, stamp, write=write, ranges=runs)
+            for region, view in captured.pinned_reads:
+                snapshot = obs.pinned.note_read(region, view, stamp, keep=view)
+                if held is not None and snapshot is not None:
+                    obs.forcing.watch(held, snapshot)
+            for region, view in captured.pinned_writes:
+                obs.pinned.note_device_write(region, view, stamp)
+                if held is not None:
+                    obs.forcing.watch_write(held, region, stamp.label.access)
+        obs.collect()
+        return held

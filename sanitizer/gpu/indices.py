@@ -1,0 +1,180 @@
+"""The rows an indexed op touches, so that gathering some rows of a tensor on one stream while
+another stream writes other rows is not taken for a race.
+
+``index_select(kv, 0, ids)``, ``kv[ids]``, ``kv.index_copy_(0, ids, src)``, gathers, scatters and
+``embedding`` touch only the rows their index tensor names (:func:`racecheck.ops.indexed_rows`).
+vLLM's offload worker stores the blocks it offloads with ``index_select`` on its transfer stream
+while the compute stream writes other blocks of the same KV tensor; taking the whole tensor as read
+would call that a race. The index tensor lives on the device, so its values are known only:
+
+* when the program staged them there: a host-to-device copy of small integer data records the bytes
+  it delivers (the staged bytes of pinned memory, as a snapshot keeps them; a host write under the
+  copy is a race reported on its own), and any other write to those bytes forgets them;
+* or once the op has run and the host has seen it, while nothing has written the index since: the
+  observer then reads the index back on a stream of its own (which waits for nothing) and declares
+  the rows late; the checker's verdict does not depend on the order of declarations.
+
+An index whose rows never become known by the end of the test is said in a note, and its access
+is not checked (a missed race, never a false one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from racecheck.hb import OpStamp
+from racecheck.ops import indexed_rows
+from racecheck.ranges import byte_runs, row_runs
+
+MAX_STAGED = 1 << 16  # elements of an index tensor whose staged values are remembered
+_INTEGERS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.uint8: np.uint8,
+             torch.int8: np.int8}
+
+
+@dataclass
+class _Known:
+    start: int
+    end: int
+    values: np.ndarray  # one element per ``itemsize`` bytes from ``start``
+    dtype: torch.dtype
+
+
+@dataclass
+class _Unresolved:
+    stamp: OpStamp
+    target: torch.Tensor
+    dim: int
+    index: torch.Tensor
+    write: bool
+    generation: int
+    what: str
+
+
+class Indices:
+    """Known index values and the indexed accesses still waiting for theirs (module docstring)."""
+
+    def __init__(self, observer: Any) -> None:
+        self.obs = observer
+        self._known: dict[int, list[_Known]] = {}  # device storage address -> staged values
+        self._generation: dict[int, int] = {}  # device storage address -> writes declared so far
+        self._unresolved: list[_Unresolved] = []
+        self._stream: Any = None
+
+    # -- what the device holds ---------------------------------------------------------------------
+    def written(self, tensor: torch.Tensor, address: int, ranges: list[tuple[int, int]]) -> None:
+        """A device write to ``ranges`` of the storage at ``address``: staged values there are stale."""
+        self._generation[address] = self._generation.get(address, 0) + 1
+        known = self._known.get(address)
+        if known:
+            kept = [k for k in known if not any(s < k.end and k.start < e for s, e in ranges)]
+            self._known[address] = kept
+
+    def staged(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A host-to-device copy of ``src`` into ``dst``: its values, for a small integer index."""
+        if dst.dtype not in _INTEGERS or src.dtype not in _INTEGERS or dst.numel() > MAX_STAGED:
+            return
+        if not dst.is_contiguous() or not src.is_contiguous() or dst.numel() != src.numel():
+            return
+        with torch._C.DisableTorchFunction():
+            raw = ctypes.string_at(src.data_ptr(), src.numel() * src.element_size()) if src.numel() else b""
+            values = np.frombuffer(raw, dtype=_INTEGERS[src.dtype]).astype(_INTEGERS[dst.dtype])
+            address = dst.untyped_storage().data_ptr()
+            start = dst.data_ptr()
+        self._known.setdefault(address, []).append(
+            _Known(start, start + dst.numel() * dst.element_size(), values, dst.dtype))
+
+    def values(self, index: torch.Tensor) -> list[int] | None:
+        """``index``'s values where they are known, else None."""
+        if index.dtype not in _INTEGERS:
+            return None
+        if not self.obs.device.is_device(index):
+            with torch._C.DisableTorchFunction():
+                return [int(v) for v in index.reshape(-1).tolist()]
+        if not index.is_contiguous():
+            return None
+        known = self._known.get(index.untyped_storage().data_ptr())
+        if not known:
+            return None
+        start, size = index.data_ptr(), index.element_size()
+        end = start + index.numel() * size
+        for entry in reversed(known):
+            if entry.dtype == index.dtype and entry.start <= start and end <= entry.end:
+                first = (start - entry.start) // size
+                return [int(v) for v in entry.values[first:first + index.numel()]]
+        return None
+
+    # -- declaring an op's accesses ------------------------------------------------------------------
+    def declare(self, func: Any, args: tuple, kwargs: dict, stamp: OpStamp, on_device: list[torch.Tensor],
+                written: list[torch.Tensor]) -> None:
+        """Declare ``stamp``'s reads and writes of ``on_device`` (the indexed tensor by its rows)."""
+        obs = self.obs
+        indexed = indexed_rows(func, args, kwargs)
+        target = None
+        if indexed is not None:
+            position, dim, index, write = indexed
+            candidate = args[position] if position < len(args) else None
+            if isinstance(candidate, torch.Tensor) and obs.device.is_device(candidate):
+                target = candidate
+                rows = self.values(index)
+                if rows is not None:
+                    obs.device_access(target, stamp, write=write, ranges=row_runs(target, dim, rows))
+                else:
+                    address = index.untyped_storage().data_ptr()
+                    with torch._C.DisableTorchFunction():
+                        self._unresolved.append(_Unresolved(
+                            stamp, target.detach(), dim, index.detach(), write, self._generation.get(address, 0),
+                            getattr(stamp.label, "access", None) and stamp.label.access.what or str(stamp.label)))
+        for tensor in on_device:
+            if tensor is target:
+                continue
+            obs.device_access(tensor, stamp, write=any(tensor is w for w in written))
+
+    # -- late resolution -----------------------------------------------------------------------------
+    def resolve(self) -> None:
+        """The host has learned more: indexed ops that ran, over an index nothing has rewritten
+        since, get their rows now."""
+        if not self._unresolved:
+            return
+        hb = self.obs.hb
+        still: list[_Unresolved] = []
+        for entry in self._unresolved:
+            if not hb.seen_by_some_host(entry.stamp):
+                still.append(entry)
+                continue
+            address = entry.index.untyped_storage().data_ptr()
+            if self._generation.get(address, 0) != entry.generation:
+                self._note(entry, "its index tensor was written again before the host saw the op run")
+                continue
+            rows = self._read_back(entry.index)
+            self.obs.device_access(entry.target, entry.stamp, write=entry.write,
+                                   ranges=row_runs(entry.target, entry.dim, rows))
+        self._unresolved = still
+
+    def finish(self) -> None:
+        """The scope ends: what could not be resolved is said, not guessed."""
+        self.resolve()
+        for entry in self._unresolved:
+            self._note(entry, "the host never saw the op run")
+        self._unresolved = []
+
+    def _read_back(self, index: torch.Tensor) -> list[int]:
+        obs = self.obs
+        with obs.own_work():
+            if self._stream is None:
+                self._stream = obs.device.private_stream()
+            host = obs.device.read_back(index, self._stream)
+            with torch._C.DisableTorchFunction():
+                return [int(v) for v in host.reshape(-1).tolist()]
+
+    def _note(self, entry: _Unresolved, why: str) -> None:
+        site = entry.stamp.label.access.where() if hasattr(entry.stamp.label, "access") else ""
+        self.obs.notes.append(f"kvz-sanitize could not tell which rows {entry.what} {site} touches ({why}); "
+                              f"its access to them is not checked")
+
+
+__all__ = ["Indices", "byte_runs"]

@@ -1,0 +1,348 @@
+"""The GPU observer: the sanitizer's state for one process, and the glue between its windows.
+
+The observer is a :class:`~sanitizer.watch.HostWatch` (pinned memory, host accesses, threads,
+races) with a device side of its own: streams named by where they were made, events carrying their
+stream's clock, device memory keyed by allocation and reused by the caching allocator's rule, and
+force mode's gates. Its windows (:mod:`sanitizer.gpu.dispatch`, :mod:`.trace`, :mod:`.patches`)
+call the methods here, always under :attr:`lock` (several host threads may be at work).
+
+Verdicts come from enqueue order, never from timing: a race is reported on a run where the values
+came out right. Force mode (:mod:`sanitizer.gpu.forcing`) can also make them come out wrong.
+
+Stepping aside. kvzero's own fuzz harness runs zeroers on CUDA with gate kernels that hold streams
+on flags the host writes, an order no torch hook shows; it announces its runtimes through
+:mod:`racecheck.schedules`, and the observer checks nothing from the first one's start to the last
+one's close (the harness checks that work itself, with the same checker).
+
+Example (needs a GPU)::
+
+    obs = Observer()
+    obs.start()
+    main()                      # the program
+    races = obs.stop()
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from racecheck import schedules
+from racecheck.hb import HappensBefore, OpStamp
+from racecheck.pinned import PinnedWatch, Region, Snapshot
+from racecheck.ranges import byte_runs
+from racecheck.threads import HostThreads
+from sanitizer.gpu.device import CudaDevice
+from sanitizer.races import Access, Label, Race
+from sanitizer.sites import Site, caller_site
+from sanitizer.watch import HostWatch
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class Unfollowed:
+    """Something the program did that the sanitizer cannot follow, and where."""
+
+    def __init__(self, what: str, site: Site) -> None:
+        self.what, self.site = what, site
+
+    def message(self) -> str:
+        return f"kvz-sanitize cannot follow {self.what} at {self.site}"
+
+
+class Observer(HostWatch):
+    """The sanitizer's state for one process; see the module docstring."""
+
+    def __init__(self, *, forcing: Any = None, device: Any = None) -> None:
+        hb = HappensBefore()
+        threads = HostThreads(hb)
+        super().__init__(hb, threads, PinnedWatch(hb, threads.current))
+        self.device = device if device is not None else CudaDevice()
+        self.forcing = forcing  # sanitizer.gpu.forcing.Forcing in force mode, else None
+        self.unfollowed: list[Unfollowed] = []
+        self._own = threading.local()  # per thread: the sanitizer's own CUDA work (gates, an index read) under way
+        self._schedules = 0  # runtimes with a schedule of their own are running (racecheck.schedules)
+        self.thread_id = threading.get_ident()
+        self._streams: dict[int, int] = {}  # cudaStream_t -> checker thread
+        self._stream_names: dict[int, str] = {}
+        self._events: dict[int, tuple[int, ...]] = {}  # cudaEvent_t -> clock snapshot at its record
+        self._alloc_stream: dict[int, int] = {}  # device address -> stream it was last handed out on
+        self._generation: dict[int, int] = {}  # device address -> how many times it was handed out
+        self._recorded: set[int] = set()  # device addresses record_stream tied to another stream
+        self._device_sites: dict[int, Site] = {}  # device address -> where it was last handed out
+        self._named: set[int] = set()
+        self._ops = 0
+        self._started = False
+        from sanitizer.gpu.graphs import Graphs
+        from sanitizer.gpu.indices import Indices
+
+        self.graphs = Graphs(self)
+        self.indices = Indices(self)
+
+    @property
+    def paused(self) -> bool:
+        """Whether what happens now is not this observer's to check: the sanitizer's own work, a
+        runtime with a schedule of its own (module docstring), or an observer started inside this
+        one (a test of the sanitizer, run under the sanitizer), which checks instead."""
+        return self._schedules > 0 or getattr(self._own, "busy", 0) > 0 or _RUNNING[-1] is not self
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        from sanitizer.gpu import dispatch, patches, trace
+
+        # torch imports its compiler stack on the first op through a Python dispatch mode unless the
+        # mode opts out (dispatch.Ops does); nothing here needs torch._dynamo.
+        trace.install(self)
+        self._unpatch = patches.install(self)
+        self._unschedule = schedules.subscribe(self._schedule_started, self._schedule_ended)
+        self.activate_host_hooks()
+        self._exit_mode = dispatch.enter(self)
+        self.mark_set_up()
+        self._started = True
+        _RUNNING.append(self)
+
+    def stop(self) -> list[Race]:
+        """Stop observing; the races seen (a final host check and the forced releases first)."""
+        from sanitizer.gpu import trace
+
+        try:
+            self.scope_end(caller_site())
+        finally:
+            if self in _RUNNING:
+                _RUNNING.remove(self)
+            self._started = False
+            self._exit_mode()
+            self.deactivate_host_hooks()
+            self._unschedule()
+            self._unpatch()
+            trace.uninstall(self)
+            if self.forcing is not None:
+                self.forcing.close()
+        return self.races
+
+    def _setup_thread(self) -> Callable[[], None] | None:
+        """A thread the program started: the dispatch mode is entered in it (modes are per thread)."""
+        from sanitizer.gpu import dispatch
+
+        return dispatch.enter(self)
+
+    def scope_end(self, site: Site) -> None:
+        """A test (or the program) ended: release what force mode holds, check the host once more."""
+        with self.lock:
+            self.boundary(site)
+            self.release_forced(site)
+            self.indices.finish()
+            self.collect()
+
+    def take_races(self) -> list[Race]:
+        races, self.races = self.races, []
+        return races
+
+    def take_unfollowed(self) -> list[Unfollowed]:
+        notes, self.unfollowed = self.unfollowed, []
+        return notes
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
+
+    def own_work(self) -> "_OwnWork":
+        """A scope of the sanitizer's own CUDA work, which no window may take for the program's."""
+        return _OwnWork(self)
+
+    # -- streams and labels ------------------------------------------------------------------------
+    def stream_thread(self, stream: int) -> int:
+        thread = self._streams.get(stream)
+        if thread is None:
+            name = self._stream_names.get(stream) or (
+                "the default stream" if stream == 0 else f"stream 0x{stream:x}")
+            self._stream_names[stream] = name
+            thread = self._streams[stream] = self.hb.add_stream(name)
+        return thread
+
+    def label(self, what: str, stream: int, site: Site | None) -> Label:
+        self._ops += 1
+        self.stream_thread(stream)
+        return Label.of(f"{what}#{self._ops}", Access(what, self._stream_names[stream], site))
+
+    def enqueue(self, what: str, stream: int, site: Site | None) -> OpStamp:
+        """Stamp an op the calling thread enqueues on ``stream``."""
+        return self.hb.enqueue(self.stream_thread(stream), self.label(what, stream, site), self.threads.current())
+
+    def observes_stream(self, stream: int) -> None:
+        """The calling thread waited for everything queued on ``stream``."""
+        self.hb.host_observes_stream(self.stream_thread(stream), self.threads.current())
+
+    # -- device memory -----------------------------------------------------------------------------
+    def device_access(self, tensor: torch.Tensor, stamp: OpStamp, *, write: bool,
+                      ranges: list[tuple[int, int]] | None = None) -> None:
+        """``stamp`` reads or writes ``tensor``'s bytes (``ranges`` of them, where known)."""
+        address = tensor.untyped_storage().data_ptr()
+        if address == 0:
+            return  # an empty tensor: no memory
+        label = stamp.label
+        if isinstance(label, Label):
+            label.generations[address] = self._generation.get(address, 0)
+        if address not in self._named:
+            self._named.add(address)
+            self.hb.name_resource(("cudamem", address), f"device memory at 0x{address:x}")
+        if ranges is None:
+            ranges = byte_runs(tensor)
+        self.hb.device_access(("cudamem", address), stamp, write=write, ranges=ranges)
+        if write:
+            self.indices.written(tensor, address, ranges)
+
+    def memory_allocated(self, address: int) -> None:
+        """The caching allocator handed ``address`` out. It reuses memory on the stream that freed it
+        without waiting for other streams, unless ``record_stream`` tied the block to them (then it
+        waited for their events): only in that case, or when the block came back through CUDA on
+        another stream (a device synchronisation), does the address start a fresh history."""
+        stream = self.device.current_stream(None)
+        previous = self._alloc_stream.get(address)
+        if address in self._recorded or (previous is not None and previous != stream):
+            self.hb.forget(("cudamem", address))
+            self._recorded.discard(address)
+        self._alloc_stream[address] = stream
+        self._generation[address] = self._generation.get(address, 0) + 1
+        self._device_sites[address] = caller_site()
+
+    def stream_recorded(self, tensor: torch.Tensor) -> None:
+        """``tensor.record_stream(s)``: its block waits for ``s`` before the allocator reuses it."""
+        self._recorded.add(tensor.untyped_storage().data_ptr())
+
+    def cache_emptied(self) -> None:
+        """``torch.cuda.empty_cache()``: freed blocks go back to CUDA, which reuses them only after a
+        device synchronisation; every device address starts a fresh history."""
+        self.hb.host_observes_all(self.threads.current())
+        for address in list(self._alloc_stream):
+            self.hb.forget(("cudamem", address))
+        self._alloc_stream.clear()
+
+    # -- pinned memory -----------------------------------------------------------------------------
+    def pinned_region(self, tensor: torch.Tensor, *, how: str = "") -> Region | None:
+        """The pinned region ``tensor`` lives in: known, or pinned before the sanitizer started."""
+        region = self.pinned.lookup(tensor)
+        if region is None and self.device.is_pinned(tensor):
+            region = self.note_pinned(tensor, None, how or "allocated before the sanitizer started")
+        return region
+
+    def region_of(self, tensor: torch.Tensor) -> Region | None:
+        return self.pinned_region(tensor)
+
+    def note_pinned(self, tensor: torch.Tensor, site: Site | None, how: str) -> Region:
+        with _disable_current_modes():
+            shape, dtype = tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")
+        region = self.pinned.register(tensor, keep=False, site=site)
+        self.pinned.rename(region, f"pinned host buffer {shape} {dtype} ({how})")
+        self._numpy_at.pop(region.id, None)
+        return region
+
+    def register_host_range(self, address: int, nbytes: int, site: Site) -> None:
+        """``cudaHostRegister(address, nbytes)``: pinned memory outside the caching allocator."""
+        region = self.pinned.register_range(address, nbytes, site=site)
+        self.pinned.rename(region, f"host memory registered with cudaHostRegister ({nbytes} bytes)")
+
+    def _gone(self, snapshot: Snapshot) -> bool:
+        """Whether nothing but the snapshot holds the buffer: the program cannot write it any more."""
+        keep = snapshot.keep
+        if _USE_COUNT is None or not isinstance(keep, torch.Tensor):
+            return False
+        return _USE_COUNT(keep.untyped_storage()._cdata) <= 2  # our alias and the temporary storage
+
+    # -- force mode --------------------------------------------------------------------------------
+    def hold(self, index: int | None) -> Any:
+        """A closed gate on the calling thread's current stream (force mode), or None."""
+        if self.forcing is None:
+            return None
+        with self.own_work():
+            return self.forcing.hold(self.device.stream_object(index))
+
+    def release_forced(self, site: Site | None) -> None:
+        """The host is about to wait for the GPU: every gate opens first (and the values the held
+        copies are about to read are compared with what was staged)."""
+        if self.forcing is None or not self.forcing.holding:
+            return
+        with self.own_work():
+            for snapshot, delivered in self.forcing.release(site):
+                self._forced_values(snapshot, delivered)
+
+    def _forced_values(self, snapshot: Snapshot, delivered: Any) -> None:
+        from sanitizer.gpu.forcing import shown_values
+
+        label = snapshot.stamp.label
+        access = getattr(label, "access", None)
+        if access is None:
+            return
+        dtype = snapshot.dtype
+        text = (f"{access.what} read {shown_values(delivered, dtype)} where "
+                f"{shown_values(snapshot.values(), dtype)} was staged when it was queued")
+        for i, race in enumerate(self.races):
+            if race.kind == "host-write-vs-pending-copy" and race.queued is access and not race.values:
+                self.races[i] = replace(race, values=text)
+
+    # -- runtimes with a schedule of their own (racecheck.schedules) ---------------------------------
+    def _schedule_started(self, runtime: Any, what: str) -> None:
+        with self.lock:
+            if not self._schedules:
+                self.unfollowed.append(Unfollowed(
+                    f"{what} (it orders streams with gate kernels no hook sees); checking resumes when it "
+                    f"closes", caller_site()))
+            self._schedules += 1
+
+    def _schedule_ended(self, runtime: Any) -> None:
+        with self.lock:
+            self._schedules = max(0, self._schedules - 1)
+            if not self._schedules:
+                # Resume with everything before counted as seen by the host (a runtime synchronises
+                # when it closes), so nothing it did is later taken for a race.
+                self.pinned.pending = type(self.pinned.pending)()
+                self.hb.host_observes_all(self.threads.current())
+
+    # -- results -----------------------------------------------------------------------------------
+    def kind_of(self, hazard: Any) -> str:
+        if hazard.kind != "unordered-device-access":
+            return hazard.kind
+        address = _address_of(hazard.resource)
+        first, second = hazard.first, hazard.second
+        if address is None or not isinstance(first, Label) or not isinstance(second, Label):
+            return hazard.kind
+        reused = first.generations.get(address) != second.generations.get(address)
+        return "reuse-without-record-stream" if reused else hazard.kind
+
+    def allocated_at(self, hazard: Any) -> Site | None:
+        address = _address_of(hazard.resource)
+        if address is not None:
+            return self._device_sites.get(address)
+        return super().allocated_at(hazard)
+
+
+_RUNNING: list[Any] = [None]  # the observers started and not stopped, innermost last
+
+
+class _OwnWork:
+    __slots__ = ("_obs",)
+
+    def __init__(self, obs: Observer) -> None:
+        self._obs = obs
+
+    def __enter__(self) -> None:
+        own = self._obs._own
+        own.busy = getattr(own, "busy", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._obs._own.busy -= 1
+
+
+def _address_of(resource: str) -> int | None:
+    marker = "device memory at 0x"
+    if not resource.startswith(marker):
+        return None
+    try:
+        return int(resource[len(marker):].split()[0], 16)
+    except ValueError:
+        return None

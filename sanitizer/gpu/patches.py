@@ -1,0 +1,217 @@
+"""The few Python functions the observer wraps, because no aten op or trace callback shows them.
+
+Each wrapper hands the program's call on unchanged; all are put back by the function
+:func:`install` returns.
+
+* ``torch.cuda.Event.query``, ``torch.cuda.Stream.query``, the device-generic ``torch.Event.query``
+  and ``torch.Stream.query``: a True answer is the host observing completion (torch traces no
+  query); the host may wait there, so force mode's gates open first;
+* ``torch.cuda.empty_cache``: memory given back to CUDA is reused only after a device synchronisation;
+* ``torch.Tensor.numpy``: a pinned tensor's numpy view is a :class:`~sanitizer.numpy_views.WatchedArray`,
+  and where it was taken is remembered; ``torch.Tensor.tolist``: a host read of pinned memory (it
+  reads the bytes in C++, no aten op);
+* Triton's ``JITFunction.run``: a launch reads its tensor arguments and writes those that reach a
+  ``tl.store`` (:mod:`racecheck.triton_stores`); a pinned tensor argument is read by the GPU when the
+  kernel runs, as a non-blocking copy reads it;
+* ``torch.cuda.CUDAGraph.capture_begin``, ``capture_end`` and ``replay``: :mod:`sanitizer.gpu.graphs`;
+* ``torch.cuda.cudart().cudaHostRegister`` / ``cudaHostUnregister``: registered memory is pinned
+  memory outside the caching allocator (SGLang's host KV pool).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sanitizer import numpy_views
+from sanitizer.gpu import trace
+from sanitizer.sites import caller_site
+from zeroer.origin import forwarding
+
+
+def install(obs: Any) -> Callable[[], None]:
+    """Wrap every function above for ``obs``; the function that puts them back."""
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+        try:
+            setattr(owner, name, make(original))
+        except TypeError:  # a C type (torch.Event, torch.Stream): not wrapped (docs/sanitizer.md)
+            return
+        saved.append((owner, name, original))
+
+    def active() -> bool:
+        return obs._started and not obs.paused
+
+    def host_waits(seen: Callable[[tuple, Any], None]) -> Callable[[Any], Any]:
+        """A call where the host may wait for the GPU: host writes are checked and force mode's
+        gates opened before it, and ``seen(args, result)`` is told after it."""
+
+        def make(original: Any) -> Any:
+            @forwarding
+            @functools.wraps(original)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if active():
+                    with obs.lock:
+                        obs.boundary(caller_site())
+                        obs.release_forced(obs.last_site)
+                result = original(*args, **kwargs)
+                if active():
+                    with obs.lock:
+                        seen(args, result)
+                return result
+
+            return call
+
+        return make
+
+    def event_done(args: tuple, done: bool) -> None:
+        handle = getattr(args[0], "cuda_event", None) or getattr(args[0], "event_id", None)
+        if done and handle is not None:
+            trace.event_completed(obs, int(handle))
+
+    def stream_done(args: tuple, done: bool) -> None:
+        handle = getattr(args[0], "cuda_stream", None) or getattr(args[0], "stream_id", None)
+        if done and handle is not None:
+            trace.stream_completed(obs, int(handle))
+
+    patch(torch.cuda.Event, "query", host_waits(event_done))
+    patch(torch.cuda.Stream, "query", host_waits(stream_done))
+    if getattr(torch, "Event", None) is not None and torch.Event is not torch.cuda.Event:
+        patch(torch.Event, "query", host_waits(event_done))
+    if getattr(torch, "Stream", None) is not None and torch.Stream is not torch.cuda.Stream:
+        patch(torch.Stream, "query", host_waits(stream_done))
+    patch(torch.cuda, "empty_cache", host_waits(lambda args, result: obs.cache_emptied()))
+
+    def numpy(original: Any) -> Any:
+        @forwarding
+        @functools.wraps(original)
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            array = original(tensor, *args, **kwargs)
+            if active() and tensor.device.type == "cpu":
+                with obs.lock:
+                    if obs.note_numpy(tensor, caller_site()) is not None:
+                        return numpy_views.watched(array)
+            return array
+
+        return call
+
+    def tolist(original: Any) -> Any:
+        @forwarding
+        @functools.wraps(original)
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if active() and tensor.device.type == "cpu" and obs.pinned.regions:
+                with obs.lock:
+                    site = caller_site()
+                    obs.boundary(site)
+                    obs.host_access(tensor, write=False, what="host read (.tolist() of the pinned buffer)", site=site)
+            return original(tensor, *args, **kwargs)
+
+        return call
+
+    patch(torch.Tensor, "numpy", numpy)
+    patch(torch.Tensor, "tolist", tolist)
+
+    from sanitizer.gpu import launches
+
+    launches.patch(obs, patch, active)
+    _patch_graphs(obs, patch, active)
+    _patch_cudart(obs, patch, active)
+
+    def undo() -> None:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+        saved.clear()
+
+    return undo
+
+
+def _patch_graphs(obs: Any, patch: Callable[..., None], active: Callable[[], bool]) -> None:
+    graph_class = getattr(torch.cuda, "CUDAGraph", None)
+    if graph_class is None:
+        return
+
+    def begin(original: Any) -> Any:
+        @forwarding
+        @functools.wraps(original)
+        def call(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            if active():
+                with obs.lock:
+                    obs.graphs.begin(graph, caller_site())
+            try:
+                return original(graph, *args, **kwargs)
+            except BaseException:
+                obs.graphs.end(graph)
+                raise
+
+        return call
+
+    def end(original: Any) -> Any:
+        @forwarding
+        @functools.wraps(original)
+        def call(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(graph, *args, **kwargs)
+            finally:
+                obs.graphs.end(graph)
+
+        return call
+
+    def replay(original: Any) -> Any:
+        @forwarding
+        @functools.wraps(original)
+        def call(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            if active():
+                with obs.lock:
+                    site = caller_site()
+                    obs.boundary(site)
+                    obs.graphs.replay(graph, site)
+            return original(graph, *args, **kwargs)
+
+        return call
+
+    patch(graph_class, "capture_begin", begin)
+    patch(graph_class, "capture_end", end)
+    patch(graph_class, "replay", replay)
+
+
+def _patch_cudart(obs: Any, patch: Callable[..., None], active: Callable[[], bool]) -> None:
+    try:
+        runtime = torch.cuda.cudart()
+    except Exception:  # noqa: BLE001 - no CUDA runtime bindings in this build
+        return
+    if runtime is None:
+        return
+
+    def register(original: Any) -> Any:
+        @forwarding
+        @functools.wraps(original)
+        def call(address: int, nbytes: int, flags: int = 0, *args: Any) -> Any:
+            result = original(address, nbytes, flags, *args)
+            if active() and int(getattr(result, "value", result) or 0) == 0:
+                with obs.lock:
+                    obs.register_host_range(int(address), int(nbytes), caller_site())
+            return result
+
+        return call
+
+    def unregister(original: Any) -> Any:
+        @forwarding
+        @functools.wraps(original)
+        def call(address: int, *args: Any) -> Any:
+            if active():
+                with obs.lock:
+                    obs.boundary(caller_site())
+                    obs.pinned.unregister_range(int(address))
+            return original(address, *args)
+
+        return call
+
+    patch(runtime, "cudaHostRegister", register)
+    patch(runtime, "cudaHostUnregister", unregister)

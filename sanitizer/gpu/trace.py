@@ -1,0 +1,146 @@
+"""torch's GPU trace callbacks: streams, events, synchronisations and the caching allocator.
+
+The same hooks ``TORCH_CUDA_SANITIZER`` uses (``torch.cuda._gpu_trace``), registered once per
+process (torch offers no way to take them back) and forwarded to the innermost observer running.
+A callback comes on the thread that made the CUDA call, so every synchronisation is the calling
+host thread's observation, whichever thread it is. Each callback is a boundary: the host writes
+since the last one are looked for before what it reports counts as seen.
+
+* stream creation: the stream is named by the line that made it;
+* event record: the event carries its stream's clock; event wait: the waiting stream joins it;
+* event, stream and device synchronisation: the calling thread has seen that work complete, and
+  force mode's gates open just before (the host is about to wait for them);
+* memory allocation: the caching allocator handed an address out (its reuse rule is the
+  observer's :meth:`~sanitizer.gpu.observer.Observer.memory_allocated`).
+
+Inside a CUDA graph capture nothing of this runs on the GPU: events recorded and waited there are
+part of the graph and ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sanitizer.sites import caller_site
+
+_ACTIVE: list[Any] = []
+_INSTALLED = False
+
+
+def install(observer: Any) -> None:
+    """Forward the callbacks to ``observer`` until :func:`uninstall` (innermost observer first)."""
+    global _INSTALLED
+    _ACTIVE.append(observer)
+    if _INSTALLED:
+        return
+    import torch
+    import torch.cuda._gpu_trace as gpu_trace
+
+    torch._C._activate_gpu_trace()
+    gpu_trace.register_callback_for_stream_creation(_forward(stream_created))
+    gpu_trace.register_callback_for_event_record(_forward(event_recorded))
+    gpu_trace.register_callback_for_event_wait(_forward(event_waited))
+    gpu_trace.register_callback_for_event_deletion(_forward(event_deleted))
+    gpu_trace.register_callback_for_event_synchronization(_forward(event_synchronized))
+    gpu_trace.register_callback_for_stream_synchronization(_forward(stream_synchronized))
+    gpu_trace.register_callback_for_device_synchronization(_forward(device_synchronized))
+    gpu_trace.register_callback_for_memory_allocation(_forward(memory_allocated))
+    _INSTALLED = True
+
+
+def uninstall(observer: Any) -> None:
+    if observer in _ACTIVE:
+        _ACTIVE.remove(observer)
+
+
+def _forward(handler: Callable[..., None]) -> Callable[..., None]:
+    def callback(*args: Any) -> None:
+        observer = _ACTIVE[-1] if _ACTIVE else None
+        if observer is None or observer.paused:
+            return
+        with observer.lock:
+            handler(observer, *args)
+
+    return callback
+
+
+def _boundary(obs: Any) -> None:
+    """The host code since the last boundary is checked before what the callback reports counts."""
+    site = caller_site(3)
+    obs.boundary(site)
+
+
+def _capturing(obs: Any) -> bool:
+    return obs.graphs.capturing() is not None
+
+
+# -- the handlers (called under the observer's lock) ---------------------------------------------------
+
+def stream_created(obs: Any, stream: int) -> None:
+    site = caller_site(3)
+    obs._stream_names[stream] = f"stream 0x{stream:x} (created at {site.short})"
+
+
+def event_recorded(obs: Any, event: int, stream: int) -> None:
+    if _capturing(obs):
+        return
+    _boundary(obs)
+    thread = obs.stream_thread(stream)
+    obs.hb.enqueue(thread, obs.label("event record", stream, None), obs.threads.current())
+    obs._events[event] = obs.hb.snapshot(thread)
+
+
+def event_waited(obs: Any, event: int, stream: int) -> None:
+    if _capturing(obs):
+        return
+    _boundary(obs)
+    thread = obs.stream_thread(stream)
+    obs.hb.enqueue(thread, obs.label("event wait", stream, None), obs.threads.current())
+    obs.hb.stream_waits(thread, obs._events.get(event))
+
+
+def event_deleted(obs: Any, event: int) -> None:
+    obs._events.pop(event, None)
+
+
+def event_synchronized(obs: Any, event: int) -> None:
+    _boundary(obs)
+    obs.release_forced(obs.last_site)
+    obs.hb.host_observes(obs._events.get(event), obs.threads.current())
+    _observed(obs)
+
+
+def event_completed(obs: Any, event: int) -> None:
+    """``Event.query()`` answered True: the host has seen everything the event covers."""
+    obs.hb.host_observes(obs._events.get(event), obs.threads.current())
+    _observed(obs)
+
+
+def stream_synchronized(obs: Any, stream: int) -> None:
+    _boundary(obs)
+    obs.release_forced(obs.last_site)
+    obs.observes_stream(stream)
+    _observed(obs)
+
+
+def stream_completed(obs: Any, stream: int) -> None:
+    obs.observes_stream(stream)
+    _observed(obs)
+
+
+def device_synchronized(obs: Any) -> None:
+    _boundary(obs)
+    obs.release_forced(obs.last_site)
+    obs.hb.host_observes_all(obs.threads.current())
+    _observed(obs)
+
+
+def memory_allocated(obs: Any, address: int) -> None:
+    obs.memory_allocated(address)
+
+
+def _observed(obs: Any) -> None:
+    """The host learned that work ran: indexed ops waiting for their rows may get them now."""
+    obs.indices.resolve()
+    obs.collect()

@@ -1,0 +1,247 @@
+"""Numpy views of pinned memory whose reads and writes the sanitizer sees as they happen.
+
+Engines stage host data through numpy views of pinned tensors: vLLM's ``CpuGpuBuffer`` takes
+``self.np = self.cpu.numpy()`` once and the scheduler reads and writes ``buf.np[...]`` from then on.
+Indexing a numpy array is no torch call, so without help a read of ``buf.np`` under a pending
+device-to-host copy (vLLM #36013) would be invisible, and a write would be found only at the next
+call the sanitizer sees, between two program lines. While a sanitizer runs, ``Tensor.numpy()`` of a
+pinned tensor returns a :class:`WatchedArray`: the same memory, an ``np.ndarray`` subclass whose
+indexing, assignment, ufuncs (``+=``, ``out=``), numpy functions (``np.copyto``, ``np.cumsum(...,
+out=)``) and the usual methods (``tolist``, ``item``, ``copy``, ``fill``, ``sort``, ``int(a[0])``)
+tell the active watch which bytes they read or write, at which program line. Slices of it are
+watched arrays too; results that are new memory are plain arrays.
+
+What it cannot see: a plain ``np.ndarray`` made from it (``np.asarray(a)``, ``a.view(np.ndarray)``,
+a C extension's buffer), ``memoryview``/``bytes``/``ctypes`` access. Host writes through those are
+still found by the snapshots (:mod:`racecheck.pinned`); host reads through them are shown only in
+force mode (docs/sanitizer.md).
+
+Example::
+
+    arr = watched(pinned.numpy())     # what Tensor.numpy() returns under the sanitizer
+    arr[:2] = [3, 4]                  # -> watch.numpy_access(runs of arr[:2], write=True, ...)
+    n = int(arr[0])                   # -> a read of arr[0]'s 8 bytes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from racecheck.ranges import Runs, merge
+from sanitizer.sites import caller_site
+
+
+class Watch(Protocol):
+    def numpy_access(self, runs: Runs, *, write: bool, what: str, site: Any) -> None: ...
+
+
+_ACTIVE: list[Watch] = []  # the watch of the running sanitizer (a stack: the innermost is used)
+
+
+def activate(watch: Watch) -> Callable[[], None]:
+    """Send watched arrays' accesses to ``watch`` until the returned function is called."""
+    _ACTIVE.append(watch)
+
+    def deactivate() -> None:
+        if watch in _ACTIVE:
+            _ACTIVE.remove(watch)
+
+    return deactivate
+
+
+def array_runs(array: np.ndarray, limit: int = 4096) -> Runs:
+    """The byte runs of ``array``'s elements (its extent beyond ``limit`` runs)."""
+    if array.size == 0:
+        return []
+    start = array.__array_interface__["data"][0]
+    itemsize = array.itemsize
+    dims = sorted(((abs(st), sz) for sz, st in zip(array.shape, array.strides) if sz != 1 and st != 0),
+                  reverse=True)
+    run = itemsize
+    while dims and dims[-1][0] == run:
+        stride, size = dims.pop()
+        run *= size
+    count = 1
+    for _, size in dims:
+        count *= size
+    low = start + sum((sz - 1) * st for sz, st in zip(array.shape, array.strides) if st < 0)
+    if count > limit or any(st < 0 for st in array.strides):
+        high = start + sum((sz - 1) * st for sz, st in zip(array.shape, array.strides) if st > 0) + itemsize
+        return [(low, high)]
+    starts = [start]
+    for stride, size in dims:
+        starts = [s + i * stride for s in starts for i in range(size)]
+    return merge((s, s + run) for s in starts)
+
+
+def _report(array: np.ndarray, write: bool, what: str, runs: Runs | None = None) -> None:
+    if not _ACTIVE:
+        return
+    watch = _ACTIVE[-1]
+    watch.numpy_access(array_runs(array) if runs is None else runs, write=write, what=what,
+                       site=caller_site(3))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, WatchedArray):
+        return value.view(np.ndarray)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _watched_in(value: Any) -> list["WatchedArray"]:
+    if isinstance(value, WatchedArray):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [w for v in value for w in _watched_in(v)]
+    return []
+
+
+_WRITES_FIRST = {np.copyto, np.put, np.place, np.putmask, np.fill_diagonal}
+
+
+class WatchedArray(np.ndarray):
+    """A numpy view of pinned memory that reports its reads and writes (module docstring)."""
+
+    def __getitem__(self, index: Any) -> Any:
+        result = super().__getitem__(index)
+        if _ACTIVE:
+            if isinstance(result, np.ndarray) and _overlap(result, self):
+                return result  # a view: nothing read yet
+            if isinstance(result, np.ndarray):
+                _report(self, False, "read through the buffer's numpy view")  # fancy indexing: a copy
+            else:
+                _report(self, False, "read through the buffer's numpy view", _element(self, index))
+        return result
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if _ACTIVE:
+            for source in _watched_in(value):
+                _report(source, False, "read through the buffer's numpy view")
+            target = _target(self, index)
+            _report(self, True, "host write through the buffer's numpy view", target)
+        super().__setitem__(index, _plain(value))
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, out: Any = None, **kwargs: Any) -> Any:
+        if _ACTIVE:
+            written = _watched_in(out) if out is not None else []
+            if method == "at" and isinstance(inputs[0], WatchedArray):
+                written.append(inputs[0])
+            for array in _watched_in(list(inputs)):
+                _report(array, False, f"read through the buffer's numpy view (np.{ufunc.__name__})")
+            for array in written:
+                _report(array, True, f"host write through the buffer's numpy view (np.{ufunc.__name__})")
+        args = _plain(inputs)
+        if out is not None:
+            kwargs["out"] = _plain(out)
+        result = getattr(ufunc, method)(*args, **kwargs)
+        if out is not None:
+            return out[0] if isinstance(out, tuple) and len(out) == 1 else out
+        return result
+
+    def __array_function__(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        if _ACTIVE:
+            out = kwargs.get("out")
+            written = _watched_in(out) if out is not None else []
+            if func in _WRITES_FIRST and args and isinstance(args[0], WatchedArray):
+                written.append(args[0])
+            for array in _watched_in(list(args) + [v for k, v in kwargs.items() if k != "out"]):
+                if not any(array is w for w in written):
+                    _report(array, False, f"read through the buffer's numpy view (np.{func.__name__})")
+            for array in written:
+                _report(array, True, f"host write through the buffer's numpy view (np.{func.__name__})")
+        result = func(*_plain(args), **_plain(kwargs))
+        out = kwargs.get("out")
+        if out is not None and isinstance(result, np.ndarray) and not isinstance(result, WatchedArray):
+            return out[0] if isinstance(out, tuple) else out
+        return result
+
+    # Methods that read or write every element without passing through the hooks above.
+    def _reads(name: str) -> Callable[..., Any]:  # noqa: N805 - a helper run at class creation
+        method = getattr(np.ndarray, name)
+
+        def call(self: "WatchedArray", *args: Any, **kwargs: Any) -> Any:
+            if _ACTIVE:
+                _report(self, False, f"read through the buffer's numpy view (.{name})")
+            return method(self.view(np.ndarray), *args, **kwargs)
+
+        call.__name__ = name
+        return call
+
+    def _writes(name: str) -> Callable[..., Any]:  # noqa: N805
+        method = getattr(np.ndarray, name)
+
+        def call(self: "WatchedArray", *args: Any, **kwargs: Any) -> Any:
+            if _ACTIVE:
+                _report(self, True, f"host write through the buffer's numpy view (.{name})")
+            return method(self.view(np.ndarray), *args, **kwargs)
+
+        call.__name__ = name
+        return call
+
+    tolist = _reads("tolist")
+    item = _reads("item")
+    copy = _reads("copy")
+    astype = _reads("astype")
+    tobytes = _reads("tobytes")
+    flatten = _reads("flatten")
+    take = _reads("take")
+    __int__ = _reads("__int__")
+    __float__ = _reads("__float__")
+    __index__ = _reads("__index__")
+    __bool__ = _reads("__bool__")
+    __iter__ = _reads("__iter__")
+    __reduce__ = _reads("__reduce__")
+    __copy__ = _reads("__copy__")
+    __deepcopy__ = _reads("__deepcopy__")
+    __repr__ = _reads("__repr__")
+    __str__ = _reads("__str__")
+    fill = _writes("fill")
+    sort = _writes("sort")
+    del _reads, _writes
+
+
+def watched(array: np.ndarray) -> WatchedArray:
+    """``array`` (a numpy view of pinned memory) as a :class:`WatchedArray` over the same memory."""
+    return array if isinstance(array, WatchedArray) else array.view(WatchedArray)
+
+
+def _element(array: np.ndarray, index: Any) -> Runs | None:
+    """The bytes of the single element ``array[index]`` (None: not a plain element index)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if len(index) != array.ndim or not all(isinstance(i, (int, np.integer)) for i in index):
+        return None
+    offset = 0
+    for i, size, stride in zip(index, array.shape, array.strides):
+        i = int(i)
+        if not -size <= i < size:
+            return None  # numpy raised already
+        offset += (i % size) * stride
+    start = array.__array_interface__["data"][0] + offset
+    return [(start, start + array.itemsize)]
+
+
+def _target(array: np.ndarray, index: Any) -> Runs | None:
+    """The bytes ``array[index] = ...`` writes (None: the whole array, for fancy indexing)."""
+    element = _element(array, index)
+    if element is not None:
+        return element
+    try:
+        view = np.ndarray.__getitem__(array.view(np.ndarray), index)
+    except (IndexError, TypeError, ValueError):
+        return None
+    if isinstance(view, np.ndarray) and _overlap(view, array):
+        return array_runs(view)
+    return None
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` lies in ``b``'s memory (a view of it), by bounds: a copy is new memory."""
+    return bool(np.may_share_memory(a.view(np.ndarray), b.view(np.ndarray)))

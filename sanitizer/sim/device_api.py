@@ -1,0 +1,74 @@
+"""``torch.cuda.cudart()`` and ``torch.cuda._sleep`` for a program on the simulator.
+
+A CPU-only torch has no CUDA runtime bindings (``torch.cuda.cudart()`` fails there), yet engines
+register their host KV pools with ``torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)`` (SGLang's
+HiCache). On the simulator that call makes the range pinned memory of the program (outside the
+caching allocator, so nothing protects it from reuse under a pending copy), exactly what the GPU
+observer makes of it. ``torch.cuda._sleep(cycles)`` holds a stream on a GPU; on the simulator a
+queued op already runs only when the host synchronises, as late as any sleep could make it, so it
+queues nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroer.intercept.errors import unroutable
+from zeroer.origin import stand_in
+
+CUDA_SUCCESS = 0
+
+
+@stand_in
+class CudaRuntimeLibrary:
+    """What ``torch.cuda.cudart()`` returns on the simulator: the calls engines make on it."""
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int = 0) -> int:  # noqa: N802 - CUDA's name
+        session = self._session
+        with session.lock:
+            session.boundary("cudaHostRegister")
+            session.host.register_range(int(address), int(nbytes), "registered with cudaHostRegister",
+                                        site=session.watch.last_site)
+        return CUDA_SUCCESS
+
+    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+        session = self._session
+        with session.lock:
+            session.boundary("cudaHostUnregister")
+            session.host.unregister_range(int(address))
+        return CUDA_SUCCESS
+
+    def cudaMemGetInfo(self, device: int = 0) -> tuple[int, int]:  # noqa: N802
+        total = 80 * 2**30
+        return total, total
+
+    def cudaProfilerStart(self) -> int:  # noqa: N802
+        return CUDA_SUCCESS
+
+    def cudaProfilerStop(self) -> int:  # noqa: N802
+        return CUDA_SUCCESS
+
+    def __getattr__(self, name: str) -> Any:
+        raise unroutable(f"torch.cuda.cudart().{name}", "the simulator has no CUDA runtime to call",
+                         "run the program on a GPU (--backend cuda)")
+
+
+def device_api(session: Any) -> dict[str, Any]:
+    """The ``torch.cuda`` entries a program session adds on the simulator."""
+    library = CudaRuntimeLibrary(session)
+
+    def cudart() -> CudaRuntimeLibrary:
+        return library
+
+    def sleep(cycles: int) -> None:
+        session.boundary("torch.cuda._sleep")
+
+    def check_error(result: int) -> None:
+        """``torch.cuda.check_error(cudart().cudaHostRegister(...))``: the stand-ins return success."""
+        if int(getattr(result, "value", result) or 0) != CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA error {result}")
+
+    return {"cudart": cudart, "_sleep": sleep, "check_error": check_error}

@@ -1,0 +1,291 @@
+"""A whole program on the simulator: an intercept session whose labels are program lines.
+
+:class:`ProgramSession` is the fuzzer's :class:`~zeroer.intercept.session.InterceptSession` with
+what a program's report needs and a zeroer's does not:
+
+* every queued op is labelled with the program line that issued it, and its stream with the line
+  that made it (``stream 1 (created at prog.py:12)``);
+* pinned memory is named like the GPU names it and remembers where it was allocated; host memory
+  registered with ``cudaHostRegister`` is pinned memory (:mod:`.device_api`);
+* host reads and writes of pinned memory are seen where a call shows them: torch ops on the CPU
+  tensor (a dispatch mode, :mod:`sanitizer.host_ops`), ``.tolist()``, numpy views
+  (:mod:`sanitizer.numpy_views`); the rest by the snapshots, at the next call;
+* CUDA graphs are captured and replayed (:mod:`zeroer.intercept.sim_graphs`);
+* every thread the program starts runs under the session (its modes are entered in it; each
+  thread has its own current stream and host clock, :mod:`sanitizer.threads`); one lock makes each
+  intercepted call whole, whichever thread makes it.
+
+The host side (hazards into races, notes, hand-offs) is :class:`~sanitizer.watch.HostWatch`'s, the
+same the GPU observer uses.
+
+Example::
+
+    races, error, notes = run_simulated(program.main)    # races: [Race(...)] on a racy program
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from racecheck.hb import Hazard, OpStamp
+from racecheck.pinned import Region
+from sanitizer import numpy_views
+from sanitizer.host_ops import pinned_access, tensors_of
+from sanitizer.races import Access, Race
+from sanitizer.sites import Site, also_skip, caller_site
+from sanitizer.watch import HostWatch
+from zeroer.intercept.host_memory import HostMemory
+from zeroer.intercept.session import InterceptSession
+from zeroer.intercept.sim_graphs import SimGraphs, graph_classes
+from zeroer.intercept.sim_tensor import SimCudaTensor
+from zeroer.intercept.torch_mode import InterceptMode
+from zeroer.origin import forwarding
+from zeroer.runtime import make_runtime
+
+_BLOCK = re.compile(r"^device block d(\d+)\b")
+
+
+class ProgramHostMemory(HostMemory):
+    """Pinned memory named as the GPU observer names it, with the line that allocated it."""
+
+    def register(self, tensor: torch.Tensor, origin: str = "", site: Any = None, **details: Any) -> Region:
+        return super().register(tensor, origin, site if site is not None else caller_site(), **details)
+
+    def _name(self, region: Region) -> None:
+        base = region.base
+        if region.registered or base is None:
+            self.rename(region, f"host memory registered with cudaHostRegister ({region.end - region.start} bytes)")
+            return
+        with torch._C.DisableTorchFunction():
+            shape, dtype = tuple(base.shape), str(base.dtype).replace("torch.", "")
+        self.rename(region, f"pinned host buffer {shape} {dtype} ({region.origin})")
+
+
+class ProgramSession(InterceptSession):
+    """See the module docstring. ``name`` is the program (or the test) in messages."""
+
+    host_memory_class = ProgramHostMemory
+
+    def __init__(self, name: str) -> None:
+        import zeroer
+
+        for part in ("intercept", "runtime", "triton_cpu.py", "origin.py"):
+            also_skip(Path(zeroer.__file__).parent / part)
+        super().__init__(make_runtime("sim"), name)
+        self.host.rename_owner("the program")
+        self.graphs = SimGraphs(self)
+        self.watch = SimWatch(self)
+        self.lock = self.watch.lock
+        self.ops: dict[str, Access] = {}
+        self.generations: dict[str, dict[int, int]] = {}  # op label -> {block id: its generation}
+        self._stream_sites: dict[int, Site] = {}
+        self.mode = ProgramMode(self)
+        self.sim_ops.dispatch = self._locked(self.sim_ops.dispatch)  # type: ignore[method-assign]
+        self._lock_stand_ins()
+
+    # -- labels --------------------------------------------------------------------------------------
+    def stream_name(self, number: int) -> str:
+        return f"stream {number} (created at {caller_site().short})"
+
+    def _stream(self) -> str:
+        name = self.rt.current_stream().name
+        return "the default stream" if name == "main" else name
+
+    def site_text(self) -> str:
+        return caller_site().short
+
+    def enqueue(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
+                cache_written: bool = False) -> OpStamp:
+        site = caller_site()
+        stamp = super().enqueue(fn, name=name, reads=reads, writes=writes, cache_written=cache_written)
+        if isinstance(stamp, OpStamp):
+            self.ops[stamp.label] = Access(name, self._stream(), site)
+            touched = (getattr(item, "block", item) for item in (*reads, *writes))
+            blocks = {block.id: block.generation for block in touched if hasattr(block, "generation")}
+            if blocks:
+                self.generations[stamp.label] = blocks
+        return stamp
+
+    def boundary(self, what: str) -> None:
+        self.watch.boundary(caller_site())
+
+    # -- what the program runs under ------------------------------------------------------------------
+    def patch_tables(self) -> list[tuple[Any, dict[str, Any]]]:
+        from sanitizer.sim.device_api import device_api
+
+        tables = []
+        for module, table in super().patch_tables():
+            table = {name: self._locked(value) if callable(value) and not isinstance(value, type) else value
+                     for name, value in table.items()}
+            if module is torch.cuda:
+                table.update(graph_classes(self))
+                table.update(device_api(self))
+            tables.append((module, table))
+        return tables
+
+    def modes(self) -> list[Any]:
+        return [self.mode, HostOps(self)]
+
+    def thread_modes(self) -> Callable[[], None]:
+        """Enter this session's modes in a thread the program started; the function that leaves them."""
+        modes = [ProgramMode(self), HostOps(self)]
+        for mode in modes:
+            mode.__enter__()
+
+        def leave() -> None:
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)
+
+        return leave
+
+    def _locked(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        lock = self.lock
+
+        @forwarding
+        @functools.wraps(call)
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return call(*args, **kwargs)
+
+        return locked
+
+    def _lock_stand_ins(self) -> None:
+        """Each stream and event call is one step, whichever thread makes it."""
+        api = self.cuda_api
+        for cls in (api.Stream, api.Event, api.GenericEvent):
+            for name in ("wait_event", "wait_stream", "record_event", "query", "synchronize", "record", "wait",
+                         "__enter__", "__exit__"):
+                method = getattr(cls, name, None)
+                if method is not None and name not in cls.__dict__:
+                    setattr(cls, name, self._locked(method))
+        original = self.triton.patches
+
+        def patches() -> dict[str, Any]:
+            return {name: self._locked(value) for name, value in original().items()}
+
+        self.triton.patches = patches  # type: ignore[method-assign]
+
+
+class ProgramMode(InterceptMode):
+    """The intercept mode of a program session: every torch call one step under the session's lock,
+    and pinned memory's numpy views and ``.tolist()`` seen as host accesses."""
+
+    def __init__(self, session: ProgramSession) -> None:
+        super().__init__(session)
+        self._handlers[torch.Tensor.numpy] = self._watched_numpy
+        self._handlers[torch.Tensor.__array__] = self._watched_numpy
+        self._handlers[torch.Tensor.tolist] = self._pinned_tolist
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        with self.session.lock:
+            return super().__torch_function__(func, types, args, kwargs)
+
+    def _watched_numpy(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        array = self._numpy(func, args, kwargs)
+        tensor = args[0]
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, SimCudaTensor) and func is torch.Tensor.numpy:
+            if self.session.watch.note_numpy(tensor, caller_site()) is not None:
+                return numpy_views.watched(array)
+        return array
+
+    def _pinned_tolist(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        tensor = args[0]
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, SimCudaTensor):
+            site = caller_site()
+            watch = self.session.watch
+            watch.boundary(site)
+            watch.host_access(tensor, write=False, what="host read (.tolist() of the pinned buffer)", site=site)
+        return self._tolist(func, args, kwargs)
+
+
+class HostOps(TorchDispatchMode):
+    """Aten ops on the CPU side of a program session: host reads and writes of pinned memory
+    (:mod:`sanitizer.host_ops`). The simulated device's own work, run on the CPU when a stream gets
+    there, is not the host's and passes through."""
+
+    def __init__(self, session: ProgramSession) -> None:
+        super().__init__()
+        self.session = session
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no torch._dynamo import (sanitizer.gpu.dispatch says why)
+
+    @forwarding
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        session = self.session
+        if session.rt.executing or not session.host.regions:
+            return func(*args, **kwargs)
+        tensors = tensors_of(args, kwargs)
+        if not tensors or any(isinstance(t, SimCudaTensor) for t in tensors):
+            return func(*args, **kwargs)
+        site = pinned_access(session.watch, func, args, kwargs, tensors)
+        result = func(*args, **kwargs)
+        if site is not None:
+            session.watch.last_site = site
+        return result
+
+
+class SimWatch(HostWatch):
+    """The host side of a program on the simulator (:class:`~sanitizer.watch.HostWatch`)."""
+
+    def __init__(self, session: ProgramSession) -> None:
+        super().__init__(session.rt.hb, session.rt.threads, session.host)
+        self.session = session
+
+    def access_of(self, label: str) -> Access | None:
+        return getattr(label, "access", None) or self.session.ops.get(label)
+
+    def kind_of(self, hazard: Hazard) -> str:
+        match = _BLOCK.match(hazard.resource)
+        if hazard.kind == "unordered-device-access" and match:
+            block = int(match.group(1))
+            first = self.session.generations.get(hazard.first, {}).get(block)
+            second = self.session.generations.get(hazard.second, {}).get(block)
+            if first is not None and second is not None and first != second:
+                return "reuse-without-record-stream"
+        return hazard.kind
+
+    def _setup_thread(self) -> Callable[[], None] | None:
+        return self.session.thread_modes()
+
+
+@contextlib.contextmanager
+def sanitized(session: ProgramSession, what: str) -> Iterator[None]:
+    """Run ``what`` of the program under ``session``, its host hooks active."""
+    session.watch.activate_host_hooks()
+    try:
+        with session.running(what):
+            session.watch.mark_set_up()
+            yield
+    finally:
+        with session.lock:
+            session.watch.boundary(caller_site())
+            session.watch.collect()
+        session.watch.deactivate_host_hooks()
+
+
+def run_simulated(main: Callable[[], Any], name: str = "program") -> tuple[list[Race], BaseException | None, list[str]]:
+    """Run ``main`` with its ``cuda`` work on the simulator; its races, what it raised (if anything,
+    ``KeyboardInterrupt`` and ``SystemExit`` included: the races seen before are not lost), and the
+    notes (what was assumed, not followed)."""
+    session = ProgramSession(name)
+    raised: BaseException | None = None
+    with sanitized(session, "main"):
+        try:
+            main()
+        except (Exception, KeyboardInterrupt, SystemExit) as error:  # noqa: BLE001 - reported beside its races
+            raised = error
+    return session.watch.races, raised, session.watch.notes
+
+
+__all__ = ["ProgramSession", "Site", "run_simulated", "sanitized"]

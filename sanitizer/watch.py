@@ -1,0 +1,237 @@
+"""The host side of a sanitized run, the same on the GPU and on the simulator.
+
+Whatever runs the program's device work (the GPU observer, or the simulator), the host side is the
+same: pinned memory and the copies pending on it (:class:`racecheck.pinned.PinnedWatch`), host
+accesses that a call shows (a torch op on pinned memory, a :class:`~sanitizer.numpy_views.WatchedArray`)
+and those only a changed snapshot reveals, host threads and the hand-offs between them
+(:mod:`sanitizer.threads`), and the checker's hazards turned into :class:`~sanitizer.races.Race`
+records. :class:`HostWatch` holds it; each backend subclasses it with what is its own (how ops are
+seen and stamped, what a thread needs set up).
+
+A host write that no call showed is placed between two program lines: the last boundary of the
+thread that found it (an op, a trace callback, a scope's end) and this one, or at the line that
+took the numpy view it most likely went through.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from racecheck.hb import HOST_READ, HOST_WRITE, HappensBefore, Hazard
+from racecheck.pinned import PinnedWatch, Region, Snapshot
+from racecheck.ranges import Runs, clip
+from racecheck.threads import HostThreads
+from sanitizer import numpy_views
+from sanitizer import threads as thread_hooks
+from sanitizer.races import Access, Label, Race
+from sanitizer.sites import Site, caller_site
+
+
+class HostWatch:
+    """See the module docstring. ``hb``, ``threads`` and ``pinned`` are the backend's."""
+
+    def __init__(self, hb: HappensBefore, threads: HostThreads, pinned: PinnedWatch) -> None:
+        self.hb = hb
+        self.threads = threads
+        self.pinned = pinned
+        self.lock = threading.RLock()
+        self.handoffs = thread_hooks.HandOffs(hb, threads)
+        self.races: list[Race] = []
+        self.notes: list[str] = []
+        self._noted: set[tuple] = set()
+        self._hazards_seen = 0
+        self._notes_seen = 0
+        self._local = threading.local()  # per thread: the last boundary's site
+        self._numpy_at: dict[int, Site] = {}  # region id -> where its numpy view was last taken
+        self._undo: list[Callable[[], None]] = []
+
+    # -- life -------------------------------------------------------------------------------------
+    def activate_host_hooks(self) -> None:
+        """Watched numpy views and followed threads report here until :meth:`deactivate_host_hooks`."""
+        self._undo.append(numpy_views.activate(self))
+        self._undo.append(thread_hooks.activate(self))
+
+    def deactivate_host_hooks(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    # -- sites --------------------------------------------------------------------------------------
+    @property
+    def last_site(self) -> Site | None:
+        return getattr(self._local, "site", None)
+
+    @last_site.setter
+    def last_site(self, site: Site | None) -> None:
+        self._local.site = site
+
+    # -- pinned memory ------------------------------------------------------------------------------
+    def host_label(self, what: str, site: Site | None, until: Site | None = None) -> Label:
+        return Label.of(what, Access(what, "the host", site, until=until))
+
+    def boundary(self, site: Site) -> None:
+        """The host reached ``site`` (an op, a callback, a scope's end): host writes since the last
+        boundary that no call showed are found by the snapshots and placed in between."""
+        if self.pinned.pending:
+            found = self.pinned.changed(self._gone)
+            if found:
+                host = self.threads.current()
+                for snapshot in found:
+                    self.hb.host_write(snapshot.region.key, self._unseen_write(snapshot, site), host, snapshot.runs)
+                self.collect()
+        self.last_site = site
+
+    def _gone(self, snapshot: Snapshot) -> bool:
+        """Whether nothing but the snapshot holds the memory any more (the backend may know)."""
+        return False
+
+    def _unseen_write(self, snapshot: Snapshot, site: Site) -> Label:
+        numpy_site = self._numpy_at.get(snapshot.region.id)
+        if numpy_site is not None:
+            return self.host_label("host write through the buffer's numpy view", numpy_site, until=site)
+        return self.host_label("host write", self.last_site or site, until=site)
+
+    def note_numpy(self, tensor: torch.Tensor, site: Site) -> Region | None:
+        """``tensor.numpy()`` was called at ``site``: a pinned tensor's view is watched."""
+        region = self.region_of(tensor)
+        if region is not None:
+            self.boundary(site)
+            self._numpy_at[region.id] = site
+        return region
+
+    def region_of(self, tensor: torch.Tensor) -> Region | None:
+        """The pinned region ``tensor`` lives in (a backend may also find memory pinned before it started)."""
+        return self.pinned.lookup(tensor)
+
+    def host_access(self, tensor: torch.Tensor, *, write: bool, what: str, site: Site) -> bool:
+        """A call the sanitizer sees reads or writes ``tensor`` on the host; whether it is pinned."""
+        region = self.region_of(tensor)
+        if region is None:
+            return False
+        label = self.host_label(what, site)
+        if write:
+            self.pinned.host_write(region, tensor, label)
+        else:
+            self.pinned.host_read(region, tensor, label)
+        self.collect()
+        return True
+
+    def numpy_access(self, runs: Runs, *, write: bool, what: str, site: Site) -> None:
+        """A :class:`~sanitizer.numpy_views.WatchedArray` read or wrote ``runs`` at ``site``."""
+        if not runs:
+            return
+        with self.lock:
+            region = self.pinned.regions.find(runs[0][0])
+            if region is None:
+                return
+            if write:
+                self.boundary(site)  # what changed before this line is not this line's write
+            self.pinned.host_access_runs(region, clip(runs, region.start, region.end), self.host_label(what, site),
+                                         write=write)
+            self.collect()
+
+    # -- threads (sanitizer.threads.ThreadWatch) -----------------------------------------------------
+    def thread_starting(self, thread: threading.Thread) -> Any:
+        return threading.get_ident()
+
+    def thread_running(self, thread: threading.Thread, token: Any) -> Callable[[], None]:
+        with self.lock:
+            self.threads.started(token, threading.get_ident(), thread.name, thread)
+        teardown = self.thread_setup()
+
+        def finish() -> None:
+            try:
+                with self.lock:
+                    self.boundary(caller_site())
+                    self.handoffs.release(thread)
+            finally:
+                if teardown is not None:
+                    teardown()
+                self.threads.ended(threading.get_ident())
+
+        return finish
+
+    def thread_setup(self) -> Callable[[], None] | None:
+        """Set the calling thread up for the program's code, once (the backend's modes: they are
+        per thread in torch); the function that undoes it, or None when it was set up already."""
+        if getattr(self._local, "set_up", False):
+            return None
+        undo = self._setup_thread()
+        self._local.set_up = True
+
+        def teardown() -> None:
+            self._local.set_up = False
+            if undo is not None:
+                undo()
+
+        return teardown
+
+    def mark_set_up(self) -> None:
+        """The calling thread is set up already (the one that started the sanitizer)."""
+        self._local.set_up = True
+
+    def _setup_thread(self) -> Callable[[], None] | None:
+        return None
+
+    def release(self, obj: Any) -> None:
+        with self.lock:
+            self.boundary(caller_site())
+            self.handoffs.release(obj)
+
+    def acquire(self, obj: Any) -> None:
+        with self.lock:
+            self.handoffs.acquire(obj)
+            self.last_site = caller_site()
+
+    # -- results ------------------------------------------------------------------------------------
+    def access_of(self, label: str) -> Access | None:
+        return getattr(label, "access", None)
+
+    def collect(self) -> None:
+        """Turn the checker's new hazards into races, and its new notes into one line each."""
+        hazards = self.hb.hazards
+        while self._hazards_seen < len(hazards):
+            race = self.race_of(hazards[self._hazards_seen])
+            if race is not None:
+                self.races.append(race)
+            self._hazards_seen += 1
+        if len(hazards) > 1024:  # keep the checker's list short: its hazards are races already
+            del hazards[:]
+            self._hazards_seen = 0
+        notes = self.hb.notes
+        while self._notes_seen < len(notes):
+            self._note(notes[self._notes_seen])
+            self._notes_seen += 1
+
+    def race_of(self, hazard: Hazard) -> Race | None:
+        first, second = self.access_of(hazard.first), self.access_of(hazard.second)
+        if first is None or second is None:
+            return None
+        return Race(self.kind_of(hazard), hazard.resource, self.allocated_at(hazard), first, second)
+
+    def kind_of(self, hazard: Hazard) -> str:
+        return hazard.kind
+
+    def allocated_at(self, hazard: Hazard) -> Site | None:
+        for region in self.pinned.regions.regions():
+            if region.name == hazard.resource:
+                return region.site
+        return None
+
+    def _note(self, hazard: Hazard) -> None:
+        first, second = self.access_of(hazard.first), self.access_of(hazard.second)
+        if first is None or second is None:
+            return
+        key = (hazard.kind, first.site, second.site)
+        if key in self._noted:
+            return
+        self._noted.add(key)
+        side = {HOST_WRITE: "host write", HOST_READ: "host read"}.get(hazard.kind, "access")
+        self.notes.append(
+            f"kvz-sanitize assumed an order it cannot see: the {side} {second.where()} ({second.stream}) "
+            f"follows {first.what} {first.where()} only through another thread that saw it complete and a "
+            f"hand-off not followed (a lock, a flag); use a queue.Queue, threading.Event or an event "
+            f"synchronize() in this thread to make the order visible")

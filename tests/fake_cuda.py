@@ -1,0 +1,129 @@
+"""A stand-in for CUDA that the GPU observer can watch on a CPU: the observer's race logic in CI.
+
+The observer asks its device (sanitizer/gpu/device.py) which tensors are device memory, which host
+memory is pinned and which stream the calling thread is on. This stand-in answers for CPU tensors
+it was told about: ``cuda.device(t)`` makes ``t`` device memory, ``cuda.pinned(t)`` pinned memory,
+and the fresh outputs of ops on device tensors are device memory too. Streams and events are ids
+whose calls go to the observer's trace handlers, as torch's GPU trace callbacks would. The ops
+themselves run at once on the CPU: the observer's verdicts come from enqueue order and never from
+when work runs, which is what makes this stand-in enough for them.
+
+Example::
+
+    cuda = FakeCuda()
+    obs = Observer(device=cuda)
+    obs.start()
+    ids = cuda.device(torch.zeros(4, dtype=torch.int64))
+    staging = cuda.pinned(torch.zeros(4, dtype=torch.int64))
+    ids.copy_(staging, non_blocking=True)      # a queued H2D copy, to the observer
+    staging.numpy()[0] = 7                      # a host write under it
+    obs.stop()                                  # -> [Race(host-write-vs-pending-copy, ...)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from sanitizer.gpu import trace
+from sanitizer.sites import also_skip
+
+also_skip(__file__)  # a stand-in for CUDA: its frames are not the program's
+
+
+class FakeCuda:
+    name = "fake"
+
+    def __init__(self) -> None:
+        self._device: set[int] = set()
+        self._pinned: set[int] = set()
+        self._local = threading.local()
+        self._ids = itertools.count(0x1000)
+        self.obs: Any = None
+
+    # -- memory --------------------------------------------------------------------------------------
+    def device(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._device.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` is pinned memory, allocated here (as ``pin_memory=True`` is, to the observer)."""
+        self._pinned.add(tensor.untyped_storage().data_ptr())
+        if self.obs is not None:
+            from sanitizer.sites import caller_site
+
+            with self.obs.lock:
+                self.obs.note_pinned(tensor, caller_site(), "pinned by the test")
+        return tensor
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._device
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._pinned
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        self._device.add(tensor.untyped_storage().data_ptr())
+
+    def device_index(self, tensor: Any) -> int:
+        return 0
+
+    # -- streams and events, as torch's trace callbacks report them -------------------------------------
+    def current_stream(self, index: int | None = None) -> int:
+        return getattr(self._local, "stream", 0)
+
+    def new_stream(self) -> int:
+        stream = next(self._ids)
+        self._call(trace.stream_created, stream)
+        return stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: int) -> Iterator[None]:
+        previous = self.current_stream()
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = previous
+
+    def record(self, stream: int | None = None) -> int:
+        event = next(self._ids)
+        self._call(trace.event_recorded, event, self.current_stream() if stream is None else stream)
+        return event
+
+    def wait(self, event: int, stream: int | None = None) -> None:
+        self._call(trace.event_waited, event, self.current_stream() if stream is None else stream)
+
+    def synchronize_event(self, event: int) -> None:
+        self._call(trace.event_synchronized, event)
+
+    def synchronize_stream(self, stream: int) -> None:
+        self._call(trace.stream_synchronized, stream)
+
+    def synchronize(self) -> None:
+        self._call(trace.device_synchronized)
+
+    def _call(self, handler: Any, *args: Any) -> None:
+        obs = self.obs
+        if obs is not None and not obs.paused:
+            with obs.lock:
+                handler(obs, *args)
+
+    # -- what the observer asks besides ---------------------------------------------------------------
+    def capturing(self) -> bool:
+        return False
+
+    def stream_object(self, index: int | None = None) -> Any:
+        return self.current_stream()
+
+    def private_stream(self) -> Any:
+        return None
+
+    def read_back(self, tensor: torch.Tensor, stream: Any) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():
+            return tensor.detach().clone()
