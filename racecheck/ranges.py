@@ -69,6 +69,10 @@ def extent(tensor: torch.Tensor) -> Runs:
 
 def byte_runs(tensor: torch.Tensor, limit: int = LIMIT) -> Runs:
     """The runs of bytes ``tensor``'s elements occupy (its extent beyond ``limit`` runs)."""
+    if tensor.is_contiguous():
+        start = tensor.data_ptr()
+        size = tensor.numel() * tensor.element_size()
+        return [(start, start + size)] if size else []
     found = _runs(tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.element_size(), limit)
     return extent(tensor) if found is None else found
 

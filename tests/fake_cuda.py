@@ -1,4 +1,5 @@
-"""A stand-in for CUDA that the GPU observer can watch on a CPU: the observer's race logic in CI.
+"""A stand-in for CUDA that the GPU observer can watch on a CPU: the observer's race logic in CI
+(and :class:`RealCuda`, the same calls on a GPU, so the same tests run there too).
 
 The observer asks its device (sanitizer/gpu/device.py) which tensors are device memory, which host
 memory is pinned and which stream the calling thread is on. This stand-in answers for CPU tensors
@@ -127,3 +128,50 @@ class FakeCuda:
     def read_back(self, tensor: torch.Tensor, stream: Any) -> torch.Tensor:
         with torch._C.DisableTorchFunction():
             return tensor.detach().clone()
+
+    def adapter(self) -> "FakeCuda":
+        """The observer's device: this stand-in."""
+        return self
+
+
+class RealCuda:
+    """The same calls on a real GPU (the tests run on both where there is one): device memory is
+    CUDA memory, pinned memory is pinned, streams and events are torch's."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.obs: Any = None
+
+    def device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to("cuda")
+
+    def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory()
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream()
+
+    def stream(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def record(self, stream: Any = None) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, event: Any, stream: Any = None) -> None:
+        (stream or torch.cuda.current_stream()).wait_event(event)
+
+    def synchronize_event(self, event: Any) -> None:
+        event.synchronize()
+
+    def synchronize_stream(self, stream: Any) -> None:
+        stream.synchronize()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def adapter(self) -> None:
+        """The observer's device: its own (None: sanitizer.gpu.device.CudaDevice)."""
+        return None

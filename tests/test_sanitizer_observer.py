@@ -17,20 +17,29 @@ import numpy as np
 import pytest
 import torch
 
-from fake_cuda import FakeCuda
+from fake_cuda import FakeCuda, RealCuda
 from racecheck import schedules
 from sanitizer.gpu.observer import Observer
 from zeroer.origin import blame
 
 
+@pytest.fixture(params=["fake", "cuda"])
+def cuda(request):
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a GPU")
+        return RealCuda()
+    return FakeCuda()
+
+
 @pytest.fixture
-def cuda():
+def fake():
     return FakeCuda()
 
 
 @pytest.fixture
 def obs(cuda):
-    observer = Observer(device=cuda)
+    observer = Observer(device=cuda.adapter())
     cuda.obs = observer
     observer.start()
     try:
@@ -299,10 +308,10 @@ def test_the_observer_steps_aside_while_a_runtime_with_its_own_schedule_runs(obs
 
 
 def test_an_observer_inside_another_is_the_one_that_checks(cuda):
-    outer = Observer(device=cuda)
+    outer = Observer(device=cuda.adapter())
     cuda.obs = outer
     outer.start()
-    inner = Observer(device=cuda)
+    inner = Observer(device=cuda.adapter())
     try:
         inner.start()
         cuda.obs = inner
@@ -319,7 +328,16 @@ def test_an_observer_inside_another_is_the_one_that_checks(cuda):
 
 # -- the observer where it meets the rest of kvzero -----------------------------------------------------------
 
-def test_the_simulators_tensors_pass_the_observer_by(obs):
+def test_the_simulators_tensors_pass_the_observer_by(fake):
+    obs = Observer(device=fake)
+    obs.start()
+    try:
+        _run_an_episode_under(obs)
+    finally:
+        obs.stop()
+
+
+def _run_an_episode_under(obs):
     from fuzz.engine.episode import Episode, EpisodeConfig
 
     calls = []
@@ -344,9 +362,9 @@ def test_what_torch_raises_under_the_observer_is_still_the_callers(obs):
     assert verdict.where is not None and "test_sanitizer_observer.py" in verdict.where
 
 
-def test_stopping_puts_every_patched_function_back(cuda):
+def test_stopping_puts_every_patched_function_back(fake):
     before = (torch.Tensor.numpy, torch.Tensor.tolist, torch.cuda.Event.query, torch.cuda.empty_cache)
-    observer = Observer(device=cuda)
+    observer = Observer(device=fake)
     observer.start()
     assert torch.Tensor.numpy is not before[0]
     torch.cuda.empty_cache()  # the patched call hands on to torch's (a no-op without CUDA)

@@ -7,10 +7,8 @@ sets it, and every op passes the sanitizer's hooks). Each round runs each suite 
 the sanitizer, in fresh pytest processes, alternating; a ratio is the median over rounds of
 sanitized time over plain time, for the whole process (wall) and for the tests alone (the sum of
 the tests' durations in pytest's JUnit XML, without the interpreter's and torch's start-up).
-Goals (issue 24), on wall time: at most 2x on the GPU-bound suite, at most 5x on the launch-bound
-one. The tests-alone ratio is printed beside it: it leaves out process start-up, including the
-sanitizer's own (torch imports its compiler stack on the first op through a Python dispatch mode,
-a second or more, paid once when the sanitizer starts).
+Goals (issue 30): wall time at most 1.5x on both suites; the tests alone (process start-up left
+out) at most 1.1x on the GPU-bound suite and 2x on the launch-bound one.
 
 Run it (needs a GPU; about 50 s a round on an H200)::
 
@@ -35,13 +33,15 @@ from fuzz.cli import CLEAN, ArgumentParser, UsageError, check_output, run_main
 from fuzz.environment import environment
 
 SUITES = Path(__file__).with_name("suites")
-GOALS = {"gpu_bound": 2.0, "launch_bound": 5.0}
+GOALS = {"gpu_bound": 1.5, "launch_bound": 1.5}  # wall time (issue 30)
+TEST_GOALS = {"gpu_bound": 1.1, "launch_bound": 2.0}  # the tests alone
 
 
 def run_suite(suite: str, flags: list[str], scratch: Path) -> dict[str, float]:
     junit = scratch / f"{suite}-{len(flags)}-{time.monotonic_ns()}.xml"
     # Not named test_*.py, so that `pytest fuzz` never collects them; named on the command line, pytest does.
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fuzz.plugin",
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fuzz.plugin", "-p",
+               "sanitizer.pytest_plugin",
                "--rootdir", str(SUITES), "-c", os.devnull, f"--junitxml={junit}", *flags, str(SUITES / f"{suite}.py")]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
@@ -80,11 +80,11 @@ def _main(argv: list[str]) -> int:
                 rounds.append({"plain": plain, "sanitized": sanitized})
             wall = median([r["sanitized"]["wall"] / r["plain"]["wall"] for r in rounds])
             tests = median([r["sanitized"]["tests"] / r["plain"]["tests"] for r in rounds])
-            met = wall <= GOALS[suite]  # the issue's goal is on wall time
+            met = wall <= GOALS[suite] and tests <= TEST_GOALS[suite]
             results[suite] = {"rounds": rounds, "wall_ratio": round(wall, 2), "tests_ratio": round(tests, 2),
-                              "goal": GOALS[suite], "met": met}
-            print(f"{suite}: wall {wall:.2f}x (goal {GOALS[suite]}x, {'met' if met else 'missed'}), "
-                  f"tests alone {tests:.2f}x, over {args.rounds} rounds")
+                              "goal": GOALS[suite], "tests_goal": TEST_GOALS[suite], "met": met}
+            print(f"{suite}: wall {wall:.2f}x (goal {GOALS[suite]}x), tests alone {tests:.2f}x (goal "
+                  f"{TEST_GOALS[suite]}x): {'met' if met else 'missed'}, median of {args.rounds} rounds")
     if out is not None:
         write_json_atomically(out, {"command": "python -m sanitizer.bench.overhead " + " ".join(argv),
                                     "date": datetime.date.today().isoformat(), "environment": environment(),
