@@ -44,6 +44,7 @@ class OpStamp:
     clock: int  # that stream's clock at this op
     vc: tuple[int, ...]  # the full vector clock at this op
     label: str  # what the op is, for reports
+    seq: int = 0  # when it was enqueued, over every stream: a report names the earlier op first
 
 
 def ordered(earlier: OpStamp, later_vc: tuple[int, ...] | list[int]) -> bool:
@@ -69,6 +70,7 @@ class Clocks:
         self.hosts: list[int] = [HOST]  # indices of host threads
         self._vc: list[list[int]] = [[0]]
         self.union: list[int] = [0]  # join of every host thread's clock
+        self._seq = 0  # ops stamped so far
 
     def add(self, name: str, *, host: bool = False) -> int:
         """A new stream (or host thread, with ``host=True``); its index."""
@@ -99,7 +101,8 @@ class Clocks:
         vc = self._vc[stream]
         _join(vc, self._vc[host])
         vc[stream] += 1
-        return OpStamp(stream, vc[stream], tuple(vc), label)
+        self._seq += 1
+        return OpStamp(stream, vc[stream], tuple(vc), label, self._seq)
 
     def join(self, thread: int, snapshot: tuple[int, ...] | list[int] | None) -> None:
         """``thread`` (a stream waiting on an event) learns ``snapshot``."""

@@ -238,14 +238,15 @@ class HappensBefore:
             shadow = self._shadows[key] = RangeShadow()
         for other, verb, _, _ in shadow.access(ranges, stamp, write=write):
             mine = "writes" if write else "reads"
+            first, second = (other, stamp) if other.seq <= stamp.seq else (stamp, other)  # in enqueue order
+            first_verb, second_verb = (verb, mine) if first is other else (mine, verb)
             names = self.clocks.names
             resource = self.name(key)
-            text = (f"{resource}: {other.label} {verb} it and {stamp.label} {mine} it with no event path "
-                    f"between stream '{names[other.thread]}' and stream '{names[stamp.thread]}'")
-            hazard = Hazard(DEVICE, resource, other.label, stamp.label, text)
-            if self.clocks.several_hosts and ordered(other, self.clocks.union):
-                self.notes.append(Hazard(DEVICE, resource, other.label, stamp.label,
+            text = (f"{resource}: {first.label} {first_verb} it and {second.label} {second_verb} it with no event "
+                    f"path between stream '{names[first.thread]}' and stream '{names[second.thread]}'")
+            if self.clocks.several_hosts and ordered(first, self.clocks.union):
+                self.notes.append(Hazard(DEVICE, resource, first.label, second.label,
                                          f"{text}; another host thread saw the first access complete, and a "
                                          f"hand-off the checker does not follow may order them"))
             else:
-                self.hazards.append(hazard)
+                self.hazards.append(Hazard(DEVICE, resource, first.label, second.label, text))

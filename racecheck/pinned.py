@@ -79,8 +79,11 @@ class PinnedMemory:
 
     def add(self, start: int, end: int, name: str = "", **details: Any) -> Region:
         """A pinned region ``[start, end)``; regions it overlaps are forgotten (the memory is new)."""
-        for old in [r for r in self._regions if r.start < end and start < r.end]:
-            self.remove(old)
+        i = bisect.bisect_left(self._starts, end)  # regions starting before ``end``: [0, i)
+        while i > 0 and self._regions[i - 1].end > start:
+            del self._starts[i - 1]
+            del self._regions[i - 1]
+            i -= 1
         region = Region(next(self._ids), start, end, name, **details)
         i = bisect.bisect(self._starts, start)
         self._starts.insert(i, start)

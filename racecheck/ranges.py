@@ -85,8 +85,13 @@ def row_runs(tensor: torch.Tensor, dim: int, rows: Iterable[int], limit: int = L
         return byte_runs(tensor, limit)
     dim %= len(sizes)
     size, stride = sizes[dim], strides[dim]
-    inner_sizes, inner_strides = sizes[:dim] + sizes[dim + 1:], strides[:dim] + strides[dim + 1:]
     itemsize = tensor.element_size()
+    if dim == 0 and tensor.is_contiguous():  # the common case (a KV tensor's blocks): a row is one run
+        base, row = tensor.data_ptr(), (tensor.numel() // size if size else 0) * itemsize
+        if not row:
+            return []
+        return merge((base + r * row, base + (r + 1) * row) for r in {r % size for r in rows if -size <= r < size})
+    inner_sizes, inner_strides = sizes[:dim] + sizes[dim + 1:], strides[:dim] + strides[dim + 1:]
     base = tensor.data_ptr()
     found: Runs = []
     for row in sorted({r % size for r in rows if -size <= r < size}):

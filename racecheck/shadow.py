@@ -88,6 +88,21 @@ class RangeShadow:
     def access(self, ranges: Ranges, stamp: OpStamp, *, write: bool) -> list[tuple[OpStamp, str, int, int]]:
         """Record ``stamp``'s access to ``ranges``; the unordered conflicts it meets:
         (other access, "writes" or "reads", first byte, end byte), one per other access."""
+        if ranges is not None and len(ranges) == 1:
+            # The common case: one run that is exactly one segment already (an access like an earlier one).
+            start, end = ranges[0]
+            starts = self.starts
+            i = bisect.bisect_right(starts, start) - 1
+            if starts[i] == start and i + 1 < len(starts) and starts[i + 1] == end:
+                state = self.states[i]
+                found_one: list[tuple[OpStamp, str, int, int]] = []
+                prior = state.last_write
+                if prior is not None and _unordered(prior, stamp):
+                    found_one.append((prior, "writes", start, end))
+                if write:
+                    found_one.extend((read, "reads", start, end) for read in state.reads if _unordered(read, stamp))
+                self.states[i] = _after(state, stamp, write)
+                return found_one
         found: dict[int, tuple[OpStamp, str, int, int]] = {}
         memo: dict[int, tuple[_State, _State]] = {}  # id(old state) -> (old, new): old kept alive, ids stay unique
         interned: dict[tuple, _State] = {}  # equal new states as one object, so that segments merge again

@@ -22,8 +22,6 @@ from typing import Any
 
 from racecheck.clocks import HOST
 
-_ACTIVE: dict[int, Any] = getattr(threading, "_active", {})  # ident -> Thread of the running threads
-
 
 class HostThreads:
     """Which host thread of ``hb`` (a :class:`racecheck.hb.HappensBefore`) each Python thread is.
@@ -43,7 +41,7 @@ class HostThreads:
         entry = self._index.get(ident)
         # The thread object without threading.current_thread(), which makes a dummy thread (and
         # runs code) for a thread it does not know yet, as one is while it starts.
-        thread = _ACTIVE.get(ident)
+        thread = getattr(threading, "_active", {}).get(ident)
         if entry is not None and (thread is None or entry[0] is thread):
             return entry[1]
         with self._lock:

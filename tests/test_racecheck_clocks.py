@@ -45,8 +45,8 @@ def test_a_tick_stamps_the_ops_position_on_its_stream():
     side = clocks.add("side")
     first = clocks.tick(side, "copy#1")
     second = clocks.tick(side, "copy#2")
-    assert first == OpStamp(thread=side, clock=1, vc=(0, 1), label="copy#1")
-    assert second == OpStamp(thread=side, clock=2, vc=(0, 2), label="copy#2")
+    assert first == OpStamp(thread=side, clock=1, vc=(0, 1), label="copy#1", seq=1)
+    assert second == OpStamp(thread=side, clock=2, vc=(0, 2), label="copy#2", seq=2)
     assert ordered(first, second.vc)
     assert not ordered(second, first.vc)
 

@@ -82,6 +82,11 @@ class FakeThreading:
     def get_ident(self) -> int:
         return self.ident
 
+    @property
+    def _active(self) -> dict[int, Any]:
+        """threading's table of running threads: the asking thread, as the test set it."""
+        return {self.ident: self.current_thread()}
+
     def current_thread(self) -> Any:
         # One object per thread, as threading keeps one: a new name is a new thread.
         return self.threads.setdefault(self.name, SimpleNamespace(name=self.name))

@@ -49,6 +49,14 @@ def copy(handler: Any, func: Any, args: tuple, kwargs: dict, what: str, site: Si
           ("non-blocking D2H copy" if writes_pinned else "D2H copy") if d2h else "D2D copy"
     if host_waits:
         obs.release_forced(site)
+    if writes_pinned and dst is None and obs.forcing is not None:
+        # torch's _to_copy allocates its pinned result inside the op, after a gate would be in place,
+        # and a pinned allocation may wait for the GPU: the gate would hold the host too. The same
+        # copy in two steps instead: the pinned result first, then the held copy into it.
+        with torch._C.DisableTorchFunction():
+            dst = torch.empty_like(src, dtype=kwargs.get("dtype") or src.dtype, device="cpu", pin_memory=True)
+        region = obs.note_pinned(dst, site, "the pinned result of .to('cpu', non_blocking=True)")
+        func, args, kwargs = torch.ops.aten.copy_.default, (dst, src, True), {}
     held = obs.hold(index) if reads_pinned or writes_pinned else None
     stream = device.current_stream(index)
     stamp = obs.enqueue(f"{op_name(func)} ({how})", stream, site)

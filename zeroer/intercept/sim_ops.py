@@ -22,8 +22,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from zeroer.intercept.errors import forward, unroutable
-from racecheck.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
-from racecheck.ranges import byte_runs, merge
+from racecheck.ops import aliased_returns, copy_kind, index_needs_host, indexed_rows, kind, written_args
+from racecheck.ranges import byte_runs, merge, row_runs
 from zeroer.intercept.sim_memory import Allocation, Block
 from zeroer.intercept.sim_tensor import SimCudaTensor, uncloak
 
@@ -147,21 +147,45 @@ class SimOps:
                 results.append(meta)
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, SimCudaTensor)]
         written = [positional[i] for i in written_args(func) if isinstance(positional[i], SimCudaTensor)]
+        rows = self._indexed(func, args, kwargs)
+        if rows is not None:  # its rows are declared when it runs, once its index holds its values
+            tensors = [t for t in tensors if t is not rows[0]]
+            written = [t for t in written if t is not rows[0]]
         reads, writes, cache = self._accesses(tensors, written + [out for _, out in fresh])
         inner_args = tree_map(_device_or_snapshot, args)
         inner_kwargs = tree_map(_device_or_snapshot, kwargs)
         targets = [(i, out._inner) for i, out in fresh]
+        stamp: list[Any] = []
+        hb = self.session.rt.hb
 
         def run() -> None:
+            if rows is not None:
+                target, dim, index, write = rows
+                values = (index._inner if isinstance(index, SimCudaTensor) else index).reshape(-1).tolist()
+                hb.device_access(target._alloc.block.key, stamp[0], write=write,
+                                 ranges=row_runs(target._inner, dim, values))
             res = forward(func, *inner_args, **inner_kwargs)
             res = res if isinstance(res, (tuple, list)) else (res,)
             for i, target in targets:
                 target.copy_(res[i])
 
-        self.session.enqueue(run, name=_op_name(func), reads=reads, writes=writes, cache_written=cache)
+        stamp.append(self.session.enqueue(run, name=_op_name(func), reads=reads, writes=writes, cache_written=cache))
         if isinstance(metas, (tuple, list)):
             return type(metas)(results) if isinstance(metas, tuple) else results
         return results[0]
+
+    def _indexed(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, Any, bool] | None:
+        """(the indexed tensor, dim, index, writes) of an op that touches only the rows its index
+        names (:func:`racecheck.ops.indexed_rows`), when they can be declared as it runs: not the
+        KV cache (whose blocks the harness declares) and not under a graph capture."""
+        found = indexed_rows(func, args, kwargs)
+        if found is None or (self.session.graphs is not None and self.session.graphs.current() is not None):
+            return None
+        position, dim, index, write = found
+        target = args[position] if position < len(args) else None
+        if not isinstance(target, SimCudaTensor) or target._alloc.block.cache_tensor is not None:
+            return None
+        return target, dim, index, write
 
     def _blocking(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, SimCudaTensor)]
