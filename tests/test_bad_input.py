@@ -235,6 +235,10 @@ ROWS: list[Row] = [
         needs_no_gpu=True),
     Row("python -m sanitizer.bench.compare --backend sim --only nope", 2, "error: --only 'nope' is not a program "
         "of the benchmark; programs: block_table_one_buffer, block_table_fresh_pinned, ..."),
+    Row("python -m sanitizer.bench.compare --backend sim --tools force", 2, "error: --tools 'force' is not a tool "
+        "of backend sim; tools: observe"),
+    Row("python -m sanitizer.bench.compare --backend sim --steps 0", 2,
+        "error: --steps 0 must be a positive number of steps"),
     Row("python -m sanitizer.bench.engine_loop --zeroer nope", 2,
         f"python -m sanitizer.bench.engine_loop: error: --zeroer: {UNKNOWN_ZEROER}", subprocess=True),
     Row("python -m sanitizer.bench.engine_loop --zeroer per_call --geometry huge", 2,
@@ -263,6 +267,12 @@ ROWS: list[Row] = [
     Row("python -m fuzz.bench.selfcheck -k ring_overrun --json README.md/c.json", 2,
         "error: --json 'README.md/c.json': 'README.md' is a file, not a directory; give a file path you can write to"),
     # -- pytest (the plugin: pytest.exit prints "Exit: ", pytest's own rule) ------------------------------------
+    Row("pytest --kvz-sanitize-backend sim", 2, "Exit: error: --kvz-sanitize-backend is given without "
+        "--kvz-sanitize, so nothing would be sanitized; add --kvz-sanitize (or --kvz-sanitize-force)"),
+    Row("pytest --kvz-sanitize-partial", 2, "Exit: error: --kvz-sanitize-partial is given without --kvz-sanitize, "
+        "so nothing would be sanitized; add --kvz-sanitize (or --kvz-sanitize-force)"),
+    Row("pytest --kvz-sanitize --kvz-sanitize-backend tpu", 2,
+        "Exit: error: backend 'tpu' is not one of auto, cuda, sim"),
     Row("pytest fuzz --backend nope", 2, "Exit: error: --backend 'nope' is not a backend; choose one of: auto, cuda, sim"),
     Row("pytest fuzz --backend cuda", 2, "Exit: error: --backend cuda needs a CUDA GPU and none is visible here; use "
         "--backend sim or auto", needs_no_gpu=True),

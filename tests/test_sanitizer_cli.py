@@ -159,3 +159,86 @@ def test_force_mode_says_when_its_gates_opened_by_the_time_limit(capsys: pytest.
     assert report(Outcome("cuda", "force", forced_timeouts=2), "p.py", partial=False) == 0
     assert ("force mode opened its gates by the 2 s limit 2 time(s) (the host waited for the GPU where no hook shows "
             "it): the values of those copies were not compared") in capsys.readouterr().out
+
+
+# -- the first hour with it (issue 30, item 9) -------------------------------------------------------------
+
+RACY_EXITS = """
+import sys
+import torch
+
+buf = torch.empty(4, dtype=torch.int64, pin_memory=True)
+dev = torch.zeros(4, dtype=torch.int64, device="cuda")
+for step in range(3):
+    buf.fill_(step)
+    dev.copy_(buf, non_blocking=True)
+torch.cuda.synchronize()
+sys.exit(1 if dev.tolist() != [2] * 4 else STATUS)
+"""
+
+
+def test_a_racy_program_that_ends_with_its_own_exit_status_keeps_its_report_and_exits_1(tmp_path: Path) -> None:
+    script = tmp_path / "racy_exit.py"
+    script.write_text(RACY_EXITS.replace("STATUS", "4"))
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "[host-write-vs-pending-copy]" in done.stdout
+    assert "racy_exit.py exited with status 4 after the race above" in done.stdout
+
+
+def test_a_race_free_program_that_exits_non_zero_on_its_own_exits_2_and_says_so(tmp_path: Path) -> None:
+    script = tmp_path / "exits.py"
+    script.write_text("import sys\nimport torch\nx = torch.ones(2, device='cuda')\nsys.exit(5)\n")
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith("exits.py exited with status 5 on its own with no race "
+                                                         "seen [simulator]")
+
+
+def test_a_host_write_through_fill_is_reported_at_its_own_line(tmp_path: Path) -> None:
+    script = tmp_path / "fill.py"
+    script.write_text(RACY_EXITS.replace("STATUS", "0"))
+    report = tmp_path / "races.json"
+    done = sanitize_cli("--backend", "sim", "--json", str(report), "--", "python", str(script))
+    assert done.returncode == 1, done.stdout + done.stderr
+    (race,) = {(r["queued"]["site"]["line"], r["later"]["site"]["line"]) for r in json.loads(report.read_text())["races"]}
+    assert race == (9, 8)  # the copy, then fill_ at its own line, not the copy's
+    assert "host write (fill_.Scalar on the pinned buffer) on the host, at " in done.stdout
+
+
+def test_force_on_the_simulator_is_accepted_and_says_the_simulator_always_holds_copies() -> None:
+    done = sanitize_cli("--backend", "sim", "--force", "--", "python", str(path("block_table_fresh_pinned")),
+                        "--steps", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().endswith("[simulator, which holds every copy until the host synchronises, as --force "
+                                        "does on a GPU]")
+
+
+def test_a_host_read_under_a_pending_device_to_host_copy_is_its_own_kind(tmp_path: Path) -> None:
+    script = tmp_path / "read.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+
+        counts = torch.arange(4, dtype=torch.int32, device="cuda")
+        host = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        view = host.numpy()
+        host.copy_(counts, non_blocking=True)
+        print(int(view[3]))
+    """))
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "host read of pinned memory a queued copy may not have written yet [host-read-vs-pending-copy]" in done.stdout
+    assert "queued:  copy_ (d2h) on the default stream, at " in done.stdout and "read.py:7 (<module>)" in done.stdout
+    assert "then:    read through the buffer's numpy view on the host, at " in done.stdout
+    assert "read.py:8 (<module>)" in done.stdout
+
+
+def test_the_plugin_says_how_many_times_and_in_how_many_tests_a_race_was_seen(tmp_path: Path) -> None:
+    from sanitizer.pytest_plugin import seen_in
+
+    place = Race("host-write-vs-pending-copy", "buf", None, Access("copy_", "s", Site("t.py", 3, "f")),
+                 Access("host write", "the host", Site("t.py", 2, "f")), where="t.py::test_a")
+    assert seen_in([place] * 5) == "5 times in 1 test: t.py::test_a"
+    assert seen_in([place]) == "once in 1 test: t.py::test_a"
+    other = Race(**{**place.__dict__, "where": "t.py::test_b"})
+    assert seen_in([place, other]) == "2 times in 2 tests: t.py::test_a, t.py::test_b"
