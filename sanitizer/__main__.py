@@ -146,6 +146,7 @@ def _main(argv: list[str]) -> int:
         data = {"program": target, "backend": outcome.backend, "mode": outcome.mode,
                 "races": [r.to_json() for r in outcome.races], "unfollowed": outcome.unfollowed,
                 "notes": outcome.notes, "program_exit_status": outcome.exit_status,
+                "forced_timeouts": outcome.forced_timeouts,
                 "program_error": repr(outcome.error) if outcome.error is not None else None}
         write_json_atomically(json_path, data)
     return report(outcome, target, partial=args.partial, forced=args.force)

@@ -63,7 +63,9 @@ class FakeCuda:
         return tensor
 
     def is_device(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() in self._device
+        # A tensor that calls itself CUDA (the simulator's SimCudaTensor) is device memory, as
+        # CudaDevice.is_device (tensor.is_cuda) would take it.
+        return tensor.is_cuda or tensor.untyped_storage().data_ptr() in self._device
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._pinned

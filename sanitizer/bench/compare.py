@@ -109,6 +109,7 @@ def run_one(tool: str, program: Program, steps: int, backend: str, scratch: Path
     row["values_wrong"] = str(data.get("program_error") or "").startswith("AssertionError")
     row["forced_values"] = sorted({r["values"] for r in races if r.get("values")})[:3]
     row["notes"] = data.get("notes", [])
+    row["forced_timeouts"] = data.get("forced_timeouts", 0)
     if data.get("unfollowed"):
         row["unfollowed"] = data["unfollowed"]
     return row
@@ -194,11 +195,24 @@ def _main(argv: list[str]) -> int:
                          f"programs: {', '.join(p.name for p in EVERY)}")
     chosen = [p for p in EVERY if not named or p.name in named]
     started = time.perf_counter()
+
+    def save(rows: list[dict[str, Any]], complete: bool) -> None:
+        if out is not None:
+            write_json_atomically(out, {
+                "command": "python -m sanitizer.bench.compare " + " ".join(argv), "complete": complete,
+                "date": datetime.date.today().isoformat(), "environment": environment(),
+                "seconds": round(time.perf_counter() - started, 1), "rows": rows, "summary": summarize(rows),
+            })
+
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvz-sanitize-bench-") as scratch, \
             ThreadPoolExecutor(max_workers=args.jobs) as pool:
         jobs = [pool.submit(run_one, tool, program, args.steps, args.backend, Path(scratch))
                 for program in chosen for tool in tools if tool != "truth" or program.sleeps]
-        rows = [job.result() for job in jobs]
+        for job in jobs:
+            rows.append(job.result())
+            save(rows, complete=False)  # a run cut short still leaves the rows it finished, marked so
+    save(rows, complete=True)
     summary = summarize(rows)
     print(table(rows, tools, chosen))
     print()
@@ -209,12 +223,6 @@ def _main(argv: list[str]) -> int:
     for row in rows:
         if "error" in row:
             print(f"{row['program']} under {row['tool']}: {row['error']}")
-    if out is not None:
-        write_json_atomically(out, {
-            "command": "python -m sanitizer.bench.compare " + " ".join(argv),
-            "date": datetime.date.today().isoformat(), "environment": environment(),
-            "seconds": round(time.perf_counter() - started, 1), "rows": rows, "summary": summary,
-        })
     ours = [r for r in rows if r["tool"] in ("observe", "force")]
     right = all(r["verdict"] == (FOUND if r["racy"] else JUDGED_CLEAN) for r in ours)
     return CLEAN if right else FINDING
