@@ -66,7 +66,7 @@ class _NoHappensBefore:
         self._threads += 1
         return self._threads
 
-    def enqueue(self, thread: int, label: str) -> OpStamp:
+    def enqueue(self, thread: int, label: str, host: int = HOST) -> OpStamp:
         return UNCHECKED_STAMP
 
     def snapshot(self, thread: int) -> tuple[int, ...]:
