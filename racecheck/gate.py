@@ -326,6 +326,7 @@ class _Monitor:
             self._dogs.add(dog)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="zeroer-gate-watchdog", daemon=True)
+                self._thread._kvz_own = True  # type: ignore[attr-defined]  # a sanitizer watching does not follow it
                 self._thread.start()
 
     def forget(self, dog: "Watchdog") -> None:

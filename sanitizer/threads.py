@@ -141,24 +141,35 @@ def install() -> None:
     @functools.wraps(start)
     def thread_start(self: threading.Thread) -> None:
         watch = _watch()
-        if watch is not None:
+        if watch is not None and not getattr(self, "_kvz_own", False):  # not a sanitizer's own thread
             with _Hooked():
                 self._kvz_started = (watch, watch.thread_starting(self))  # type: ignore[attr-defined]
         start(self)
 
     def thread_bootstrap(self: threading.Thread) -> None:
+        # Until the thread's own run() starts, nothing it does is the program's: above all not the
+        # Event that tells Thread.start it has started, while the starter may hold the watch's lock.
+        _HOOKED.busy = True
         entry = getattr(self, "_kvz_started", None)
-        watch = _watch()
+        watch = _ACTIVE[-1] if _ACTIVE else None
         if entry is None or watch is None or entry[0] is not watch:
-            bootstrap(self)
+            bootstrap(self)  # a sanitizer's own thread, or one started while none watched: not followed
             return
-        with _Hooked():
+        # The hooks run inside run(), after the thread told its starter it has started: Thread.start
+        # waits for that, and may hold the watch's lock meanwhile.
+        run = self.run
+
+        def watched_run() -> None:
             finish = watch.thread_running(self, entry[1])
-        try:
-            bootstrap(self)
-        finally:
-            with _Hooked():
-                finish()
+            _HOOKED.busy = False
+            try:
+                run()
+            finally:
+                with _Hooked():
+                    finish()
+
+        self.run = watched_run  # type: ignore[method-assign]
+        bootstrap(self)
 
     @functools.wraps(join)
     def thread_join(self: threading.Thread, timeout: float | None = None) -> None:

@@ -81,6 +81,7 @@ class Forcing:
                 self._expired = False
                 self._timer = threading.Timer(HOLD_LIMIT_S, self._expire)
                 self._timer.daemon = True
+                self._timer._kvz_own = True  # type: ignore[attr-defined]  # the sanitizer's own: not followed
                 self._timer.start()
         return held
 
