@@ -125,6 +125,9 @@ class PinnedMemory:
 
 def read_runs(runs: Runs) -> bytes:
     """The bytes of ``runs`` now, read with ctypes (no torch call)."""
+    if len(runs) == 1:
+        start, end = runs[0]
+        return ctypes.string_at(start, end - start)
     return b"".join(ctypes.string_at(start, end - start) for start, end in runs)
 
 
@@ -315,8 +318,11 @@ class PinnedWatch:
         return found
 
     def host_write(self, region: Region, view: torch.Tensor | None, label: str) -> None:
-        """The host writes ``view`` of ``region`` (None: all of it) now, through a call seen."""
-        self.hb.host_write(region.key, label, self.host(), self._runs(region, view))
+        """The host writes ``view`` of ``region`` (None: all of it) now, through a call seen (the
+        snapshots of those bytes are dropped: what they would find is reported here)."""
+        runs = self._runs(region, view)
+        self.hb.host_write(region.key, label, self.host(), runs)
+        self.pending.drop(region, runs)
 
     def host_read(self, region: Region, view: torch.Tensor | None, label: str) -> None:
         """The host reads ``view`` of ``region`` (None: all of it) now, through a call seen."""
@@ -326,6 +332,7 @@ class PinnedWatch:
         """The host reads or writes ``runs`` of ``region`` now (a numpy view's bytes, say)."""
         if write:
             self.hb.host_write(region.key, label, self.host(), runs)
+            self.pending.drop(region, runs)
         else:
             self.hb.host_read(region.key, label, self.host(), runs)
 

@@ -89,9 +89,14 @@ class RangeShadow:
         """Record ``stamp``'s access to ``ranges``; the unordered conflicts it meets:
         (other access, "writes" or "reads", first byte, end byte), one per other access."""
         if ranges is not None and len(ranges) == 1:
-            # The common case: one run that is exactly one segment already (an access like an earlier one).
             start, end = ranges[0]
             starts = self.starts
+            if len(starts) == 1 and self.states[0] is _EMPTY and 0 < start < end:
+                # The first access of a fresh resource (a new tensor): nothing to meet yet.
+                self.starts = [0, start, end]
+                self.states = [_EMPTY, _after(_EMPTY, stamp, write), _EMPTY]
+                return []
+            # The common case: one run that is exactly one segment already (an access like an earlier one).
             i = bisect.bisect_right(starts, start) - 1
             if starts[i] == start and i + 1 < len(starts) and starts[i + 1] == end:
                 state = self.states[i]

@@ -114,4 +114,14 @@ def caller_site(skip: int = 1, *, beyond: str | None = None) -> Site:
         frame = frame.f_back
     if frame is None:
         return UNKNOWN
-    return Site(_display(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name)
+    code, line = frame.f_code, frame.f_lineno
+    key = (code, line)
+    site = _SITES.get(key)
+    if site is None:  # one Site per program line: a loop's ops share it (a frozen dataclass costs to make)
+        if len(_SITES) > 65536:
+            _SITES.clear()
+        site = _SITES[key] = Site(_display(code.co_filename), line, code.co_name)
+    return site
+
+
+_SITES: dict[tuple[CodeType, int], Site] = {}

@@ -31,6 +31,9 @@ from sanitizer.races import Access, Label, Race
 from sanitizer.sites import Site, caller_site
 
 
+QUICK_EVERY = 8  # a device op's boundary compares the snapshots every this many ops
+
+
 class HostWatch:
     """See the module docstring. ``hb``, ``threads`` and ``pinned`` are the backend's."""
 
@@ -48,6 +51,7 @@ class HostWatch:
         self._local = threading.local()  # per thread: the last boundary's site
         self._numpy_at: dict[int, Site] = {}  # region id -> where its numpy view was last taken
         self._undo: list[Callable[[], None]] = []
+        self._quick = 0  # quick boundaries since the last comparison
 
     # -- life -------------------------------------------------------------------------------------
     def activate_host_hooks(self) -> None:
@@ -72,9 +76,17 @@ class HostWatch:
     def host_label(self, what: str, site: Site | None, until: Site | None = None) -> Label:
         return Label.of(what, Access(what, "the host", site, until=until))
 
-    def boundary(self, site: Site) -> None:
+    def boundary(self, site: Site, *, quick: bool = False) -> None:
         """The host reached ``site`` (an op, a callback, a scope's end): host writes since the last
-        boundary that no call showed are found by the snapshots and placed in between."""
+        boundary that no call showed are found by the snapshots and placed in between. A ``quick``
+        boundary (a device op: the most frequent) compares only every :data:`QUICK_EVERY`-th time;
+        one that does not compare leaves the window open, so a write found later is still placed
+        between two lines that hold it (every synchronisation compares, so none is missed)."""
+        if quick and self.pinned.pending:
+            self._quick += 1
+            if self._quick < QUICK_EVERY:
+                return
+        self._quick = 0
         if self.pinned.pending:
             found = self.pinned.changed(self._gone)
             if found:

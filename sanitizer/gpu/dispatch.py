@@ -96,7 +96,9 @@ class Handler:
         site = caller_site()
         index = device.device_index(on_device[0] if on_device else None)
         with obs.lock:
-            obs.boundary(site)
+            # A copy compares the snapshots every time: one it queues must not be taken for the reader
+            # of a host write made before it (a quick boundary may leave a window open).
+            obs.boundary(site, quick=what not in ("copy", "to_copy"))
             record = obs.graphs.capturing()
             if record is not None:
                 return record.op(self, func, args, kwargs, what, on_device, site)

@@ -76,6 +76,7 @@ class Observer(HostWatch):
         self._recorded: set[int] = set()  # device addresses record_stream tied to another stream
         self._device_sites: dict[int, Site] = {}  # device address -> where it was last handed out
         self._named: set[int] = set()
+        self._accesses: dict[tuple, Access] = {}
         self._ops = 0
         self._started = False
         from sanitizer.gpu.graphs import Graphs
@@ -168,7 +169,13 @@ class Observer(HostWatch):
     def label(self, what: str, stream: int, site: Site | None) -> Label:
         self._ops += 1
         self.stream_thread(stream)
-        return Label.of(f"{what}#{self._ops}", Access(what, self._stream_names[stream], site))
+        key = (what, stream, site)
+        access = self._accesses.get(key)
+        if access is None:  # one Access per op, stream and line: a loop's ops share it
+            if len(self._accesses) > 65536:
+                self._accesses.clear()
+            access = self._accesses[key] = Access(what, self._stream_names[stream], site)
+        return Label.of(f"{what}#{self._ops}", access)
 
     def enqueue(self, what: str, stream: int, site: Site | None) -> OpStamp:
         """Stamp an op the calling thread enqueues on ``stream``."""
@@ -209,7 +216,8 @@ class Observer(HostWatch):
             self._recorded.discard(address)
         self._alloc_stream[address] = stream
         self._generation[address] = self._generation.get(address, 0) + 1
-        self._device_sites[address] = caller_site()
+        # The op that allocates is the one the dispatch mode is handling: its line, without a walk.
+        self._device_sites[address] = self.last_site or caller_site()
 
     def stream_recorded(self, tensor: torch.Tensor) -> None:
         """``tensor.record_stream(s)``: its block waits for ``s`` before the allocator reuses it."""

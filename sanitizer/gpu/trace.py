@@ -66,9 +66,10 @@ def _forward(handler: Callable[..., None]) -> Callable[..., None]:
 
 
 def _boundary(obs: Any) -> None:
-    """The host code since the last boundary is checked before what the callback reports counts."""
-    site = caller_site(3)
-    obs.boundary(site)
+    """The host code since the last boundary is checked before what the callback reports counts
+    (nothing to check, and no line to find, when no queued copy reads pinned memory)."""
+    if obs.pinned.pending:
+        obs.boundary(caller_site(3))
 
 
 def _capturing(obs: Any) -> bool:
