@@ -191,7 +191,7 @@ def _ours(filename: str) -> bool:
     resolved = os.path.abspath(filename)
     if resolved.startswith(_PROGRAMS):
         return False  # the benchmark's programs are programs
-    return resolved.startswith(_OWN) or os.path.basename(resolved) == "runpy.py"
+    return resolved.startswith(_OWN) or os.path.basename(resolved) == "runpy.py" or filename == "<frozen runpy>"
 
 
 _OWN = os.path.dirname(os.path.abspath(__file__)) + os.sep
