@@ -1,15 +1,18 @@
-"""Force mode: queued copies from pinned memory held behind gate kernels until the host synchronises.
+"""Force mode: queued copies to and from pinned memory held behind gate kernels until the host synchronises.
 
 In observe mode a race is reported from enqueue order, and the values usually come out right
-because the copy ran before the host got to its write. Force mode makes them come out wrong when
-they can: every non-blocking copy from pinned memory (and every kernel reading pinned memory) is
-issued behind a gate kernel (:class:`racecheck.gate.GatePool`: a one-warp kernel spinning
-on a pinned flag) on its stream, so it runs only when the host next waits for the GPU: an event,
-stream or device synchronisation, a ``query``, a blocking copy or ``.item()``, a pinned allocation,
-a first launch of a Triton kernel (loading its module waits for the GPU), ``empty_cache``, or the
-end of the test. Just before the gates open, the bytes each held copy is about to read are compared
-with what was staged when it was queued; a difference is the wrong values it delivers, and the
-report says which.
+because the copy ran before the host got to its access. Force mode makes them come out wrong when
+they can: every non-blocking copy from or to pinned memory, every kernel reading pinned memory and
+every CUDA graph replay is issued behind a gate kernel (:class:`racecheck.gate.GatePool`: a one-warp
+kernel spinning on a pinned flag) on its stream, so it runs only when the host next waits for the
+GPU: an event, stream or device synchronisation, a ``query``, a blocking copy or ``.item()`` of a
+device tensor, a pinned allocation, a first launch of a Triton kernel (loading its module waits for
+the GPU), ``empty_cache``, or the end of the test. A held host-to-device copy then reads what the
+host wrote in between: just before the gates open, the bytes each held copy is about to read are
+compared with what was staged when it was queued, and a difference is reported with the values. A
+held device-to-host copy has not landed when the host reads early, so the host reads stale bytes and
+the program's own check fails; the held copies are remembered (:meth:`Forcing.take_held_writes`) so
+that such a failure can name the copy when the read itself was not seen (sanitizer.runner).
 
 A host call that waits for the GPU without any of those signs (a ``cudaFree`` inside the allocator,
 another library's synchronisation) would wait behind a gate forever: every gate opens by itself
@@ -21,8 +24,8 @@ Example (needs a GPU)::
     forcing = Forcing()
     held = forcing.hold(torch.cuda.current_stream())     # before the copy is issued
     dst.copy_(pinned, non_blocking=True)                  # queued behind the gate
-    forcing.watch(held, pending_read)                     # the bytes it will read
-    delivered = forcing.release()                         # [(pending_read, bytes it read)] that differ
+    forcing.watch(held, snapshot)                         # the bytes it will read (racecheck.pinned.Snapshot)
+    delivered = forcing.release()                         # [(snapshot, bytes it read)] that differ
 """
 
 from __future__ import annotations
