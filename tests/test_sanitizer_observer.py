@@ -381,3 +381,24 @@ def test_a_numpy_view_of_pinned_memory_is_an_ndarray_with_the_same_values(obs, c
     view += 1
     assert host.tolist() == [1, 2, 3, 4, 5, 6] and isinstance(view, np.ndarray)
     assert type(np.asarray(view)) is np.ndarray
+
+
+def test_torch_compile_never_traces_the_sanitizers_own_frames(fake):
+    import torch._dynamo.utils as dynamo_utils
+
+    observer = Observer(device=fake)
+    fake.obs = observer
+    observer.start()
+    try:
+        @torch.compile(backend="eager")
+        def step(x):
+            return (x * 2).sin() + 1
+
+        x = fake.device(torch.ones(8))
+        dynamo_utils.counters.clear()
+        assert step(x).shape == (8,) and step(x).shape == (8,)
+        traced = [name for name in dynamo_utils.counters["frames"] if "sanitizer" in str(name)]
+        assert dynamo_utils.counters["frames"].get("total", 0) <= 2, dynamo_utils.counters["frames"]
+        assert not traced
+    finally:
+        observer.stop()

@@ -16,11 +16,14 @@ A ``TorchDispatchMode`` is entered in every thread the program runs torch in (mo
 * ops captured into a CUDA graph are recorded for its replays (:mod:`sanitizer.gpu.graphs`).
 
 The mode opts out of torch's compiler hook (``_should_skip_dynamo``): nothing here needs
-``torch._dynamo``, whose import costs seconds and whose per-call guard costs microseconds per op.
+``torch._dynamo``, whose import costs seconds and whose per-call guard costs microseconds per op;
+once the program itself imports it (``torch.compile``), the handler is wrapped as torch would wrap
+it (:class:`sanitizer.dynamo_guard.DynamoGuard`), so dynamo never traces the sanitizer's frames.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from racecheck.ops import aliased_returns, kind
+from sanitizer.dynamo_guard import GUARD
 from sanitizer.host_ops import op_name, pinned_access, tensors_of, written_tensors
 from sanitizer.sites import Site, caller_site
 from zeroer.intercept.sim_tensor import SimCudaTensor
@@ -55,10 +59,15 @@ class Ops(TorchDispatchMode):
 
     @forwarding  # the program's own call, handed on: what torch raises under it is the program's
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not GUARD.done and "torch._dynamo" in sys.modules:
+            GUARD.apply()
         handler = self.handler
         if handler.obs.paused:
             return func(*args, **(kwargs or {}))
         return handler.on_op(func, args, kwargs or {})
+
+
+GUARD.add(Ops)
 
 
 def enter(observer: Any) -> Callable[[], None]:

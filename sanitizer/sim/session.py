@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from racecheck.hb import Hazard, OpStamp
 from racecheck.pinned import Region
 from sanitizer import numpy_views
+from sanitizer.dynamo_guard import GUARD
 from sanitizer.host_ops import pinned_access, tensors_of
 from sanitizer.races import Access, Race
 from sanitizer.sites import Site, also_skip, caller_site
@@ -221,6 +223,8 @@ class HostOps(TorchDispatchMode):
 
     @forwarding
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not GUARD.done and "torch._dynamo" in sys.modules:
+            GUARD.apply()
         kwargs = kwargs or {}
         session = self.session
         if session.rt.executing or not session.host.regions:
@@ -233,6 +237,9 @@ class HostOps(TorchDispatchMode):
         if site is not None:
             session.watch.last_site = site
         return result
+
+
+GUARD.add(HostOps)
 
 
 class SimWatch(HostWatch):
