@@ -7,7 +7,10 @@ zeroers against the runtime, a racy one-persistent-buffer design and a fresh-buf
 and fuzzes them the ways the docs give: ``python -m pytest -p fuzz.plugin --zeroer ...``,
 ``python -m pytest --pyargs fuzz --zeroer ...`` and plain ``python -m pytest --zeroer ...``
 through the entry point. The racy one must fail (exit 1) and leave a trace that
-``kvzero-repro replay`` reproduces; the race-free one must pass. Every console script must start.
+``kvzero-repro replay`` reproduces; the race-free one must pass. The sanitizer's own entry point
+(``pytest --kvz-sanitize``, with the fuzzer's plugin turned off) and its console script
+(``kvzero-sanitize``) must judge a user's racy and race-free staging on the simulator. Every
+console script must start.
 
 Installing takes a minute or more, so this runs only when asked::
 
@@ -100,6 +103,36 @@ def make(cache, runtime):
 
 
 make.capabilities = FreshBuffer.capabilities  # the factory declares it: written against the runtime, not intercepted
+'''
+
+
+ENGINE_TESTS = '''import torch
+
+
+def test_racy_staging():
+    buf = torch.empty(4, dtype=torch.int64, pin_memory=True)
+    dev = torch.zeros(4, dtype=torch.int64, device="cuda")
+    for step in range(3):
+        buf.numpy()[:] = step
+        dev.copy_(buf, non_blocking=True)
+    torch.cuda.synchronize()
+
+
+def test_fresh_staging():
+    dev = torch.zeros(4, dtype=torch.int64, device="cuda")
+    for step in range(3):
+        dev.copy_(torch.full((4,), step, dtype=torch.int64).pin_memory(), non_blocking=True)
+    torch.cuda.synchronize()
+    assert dev.tolist() == [2] * 4
+'''
+
+ENGINE_SCRIPT = '''import torch
+
+counts = torch.arange(4, dtype=torch.int32, device="cuda")
+host = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+view = host.numpy()
+host.copy_(counts, non_blocking=True)
+print(int(view[3]))  # the copy may not have landed: a host read under it
 '''
 
 
@@ -196,8 +229,20 @@ def test_the_installed_plugin_fuzzes_a_users_zeroer_from_an_empty_directory(tmp_
     plain_racy = steps.run("pytest --zeroer racy.py:make (entry point)", [*pytest_, "--zeroer", "racy.py:make"], cwd=work)
     assert plain_racy.returncode == 1 and "1 failed" in plain_racy.stdout, plain_racy.stdout + plain_racy.stderr
 
+    # The sanitizer, through its own entry point and its console script, on the simulator.
+    (work / "test_engine_step.py").write_text(ENGINE_TESTS)
+    sanitized = steps.run("pytest --kvz-sanitize --kvz-sanitize-backend sim (entry point)",
+                          [python, "-m", "pytest", "-q", "-p", "no:fuzz.plugin", "--kvz-sanitize",
+                           "--kvz-sanitize-backend", "sim", "test_engine_step.py"], cwd=work)
+    assert sanitized.returncode == 1 and "1 failed, 1 passed" in sanitized.stdout, sanitized.stdout + sanitized.stderr
+    assert "[host-write-vs-pending-copy]" in sanitized.stdout
+    (work / "step.py").write_text(ENGINE_SCRIPT)
+    script_run = steps.run("kvzero-sanitize --backend sim -- python step.py",
+                           [str(venv / "bin" / "kvzero-sanitize"), "--backend", "sim", "--", "python", "step.py"], cwd=work)
+    assert script_run.returncode == 1 and "step.py:7 (<module>)" in script_run.stdout, script_run.stdout + script_run.stderr
+
     for script in ("kvzero-repro", "kvzero-detect", "kvzero-bench-kernel", "kvzero-bench-speed", "kvzero-bench-intercept",
-                   "kvzero-bench-examples"):
+                   "kvzero-bench-examples", "kvzero-sanitize"):
         started = steps.run(f"{script} --help", [str(venv / "bin" / script), "--help"], cwd=work)
         assert started.returncode == 0 and "usage:" in started.stdout, started.stdout + started.stderr
 
