@@ -242,3 +242,31 @@ def test_the_plugin_says_how_many_times_and_in_how_many_tests_a_race_was_seen(tm
     assert seen_in([place]) == "once in 1 test: t.py::test_a"
     other = Race(**{**place.__dict__, "where": "t.py::test_b"})
     assert seen_in([place, other]) == "2 times in 2 tests: t.py::test_a, t.py::test_b"
+
+
+def test_what_engines_and_their_tests_call_on_torch_cuda_runs_on_the_simulator(tmp_path: Path) -> None:
+    script = tmp_path / "housekeeping.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+
+        torch.cuda.manual_seed(0)
+        a = torch.randn(4, device="cuda")
+        torch.cuda.manual_seed_all(0)
+        b = torch.randn(4, device="cuda")
+        assert torch.equal(a, b)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda.nvtx.range_push("step")
+        with torch.cuda.nvtx.range("inner"):
+            c = (a * 2).sum()
+        torch.cuda.nvtx.range_pop()
+        end.record()
+        end.synchronize()
+        assert start.elapsed_time(end) == 0.0
+        torch.cuda.reset_peak_memory_stats()
+        assert torch.cuda.max_memory_allocated() >= 0 and torch.cuda.memory_reserved() >= 0
+        print(c.item())
+    """))
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no race" in done.stdout

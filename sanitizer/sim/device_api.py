@@ -6,12 +6,16 @@ HiCache). On the simulator that call makes the range pinned memory of the progra
 caching allocator, so nothing protects it from reuse under a pending copy), exactly what the GPU
 observer makes of it. ``torch.cuda._sleep(cycles)`` holds a stream on a GPU; on the simulator a
 queued op already runs only when the host synchronises, as late as any sleep could make it, so it
-queues nothing.
+queues nothing. The rest of what engines and their tests call on ``torch.cuda`` besides streams and
+events answers as a GPU with nothing to report would: seeding (the simulated device draws from the
+CPU generator), memory statistics, NVTX marks; a timing event's ``elapsed_time`` reads 0.0.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from zeroer.intercept.errors import unroutable
 from zeroer.origin import stand_in
@@ -71,4 +75,45 @@ def device_api(session: Any) -> dict[str, Any]:
         if int(getattr(result, "value", result) or 0) != CUDA_SUCCESS:
             raise RuntimeError(f"CUDA error {result}")
 
-    return {"cudart": cudart, "_sleep": sleep, "check_error": check_error}
+    def seed(value: int) -> None:
+        # The simulated device draws from the CPU generator, so seeding it seeds that one (not through
+        # torch.manual_seed, which seeds every device: this one again).
+        torch.default_generator.manual_seed(int(value))
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    table: dict[str, Any] = {"cudart": cudart, "_sleep": sleep, "check_error": check_error,
+                             "manual_seed": seed, "manual_seed_all": seed, "seed": nothing, "seed_all": nothing,
+                             "initial_seed": torch.initial_seed, "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+                             "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+                             "get_rng_state_all": lambda: [torch.get_rng_state()],
+                             "set_rng_state_all": lambda states: torch.set_rng_state(states[0]),
+                             "memory_reserved": lambda device=None: 0, "max_memory_reserved": lambda device=None: 0,
+                             "memory_stats": lambda device=None: {}, "set_per_process_memory_fraction": nothing}
+    for name in ("reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
+                 "reset_accumulated_memory_stats"):
+        table[name] = nothing
+    return table
+
+
+class _Range:
+    """``with torch.cuda.nvtx.range(...)``: nothing to mark on the simulator."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def nvtx_api() -> dict[str, Any]:
+    """``torch.cuda.nvtx`` on the simulator: profiler marks, which change nothing the sanitizer sees."""
+    def mark(*args: Any, **kwargs: Any) -> int:
+        return 0
+
+    return {"range_push": mark, "range_pop": mark, "mark": mark, "range_start": mark, "range_end": mark,
+            "range": _Range}

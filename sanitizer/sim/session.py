@@ -75,6 +75,7 @@ class ProgramSession(InterceptSession):
     """See the module docstring. ``name`` is the program (or the test) in messages."""
 
     host_memory_class = ProgramHostMemory
+    allows_timing = True  # a program's timing events are allowed (their elapsed time reads 0.0)
 
     def __init__(self, name: str) -> None:
         import zeroer
@@ -121,9 +122,9 @@ class ProgramSession(InterceptSession):
 
     # -- what the program runs under ------------------------------------------------------------------
     def patch_tables(self) -> list[tuple[Any, dict[str, Any]]]:
-        from sanitizer.sim.device_api import device_api
+        from sanitizer.sim.device_api import device_api, nvtx_api
 
-        tables = []
+        tables = [(torch.cuda.nvtx, nvtx_api())]
         for module, table in super().patch_tables():
             table = {name: self._locked(value) if callable(value) and not isinstance(value, type) else value
                      for name, value in table.items()}

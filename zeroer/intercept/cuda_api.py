@@ -145,7 +145,8 @@ class EventProxy:
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         # ``blocking`` only changes how the host waits in synchronize(), not what it waits for.
-        if enable_timing or interprocess:
+        # A program's session (the sanitizer) allows timing events; a zeroer's schedule has no clock.
+        if interprocess or (enable_timing and not getattr(self._api.session, "allows_timing", False)):
             raise unroutable(
                 f"{self._spelled}(enable_timing={enable_timing}, interprocess={interprocess})",
                 "timing and interprocess events have no meaning on the harness's schedule",
@@ -176,6 +177,8 @@ class EventProxy:
         self._api.rt.synchronize_event(self.runtime_event)
 
     def elapsed_time(self, end_event: "EventProxy") -> float:
+        if getattr(self._api.session, "allows_timing", False):
+            return 0.0  # the simulator has no clock: a program's timing reads zero (docs/sanitizer.md)
         raise unroutable("torch.cuda.Event.elapsed_time", "the harness's schedule has no wall-clock timing",
                          "time the zeroer outside the fuzzer (python -m fuzz.bench.kernel)")
 
