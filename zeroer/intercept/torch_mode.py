@@ -198,9 +198,13 @@ class InterceptMode(TorchFunctionMode):
         inner_args = tree_map(lambda v: v._inner if isinstance(v, SimCudaTensor) else v, args)
         reads = [a._alloc.block for a in args if isinstance(a, SimCudaTensor)]
         target = out._inner
+        # Made from no device memory (zeros, full, randn, arange), the values are drawn now, as CUDA
+        # takes a random op's generator state when the op is issued: seeding before each call gives the
+        # same draws, whenever the stream runs them.
+        made = None if reads else forward(func, *inner_args, **{**host_kwargs, "device": "cpu"})
 
         def fill() -> None:
-            target.copy_(forward(func, *inner_args, **{**host_kwargs, "device": "cpu"}))
+            target.copy_(made if made is not None else forward(func, *inner_args, **{**host_kwargs, "device": "cpu"}))
 
         self.session.enqueue(fill, name=_name(func), reads=reads, writes=[out._alloc.block])
         return out
