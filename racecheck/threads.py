@@ -64,6 +64,17 @@ class HostThreads:
             self._index[child] = (thread, index)
             return index
 
+    def started_from(self, snapshot: tuple[int, ...], child: int, name: str, thread: Any = None) -> int:
+        """Python thread ``child`` was started by a thread whose clock was ``snapshot`` when it called
+        ``start()``: it knows that, and nothing its starter learned after."""
+        with self._lock:
+            index = self.hb.add_host(f"thread '{name}'", parent=None)
+            self.hb.host_acquires(index, snapshot)
+            if thread is None:
+                thread = next((t for t in threading.enumerate() if t.ident == child), threading.current_thread())
+            self._index[child] = (thread, index)
+            return index
+
     def ended(self, ident: int) -> None:
         """Python thread ``ident`` ended: its ident may be reused by a new thread."""
         with self._lock:

@@ -6,17 +6,26 @@ or a host write of those bytes, the same on the GPU and on the simulator.
 dispatch mode; the tensors among its arguments that are pinned are read, or written where the op's
 schema marks them ``(a!)``. Each is checked, at the op's own line, against the copies pending on
 those bytes: a write against queued copies that read or write them (vLLM #48085), a read against
-queued device-to-host copies that write them (vLLM #36013).
+queued device-to-host copies that write them (vLLM #36013). An indexed op (``buf[ids] = v``,
+``buf.index_fill_(0, ids, 0)``, ``buf.index_select(0, ids)``) touches only the rows its index names,
+as vLLM's pinned block tables are filled row by row while an earlier row's copy is queued.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
+import numpy as np
 import torch
 
-from racecheck.ops import kind, written_args
+from racecheck.ops import indexed_rows, kind, written_args
+from racecheck.ranges import row_runs
 from sanitizer.sites import Site, caller_site
+
+MAX_INDEX = 1 << 16  # elements of a host index whose values are read to narrow an access to rows
+_INTEGERS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+             torch.uint8: np.uint8}
 
 _WRITTEN: dict[Any, list[int]] = {}
 _NAMES: dict[Any, str] = {}
@@ -34,14 +43,49 @@ def pinned_access(watch: Any, func: Any, args: tuple, kwargs: dict, tensors: lis
     site = caller_site()
     written = written_tensors(func, args, kwargs)
     name = op_name(func)
+    indexed = _indexed_target(func, args, kwargs)
     with watch.lock:
         watch.boundary(site)
         for tensor in pinned:
-            if any(tensor is w for w in written):
+            if indexed is not None and tensor is indexed[0]:
+                _, dim, rows, writes = indexed
+                region = watch.region_of(tensor)
+                verb = "write" if writes else "read"
+                label = watch.host_label(f"host {verb} ({name} of rows of the pinned buffer)", site)
+                watch.pinned.host_access_runs(region, row_runs(tensor, dim, rows), label, write=writes)
+                watch.collect()
+            elif any(tensor is w for w in written):
                 watch.host_access(tensor, write=True, what=f"host write ({name} on the pinned buffer)", site=site)
             else:
                 watch.host_access(tensor, write=False, what=f"host read ({name} of the pinned buffer)", site=site)
     return site
+
+
+def _indexed_target(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, list[int], bool] | None:
+    """(the indexed tensor, dim, the rows its host index names, whether the op writes them) for an
+    indexed op whose index values can be read here; None otherwise (the whole tensor is taken)."""
+    found = indexed_rows(func, args, kwargs)
+    if found is None:
+        return None
+    at, dim, index, writes = found
+    positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+    target = positional[at] if at < len(positional) else None
+    rows = _host_values(index)
+    if not isinstance(target, torch.Tensor) or rows is None:
+        return None
+    return target, dim, rows, writes
+
+
+def _host_values(index: torch.Tensor) -> list[int] | None:
+    """The values of a small CPU integer index, read from its memory (no torch op: this runs inside
+    the dispatch mode); None when they cannot be read that way."""
+    dtype = _INTEGERS.get(index.dtype)
+    if dtype is None or index.device.type != "cpu" or index.numel() > MAX_INDEX or not index.is_contiguous():
+        return None
+    if index.numel() == 0:
+        return []
+    raw = ctypes.string_at(index.data_ptr(), index.numel() * index.element_size())
+    return np.frombuffer(raw, dtype=dtype).tolist()
 
 
 def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:

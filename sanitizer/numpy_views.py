@@ -104,6 +104,9 @@ def _watched_in(value: Any) -> list["WatchedArray"]:
 
 
 _WRITES_FIRST = {np.copyto, np.put, np.place, np.putmask, np.fill_diagonal}
+# What only looks at an array's shape, type or address: no element is read.
+_METADATA = {np.shape, np.ndim, np.size, np.may_share_memory, np.shares_memory, np.result_type, np.iscomplexobj,
+             np.isrealobj, np.isfortran, np.min_scalar_type}
 
 
 class WatchedArray(np.ndarray):
@@ -114,8 +117,8 @@ class WatchedArray(np.ndarray):
         if _ACTIVE:
             if isinstance(result, np.ndarray) and _overlap(result, self):
                 return result  # a view: nothing read yet
-            if isinstance(result, np.ndarray):
-                _report(self, False, "read through the buffer's numpy view")  # fancy indexing: a copy
+            if isinstance(result, np.ndarray):  # fancy indexing: a copy of the elements it names
+                _report(self, False, "read through the buffer's numpy view", _selected(self, index))
             else:
                 _report(self, False, "read through the buffer's numpy view", _element(self, index))
         return result
@@ -131,12 +134,17 @@ class WatchedArray(np.ndarray):
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, out: Any = None, **kwargs: Any) -> Any:
         if _ACTIVE:
             written = _watched_in(out) if out is not None else []
-            if method == "at" and isinstance(inputs[0], WatchedArray):
-                written.append(inputs[0])
-            for array in _watched_in(list(inputs)):
-                _report(array, False, f"read through the buffer's numpy view (np.{ufunc.__name__})")
+            what = f"np.{ufunc.__name__}"
+            if method == "at" and isinstance(inputs[0], WatchedArray):  # np.add.at(a, indices, v): those elements
+                at = _selected(inputs[0], inputs[1]) if len(inputs) > 1 else None
+                _report(inputs[0], True, f"host write through the buffer's numpy view ({what}.at)", at)
+                inputs_read = list(inputs[1:])
+            else:
+                inputs_read = list(inputs)
+            for array in _watched_in(inputs_read):
+                _report(array, False, f"read through the buffer's numpy view ({what})")
             for array in written:
-                _report(array, True, f"host write through the buffer's numpy view (np.{ufunc.__name__})")
+                _report(array, True, f"host write through the buffer's numpy view ({what})")
         args = _plain(inputs)
         if out is not None:
             kwargs["out"] = _plain(out)
@@ -146,17 +154,26 @@ class WatchedArray(np.ndarray):
         return result
 
     def __array_function__(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
-        if _ACTIVE:
+        read: list[WatchedArray] = []
+        if _ACTIVE and func not in _METADATA:
             out = kwargs.get("out")
             written = _watched_in(out) if out is not None else []
+            what = f"np.{func.__name__}"
             if func in _WRITES_FIRST and args and isinstance(args[0], WatchedArray):
-                written.append(args[0])
-            for array in _watched_in(list(args) + [v for k, v in kwargs.items() if k != "out"]):
-                if not any(array is w for w in written):
-                    _report(array, False, f"read through the buffer's numpy view (np.{func.__name__})")
+                target = args[0]
+                _report(target, True, f"host write through the buffer's numpy view ({what})",
+                        _written_by(func, target, args, kwargs))
+                skip = [target]
+            else:
+                skip = []
             for array in written:
-                _report(array, True, f"host write through the buffer's numpy view (np.{func.__name__})")
+                _report(array, True, f"host write through the buffer's numpy view ({what})")
+            read = [a for a in _watched_in(list(args) + [v for k, v in kwargs.items() if k != "out"])
+                    if not any(a is w for w in written + skip)]
         result = func(*_plain(args), **_plain(kwargs))
+        if read and not (isinstance(result, np.ndarray) and any(_overlap(result, a) for a in read)):
+            for array in read:  # a function that only made a view of its input read nothing
+                _report(array, False, f"read through the buffer's numpy view (np.{func.__name__})")
         out = kwargs.get("out")
         if out is not None and isinstance(result, np.ndarray) and not isinstance(result, WatchedArray):
             return out[0] if isinstance(out, tuple) else out
@@ -239,7 +256,53 @@ def _target(array: np.ndarray, index: Any) -> Runs | None:
         return None
     if isinstance(view, np.ndarray) and _overlap(view, array):
         return array_runs(view)
-    return None
+    return _selected(array, index)  # fancy indexing: the elements it names
+
+
+MAX_SELECTED = 1 << 20  # elements an index is resolved over; a larger array counts whole
+
+
+def _offsets(array: np.ndarray) -> np.ndarray:
+    """Each element's byte offset from the array's start, in the array's shape."""
+    offsets = np.zeros(array.shape, dtype=np.int64)
+    for dim, (size, stride) in enumerate(zip(array.shape, array.strides)):
+        shape = [1] * array.ndim
+        shape[dim] = size
+        offsets = offsets + (np.arange(size, dtype=np.int64) * stride).reshape(shape)
+    return offsets
+
+
+def _runs_of(array: np.ndarray, offsets: np.ndarray) -> Runs:
+    start, size = array.__array_interface__["data"][0], array.itemsize
+    return merge((start + int(o), start + int(o) + size) for o in np.unique(offsets))
+
+
+def _selected(array: np.ndarray, index: Any) -> Runs | None:
+    """The bytes of the elements ``array[index]`` names (None: the whole array)."""
+    if array.size > MAX_SELECTED:
+        return None
+    try:
+        chosen = np.ndarray.__getitem__(_offsets(array), _plain(index))
+    except (IndexError, TypeError, ValueError):
+        return None
+    return _runs_of(array, np.asarray(chosen).reshape(-1))
+
+
+def _written_by(func: Any, array: np.ndarray, args: tuple, kwargs: dict) -> Runs | None:
+    """The bytes ``np.put``/``np.place``/``np.putmask`` write of ``array`` (None: all of it)."""
+    if array.size > MAX_SELECTED or len(args) < 2:
+        return None
+    offsets = _offsets(array)
+    try:
+        if func is np.put:
+            chosen = offsets.reshape(-1)[np.asarray(_plain(args[1])).reshape(-1) % array.size]
+        elif func in (np.place, np.putmask):
+            chosen = offsets[np.asarray(_plain(args[1]), dtype=bool)]
+        else:
+            return None
+    except (IndexError, TypeError, ValueError):
+        return None
+    return _runs_of(array, chosen.reshape(-1))
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:

@@ -147,11 +147,14 @@ class HostWatch:
 
     # -- threads (sanitizer.threads.ThreadWatch) -----------------------------------------------------
     def thread_starting(self, thread: threading.Thread) -> Any:
-        return threading.get_ident()
+        """``thread.start()`` is being called: what the starter knows now is what the thread knows."""
+        with self.lock:
+            self.boundary(caller_site())
+            return self.hb.host_snapshot(self.threads.current())
 
     def thread_running(self, thread: threading.Thread, token: Any) -> Callable[[], None]:
         with self.lock:
-            self.threads.started(token, threading.get_ident(), thread.name, thread)
+            self.threads.started_from(token, threading.get_ident(), thread.name, thread)
         teardown = self.thread_setup()
 
         def finish() -> None:

@@ -54,7 +54,8 @@ def copy(handler: Any, func: Any, args: tuple, kwargs: dict, what: str, site: Si
         # and a pinned allocation may wait for the GPU: the gate would hold the host too. The same
         # copy in two steps instead: the pinned result first, then the held copy into it.
         with torch._C.DisableTorchFunction():
-            dst = torch.empty_like(src, dtype=kwargs.get("dtype") or src.dtype, device="cpu", pin_memory=True)
+            dst = torch.empty_like(src, dtype=kwargs.get("dtype") or src.dtype, device="cpu", pin_memory=True,
+                                   memory_format=kwargs.get("memory_format") or torch.preserve_format)
         region = obs.note_pinned(dst, site, "the pinned result of .to('cpu', non_blocking=True)")
         func, args, kwargs = torch.ops.aten.copy_.default, (dst, src, True), {}
     held = obs.hold(index) if reads_pinned or writes_pinned else None

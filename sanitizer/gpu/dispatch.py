@@ -105,9 +105,10 @@ class Handler:
         site = caller_site()
         index = device.device_index(on_device[0] if on_device else None)
         with obs.lock:
-            # A copy compares the snapshots every time: one it queues must not be taken for the reader
-            # of a host write made before it (a quick boundary may leave a window open).
-            obs.boundary(site, quick=what not in ("copy", "to_copy"))
+            # A copy compares the snapshots every time (one it queues must not be taken for the reader
+            # of a host write made before it), and so does an op the host waits for (after it, the host
+            # has seen the copies complete): a quick boundary may leave a window open.
+            obs.boundary(site, quick=what not in ("copy", "to_copy", "blocking") and func is not _SCALAR)
             record = obs.graphs.capturing()
             if record is not None:
                 return record.op(self, func, args, kwargs, what, on_device, site)
