@@ -117,6 +117,29 @@ class FakeCuda:
             with obs.lock:
                 handler(obs, *args)
 
+    # -- CUDA graphs, as the observer's patches of CUDAGraph report them ----------------------------------
+    def new_graph(self) -> Any:
+        return _FakeGraph()
+
+    @contextlib.contextmanager
+    def capture(self, graph: Any) -> Iterator[None]:
+        """Ops issued inside are recorded into ``graph`` (and run now, on the CPU)."""
+        from sanitizer.sites import caller_site
+
+        with self.obs.lock:
+            self.obs.graphs.begin(graph, caller_site())
+        try:
+            yield
+        finally:
+            with self.obs.lock:
+                self.obs.graphs.end(graph)
+
+    def replay(self, graph: Any) -> None:
+        from sanitizer.sites import caller_site
+
+        with self.obs.lock:
+            self.obs.graphs.replay(graph, caller_site())
+
     # -- what the observer asks besides ---------------------------------------------------------------
     def capturing(self) -> bool:
         return False
@@ -134,6 +157,10 @@ class FakeCuda:
     def adapter(self) -> "FakeCuda":
         """The observer's device: this stand-in."""
         return self
+
+
+class _FakeGraph:
+    """A graph object for :meth:`FakeCuda.capture` (the observer keys its records by it)."""
 
 
 class RealCuda:
@@ -173,6 +200,15 @@ class RealCuda:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, graph: Any) -> Any:
+        return torch.cuda.graph(graph)
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
 
     def adapter(self) -> None:
         """The observer's device: its own (None: sanitizer.gpu.device.CudaDevice)."""

@@ -270,3 +270,71 @@ def test_what_engines_and_their_tests_call_on_torch_cuda_runs_on_the_simulator(t
     done = sanitize_cli("--backend", "sim", "--", "python", str(script))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "no race" in done.stdout
+
+
+GRAPH_GATHER = """
+import sys
+import torch
+
+row = int(sys.argv[1])
+kv = torch.zeros(8, 4, device="cuda")
+ids = torch.zeros(2, dtype=torch.int64, device="cuda")
+out = torch.zeros(2, 4, device="cuda")
+side = torch.cuda.Stream()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    out.copy_(kv.index_select(0, ids))
+torch.cuda.synchronize()
+for rows in ([0, 1], [4, 5]):
+    ids.copy_(torch.tensor(rows, pin_memory=True), non_blocking=True)
+    graph.replay()
+    with torch.cuda.stream(side):
+        kv[row].fill_(1.0)  # unordered with the replay
+    torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.parametrize(("row", "status"), [("2", 0), ("6", 0), ("4", 1), ("0", 1)])
+def test_a_replayed_graph_gathers_the_rows_its_index_holds_at_each_replay(tmp_path: Path, row: str,
+                                                                          status: int) -> None:
+    script = tmp_path / "graph_gather.py"
+    script.write_text(GRAPH_GATHER)
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script), row)
+    assert done.returncode == status, done.stdout + done.stderr
+    if status:
+        assert "[unordered-device-access]" in done.stdout and "replayed on the default stream" in done.stdout
+
+
+TRITON_STORE = """
+import sys
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def plus_one(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask) + 1, mask=mask)
+
+
+src = torch.arange(4, dtype=torch.int32, device="cuda")
+host = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+plus_one[(1,)](src, host, 4, BLOCK=4)  # the kernel stores into pinned memory (zero-copy)
+if sys.argv[1] == "sync":
+    torch.cuda.synchronize()
+print(host.tolist())
+"""
+
+
+@pytest.mark.parametrize(("how", "status"), [("sync", 0), ("no-sync", 1)])
+def test_a_triton_kernel_storing_into_pinned_memory_is_a_pending_write_of_it(tmp_path: Path, how: str,
+                                                                           status: int) -> None:
+    script = tmp_path / "triton_store.py"
+    script.write_text(TRITON_STORE)
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script), how)
+    assert done.returncode == status, done.stdout + done.stderr
+    if status:
+        assert "[host-read-vs-pending-copy]" in done.stdout and "triton_store.py:17" in done.stdout
+        assert "triton_store.py:20" in done.stdout

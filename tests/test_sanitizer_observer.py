@@ -120,6 +120,58 @@ def test_a_write_to_other_bytes_of_the_buffer_is_not_a_race(obs, cuda):
     assert obs.stop() == []
 
 
+@pytest.mark.parametrize("how", ["index_put", "index_fill", "numpy_fancy", "numpy_put", "numpy_mask"])
+def test_an_indexed_host_write_touches_only_the_rows_it_names(obs, cuda, how):
+    # vLLM fills a pinned block table row by row while the copy of earlier rows is queued.
+    table = cuda.pinned(torch.zeros(8, 2, dtype=torch.int32))
+    view = table.numpy()
+    rows = cuda.device(torch.zeros(4, 2, dtype=torch.int32))
+    rows.copy_(table[:4], non_blocking=True); copied = here()
+
+    def write(names: list[int]) -> int:
+        if how == "index_put":
+            table[torch.tensor(names)] = 7; return here()
+        if how == "index_fill":
+            table.index_fill_(0, torch.tensor(names), 7); return here()
+        if how == "numpy_fancy":
+            view[names] = 7; return here()
+        if how == "numpy_put":
+            np.put(view, [2 * n for n in names], 7); return here()
+        mask = np.zeros(view.shape, dtype=bool)
+        mask[names] = True
+        np.putmask(view, mask, 7); return here()
+
+    write([5, 6])  # rows the copy does not read
+    written = write([6, 1])
+    races = obs.stop()
+    assert kinds(races) == ["host-write-vs-pending-copy"], races
+    assert lines(races, "host-write-vs-pending-copy") == {(copied, written)}
+
+
+def test_an_indexed_host_read_reads_only_the_rows_it_names(obs, cuda):
+    counts = cuda.device(torch.arange(4, dtype=torch.int32))
+    host = cuda.pinned(torch.zeros(8, dtype=torch.int32))
+    view = host.numpy()
+    host[:4].copy_(counts, non_blocking=True); copied = here()
+    assert host[torch.tensor([5, 6])].tolist() == [0, 0]
+    assert view[[4, 7]].tolist() == [0, 0]
+    view[[2, 5]].sum(); read = here()
+    races = obs.stop()
+    assert lines(races, "host-read-vs-pending-copy") == {(copied, read)}
+
+
+def test_a_numpy_views_shape_and_dtype_are_not_reads_of_its_memory(obs, cuda):
+    counts = cuda.device(torch.arange(4, dtype=torch.int32))
+    host = cuda.pinned(torch.zeros(4, dtype=torch.int32))
+    view = host.numpy()
+    host.copy_(counts, non_blocking=True)
+    assert view.shape == (4,) and len(view) == 4 and view.dtype == np.int32 and view.nbytes == 16
+    assert view.reshape(2, 2).shape == (2, 2) and view[1:].size == 3 and np.shape(view) == (4,)
+    cuda.synchronize_event(cuda.record())
+    assert view.tolist() == [0, 1, 2, 3]
+    assert obs.stop() == []
+
+
 # -- host reads under pending device-to-host copies (vLLM #36013) --------------------------------------------
 
 @pytest.mark.parametrize("read", ["tolist", "item", "numpy_view", "torch_op", "int"])
@@ -274,6 +326,31 @@ def test_an_index_select_reads_only_the_rows_its_staged_ids_name(obs, cuda):
     assert obs.stop() == []
 
 
+def test_a_replayed_graph_gathers_the_rows_its_index_holds_at_that_replay(obs, cuda):
+    # A decode graph gathers through a static index buffer the host restages before each replay.
+    kv = cuda.device(torch.zeros(8, 4))
+    ids = cuda.device(torch.zeros(2, dtype=torch.int64))
+    out = cuda.device(torch.zeros(2, 4))
+    side = cuda.new_stream()
+    graph = cuda.new_graph()
+    with cuda.capture(graph):
+        out.copy_(kv.index_select(0, ids))
+    cuda.synchronize()
+    ids.copy_(cuda.pinned(torch.tensor([0, 1])), non_blocking=True)
+    cuda.replay(graph)
+    with cuda.stream(side):
+        kv[2].fill_(1.0)  # unordered with the replay, which gathers rows 0 and 1 this time
+    cuda.synchronize()
+    ids.copy_(cuda.pinned(torch.tensor([2, 3])), non_blocking=True)
+    cuda.replay(graph); replayed = here()
+    with cuda.stream(side):
+        kv[2].fill_(1.0); written = here()  # and now row 2: a race
+    cuda.synchronize()
+    races = obs.stop()
+    assert kinds(races) == ["unordered-device-access"], races
+    assert lines(races, "unordered-device-access") == {(replayed, written)}
+
+
 def test_an_index_select_over_rows_compute_writes_is_a_race(obs, cuda):
     kv = cuda.device(torch.zeros(8, 4))
     ids_host = cuda.pinned(torch.tensor([0, 5], dtype=torch.int64))
@@ -402,3 +479,24 @@ def test_torch_compile_never_traces_the_sanitizers_own_frames(fake):
         assert not traced
     finally:
         observer.stop()
+
+
+def test_a_thread_knows_what_its_starter_knew_at_start_not_what_it_learned_after(obs, cuda):
+    counts = cuda.device(torch.arange(4, dtype=torch.int64))
+    host = cuda.pinned(torch.zeros(4, dtype=torch.int64))
+    host.copy_(counts, non_blocking=True)
+    gate = threading.Lock()
+    gate.acquire()
+
+    def read() -> None:
+        with gate:  # runs after the starter synchronised, but learns that through a lock only
+            host.tolist()
+
+    worker = threading.Thread(target=read)
+    worker.start()
+    cuda.synchronize()
+    gate.release()
+    worker.join()
+    assert obs.stop() == []
+    notes = obs.take_notes()
+    assert len(notes) == 1 and "host read" in notes[0]  # said, not silently taken as ordered

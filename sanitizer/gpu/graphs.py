@@ -25,18 +25,37 @@ import torch
 
 from racecheck.ops import indexed_rows
 from racecheck.pinned import Region
-from racecheck.ranges import Runs, byte_runs, row_runs
+from racecheck.ranges import Runs, byte_runs
 from sanitizer.gpu.dispatch import fresh_outputs, op_name, written_tensors
+from sanitizer.gpu.indices import Target
 from sanitizer.sites import Site
+
+
+@dataclass
+class _Indexed:
+    """A captured indexed op's target: its rows are those its index holds at each replay (a graph
+    reads the static index buffer the host restaged before ``replay()``)."""
+    target: Target
+    index: torch.Tensor  # a small view; the graph's replays read its memory anyway
+    write: bool
 
 
 @dataclass
 class _Captured:
     what: str
     site: Site
-    device: list[tuple[torch.Tensor, bool, Runs]] = field(default_factory=list)  # (tensor, write, runs)
+    # (device allocation address, write, byte runs): addresses, not tensors, so that a recorded
+    # graph keeps no tensor alive and the caching allocator sees the program's own frees.
+    device: list[tuple[int, bool, Runs]] = field(default_factory=list)
+    indexed: _Indexed | None = None
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (device dst, pinned src)
     pinned_reads: list[tuple[Region, torch.Tensor]] = field(default_factory=list)
     pinned_writes: list[tuple[Region, torch.Tensor]] = field(default_factory=list)
+
+    def touch(self, tensor: torch.Tensor, write: bool, runs: Runs | None = None) -> None:
+        address = tensor.untyped_storage().data_ptr()
+        if address:
+            self.device.append((address, write, byte_runs(tensor) if runs is None else runs))
 
 
 class GraphRecord:
@@ -55,13 +74,15 @@ class GraphRecord:
             dst = args[0] if what == "copy" else None
             src = args[1] if what == "copy" else args[0]
             if device.is_device(src):
-                captured.device.append((src, False, byte_runs(src)))
+                captured.touch(src, False)
             elif dst is not None and device.is_device(dst):
                 region = obs.pinned_region(src)
                 if region is not None:
-                    captured.pinned_reads.append((region, src.detach()))
+                    with torch._C.DisableTorchFunction():
+                        captured.pinned_reads.append((region, src.detach()))
+                        captured.staged.append((dst.detach(), src.detach()))
             if dst is not None and device.is_device(dst):
-                captured.device.append((dst, True, byte_runs(dst)))
+                captured.touch(dst, True)
             elif dst is not None:
                 region = obs.pinned_region(dst)
                 if region is not None:
@@ -69,7 +90,7 @@ class GraphRecord:
             result = func(*args, **kwargs)
             if dst is None and isinstance(result, torch.Tensor):
                 if device.is_device(result):
-                    captured.device.append((result, True, byte_runs(result)))
+                    captured.touch(result, True)
                 else:
                     region = obs.note_pinned(result, site, "the pinned result of a captured .to('cpu')")
                     captured.pinned_writes.append((region, result.detach()))
@@ -79,23 +100,25 @@ class GraphRecord:
         indexed = indexed_rows(func, args, kwargs)
         for tensor in on_device:
             write = any(tensor is w for w in written)
-            runs = byte_runs(tensor)
-            if indexed is not None and tensor is args[indexed[0]]:
-                rows = obs.indices.values(indexed[2])
-                if rows is not None:
-                    runs = row_runs(tensor, indexed[1], rows)
-            captured.device.append((tensor, write, runs))
+            if indexed is not None and tensor is args[indexed[0]] and isinstance(indexed[2], torch.Tensor):
+                _, dim, index, writes = indexed
+                with torch._C.DisableTorchFunction():
+                    captured.indexed = _Indexed(Target.of(tensor, dim), index.detach(), writes)
+                continue
+            captured.touch(tensor, write)
         result = func(*args, **kwargs)
         for out in fresh_outputs(func, result, device, on_device):
-            captured.device.append((out, True, byte_runs(out)))
+            captured.touch(out, True)
         self.ops.append(captured)
         return result
 
     def triton(self, what: str, site: Site, accesses: list[tuple[torch.Tensor, bool]],
-               pinned: list[tuple[Region, torch.Tensor]]) -> None:
+               pinned: list[tuple[Region, torch.Tensor, bool]]) -> None:
         captured = _Captured(what, site)
-        captured.device = [(t, write, byte_runs(t)) for t, write in accesses]
-        captured.pinned_reads = list(pinned)
+        for tensor, write in accesses:
+            captured.touch(tensor, write)
+        for region, tensor, stored in pinned:
+            (captured.pinned_writes if stored else captured.pinned_reads).append((region, tensor.detach()))
         self.ops.append(captured)
 
 
@@ -133,8 +156,12 @@ class Graphs:
         for captured in record.ops:
             stamp = obs.enqueue(f"{captured.what} (captured into the CUDA graph at {record.site.short}, replayed)",
                                 stream, site)
-            for tensor, write, runs in captured.device:
-                obs.device_access(tensor, stamp, write=write, ranges=runs)
+            for address, write, runs in captured.device:
+                obs.device_access_at(address, runs, stamp, write=write)
+            if captured.indexed is not None:
+                self._indexed(captured.indexed, stamp)
+            for dst, src in captured.staged:
+                obs.indices.staged(dst, src)  # the ids the replay stages, as an eager copy's
             for region, view in captured.pinned_reads:
                 snapshot = obs.pinned.note_read(region, view, stamp, keep=view)
                 if held is not None and snapshot is not None:
@@ -145,3 +172,13 @@ class Graphs:
                     obs.forcing.watch_write(held, region, stamp.label.access)
         obs.collect()
         return held
+
+    def _indexed(self, indexed: _Indexed, stamp: Any) -> None:
+        """The rows a replayed indexed op touches: those its index holds now, else declared once the
+        host has seen the replay run (:meth:`~sanitizer.gpu.indices.Indices.defer`)."""
+        obs = self.obs
+        rows = obs.indices.values(indexed.index)
+        if rows is None:
+            obs.indices.defer(stamp, indexed.target, indexed.index, indexed.write)
+        else:
+            obs.device_access_at(indexed.target.address, indexed.target.rows(rows), stamp, write=indexed.write)

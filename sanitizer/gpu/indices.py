@@ -44,11 +44,31 @@ class _Known:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where an indexed op's rows lie, without holding the tensor (its memory is the program's to
+    free): the allocation's address, the view's first byte and a meta tensor of its shape and strides."""
+    address: int
+    base: int
+    shape: torch.Tensor
+    dim: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, dim: int) -> "Target":
+        with torch._C.DisableTorchFunction():
+            shape = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="meta")
+        return cls(tensor.untyped_storage().data_ptr(), tensor.data_ptr(), shape, dim)
+
+    def rows(self, rows: list[int] | None) -> list[tuple[int, int]]:
+        """The bytes of ``rows`` (all of the view for None)."""
+        runs = byte_runs(self.shape) if rows is None else row_runs(self.shape, self.dim, rows)
+        return [(self.base + s, self.base + e) for s, e in runs]
+
+
 @dataclass
 class _Unresolved:
     stamp: OpStamp
-    target: torch.Tensor
-    dim: int
+    target: Target
     index: torch.Tensor
     write: bool
     generation: int
@@ -66,7 +86,7 @@ class Indices:
         self._stream: Any = None
 
     # -- what the device holds ---------------------------------------------------------------------
-    def written(self, tensor: torch.Tensor, address: int, ranges: list[tuple[int, int]]) -> None:
+    def written(self, address: int, ranges: list[tuple[int, int]]) -> None:
         """A device write to ``ranges`` of the storage at ``address``: staged values there are stale."""
         self._generation[address] = self._generation.get(address, 0) + 1
         known = self._known.get(address)
@@ -124,15 +144,20 @@ class Indices:
                 if rows is not None:
                     obs.device_access(target, stamp, write=write, ranges=row_runs(target, dim, rows))
                 else:
-                    address = index.untyped_storage().data_ptr()
-                    with torch._C.DisableTorchFunction():
-                        self._unresolved.append(_Unresolved(
-                            stamp, target.detach(), dim, index.detach(), write, self._generation.get(address, 0),
-                            getattr(stamp.label, "access", None) and stamp.label.access.what or str(stamp.label)))
+                    self.defer(stamp, Target.of(target, dim), index, write)
         for tensor in on_device:
             if tensor is target:
                 continue
             obs.device_access(tensor, stamp, write=any(tensor is w for w in written))
+
+    def defer(self, stamp: OpStamp, target: Target, index: torch.Tensor, write: bool) -> None:
+        """``stamp`` touches the rows of ``target`` that ``index`` names, values not known yet: they
+        are declared once the host has seen the op run (:meth:`resolve`), or said in a note."""
+        address = index.untyped_storage().data_ptr()
+        with torch._C.DisableTorchFunction():
+            self._unresolved.append(_Unresolved(
+                stamp, target, index.detach(), write, self._generation.get(address, 0),
+                getattr(stamp.label, "access", None) and stamp.label.access.what or str(stamp.label)))
 
     # -- late resolution -----------------------------------------------------------------------------
     def resolve(self) -> None:
@@ -151,8 +176,8 @@ class Indices:
                 self._note(entry, "its index tensor was written again before the host saw the op run")
                 continue
             rows = self._read_back(entry.index)
-            self.obs.device_access(entry.target, entry.stamp, write=entry.write,
-                                   ranges=row_runs(entry.target, entry.dim, rows))
+            target = entry.target
+            self.obs.device_access_at(target.address, target.rows(rows), entry.stamp, write=entry.write, late=True)
         self._unresolved = still
 
     def finish(self) -> None:
@@ -177,4 +202,4 @@ class Indices:
                               f"its access to them is not checked")
 
 
-__all__ = ["Indices", "byte_runs"]
+__all__ = ["Indices", "Target", "byte_runs"]

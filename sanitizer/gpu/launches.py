@@ -5,7 +5,8 @@ writing those that reach a ``tl.store``.
 tensor argument is read (or written, when the kernel's source stores through it:
 :func:`racecheck.triton_stores.stored_params`) over the bytes of its view; a pinned host tensor
 argument is read by the GPU when the kernel runs (zero-copy), as a non-blocking copy reads it, so
-it gets a snapshot and, in force mode, a gate. Kernels that write through raw addresses (a table of
+it gets a snapshot and, in force mode, a gate; one the kernel stores into is written as a
+device-to-host copy writes it (the host may read it once it has seen the kernel end). Kernels that write through raw addresses (a table of
 ``data_ptr()`` values, as vLLM's zeroer does) write memory no argument names: those writes are not
 seen (docs/sanitizer.md). The gate kernel of force mode and of kvzero's harness is the
 sanitizer's own and never checked.
@@ -55,13 +56,13 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict) -> None:
         return  # a launch on kvzero's simulator
     device = obs.device
     on_device = [(n, v) for n, v in tensors if device.is_device(v)]
-    pinned = [(obs.pinned_region(v), v) for _, v in tensors if not device.is_device(v)]
-    pinned = [(region, v) for region, v in pinned if region is not None]
-    if not on_device and not pinned:
+    pinned = [(obs.pinned_region(v), v, n) for n, v in tensors if not device.is_device(v)]
+    if not on_device and not any(region is not None for region, _, _ in pinned):
         return
+    stored = stored_params(jit.fn)
+    pinned = [(region, v, n in stored) for region, v, n in pinned if region is not None]
     site = caller_site()
     obs.boundary(site)
-    stored = stored_params(jit.fn)
     what = f"Triton kernel {getattr(jit, '__name__', 'kernel')}"
     record = obs.graphs.capturing()
     if record is not None:
@@ -75,7 +76,12 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict) -> None:
     stamp = obs.enqueue(what, device.current_stream(index), site)
     for name, tensor in on_device:
         obs.device_access(tensor, stamp, write=name in stored)
-    for region, tensor in pinned:
+    for region, tensor, writes in pinned:
+        if writes:  # a kernel storing into pinned memory: the host sees it once it saw the kernel end
+            obs.pinned.note_device_write(region, tensor, stamp)
+            if held is not None:
+                obs.forcing.watch_write(held, region, stamp.label.access)
+            continue
         with torch._C.DisableTorchFunction():
             keep = tensor.detach()
         snapshot = obs.pinned.note_read(region, tensor, stamp, keep=keep)

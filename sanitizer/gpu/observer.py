@@ -187,9 +187,14 @@ class Observer(HostWatch):
 
     # -- device memory -----------------------------------------------------------------------------
     def device_access(self, tensor: torch.Tensor, stamp: OpStamp, *, write: bool,
-                      ranges: list[tuple[int, int]] | None = None) -> None:
+                      ranges: list[tuple[int, int]] | None = None, late: bool = False) -> None:
         """``stamp`` reads or writes ``tensor``'s bytes (``ranges`` of them, where known)."""
         address = tensor.untyped_storage().data_ptr()
+        self.device_access_at(address, byte_runs(tensor) if ranges is None else ranges, stamp, write=write, late=late)
+
+    def device_access_at(self, address: int, ranges: list[tuple[int, int]], stamp: OpStamp, *, write: bool,
+                         late: bool = False) -> None:
+        """``stamp`` reads or writes ``ranges`` of the device allocation at ``address``."""
         if address == 0:
             return  # an empty tensor: no memory
         label = stamp.label
@@ -198,11 +203,9 @@ class Observer(HostWatch):
         if address not in self._named:
             self._named.add(address)
             self.hb.name_resource(("cudamem", address), f"device memory at 0x{address:x}")
-        if ranges is None:
-            ranges = byte_runs(tensor)
-        self.hb.device_access(("cudamem", address), stamp, write=write, ranges=ranges)
+        self.hb.device_access(("cudamem", address), stamp, write=write, ranges=ranges, late=late)
         if write:
-            self.indices.written(tensor, address, ranges)
+            self.indices.written(address, ranges)
 
     def memory_allocated(self, address: int) -> None:
         """The caching allocator handed ``address`` out. It reuses memory on the stream that freed it

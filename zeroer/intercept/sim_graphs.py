@@ -44,6 +44,8 @@ class CapturedOp:
     cache_written: bool
     pinned_reads: list = field(default_factory=list)  # (region, view)
     pinned_writes: list = field(default_factory=list)  # (region, view)
+    # an indexed op's rows, declared by each replay as it runs (what its index holds then)
+    declare_rows: Callable[[Any], None] | None = None
 
 
 class Capture:
@@ -93,12 +95,27 @@ class SimGraphs:
         session = self.session
         where = f" (captured at {capture.site})" if capture.site else " (captured into a CUDA graph)"
         for op in capture.ops:
-            stamp = session.enqueue(op.action, name=f"{op.name}{where}, replayed", reads=op.reads, writes=op.writes,
+            action = op.action if op.declare_rows is None else _ReplayDeclaringRows(op)
+            stamp = session.enqueue(action, name=f"{op.name}{where}, replayed", reads=op.reads, writes=op.writes,
                                     cache_written=op.cache_written)
+            if op.declare_rows is not None:
+                action.stamp = stamp
             for region, view in op.pinned_reads:
                 session.host.note_read(region, view, stamp)
             for region, view in op.pinned_writes:
                 session.host.note_device_write(region, view, stamp)
+
+
+class _ReplayDeclaringRows:
+    """A replayed indexed op: declares its rows with this replay's stamp, then runs."""
+
+    def __init__(self, op: CapturedOp) -> None:
+        self.op = op
+        self.stamp: Any = None
+
+    def __call__(self) -> None:
+        self.op.declare_rows(self.stamp)
+        self.op.action()
 
 
 def graph_classes(session: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from zeroer.intercept.errors import forward, unroutable
 from racecheck.ops import aliased_returns, copy_kind, index_needs_host, indexed_rows, kind, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
+from zeroer.intercept.sim_graphs import CapturedOp
 from zeroer.intercept.sim_memory import Allocation, Block
 from zeroer.intercept.sim_tensor import SimCudaTensor, uncloak
 
@@ -158,18 +159,23 @@ class SimOps:
         stamp: list[Any] = []
         hb = self.session.rt.hb
 
+        def declare_rows(at: Any) -> None:  # the rows its index holds as the op runs
+            target, dim, index, write = rows
+            values = (index._inner if isinstance(index, SimCudaTensor) else index).reshape(-1).tolist()
+            hb.device_access(target._alloc.block.key, at, write=write,
+                             ranges=row_runs(target._inner, dim, values), late=True)
+
         def run() -> None:
-            if rows is not None:
-                target, dim, index, write = rows
-                values = (index._inner if isinstance(index, SimCudaTensor) else index).reshape(-1).tolist()
-                hb.device_access(target._alloc.block.key, stamp[0], write=write,
-                                 ranges=row_runs(target._inner, dim, values))
+            if rows is not None and not isinstance(stamp[0], CapturedOp):
+                declare_rows(stamp[0])
             res = forward(func, *inner_args, **inner_kwargs)
             res = res if isinstance(res, (tuple, list)) else (res,)
             for i, target in targets:
                 target.copy_(res[i])
 
         stamp.append(self.session.enqueue(run, name=_op_name(func), reads=reads, writes=writes, cache_written=cache))
+        if rows is not None and isinstance(stamp[0], CapturedOp):
+            stamp[0].declare_rows = declare_rows  # each replay declares the rows its index holds then
         if isinstance(metas, (tuple, list)):
             return type(metas)(results) if isinstance(metas, tuple) else results
         return results[0]
@@ -177,9 +183,9 @@ class SimOps:
     def _indexed(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, Any, bool] | None:
         """(the indexed tensor, dim, index, writes) of an op that touches only the rows its index
         names (:func:`racecheck.ops.indexed_rows`), when they can be declared as it runs: not the
-        KV cache (whose blocks the harness declares) and not under a graph capture."""
+        KV cache (whose blocks the harness declares)."""
         found = indexed_rows(func, args, kwargs)
-        if found is None or (self.session.graphs is not None and self.session.graphs.current() is not None):
+        if found is None:
             return None
         position, dim, index, write = found
         target = args[position] if position < len(args) else None

@@ -15,7 +15,8 @@ zeroer runs, that one method is wrapped (and put back on exit, even on error):
   torch's current stream, which the runtime sets).
 
 A pinned host tensor passed to a kernel is read by the GPU when the kernel runs (zero-copy), like
-a non-blocking copy: it is checked the same way (:mod:`zeroer.intercept.host_memory`). A pageable
+a non-blocking copy (written, when the kernel stores through it, like a device-to-host copy): it is
+checked the same way (:mod:`zeroer.intercept.host_memory`). A pageable
 CPU tensor cannot be read by a GPU kernel at all, and is refused as CUDA would.
 
 Under the interpreter, a kernel's ``@triton.jit`` callees (Triton's own ``tl.zeros`` among them)
@@ -154,7 +155,7 @@ class TritonLaunches:
                         raise unroutable(f"{name}: argument {param!r}",
                                          "it is a pageable CPU tensor, which a GPU kernel cannot read",
                                          "pass a device tensor, or pinned memory (pin_memory=True)")
-                    pinned.append((buffer, value))
+                    pinned.append((buffer, value, param in written))
                 else:
                     (writes if param in written else reads).append(key)
         if session.backend == "sim":
@@ -187,8 +188,11 @@ class TritonLaunches:
 
             stamp = session.enqueue(issue, name=name, reads=reads, writes=writes, cache_written=True)
             result = box[0] if box else None
-        for buffer, view in pinned:
-            session.host.note_read(buffer, view, stamp)
+        for buffer, view, stored in pinned:
+            if stored:  # the kernel writes this pinned memory, as a device-to-host copy would
+                session.host.note_device_write(buffer, view, stamp)
+            else:
+                session.host.note_read(buffer, view, stamp)
         return result
 
 
