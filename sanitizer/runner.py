@@ -7,8 +7,8 @@ asked), elsewhere the simulator (:mod:`sanitizer.sim`).
 
 Force mode on a GPU and its failures. Holding a copy until the host next synchronises is a
 schedule the GPU could have chosen, so a race-free program gives the same results under it. When a
-program fails in force mode after a device-to-host copy into pinned memory was held, and no read of
-that memory was seen (it went through memory the sanitizer does not watch: ``np.asarray`` of a
+program fails in force mode while a device-to-host copy into pinned memory is still held, and no read
+of that memory was seen (it went through memory the sanitizer does not watch: ``np.asarray`` of a
 view, ``memoryview``, a C extension), the failure is reported as the race it shows: a host read of
 that buffer under the held copy, naming the copy and the buffer (:func:`unseen_reads`).
 
@@ -91,20 +91,26 @@ class GpuSanitizer:
         from sanitizer.sites import caller_site
 
         obs = self.observer
+        held = self._held_at_failure(failed)
         obs.scope_end(caller_site())
         races = obs.take_races()
-        if obs.forcing is not None:
-            held = obs.forcing.take_held_writes()
-            if failed and not races:  # a race seen explains the failure already
-                races = unseen_reads(held, races)
+        if held and not races:  # a race seen explains the failure already
+            races = unseen_reads(held, races)
         return races, [u.message() for u in obs.take_unfollowed()], obs.take_notes()
 
     def stop(self, failed: bool = False) -> tuple[list[Race], list[str], list[str]]:
         obs = self.observer
+        held = self._held_at_failure(failed)
         races = obs.stop()
-        if failed and obs.forcing is not None and not races:  # a race seen explains the failure already
-            races = unseen_reads(obs.forcing.take_held_writes(), races)
+        if held and not races:  # a race seen explains the failure already
+            races = unseen_reads(held, races)
         return races, [u.message() for u in obs.take_unfollowed()], obs.take_notes()
+
+    def _held_at_failure(self, failed: bool) -> list[tuple[Any, Any]]:
+        """The device-to-host copies force mode still holds as the scope's code failed (taken
+        before the scope's end releases them)."""
+        forcing = self.observer.forcing
+        return forcing.held_writes() if failed and forcing is not None else []
 
     @property
     def timeouts(self) -> int:
@@ -114,16 +120,16 @@ class GpuSanitizer:
 
 def unseen_reads(held: list[tuple[Any, Any]], seen: list[Race]) -> list[Race]:
     """The host reads force mode made visible only by the program's failure (module docstring):
-    one race per held device-to-host copy whose buffer no seen race already names."""
+    one race per device-to-host copy still held when it failed whose buffer no seen race names."""
     named = {race.resource for race in seen if race.kind == "host-read-vs-pending-copy"}
     found: list[Race] = []
-    for region, access, released in held:
+    for region, access in held:
         if region.name in named:
             continue
         named.add(region.name)
         later = Access("a host read the sanitizer could not see as it happened (not through a torch op, "
                        ".tolist() or the buffer's numpy view), shown by the program's failure after force mode "
-                       "held the copy open", "the host", None, until=released)
+                       "held the copy open", "the host", None)
         found.append(Race("host-read-vs-pending-copy", region.name, region.site, access, later))
     return found
 

@@ -91,6 +91,22 @@ def test_force_mode_names_the_held_copy_when_a_read_it_cannot_see_fails_the_prog
     assert "could not see as it happened" in race["later"]["what"]
 
 
+def test_force_mode_blames_no_copy_it_released_when_a_race_free_program_fails_on_its_own(tmp_path) -> None:
+    program = tmp_path / "fails_after_sync.py"
+    program.write_text(textwrap.dedent("""
+        import torch
+
+        counts = torch.arange(1, 5, dtype=torch.int64, device="cuda")
+        host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+        host.copy_(counts, non_blocking=True)  # held by force mode until the synchronisation below
+        torch.cuda.synchronize()
+        raise ValueError("the program's own failure, after the copy was seen complete")
+    """))
+    done, data = _sanitize(tmp_path, "--force", "--", "python", str(program))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "ValueError" in done.stderr and not (data or {}).get("races"), data
+
+
 def test_pytest_plugin_on_the_gpu(tmp_path: Path) -> None:
     (tmp_path / "test_gpu_engine.py").write_text(textwrap.dedent("""
         import torch

@@ -11,8 +11,8 @@ the GPU), ``empty_cache``, or the end of the test. A held host-to-device copy th
 host wrote in between: just before the gates open, the bytes each held copy is about to read are
 compared with what was staged when it was queued, and a difference is reported with the values. A
 held device-to-host copy has not landed when the host reads early, so the host reads stale bytes and
-the program's own check fails; the held copies are remembered (:meth:`Forcing.take_held_writes`) so
-that such a failure can name the copy when the read itself was not seen (sanitizer.runner).
+the program's own check fails; the copies still held when it fails (:meth:`Forcing.held_writes`)
+let such a failure name the copy when the read itself was not seen (sanitizer.runner).
 
 A host call that waits for the GPU without any of those signs (a ``cudaFree`` inside the allocator,
 another library's synchronisation) would wait behind a gate forever: every gate opens by itself
@@ -47,6 +47,7 @@ class Held:
     done: Any  # an event recorded behind the gate: its flag is recycled once it completed
     reads: list = field(default_factory=list)  # snapshots of the pinned bytes held copies read
     writes: list = field(default_factory=list)  # (region, access) of held device-to-host copies
+    expired: bool = False  # opened by the time limit: what its copies read is not known
 
 
 class Forcing:
@@ -61,9 +62,7 @@ class Forcing:
         self._launched: set[int] = set()
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
-        self._expired = False
         self.timeouts = 0
-        self._held_writes: list[tuple[Any, Any, Any]] = []  # (region, access, where the gate opened)
 
     @property
     def holding(self) -> bool:
@@ -81,7 +80,6 @@ class Forcing:
         with self._lock:
             self._held.append(held)
             if self._timer is None:
-                self._expired = False
                 self._timer = threading.Timer(HOLD_LIMIT_S, self._expire)
                 self._timer.daemon = True
                 self._timer._kvz_own = True  # type: ignore[attr-defined]  # the sanitizer's own: not followed
@@ -96,10 +94,12 @@ class Forcing:
         """A device-to-host copy into ``region`` (``access``: what and where) is queued behind ``held``."""
         held.writes.append((region, access))
 
-    def take_held_writes(self) -> list[tuple[Any, Any, Any]]:
-        """The device-to-host copies held since the last call: (region, access, where released)."""
-        taken, self._held_writes = self._held_writes, []
-        return taken
+    def held_writes(self) -> list[tuple[Any, Any]]:
+        """The device-to-host copies held behind a gate now, not yet released: (region, access).
+        Only these can explain a failure as a host read the sanitizer did not see; a copy released
+        at a synchronisation had delivered its bytes before the host went on."""
+        with self._lock:
+            return [write for item in self._held for write in item.writes]
 
     def first_launch(self, jit: Any) -> bool:
         """Whether this Triton kernel is launched for the first time (its module is not loaded yet)."""
@@ -116,25 +116,25 @@ class Forcing:
         with self._lock:
             held, self._held = self._held, []
             timer, self._timer = self._timer, None
-            expired = self._expired
         if timer is not None:
             timer.cancel()
         changed: list[tuple[Any, np.ndarray]] = []
         for item in held:
-            if not expired:
+            if not item.expired:
                 for snapshot in item.reads:
                     if snapshot.changed():
                         changed.append((snapshot, snapshot.now()))
-            self._held_writes.extend((region, access, site) for region, access in item.writes)
             self.pool.open(item.gate)
             self.pool.retire(item.gate, item.done)
         return changed
 
     def _expire(self) -> None:
         with self._lock:
+            self._timer = None  # the next gate held arms a new one
             if not self._held:
                 return
-            self._expired = True
+            for item in self._held:
+                item.expired = True
             self.timeouts += 1
         self.pool.open_all()  # host memory writes only: safe while the host is stuck in a CUDA call
 
