@@ -84,7 +84,7 @@ def test_pytest_plugin_fails_the_racy_test_and_lists_the_race_once(tmp_path: Pat
             assert dev.tolist() == [2] * 4
     """))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fuzz.plugin",
-                           "--rootdir", str(tmp_path), "-c", "/dev/null", "--kvz-sanitize",
+                           "-p", "sanitizer.pytest_plugin", "--rootdir", str(tmp_path), "-c", "/dev/null", "--kvz-sanitize",
                            "--kvz-sanitize-backend", "sim", str(tmp_path / "test_engine.py")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})

@@ -36,19 +36,24 @@ def _sanitize(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, 
     return done, json.loads(report.read_text()) if report.exists() else {}
 
 
+def _shown(row: dict) -> str:
+    """The whole row, error line included (pytest would cut a dict's repr short)."""
+    return json.dumps(row)
+
+
 @pytest.mark.parametrize("mode", ["observe", "force"])
 @pytest.mark.parametrize("program", EVERY, ids=lambda p: p.name)
 def test_each_program_gets_its_verdict_on_the_gpu(program: Program, mode: str) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         row = run_one(mode, program, 16, "cuda", Path(scratch))
-    assert row["verdict"] == (FOUND if program.racy else CLEAN), row
+    assert row["verdict"] == (FOUND if program.racy else CLEAN), _shown(row)
 
 
 @pytest.mark.parametrize("name", ["block_table_one_buffer", "kv_offload_shared_bounce"])
 def test_force_mode_makes_a_pinned_staging_race_deliver_the_wrong_values_and_says_which(tmp_path, name) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         row = run_one("force", PROGRAMS[name], 16, "cuda", Path(scratch))
-    assert row["verdict"] == FOUND and row["forced_values"], row
+    assert row["verdict"] == FOUND and row["forced_values"], _shown(row)
     assert row["values_wrong"], "the program's own check should fail once the copy is held"
     assert "was staged when it was queued" in row["forced_values"][0]
 
@@ -58,7 +63,7 @@ def test_force_mode_makes_a_pinned_staging_race_deliver_the_wrong_values_and_say
 def test_force_mode_makes_a_corpus_race_show_as_wrong_values(name) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         row = run_one("force", CORPUS[name], 16, "cuda", Path(scratch))
-    assert row["verdict"] == FOUND and row["values_wrong"], row
+    assert row["verdict"] == FOUND and row["values_wrong"], _shown(row)
 
 
 @pytest.mark.parametrize("name", ["vllm_36013_event_then_read", "vllm_48085_zeroer_fresh_pinned",

@@ -3,6 +3,7 @@
 # an H200, from the repository root:
 #   bash sanitizer/bench/evidence.sh OUTDIR          # the table, the overhead, the GPU tests
 #   bash sanitizer/bench/evidence.sh OUTDIR suite    # this project's own test suite under --kvz-sanitize
+# (WORKERS and SUITE_SECONDS change the suite's xdist workers, 12, and its time limit, 470 s.)
 # Part one: every benchmark program (the engine-like programs, the corpus of the engines' own races
 # with its --sleep ground truth, the campaigns' zeroers) under PyTorch's sanitizer and ours, judged by
 # kind and both lines; the overhead ratios; the GPU tests of the observer's race logic and of force
@@ -15,7 +16,8 @@ py=${PYTHON:-python3}
 month=$(date +%Y-%m)
 export PYTHONUNBUFFERED=1
 if [ "${2:-}" = suite ]; then
-  timeout 470 $py -m pytest tests -n 12 -q -p no:cacheprovider --tb=line -rf --kvz-sanitize --kvz-sanitize-partial \
+  timeout "${SUITE_SECONDS:-470}" $py -m pytest tests -n "${WORKERS:-12}" -q -p no:cacheprovider --tb=line -rf --durations=30 \
+    --kvz-sanitize --kvz-sanitize-partial \
     -W ignore::pytest.PytestWarning > "$out/own-suite-full.txt" 2>&1
   echo "exit $?" >> "$out/own-suite-full.txt"
   grep -v "^\.\|^s\|PytestBenchmarkWarning\|warner(\|cannot follow kvzero" "$out/own-suite-full.txt" \
