@@ -133,7 +133,20 @@ def run_main(main: Callable[[list[str]], int], argv: Sequence[str] | None, prog:
     except KeyboardInterrupt:
         return _report(f"{prog}: interrupted", INTERRUPTED, debug)
     except Exception as error:  # noqa: BLE001 - the point: a bug says so in one line, not a traceback
+        if _out_of_gpu_resources(error):  # a CUDA resource ran out under our own work: the user's to free
+            from fuzz.engine.resources import out_of_memory_message
+
+            return _report(f"{prog}: {out_of_memory_message(error)}", USAGE, debug)
         return _report(internal_message(prog, error), INTERNAL, debug)
+
+
+def _out_of_gpu_resources(error: BaseException) -> bool:
+    try:
+        from fuzz.engine.resources import is_out_of_memory
+
+        return is_out_of_memory(error)
+    except ImportError:  # no torch: no GPU to run out of
+        return False
 
 
 def _report(line: str, status: int, debug: bool) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,21 +19,3 @@ def pytest_configure(config: pytest.Config) -> None:
     if str(EXAMPLES) not in sys.path:  # tests import the example zeroers as modules
         sys.path.insert(0, str(EXAMPLES))
 
-
-@pytest.fixture(autouse=True)
-def _give_cached_gpu_memory_back() -> Iterator[None]:
-    """After a test that used the GPU, hand the memory torch's allocators cache back to CUDA.
-
-    A dozen xdist workers share one GPU and its host's pinned memory; each worker's caching
-    allocators keep what its largest test took (a 16 GiB sparse span, a campaign's caches) for the
-    rest of the session, and a later test on another worker then runs out. Free, not a sync of
-    anything the next test relies on: every test builds its own state.
-    """
-    yield
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return
-    torch.cuda.empty_cache()
-    host_empty = getattr(torch._C, "_host_emptyCache", None)
-    if host_empty is not None:
-        host_empty()

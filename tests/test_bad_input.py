@@ -336,8 +336,8 @@ ROWS: list[Row] = [
     # -- the GPU out of memory: a resource error, neither a finding nor clean --------------------------------------
     Row("pytest --zeroer tests/bad_zeroers.py:OutOfMemoryZeroer --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 2,
         "resource error, not judged: the GPU ran out of memory in warmup (CUDA out of memory. Tried to "
-        "allocate 5.00 GiB (planted)); this is a resource error, not a finding: run fewer workers (pytest -n, python -m "
-        "fuzz.bench.detect -j) or free GPU memory"),
+        "allocate 5.00 GiB (planted)); this is a resource error, not a finding: run fewer CUDA processes at once (pytest -n, "
+        "python -m fuzz.bench.detect -j) or free GPU memory"),
 ]
 
 
@@ -522,6 +522,21 @@ def test_an_unexpected_exception_is_one_line_that_says_it_is_a_bug(capsys):
     assert run_main(_boom, [], "python -m tool") == 3
     assert capsys.readouterr().err == ("python -m tool: internal error, a bug in kvzero-fuzz: KeyError: 'planted' "
                                        "(rerun with --debug for the traceback and report it)\n")
+
+
+def _out_of_queues(argv: list[str]) -> int:
+    raise RuntimeError("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in the CUDA docs")
+
+
+def test_a_cuda_resource_running_out_under_our_own_work_is_the_users_to_free_not_a_bug(capsys):
+    """Seen on an H200 with 130 GiB free: a dozen CUDA processes at once, each with 32 hardware
+    queues, and CUDA answers a new stream or context with this bare error."""
+    assert run_main(_out_of_queues, [], "python -m tool") == 2
+    err = capsys.readouterr().err
+    assert err == ("python -m tool: the GPU refused a context, stream or pinned allocation (CUDA error: out of memory): "
+                   "its memory or its hardware queues are used up (each CUDA process holds up to 32 queues), even with "
+                   "memory free; this is a resource error, not a finding: run fewer CUDA processes at once (pytest -n, "
+                   "python -m fuzz.bench.detect -j) or free GPU memory\n")
 
 
 def test_debug_adds_the_traceback_and_keeps_the_status(capsys):

@@ -63,14 +63,31 @@ def is_out_of_memory(error: BaseException) -> bool:
     return False
 
 
+def out_of_memory_message(error: BaseException, where: str = "") -> str:
+    """One line for an out-of-memory ``error``: a resource error, and what to run fewer of.
+
+    torch's allocators raise ``torch.cuda.OutOfMemoryError`` ("Tried to allocate ..."). The bare
+    "CUDA error: out of memory" comes from CUDA itself: a context, a stream, a pinned allocation.
+    On an H200 with 139 GiB free it came from hardware queues, not bytes: of 40 processes started
+    at once, each asking for 32 queues (``CUDA_DEVICE_MAX_CONNECTIONS=32``, as gated streams do)
+    and making 8 streams, 6 ran and 34 got that error. Fewer CUDA processes at once is the fix.
+    """
+    import torch
+
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    place = f" {where}" if where else ""
+    bare = "CUDA error: out of memory" in str(error) and not isinstance(error, torch.cuda.OutOfMemoryError)
+    what = ("the GPU refused a context, stream or pinned allocation" if bare else "the GPU ran out of memory")
+    why = (": its memory or its hardware queues are used up (each CUDA process holds up to 32 queues), "
+           "even with memory free" if bare else "")
+    return (f"{what}{place} ({first_line}){why}; this is a resource error, not a finding: run fewer CUDA "
+            f"processes at once (pytest -n, python -m fuzz.bench.detect -j) or free GPU memory")
+
+
 def raise_if_out_of_memory(error: BaseException, where: str = "") -> None:
     """Raise :class:`ResourceExhausted` from ``error`` when it is an out-of-memory error."""
     if is_out_of_memory(error):
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ResourceExhausted(
-            f"the GPU ran out of memory{' ' + where if where else ''} ({first_line}); this is a resource "
-            f"error, not a finding: run fewer workers (pytest -n, python -m fuzz.bench.detect -j) or free GPU memory"
-        ) from error
+        raise ResourceExhausted(out_of_memory_message(error, where)) from error
 
 
 def is_device_fault(error: BaseException) -> bool:
