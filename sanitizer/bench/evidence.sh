@@ -26,7 +26,7 @@ if [ "${2:-}" = suite ]; then
 fi
 timeout 200 $py -m sanitizer.bench.compare -j 16 --steps 8 --json "$out/h200-sanitizer-compare-$month.json" \
   > "$out/compare.txt" 2>&1; echo "exit $?" >> "$out/compare.txt"
-timeout 150 $py -m sanitizer.bench.overhead --rounds 3 --json "$out/h200-sanitizer-overhead-$month.json" \
+timeout 200 $py -m sanitizer.bench.overhead --rounds 3 --json "$out/h200-sanitizer-overhead-$month.json" \
   > "$out/overhead.txt" 2>&1; echo "exit $?" >> "$out/overhead.txt"
 timeout 110 $py -m pytest tests/test_sanitizer_gpu.py tests/test_sanitizer_observer.py -k "not each_program" \
   -q -p no:cacheprovider -n 6 --tb=short -rfE > "$out/gpu-tests.txt" 2>&1; echo "exit $?" >> "$out/gpu-tests.txt"
