@@ -8,7 +8,10 @@ rewrote a graph's static pinned input while a replay was queued). So while a thr
 reads and writes and the pinned host bytes a copy reads or writes. Each ``replay()`` is then those
 ops, in order, queued on the replay stream: stamped, checked against everything else, a snapshot of
 each pinned input taken as it is at the replay, a pending write for each pinned output; force mode
-holds the whole replay behind a gate. A report names the captured op and the replay's line.
+holds the whole replay behind a gate. An indexed op in the graph touches the rows its index holds at
+that replay (resolved as :mod:`sanitizer.gpu.indices` resolves any op's). A record keeps addresses
+and byte runs, not the program's tensors (an indexed op keeps a view of its index). A report names
+the captured op and the replay's line.
 
 Not modelled: an order inside one graph (its captured ops are checked as one stream), and a graph
 captured by one thread and replayed by another (followed like any op of the replaying thread).
