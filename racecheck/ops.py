@@ -147,6 +147,23 @@ _INDEX_LIST = {op: write for op, write in ((o, False) for o in _ops("index.Tenso
 _INDEX_LIST.update({op: True for op in _ops("index_put_.default", "_index_put_impl_.default")})
 
 
+def masked_rows(func: Any, args: tuple, kwargs: dict) -> tuple[int, int, torch.Tensor, bool] | None:
+    """For ``x[mask]`` and ``x[mask] = v`` with one 1-D boolean mask (``aten.index`` and
+    ``index_put_``): (0, the dim it masks, the mask, whether it writes). The rows are the mask's
+    True positions, known only where its values can be read (a host mask); None for any other op."""
+    writes = _INDEX_LIST.get(func)
+    if writes is None:
+        return None
+    positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+    named = [(d, i) for d, i in enumerate(positional[1] or ()) if i is not None]
+    if len(named) != 1:
+        return None
+    dim, mask = named[0]
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
+        return None
+    return 0, dim, mask, writes
+
+
 def indexed_rows(func: Any, args: tuple, kwargs: dict) -> tuple[int, int, torch.Tensor, bool] | None:
     """For an op that reads or writes only the rows an index tensor names (``index_select``,
     ``index_copy_``, ``x[idx]``, ``x[idx] = v``, gathers and scatters, ``embedding``):

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from racecheck.ops import indexed_rows, kind, written_args
+from racecheck.ops import indexed_rows, kind, masked_rows, written_args
 from racecheck.ranges import row_runs
 from sanitizer.sites import Site, caller_site
 
 MAX_INDEX = 1 << 16  # elements of a host index whose values are read to narrow an access to rows
 _INTEGERS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-             torch.uint8: np.uint8}
+             torch.uint8: np.uint8, torch.bool: np.bool_}
 
 _WRITTEN: dict[Any, list[int]] = {}
 _NAMES: dict[Any, str] = {}
@@ -65,12 +65,17 @@ def _indexed_target(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
     """(the indexed tensor, dim, the rows its host index names, whether the op writes them) for an
     indexed op whose index values can be read here; None otherwise (the whole tensor is taken)."""
     found = indexed_rows(func, args, kwargs)
-    if found is None:
-        return None
+    masked = found is None
+    if masked:
+        found = masked_rows(func, args, kwargs)  # x[mask]: the rows are the mask's True positions
+        if found is None:
+            return None
     at, dim, index, writes = found
     positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
     target = positional[at] if at < len(positional) else None
     rows = _host_values(index)
+    if masked and rows is not None:
+        rows = [i for i, chosen in enumerate(rows) if chosen]
     if not isinstance(target, torch.Tensor) or rows is None:
         return None
     return target, dim, rows, writes

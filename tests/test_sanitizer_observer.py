@@ -120,7 +120,7 @@ def test_a_write_to_other_bytes_of_the_buffer_is_not_a_race(obs, cuda):
     assert obs.stop() == []
 
 
-@pytest.mark.parametrize("how", ["index_put", "index_fill", "numpy_fancy", "numpy_put", "numpy_mask"])
+@pytest.mark.parametrize("how", ["index_put", "index_fill", "torch_mask", "numpy_fancy", "numpy_put", "numpy_mask"])
 def test_an_indexed_host_write_touches_only_the_rows_it_names(obs, cuda, how):
     # vLLM fills a pinned block table row by row while the copy of earlier rows is queued.
     table = cuda.pinned(torch.zeros(8, 2, dtype=torch.int32))
@@ -133,6 +133,10 @@ def test_an_indexed_host_write_touches_only_the_rows_it_names(obs, cuda, how):
             table[torch.tensor(names)] = 7; return here()
         if how == "index_fill":
             table.index_fill_(0, torch.tensor(names), 7); return here()
+        if how == "torch_mask":
+            chosen = torch.zeros(8, dtype=torch.bool)
+            chosen[names] = True
+            table[chosen] = 7; return here()
         if how == "numpy_fancy":
             view[names] = 7; return here()
         if how == "numpy_put":
@@ -154,6 +158,7 @@ def test_an_indexed_host_read_reads_only_the_rows_it_names(obs, cuda):
     view = host.numpy()
     host[:4].copy_(counts, non_blocking=True); copied = here()
     assert host[torch.tensor([5, 6])].tolist() == [0, 0]
+    assert host[torch.arange(8) >= 6].tolist() == [0, 0]
     assert view[[4, 7]].tolist() == [0, 0]
     view[[2, 5]].sum(); read = here()
     races = obs.stop()
