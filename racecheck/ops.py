@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 
 aten = torch.ops.aten
@@ -147,18 +148,35 @@ _INDEX_LIST = {op: write for op, write in ((o, False) for o in _ops("index.Tenso
 _INDEX_LIST.update({op: True for op in _ops("index_put_.default", "_index_put_impl_.default")})
 
 
+NUMPY_INTEGERS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+                  torch.uint8: np.uint8}  # integer index dtypes whose values can be read as numpy
+
+
+def args_by_position(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """``func``'s arguments by position, those passed by keyword included (None where absent)."""
+    return list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+
+
+def _one_index(func: Any, args: tuple, kwargs: dict) -> tuple[int, Any, bool] | None:
+    """For ``aten.index`` and ``index_put_`` indexing one dim by one tensor: (dim, index, writes)."""
+    writes = _INDEX_LIST.get(func)
+    if writes is None:
+        return None
+    named = [(d, i) for d, i in enumerate(args_by_position(func, args, kwargs)[1] or ()) if i is not None]
+    if len(named) != 1:
+        return None
+    dim, index = named[0]
+    return dim, index, writes
+
+
 def masked_rows(func: Any, args: tuple, kwargs: dict) -> tuple[int, int, torch.Tensor, bool] | None:
     """For ``x[mask]`` and ``x[mask] = v`` with one 1-D boolean mask (``aten.index`` and
     ``index_put_``): (0, the dim it masks, the mask, whether it writes). The rows are the mask's
     True positions, known only where its values can be read (a host mask); None for any other op."""
-    writes = _INDEX_LIST.get(func)
-    if writes is None:
+    found = _one_index(func, args, kwargs)
+    if found is None:
         return None
-    positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
-    named = [(d, i) for d, i in enumerate(positional[1] or ()) if i is not None]
-    if len(named) != 1:
-        return None
-    dim, mask = named[0]
+    dim, mask, writes = found
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
         return None
     return 0, dim, mask, writes
@@ -171,24 +189,18 @@ def indexed_rows(func: Any, args: tuple, kwargs: dict) -> tuple[int, int, torch.
     other op, and for indexing this cannot reduce to rows of one dim (several index tensors,
     boolean masks)."""
     spec = _INDEXED.get(func)
-    if spec is None and func not in _INDEX_LIST:
-        return None
-    positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
     if spec is not None:
+        given = args_by_position(func, args, kwargs)
         target, dim_at, index_at, writes = spec
-        dim = dim_at[0] if isinstance(dim_at, tuple) else positional[dim_at]
-        index = positional[index_at]
+        dim = dim_at[0] if isinstance(dim_at, tuple) else given[dim_at]
+        index = given[index_at]
         if not isinstance(index, torch.Tensor) or not isinstance(dim, int):
             return None
         return target, dim, index, writes
-    writes = _INDEX_LIST.get(func)
-    if writes is None:
+    found = _one_index(func, args, kwargs)
+    if found is None:
         return None
-    indices = positional[1] or ()
-    named = [(d, i) for d, i in enumerate(indices) if i is not None]
-    if len(named) != 1:
-        return None
-    dim, index = named[0]
+    dim, index, writes = found
     if not isinstance(index, torch.Tensor) or index.dtype in (torch.bool, torch.uint8):
         return None
     return 0, dim, index, writes

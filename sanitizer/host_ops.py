@@ -19,13 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from racecheck.ops import indexed_rows, kind, masked_rows, written_args
+from racecheck.ops import NUMPY_INTEGERS, args_by_position, indexed_rows, kind, masked_rows, written_args
 from racecheck.ranges import row_runs
 from sanitizer.sites import Site, caller_site
 
 MAX_INDEX = 1 << 16  # elements of a host index whose values are read to narrow an access to rows
-_INTEGERS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-             torch.uint8: np.uint8, torch.bool: np.bool_}
+_INDEX_DTYPES = {**NUMPY_INTEGERS, torch.bool: np.bool_}  # a boolean mask's values are read too
 
 _WRITTEN: dict[Any, list[int]] = {}
 _NAMES: dict[Any, str] = {}
@@ -71,8 +70,8 @@ def _indexed_target(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
         if found is None:
             return None
     at, dim, index, writes = found
-    positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
-    target = positional[at] if at < len(positional) else None
+    given = args_by_position(func, args, kwargs)
+    target = given[at] if at < len(given) else None
     rows = _host_values(index)
     if masked and rows is not None:
         rows = [i for i, chosen in enumerate(rows) if chosen]
@@ -84,7 +83,7 @@ def _indexed_target(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
 def _host_values(index: torch.Tensor) -> list[int] | None:
     """The values of a small CPU integer index, read from its memory (no torch op: this runs inside
     the dispatch mode); None when they cannot be read that way."""
-    dtype = _INTEGERS.get(index.dtype)
+    dtype = _INDEX_DTYPES.get(index.dtype)
     if dtype is None or index.device.type != "cpu" or index.numel() > MAX_INDEX or not index.is_contiguous():
         return None
     if index.numel() == 0:
@@ -118,5 +117,5 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         positions = _WRITTEN[func] = written_args(func)
     if not positions:
         return []
-    positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+    positional = args_by_position(func, args, kwargs)
     return [positional[i] for i in positions if i < len(positional) and isinstance(positional[i], torch.Tensor)]

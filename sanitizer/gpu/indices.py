@@ -28,12 +28,11 @@ import numpy as np
 import torch
 
 from racecheck.hb import OpStamp
-from racecheck.ops import indexed_rows
+from racecheck.ops import NUMPY_INTEGERS, indexed_rows
 from racecheck.ranges import byte_runs, row_runs
 
 MAX_STAGED = 1 << 16  # elements of an index tensor whose staged values are remembered
-_INTEGERS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.uint8: np.uint8,
-             torch.int8: np.int8}
+_INTEGERS = NUMPY_INTEGERS
 
 
 @dataclass

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from zeroer.intercept.errors import forward, unroutable
-from racecheck.ops import aliased_returns, copy_kind, index_needs_host, kind, written_args
+from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, kind, written_args
 from zeroer.runtime import Stream
 
 
@@ -103,7 +103,7 @@ class CudaOps(TorchDispatchMode):
                 return self._copy(func, args, kwargs, None, source, non_blocking, pin=pin)
             if not source.is_cuda and target.type == "cuda":
                 return self._copy(func, args, kwargs, None, source, non_blocking, to_device=True)
-        positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        positional = args_by_position(func, args, kwargs)
         written = [positional[i] for i in written_args(func) if isinstance(positional[i], torch.Tensor) and positional[i].is_cuda]
         reads, writes, cache = self._accesses(tensors, written)
         box: list[Any] = []

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from zeroer.intercept.errors import forward, unroutable
-from racecheck.ops import aliased_returns, copy_kind, index_needs_host, indexed_rows, kind, written_args
+from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
 from zeroer.intercept.sim_graphs import CapturedOp
 from zeroer.intercept.sim_memory import Allocation, Block
@@ -133,7 +133,7 @@ class SimOps:
             return self._blocking(func, args, kwargs)
         outs_meta = metas if isinstance(metas, (tuple, list)) else (metas,)
         aliased = aliased_returns(func)
-        positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        positional = args_by_position(func, args, kwargs)
         results: list[Any] = []
         fresh: list[tuple[int, SimCudaTensor]] = []
         for i, meta in enumerate(outs_meta):
@@ -195,7 +195,7 @@ class SimOps:
 
     def _blocking(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, SimCudaTensor)]
-        positional = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        positional = args_by_position(func, args, kwargs)
         written = [positional[i] for i in written_args(func) if isinstance(positional[i], SimCudaTensor)]
         reads, writes, cache = self._accesses(tensors, written)
         box: list[Any] = []
