@@ -25,6 +25,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -263,12 +265,23 @@ MAX_SELECTED = 1 << 20  # elements an index is resolved over; a larger array cou
 
 
 def _offsets(array: np.ndarray) -> np.ndarray:
-    """Each element's byte offset from the array's start, in the array's shape."""
-    offsets = np.zeros(array.shape, dtype=np.int64)
-    for dim, (size, stride) in enumerate(zip(array.shape, array.strides)):
-        shape = [1] * array.ndim
-        shape[dim] = size
-        offsets = offsets + (np.arange(size, dtype=np.int64) * stride).reshape(shape)
+    """Each element's byte offset from the array's start, in the array's shape (read-only)."""
+    if array.size > MAX_CACHED_OFFSETS:
+        return _offsets_of.__wrapped__(array.shape, array.strides)
+    return _offsets_of(array.shape, array.strides)
+
+
+MAX_CACHED_OFFSETS = 1 << 16  # at most 16 layouts of 512 KiB of offsets each are kept
+
+
+@functools.lru_cache(maxsize=16)  # a buffer's view is indexed step after step with the same layout
+def _offsets_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+    offsets = np.zeros(shape, dtype=np.int64)
+    for dim, (size, stride) in enumerate(zip(shape, strides)):
+        layout = [1] * len(shape)
+        layout[dim] = size
+        offsets = offsets + (np.arange(size, dtype=np.int64) * stride).reshape(layout)
+    offsets.flags.writeable = False
     return offsets
 
 

@@ -32,7 +32,6 @@ from racecheck.ops import NUMPY_INTEGERS, indexed_rows
 from racecheck.ranges import byte_runs, row_runs
 
 MAX_STAGED = 1 << 16  # elements of an index tensor whose staged values are remembered
-_INTEGERS = NUMPY_INTEGERS
 
 
 @dataclass
@@ -95,13 +94,13 @@ class Indices:
 
     def staged(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A host-to-device copy of ``src`` into ``dst``: its values, for a small integer index."""
-        if dst.dtype not in _INTEGERS or src.dtype not in _INTEGERS or dst.numel() > MAX_STAGED:
+        if dst.dtype not in NUMPY_INTEGERS or src.dtype not in NUMPY_INTEGERS or dst.numel() > MAX_STAGED:
             return
         if not dst.is_contiguous() or not src.is_contiguous() or dst.numel() != src.numel():
             return
         with torch._C.DisableTorchFunction():
             raw = ctypes.string_at(src.data_ptr(), src.numel() * src.element_size()) if src.numel() else b""
-            values = np.frombuffer(raw, dtype=_INTEGERS[src.dtype]).astype(_INTEGERS[dst.dtype])
+            values = np.frombuffer(raw, dtype=NUMPY_INTEGERS[src.dtype]).astype(NUMPY_INTEGERS[dst.dtype])
             address = dst.untyped_storage().data_ptr()
             start = dst.data_ptr()
         self._known.setdefault(address, []).append(
@@ -109,7 +108,7 @@ class Indices:
 
     def values(self, index: torch.Tensor) -> list[int] | None:
         """``index``'s values where they are known, else None."""
-        if index.dtype not in _INTEGERS:
+        if index.dtype not in NUMPY_INTEGERS:
             return None
         if not self.obs.device.is_device(index):
             with torch._C.DisableTorchFunction():

@@ -6,9 +6,9 @@ tensor argument is read (or written, when the kernel's source stores through it:
 :func:`racecheck.triton_stores.stored_params`) over the bytes of its view; a pinned host tensor
 argument is read by the GPU when the kernel runs (zero-copy), as a non-blocking copy reads it, so
 it gets a snapshot and, in force mode, a gate; one the kernel stores into is written as a
-device-to-host copy writes it (the host may read it once it has seen the kernel end). Kernels that write through raw addresses (a table of
-``data_ptr()`` values, as vLLM's zeroer does) write memory no argument names: those writes are not
-seen (docs/sanitizer.md). The gate kernel of force mode and of kvzero's harness is the
+device-to-host copy writes it (the host may read it once it has seen the kernel end). Kernels that
+write through raw addresses (a table of ``data_ptr()`` values, as vLLM's zeroer does) write memory
+no argument names: those writes are not seen (docs/sanitizer.md). The gate kernel of force mode and of kvzero's harness is the
 sanitizer's own and never checked.
 """
 
