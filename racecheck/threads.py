@@ -58,22 +58,22 @@ class HostThreads:
         was started by ``parent`` (an ident): it knows what ``parent`` knew."""
         with self._lock:
             entry = self._index.get(parent)
-            index = self.hb.add_host(f"thread '{name}'", parent=entry[1] if entry is not None else None)
-            if thread is None:
-                thread = next((t for t in threading.enumerate() if t.ident == child), threading.current_thread())
-            self._index[child] = (thread, index)
-            return index
+            return self._add(child, name, thread, entry[1] if entry is not None else None)
 
     def started_from(self, snapshot: tuple[int, ...], child: int, name: str, thread: Any = None) -> int:
         """Python thread ``child`` was started by a thread whose clock was ``snapshot`` when it called
         ``start()``: it knows that, and nothing its starter learned after."""
         with self._lock:
-            index = self.hb.add_host(f"thread '{name}'", parent=None)
+            index = self._add(child, name, thread, None)
             self.hb.host_acquires(index, snapshot)
-            if thread is None:
-                thread = next((t for t in threading.enumerate() if t.ident == child), threading.current_thread())
-            self._index[child] = (thread, index)
             return index
+
+    def _add(self, child: int, name: str, thread: Any, parent: int | None) -> int:
+        index = self.hb.add_host(f"thread '{name}'", parent=parent)
+        if thread is None:
+            thread = next((t for t in threading.enumerate() if t.ident == child), threading.current_thread())
+        self._index[child] = (thread, index)
+        return index
 
     def ended(self, ident: int) -> None:
         """Python thread ``ident`` ended: its ident may be reused by a new thread."""
