@@ -102,11 +102,19 @@ def copy_kind(*, device_dst: bool, device_src: bool, non_blocking: bool, pinned:
     return "d2h-async" if pinned else "sync"
 
 
+@functools.lru_cache(maxsize=None)
+def op_name(func: Any) -> str:
+    """``func`` as a report names it: ``copy_``, ``index_select``, ``add.Tensor``."""
+    return str(func).replace("aten.", "").replace(".default", "")
+
+
+@functools.lru_cache(maxsize=None)  # asked on every op: a schema's answer never changes (callers only read it)
 def written_args(func: Any) -> list[int]:
     """Positions of the arguments ``func`` writes (its schema's ``(a!)`` annotations)."""
     return [i for i, arg in enumerate(func._schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
 
 
+@functools.lru_cache(maxsize=None)
 def aliased_returns(func: Any) -> list[int | None]:
     """For each return of ``func``, the position of the argument it aliases (in-place, out=), else None."""
     arguments = func._schema.arguments

@@ -19,15 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from racecheck.ops import NUMPY_INTEGERS, args_by_position, indexed_rows, kind, masked_rows, written_args
+from racecheck.ops import NUMPY_INTEGERS, args_by_position, indexed_rows, kind, masked_rows, op_name, written_args
 from racecheck.ranges import row_runs
 from sanitizer.sites import Site, caller_site
 
 MAX_INDEX = 1 << 16  # elements of a host index whose values are read to narrow an access to rows
 _INDEX_DTYPES = {**NUMPY_INTEGERS, torch.bool: np.bool_}  # a boolean mask's values are read too
 
-_WRITTEN: dict[Any, list[int]] = {}
-_NAMES: dict[Any, str] = {}
 
 
 def pinned_access(watch: Any, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Site | None:
@@ -103,18 +101,9 @@ def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return found
 
 
-def op_name(func: Any) -> str:
-    name = _NAMES.get(func)
-    if name is None:
-        name = _NAMES[func] = str(func).replace("aten.", "").replace(".default", "")
-    return name
-
-
 def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place (its schema's ``(a!)`` arguments)."""
-    positions = _WRITTEN.get(func)
-    if positions is None:
-        positions = _WRITTEN[func] = written_args(func)
+    positions = written_args(func)
     if not positions:
         return []
     positional = args_by_position(func, args, kwargs)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sanitizer.gpu.dispatch import op_name
+from racecheck.ops import op_name
 from sanitizer.sites import Site
 
 

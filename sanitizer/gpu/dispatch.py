@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from racecheck.ops import aliased_returns, kind
+from racecheck.ops import aliased_returns, kind, op_name
 from sanitizer.dynamo_guard import GUARD
-from sanitizer.host_ops import op_name, pinned_access, tensors_of, written_tensors
+from sanitizer.gpu.copies import copy
+from sanitizer.host_ops import pinned_access, tensors_of, written_tensors
 from sanitizer.sites import Site, caller_site
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
@@ -42,7 +43,6 @@ _PIN = {getattr(packet, "default") for packet in (getattr(aten, "_pin_memory", N
         if packet is not None and hasattr(packet, "default")}
 _SCALAR = aten._local_scalar_dense.default
 _RECORD_STREAM = aten.record_stream.default
-_ALIASED: dict[Any, list[int | None]] = {}
 _CUDA_DEVICES: dict[Any, bool] = {}
 
 
@@ -116,8 +116,6 @@ class Handler:
                 obs.stream_recorded(args[0])
                 return func(*args, **kwargs)
             if what in ("copy", "to_copy"):
-                from sanitizer.gpu.copies import copy
-
                 return copy(self, func, args, kwargs, what, site, index)
             blocking = what == "blocking" or func is _SCALAR
             if blocking:
@@ -175,9 +173,7 @@ def _is_cuda(device: Any) -> bool:
 
 def fresh_outputs(func: Any, result: Any, device: Any, on_device: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The device tensors ``func`` returned that alias none of its arguments (new memory it wrote)."""
-    aliased = _ALIASED.get(func)
-    if aliased is None:
-        aliased = _ALIASED[func] = aliased_returns(func)
+    aliased = aliased_returns(func)
     outputs = result if isinstance(result, (tuple, list)) else (result,)
     fresh = [o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)
              and (i >= len(aliased) or aliased[i] is None)]

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from racecheck.ops import indexed_rows
+from racecheck.ops import indexed_rows, op_name
 from racecheck.pinned import Region
 from racecheck.ranges import Runs, byte_runs
-from sanitizer.gpu.dispatch import fresh_outputs, op_name, written_tensors
+from sanitizer.gpu.dispatch import fresh_outputs, written_tensors
 from sanitizer.gpu.indices import Target
 from sanitizer.sites import Site
 

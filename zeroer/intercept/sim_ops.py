@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from zeroer.intercept.errors import forward, unroutable
-from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, written_args
+from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, op_name, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
 from zeroer.intercept.sim_graphs import CapturedOp
 from zeroer.intercept.sim_memory import Allocation, Block
@@ -173,7 +173,7 @@ class SimOps:
             for i, target in targets:
                 target.copy_(res[i])
 
-        stamp.append(self.session.enqueue(run, name=_op_name(func), reads=reads, writes=writes, cache_written=cache))
+        stamp.append(self.session.enqueue(run, name=op_name(func), reads=reads, writes=writes, cache_written=cache))
         if rows is not None and isinstance(stamp[0], CapturedOp):
             stamp[0].declare_rows = declare_rows  # each replay declares the rows its index holds then
         if isinstance(metas, (tuple, list)):
@@ -203,7 +203,7 @@ class SimOps:
         def run() -> None:
             box.append(forward(func, *tree_map(_inner, args), **tree_map(_inner, kwargs)))
 
-        self.session.run_now(run, name=_op_name(func), reads=reads, writes=writes, cache_written=cache)
+        self.session.run_now(run, name=op_name(func), reads=reads, writes=writes, cache_written=cache)
         aliased = aliased_returns(func)
         result = box[0]
         if not isinstance(result, (tuple, list)):
@@ -272,10 +272,6 @@ class SimOps:
         source = host if dtype is None or dtype == host.dtype else host.to(dtype)
         self.copy(out, source, non_blocking)
         return out
-
-
-def _op_name(func: Any) -> str:
-    return str(func).replace("aten.", "").replace(".default", "")
 
 
 class Span:
