@@ -147,7 +147,6 @@ class HappensBefore:
             return f"block {key[2]}" + (f" of cache {key[1]}" if key[1] else "")
         return " ".join(str(part) for part in key)
 
-    _name = name  # the name callers used before
 
     def forget(self, key: Key) -> None:
         """``key`` names new memory from now on (an allocator handed its address out again after

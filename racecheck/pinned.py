@@ -42,6 +42,7 @@ import torch
 
 from racecheck.clocks import OpStamp
 from racecheck.ranges import Runs, byte_runs, clip
+from racecheck.shadow import overlaps
 
 _INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 MAX_PENDING = 4096  # snapshots kept; beyond it the oldest are dropped (a miss, never a false race)
@@ -184,7 +185,7 @@ class PendingReads:
     def drop(self, region: Region, runs: Runs) -> None:
         """A queued device-to-host copy will write ``runs`` of ``region``: their bytes change
         without a host write, so the snapshots over them can no longer tell."""
-        self._items = [s for s in self._items if s.region is not region or not _meet(s.runs, runs)]
+        self._items = [s for s in self._items if s.region is not region or not overlaps(s.runs, runs)]
 
     def forget(self, region: Region) -> None:
         self._items = [s for s in self._items if s.region is not region]
@@ -218,10 +219,6 @@ class PendingReads:
 
     def __len__(self) -> int:
         return len(self._items)
-
-
-def _meet(a: Runs, b: Runs) -> bool:
-    return any(s1 < e2 and s2 < e1 for s1, e1 in a for s2, e2 in b)
 
 
 class PinnedWatch:

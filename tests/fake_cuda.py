@@ -141,9 +141,6 @@ class FakeCuda:
             self.obs.graphs.replay(graph, caller_site())
 
     # -- what the observer asks besides ---------------------------------------------------------------
-    def capturing(self) -> bool:
-        return False
-
     def stream_object(self, index: int | None = None) -> Any:
         return self.current_stream()
 

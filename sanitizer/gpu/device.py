@@ -50,9 +50,6 @@ class CudaDevice:
     def adopt(self, tensor: torch.Tensor) -> None:
         """``tensor`` is the fresh output of a device op (only a stand-in needs to be told)."""
 
-    def capturing(self) -> bool:
-        return torch.cuda.is_current_stream_capturing()
-
     def private_stream(self) -> Any:
         """A stream of the sanitizer's own, for reading an index tensor once its writer is done."""
         return torch.cuda.Stream()

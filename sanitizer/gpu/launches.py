@@ -14,7 +14,6 @@ sanitizer's own and never checked.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -90,4 +89,4 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict) -> None:
     obs.collect()
 
 
-__all__ = ["on_launch", "patch", "threading"]
+__all__ = ["on_launch", "patch"]

@@ -67,7 +67,6 @@ class Observer(HostWatch):
         self.unfollowed: list[Unfollowed] = []
         self._own = threading.local()  # per thread: the sanitizer's own CUDA work (gates, an index read) under way
         self._schedules = 0  # runtimes with a schedule of their own are running (racecheck.schedules)
-        self.thread_id = threading.get_ident()
         self._streams: dict[int, int] = {}  # cudaStream_t -> checker thread
         self._stream_names: dict[int, str] = {}
         self._events: dict[int, tuple[int, ...]] = {}  # cudaEvent_t -> clock snapshot at its record
