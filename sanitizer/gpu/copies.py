@@ -70,17 +70,11 @@ def copy(handler: Any, func: Any, args: tuple, kwargs: dict, what: str, site: Si
         if h2d:
             obs.indices.staged(target_tensor, src)
     if reads_pinned:
-        with torch._C.DisableTorchFunction():
-            keep = src.detach()  # our own alias: the host allocator cannot recycle it under the check
-        snapshot = obs.pinned.note_read(region, src, stamp, keep=keep)
-        if held is not None and snapshot is not None:
-            obs.forcing.watch(held, snapshot)
+        obs.queued_read(region, src, stamp, held)
     if writes_pinned and isinstance(target_tensor, torch.Tensor):
         if region is None:
             region = obs.note_pinned(target_tensor, site, f"the pinned result of .to('cpu', non_blocking=True)")
-        obs.pinned.note_device_write(region, target_tensor, stamp)
-        if held is not None:
-            obs.forcing.watch_write(held, region, stamp.label.access)
+        obs.queued_write(region, target_tensor, stamp, held)
     if host_waits:
         obs.observes_stream(stream)
     obs.collect()

@@ -166,13 +166,9 @@ class Graphs:
             for dst, src in captured.staged:
                 obs.indices.staged(dst, src)  # the ids the replay stages, as an eager copy's
             for region, view in captured.pinned_reads:
-                snapshot = obs.pinned.note_read(region, view, stamp, keep=view)
-                if held is not None and snapshot is not None:
-                    obs.forcing.watch(held, snapshot)
+                obs.queued_read(region, view, stamp, held, keep=view)
             for region, view in captured.pinned_writes:
-                obs.pinned.note_device_write(region, view, stamp)
-                if held is not None:
-                    obs.forcing.watch_write(held, region, stamp.label.access)
+                obs.queued_write(region, view, stamp, held)
         obs.collect()
         return held
 

@@ -77,15 +77,9 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict) -> None:
         obs.device_access(tensor, stamp, write=name in stored)
     for region, tensor, writes in pinned:
         if writes:  # a kernel storing into pinned memory: the host sees it once it saw the kernel end
-            obs.pinned.note_device_write(region, tensor, stamp)
-            if held is not None:
-                obs.forcing.watch_write(held, region, stamp.label.access)
-            continue
-        with torch._C.DisableTorchFunction():
-            keep = tensor.detach()
-        snapshot = obs.pinned.note_read(region, tensor, stamp, keep=keep)
-        if held is not None and snapshot is not None:
-            obs.forcing.watch(held, snapshot)
+            obs.queued_write(region, tensor, stamp, held)
+        else:
+            obs.queued_read(region, tensor, stamp, held)
     obs.collect()
 
 

@@ -252,6 +252,24 @@ class Observer(HostWatch):
         self._numpy_at.pop(region.id, None)
         return region
 
+    def queued_read(self, region: Region, view: torch.Tensor, stamp: OpStamp, held: Any, keep: Any = None) -> None:
+        """``stamp`` (a copy, a kernel) reads ``view`` of pinned ``region`` when it runs: a snapshot of
+        its bytes now, watched by force mode's gate ``held`` (``keep``: what keeps the memory alive
+        meanwhile; by default an alias of the sanitizer's own, so the host allocator cannot recycle it)."""
+        if keep is None:
+            with torch._C.DisableTorchFunction():
+                keep = view.detach()
+        snapshot = self.pinned.note_read(region, view, stamp, keep=keep)
+        if held is not None and snapshot is not None:
+            self.forcing.watch(held, snapshot)
+
+    def queued_write(self, region: Region, view: torch.Tensor, stamp: OpStamp, held: Any) -> None:
+        """``stamp`` (a device-to-host copy, a kernel storing into pinned memory) writes ``view`` of
+        ``region`` when it runs: pending until the host has seen it, watched by force mode's ``held``."""
+        self.pinned.note_device_write(region, view, stamp)
+        if held is not None:
+            self.forcing.watch_write(held, region, stamp.label.access)
+
     def register_host_range(self, address: int, nbytes: int, site: Site) -> None:
         """``cudaHostRegister(address, nbytes)``: pinned memory outside the caching allocator."""
         region = self.pinned.register_range(address, nbytes, site=site)
