@@ -115,8 +115,9 @@ class HappensBefore:
         self.clocks.host_join(host, self.clocks.vc(thread))
 
     def host_observes_all(self, host: int = HOST) -> None:
+        hosts = set(self.clocks.hosts)
         for thread in range(len(self.clocks.names)):
-            if thread not in self.clocks.hosts:
+            if thread not in hosts:
                 self.host_observes_stream(thread, host)
 
     def host_has_seen(self, stamp: OpStamp, host: int = HOST) -> bool:
