@@ -64,6 +64,7 @@ class _Run:
         self.saved: list[dict] = []  # findings saved when Ctrl-C cut their campaign off (_saved_at_interruption)
         self.results: list[dict] = []
         self.selected: list[str] = []  # campaign ids this run was to run
+        self.deselection_done = False  # every plugin's pytest_collection_modifyitems (-k, -m) has run
         self.crashed: list[str] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -216,7 +217,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("campaign", params)
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: what remains is the run's
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    run = getattr(config, "_fuzz_run", None)
+    if run is not None:
+        run.deselection_done = True
     campaigns = [item for item in items if "campaign" in getattr(item, "fixturenames", ())]
     if not campaigns:
         return
@@ -230,6 +235,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def pytest_collection_finish(session: pytest.Session) -> None:
     # The campaigns this run is to run, known only now: -k and -m deselect in other plugins'
     # pytest_collection_modifyitems, and a partial summary's "not run" must not count those.
+    # pytest calls this hook even when collection was cut off (a Ctrl-C during -k's deselection):
+    # then what it lists was never the run's selection, and the run selected nothing yet.
+    run = getattr(session.config, "_fuzz_run", None)
+    if run is not None and not run.deselection_done:
+        return
     _select(session.config, [item.nodeid for item in session.items])
 
 

@@ -711,6 +711,40 @@ def test_ctrl_c_before_any_campaign_ended_writes_a_partial_summary_of_what_did_n
     assert not trace_files(tmp_path)  # nothing found, no trace written
 
 
+SIGNAL_IN_COLLECTION = """
+import os
+import signal
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k deselects anything
+def pytest_collection_modifyitems(items):
+    os.kill(os.getpid(), signal.SIGINT)
+"""
+
+
+def test_ctrl_c_before_k_has_deselected_counts_no_campaign_as_the_runs(tmp_path):
+    """pytest reports the end of collection even when a signal cut it off, with every item it had
+    collected: a partial summary written from that list put the campaigns -k was about to drop
+    among "not run" (seen in CI: a SIGINT 0.62 s after start-up). The run had selected nothing."""
+    (tmp_path / "signal_in_collection.py").write_text(SIGNAL_IN_COLLECTION)
+    env = clean_env(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    summary = tmp_path / "summary.json"
+    args = [sys.executable, "-m", "pytest", "fuzz", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+            "-p", "signal_in_collection", "--backend", "sim", "--zeroer", "per_call", "--geometry", "tiny",
+            "-k", "k-torch and shard0 and not x2", "--repro-dir", str(tmp_path / "traces"),
+            "--fuzz-summary", str(summary)]
+    run = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stdout + run.stderr
+    for path in (summary, tmp_path / "summary.partial.json"):
+        if path.exists():
+            data = json.loads(path.read_text())
+            assert set(data["not_run"]) <= {"per_call-tiny-sim-k-torch-shard0"}, data["not_run"]
+    assert not trace_files(tmp_path)
+
+
 INTERRUPTER = """
 import os
 import signal
