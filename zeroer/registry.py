@@ -28,6 +28,7 @@ from typing import Any
 from zeroer.cache.layout import KVCache
 from zeroer.designs import (EventRingZeroer, PerCallZeroer, ReferenceZeroer, RingZeroer, SingleBufferZeroer,
                             StagedZeroer, TorchPerCallZeroer, make_graph_ring)
+from zeroer.offload import HostPool, OffloaderCapabilities, OffloaderSpecError, check_offloader_factory
 from zeroer.protocol import BoundZeroer, Capabilities, ZeroerFactory, ZeroerSpecError, check_factory
 from zeroer.runtime import Runtime
 from zeroer.zoo import ENTRIES as ZOO_ENTRIES
@@ -156,10 +157,10 @@ def load_zeroer(spec: str) -> LoadedZeroer:
     return LoadedZeroer(spec, factory, check_factory(factory, spec))
 
 
-def _import_file(spec: str, target: str) -> Any:
+def _import_file(spec: str, target: str, what: str = "zeroer") -> Any:
     path = Path(target)
     if not path.is_file():
-        raise ZeroerSpecError(f"zeroer {spec!r}: file {target!r} does not exist")
+        raise ZeroerSpecError(f"{what} {spec!r}: file {target!r} does not exist")
     # A stable module name: the same file imported twice is one module.
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     module_name = f"_zeroer_plugin_{path.stem}_{digest}"
@@ -167,7 +168,7 @@ def _import_file(spec: str, target: str) -> Any:
         return sys.modules[module_name]
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:
-        raise ZeroerSpecError(f"zeroer {spec!r}: cannot import {target!r} as a Python file")
+        raise ZeroerSpecError(f"{what} {spec!r}: cannot import {target!r} as a Python file")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
     # As when the file is run as a script: its own directory is importable, so it may import its
@@ -179,16 +180,16 @@ def _import_file(spec: str, target: str) -> Any:
         _exec_module(loader_spec.loader, module)
     except Exception as exc:  # the user's module failed: say which and why
         del sys.modules[module_name]
-        raise ZeroerSpecError(f"zeroer {spec!r}: importing {target!r} failed: {exc!r}") from exc
+        raise ZeroerSpecError(f"{what} {spec!r}: importing {target!r} failed: {exc!r}") from exc
     return module
 
 
-def _import_module(spec: str, target: str) -> Any:
+def _import_module(spec: str, target: str, what: str = "zeroer") -> Any:
     try:
         with _import_scope():
             return importlib.import_module(target)
     except Exception as exc:
-        raise ZeroerSpecError(f"zeroer {spec!r}: cannot import module {target!r}: {exc!r}") from exc
+        raise ZeroerSpecError(f"{what} {spec!r}: cannot import module {target!r}: {exc!r}") from exc
 
 
 def _exec_module(loader: Any, module: Any) -> None:
@@ -202,6 +203,38 @@ def _import_scope() -> Any:
     from zeroer.intercept import import_scope
 
     return import_scope()
+
+
+@dataclass(frozen=True)
+class LoadedOffloader:
+    """A checked offloader factory and what it declares; :meth:`build` makes offloaders from it."""
+
+    spec: str
+    factory: Any
+    capabilities: OffloaderCapabilities
+
+    def build(self, cache: KVCache, pool: HostPool, runtime: Runtime) -> Any:
+        """Build an offloader for ``cache`` and ``pool`` on ``runtime``, under interception."""
+        from zeroer.intercept.offload import bind_offloader  # the layer above the designs
+
+        return bind_offloader(self, cache, pool, runtime)
+
+
+@functools.lru_cache(maxsize=None)
+def load_offloader(spec: str) -> LoadedOffloader:
+    """``module:attr`` or ``path/to/file.py:attr`` -> a checked :class:`LoadedOffloader`
+    (:func:`zeroer.offload.check_offloader_factory`)."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise OffloaderSpecError(f"offloader {spec!r}: name its factory as 'module:attr' or 'path/to/file.py:attr'")
+    target, _, attr = spec.rpartition(":")
+    try:
+        module = _import_file(spec, target, "offloader") if target.endswith(".py") else _import_module(spec, target, "offloader")
+    except ZeroerSpecError as error:
+        raise OffloaderSpecError(str(error)) from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise OffloaderSpecError(f"offloader {spec!r}: {target!r} has no attribute {attr!r}")
+    return LoadedOffloader(spec, factory, check_offloader_factory(factory, spec))
 
 
 def resolve_factory(spec: str) -> ZeroerFactory:

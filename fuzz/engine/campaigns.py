@@ -117,7 +117,11 @@ class Campaign:
     def id(self) -> str:
         c = self.config
         backend = c.backend if c.backend == "sim" else f"cuda-{c.mode}"
-        parts = [spec_label(c.zeroer).replace("/", "_"), c.geometry, backend]
+        parts = [spec_label(c.offloader or c.zeroer).replace("/", "_"), c.geometry, backend]
+        if c.offloader is not None and c.host_memory != "pinned":
+            parts.append(f"host-{c.host_memory}")
+        if not c.warmup_sync:
+            parts.append("strict")
         if c.kernel:
             parts.append(f"k-{c.kernel}")
         if c.caller_fault:

@@ -59,6 +59,7 @@ from zeroer.runtime import Event, make_runtime
 
 CALLER_FAULTS = ("no-free-fence", "no-zero-wait")
 MAX_ZEROERS = 4
+OFFLOADER_CALL = "the offloader's "  # how an offloader's call is named (fuzz.engine.offload)
 _HARNESS_OPS = ("write#", "read#", "poison#", "record#", "wait#", "hold#", "delay(")  # the caller's own ops
 
 __all__ = ["CALLER_FAULTS", "OPS", "CachePool", "Episode", "EpisodeConfig", "ZeroerRaised", "run_ops"]
@@ -77,6 +78,13 @@ class EpisodeConfig:
     caller_fault: str | None = None  # one of CALLER_FAULTS, or None for a correct caller
     device: int | None = None  # cuda device index
     zeroers: int = 1  # KV caches in the episode, one zeroer each, built by the same factory
+    # An offload campaign: the offloader under test ("module:attr" or "path/file.py:attr"), with the
+    # harness's reference zeroer zeroing allocations (fuzz.engine.offload), and its host pool's memory.
+    offloader: str | None = None
+    host_memory: str = "pinned"  # "pinned" or "registered" (cudaHostRegister)
+    # The caller synchronises the device after the zeroer's warm-up, as vLLM's start-up does; False:
+    # the stricter caller of an engine whose start-up does not (docs/contract.md).
+    warmup_sync: bool = True
 
     def __post_init__(self) -> None:
         if self.caller_fault not in (None, *CALLER_FAULTS):
@@ -85,6 +93,10 @@ class EpisodeConfig:
             raise ValueError(f"streams={self.streams!r} must be between 1 and 8")
         if not isinstance(self.zeroers, int) or not 1 <= self.zeroers <= MAX_ZEROERS:
             raise ValueError(f"zeroers={self.zeroers!r} must be between 1 and {MAX_ZEROERS}")
+        if self.offloader is not None and self.zeroers != 1:
+            raise ValueError(f"zeroers={self.zeroers}: an offload episode holds one KV cache")
+        if self.host_memory not in ("pinned", "registered"):
+            raise ValueError(f"host_memory={self.host_memory!r}; choose 'pinned' or 'registered'")
 
 
 class ContractError(ZeroerError, ValueError):
@@ -116,6 +128,7 @@ class _Capture:
     where: str
     history: list[str]
     data: list[torch.Tensor] = field(default_factory=list)
+    kind: str | None = None  # the finding's kind if it differs (None: by the words, fuzz.engine.oracle)
 
 
 class CacheGroup:
@@ -186,11 +199,17 @@ class Episode:
         self._steps_queued: deque[Event] = deque()
         self._owners = 0
         self._hazards_seen = 0
+        self.fresh_findings: list[Finding] = []  # value findings made during an op (an offloader's poll)
+        self.offload: Any = None
         self.in_op = False  # an op is running: an interruption now leaves the episode unjudgeable
         self.finished = False
         for group in self.groups:
             with self._zeroer_call(group, "its factory"):
                 group.zeroer = self.loaded.build(group.cache, self.rt, **kernel_options(config.zeroer, config.kernel))
+        if config.offloader is not None:
+            from fuzz.engine.offload import OffloadSide  # an offload campaign only
+
+            self.offload = OffloadSide(self)
 
     # The first cache, for the common one-zeroer episode (tests and baselines read these).
     @property
@@ -280,7 +299,10 @@ class Episode:
                         words.clone()  # the read kernel
                     with self._zeroer_call(group, "warmup"):
                         group.zeroer.warmup(group.cache.spec.num_blocks)
-        self._device_work(self.rt.synchronize)
+            if self.config.warmup_sync or self.offload is not None:
+                self._device_work(self.rt.synchronize)
+            if self.offload is not None:
+                self.offload.warmup()
         self._settle_outside_work()
 
     def _new_cache(self, spec: CacheSpec) -> KVCache:
@@ -334,9 +356,15 @@ class Episode:
         if group.shadow.blocks[block].state != "live":
             raise ValueError(f"{what} block {block}: it is {group.shadow.blocks[block].state}, not live")
 
+    def _check_not_offloading(self, block: int, what: str) -> None:
+        if self.offload is not None and block in self.offload.busy:
+            raise ValueError(f"{what} block {block}: it is under offload job {self.offload.busy[block]}, "
+                             f"not yet reported finished (docs/offload-contract.md)")
+
     def _op_write(self, block: int, stream: int = 0, cache: int = 0) -> None:
         group = self._group(cache)
         self._check_live(group, block, "write")
+        self._check_not_offloading(block, "write")
         skip = ("zero",) if self.config.caller_fault == "no-zero-wait" else ()
         self._order_before(group, block, stream, skip)  # caller promise (b)
         value = group.shadow.written(block, self._note(f"write_block on stream {stream}"))
@@ -350,9 +378,12 @@ class Episode:
         self._check_live(group, block, "read")
         skip = ("zero",) if self.config.caller_fault == "no-zero-wait" else ()
         self._order_before(group, block, stream, skip)
+        self._read_capture(group, block, stream, where=f"step {self.step} read_block on stream {stream}")
+
+    def _read_capture(self, group: CacheGroup, block: int, stream: int, where: str, kind: str | None = None) -> None:
+        """Read ``block`` on ``stream`` (the caller has ordered it) and keep what it saw for the verdict."""
         shadow = group.shadow.blocks[block]
-        where = f"step {self.step} read_block on stream {stream}"
-        capture = _Capture(block, shadow.expect, where, list(shadow.history))
+        capture = _Capture(block, shadow.expect, where, list(shadow.history), kind=kind)
         pages = group.cache
 
         def read() -> None:
@@ -366,6 +397,7 @@ class Episode:
     def _op_free(self, block: int, cache: int = 0) -> None:
         group = self._group(cache)
         self._check_live(group, block, "free")
+        self._check_not_offloading(block, "free")
         last = group.last[block]
         group.shadow.freed(block, self._note("free_block, then poisoned"))
         pages = group.cache
@@ -393,12 +425,39 @@ class Episode:
     def _op_sync_device(self) -> None:
         self._device_work(self.rt.synchronize)
 
+    # -- offload ops (fuzz.engine.offload) -------------------------------------------------------
+    def _offload_side(self, op: str) -> Any:
+        if self.offload is None:
+            raise ValueError(f"op {op!r} needs an offloader: this episode's config names none (offloader=None)")
+        return self.offload
+
+    def _op_store(self, block: int, stream: int = 0) -> int:
+        return self._offload_side("store").store(block, self._stream_index(stream))
+
+    def _op_load(self, slot: int, stream: int = 0, oldest: int = 0) -> int:
+        return self._offload_side("load").load(slot, self._stream_index(stream), bool(oldest))
+
+    def _op_evict(self, slot: int) -> None:
+        self._offload_side("evict").evict(slot)
+
+    def _op_poll(self, sync: int = 0) -> list[int]:
+        side = self._offload_side("poll")
+        if sync:  # the caller waits for the device first (what vLLM's wait(job_ids) comes to)
+            self._device_work(self.rt.synchronize)
+        return side.poll()
+
+    def _stream_index(self, index: int) -> int:
+        self._stream(index)  # checks it
+        return index
+
     def _op_reallocate(self, cache: int = 0) -> None:
         # The engine moves its KV cache (a resize, a re-initialisation): the host drains the
         # device, copies every page to fresh buffers at new addresses and swaps them into the
         # same KVCache object, whose table then points at the new memory. A zeroer must read
         # the table when it launches (docs/contract.md; zoo.stale_table does not).
         group = self._group(cache)
+        if self.offload is not None:
+            raise ValueError("reallocate: an offload episode's cache does not move (its offloader keeps the tensors it was built with)")
         if not self.loaded.capabilities.follows_reallocation:
             raise ValueError(
                 f"reallocate: zeroer {self.config.zeroer!r} does not declare "
@@ -419,7 +478,11 @@ class Episode:
 
     # -- verdicts ------------------------------------------------------------------------------
     def new_hazard_findings(self) -> list[Finding]:
-        """Happens-before findings since the last call (cheap: checked after every step)."""
+        """Happens-before findings since the last call (cheap: checked after every step), and the
+        value findings an op made at once (an offloader's finished job checked at its report)."""
+        if self.fresh_findings:
+            fresh, self.fresh_findings = self.fresh_findings, []
+            return fresh + self.new_hazard_findings()
         if len(self.rt.hazards) == self._hazards_seen:
             return []  # the common case
         hazards = self.rt.hazards[self._hazards_seen :]
@@ -442,6 +505,9 @@ class Episode:
         self.finished = True
         self._device_work(self.rt.synchronize)
         self.new_hazard_findings()
+        if self.offload is not None:
+            self.offload.finish()
+            self.fresh_findings = []
         fault = self.config.caller_fault is not None
         many = len(self.groups) > 1
         for group in self.groups:
@@ -456,12 +522,16 @@ class Episode:
         # Now, not when the garbage collector gets to it: graph_ring's graphs destroyed in the
         # middle of a later example's graph capture would break that capture.
         try:
+            if self.offload is not None:
+                self.offload.close()
             for group in self.groups:
                 if group.zeroer is not None:
                     with self._zeroer_call(group, "close"):
                         group.zeroer.close()
         finally:
             self.rt.close()
+            if self.offload is not None:
+                self.offload.release()
             self.finished = True
         # Only a close that ran to its end hands the caches back (only now can nothing write to
         # them any more); after an exception or Ctrl-C above they are dropped, as abandon() does.
@@ -474,6 +544,11 @@ class Episode:
         self.finished = True
         self._caches = None  # a cut-off episode's caches are not trusted back into the pool
         try:
+            if self.offload is not None and self.offload.offloader is not None:
+                self.offload.offloader.close()
+        except Exception:  # noqa: BLE001 - best effort: the episode is being thrown away
+            pass
+        try:
             for group in self.groups:
                 if group.zeroer is not None:
                     group.zeroer.close()
@@ -483,6 +558,11 @@ class Episode:
             self.rt.close()
         except Exception:  # noqa: BLE001
             pass
+        if self.offload is not None:
+            try:
+                self.offload.release()
+            except Exception:  # noqa: BLE001
+                pass
         # A failed example's exception (and Hypothesis, which keeps it while shrinking) holds this
         # episode through its traceback, and reference cycles wait for the garbage collector: on
         # cuda that pinned a 5 GiB cache per failing example (int32_wrap) until the GPU ran out of
@@ -505,7 +585,7 @@ def _verify(group: CacheGroup) -> list[Finding]:
     ):
         for capture in captures:
             data = [d.cpu() for d in capture.data]
-            finding = shadow.verify(capture.block, capture.expect, data, capture.where, capture.history)
+            finding = shadow.verify(capture.block, capture.expect, data, capture.where, capture.history, kind=capture.kind)
             if finding is not None:
                 findings.append(finding)
     if not all_rows_match([cache.pages(seg) for seg in segments], [s.expect for s in shadow.blocks]):
@@ -559,7 +639,8 @@ def _failing_op(error: BaseException) -> str | None:
 
 def _raised_finding(episode: Episode, what: str, error: BaseException) -> Finding:
     details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    message = f"zeroer raised at step {episode.step} in {what}: {type(error).__name__}: {error}"
+    who = "offloader" if what.startswith(OFFLOADER_CALL) else "zeroer"  # the code under test: which one
+    message = f"{who} raised at step {episode.step} in {what.removeprefix(OFFLOADER_CALL)}: {type(error).__name__}: {error}"
     # Where in the zeroer's code it came from: what makes two raises the same bug (fuzz.engine.signature).
     where = blame(error).where or ""
     finding = Finding("zeroer raised", None, message, episode.config.caller_fault is not None, details, where)

@@ -20,6 +20,11 @@ So dropping an allocation drops everything that used its blocks, and the rest st
 queue model is the episode's own rule, restated here without running anything; a mismatch would
 only make a candidate fail to replay (the minimizer then keeps the larger program).
 
+An offload campaign's ops (:mod:`fuzz.engine.offload`) are handled the same way: a ``load``
+allocates one block (the queue's tail, or with ``oldest`` its head), a ``store`` takes a host slot
+from the slots' own FIFO queue (slots 1..N-1), and a ``load`` or ``evict`` names its slot by the
+store that took it, so dropping a store drops the loads and evictions of its slot.
+
 Example::
 
     ops = [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "allocate", "n": 1}, {"op": "write", "block": 2}]
@@ -43,6 +48,8 @@ class Ref:
     op: dict
     allocation: int | None = None  # an allocate op: its stable id (its index in the original trace)
     handle: Handle | None = None  # an op on a block: which allocation's block, and which of them
+    slot: int | None = None  # a load or evict: the index of the store that took its host slot
+    store: int | None = None  # a store: its stable id (its index in the original trace)
 
 
 class _Queues:
@@ -65,10 +72,23 @@ def symbolic(ops: list[dict], num_blocks: int) -> list[Ref]:
     """
     queues = _Queues(num_blocks)
     owner: dict[tuple[int, int], Handle] = {}  # (cache, block) -> handle, for live blocks
+    slots: deque[int] = deque(range(1, num_blocks))  # the host pool's free slots (fuzz.engine.offload)
+    slot_owner: dict[int, int] = {}  # slot -> the index of the store that took it
     refs = []
     for index, op in enumerate(ops):
         cache = op.get("cache", 0)
-        if op.get("op") == "allocate":
+        if op.get("op") == "load" and op.get("slot") in slot_owner:
+            free = queues.of(0)
+            if free:
+                owner[(0, free.popleft() if op.get("oldest") else free.pop())] = (index, 0)
+            refs.append(Ref(op, allocation=index, slot=slot_owner[op["slot"]]))
+        elif op.get("op") == "evict" and op.get("slot") in slot_owner:
+            refs.append(Ref(op, slot=slot_owner.pop(op["slot"])))
+            slots.append(op["slot"])
+        elif op.get("op") == "store" and (0, op.get("block")) in owner and slots:
+            slot_owner[slots.popleft()] = index
+            refs.append(Ref(op, handle=owner[(0, op["block"])], store=index))
+        elif op.get("op") == "allocate":
             free = queues.of(cache)
             n = op.get("n")
             if isinstance(n, int) and 0 < n <= len(free):
@@ -92,9 +112,30 @@ def concrete(refs: list[Ref], num_blocks: int) -> list[dict] | None:
     blocks than are free (not a valid program)."""
     queues = _Queues(num_blocks)
     placed: dict[Handle, tuple[int, int]] = {}  # handle -> (cache, block)
+    slots: deque[int] = deque(range(1, num_blocks))
+    placed_slots: dict[int, int] = {}  # the index of a kept store -> the slot it takes now
     ops = []
     for ref in refs:
         op = ref.op
+        if op.get("op") in ("load", "evict") and ref.slot is not None:
+            slot = placed_slots.get(ref.slot)
+            if slot is None:  # its store was dropped: so is this op (and, for a load, its block)
+                continue
+            if op["op"] == "evict":
+                del placed_slots[ref.slot]
+                slots.append(slot)
+                ops.append({**op, "slot": slot})
+                continue
+            free = queues.of(0)
+            if not free:
+                return None
+            placed[(ref.allocation, 0)] = (0, free.popleft() if op.get("oldest") else free.pop())
+            ops.append({**op, "slot": slot})
+            continue
+        if ref.store is not None:
+            if ref.handle not in placed or not slots:
+                continue
+            placed_slots[ref.store] = slots.popleft()
         if ref.allocation is not None:
             cache = op.get("cache", 0)
             free = queues.of(cache)
@@ -124,7 +165,7 @@ def compact(refs: list[Ref], index: int) -> list[Ref] | None:
     """``refs`` with the allocation at ``index`` cut down to the blocks later ops use (at least
     one), their handles renumbered in order; None if it already is that small."""
     allocation = refs[index].allocation
-    if allocation is None:
+    if allocation is None or refs[index].op.get("op") != "allocate":
         return None
     used = sorted({r.handle[1] for r in refs if r.handle is not None and r.handle[0] == allocation})
     n = max(1, len(used))
@@ -150,6 +191,8 @@ def merge(refs: list[Ref], index: int) -> list[Ref] | None:
         return None
     first, second = refs[index], refs[index + 1]
     if first.allocation is None or second.allocation is None or first.op.get("cache", 0) != second.op.get("cache", 0):
+        return None
+    if first.op.get("op") != "allocate" or second.op.get("op") != "allocate":
         return None
     offset = first.op["n"]
     out = []

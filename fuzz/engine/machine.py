@@ -58,6 +58,7 @@ _CACHES = CachePool()
 # Rules an example may leave out (swarm testing); allocating and freeing always stay.
 OPTIONAL_RULES = ("advance_stream", "delay_stream", "end_step", "read_block", "synchronize_device",
                   "synchronize_stream", "write_block")
+OFFLOAD_OPTIONAL_RULES = ("evict_slot",)  # an offload campaign's (storing, loading and polling stay)
 
 
 class BudgetSpent(KeyboardInterrupt):
@@ -152,7 +153,8 @@ class ZeroerMachine(RuleBasedStateMachine):
         except Exception as error:  # the harness building caches may run the GPU out of memory
             raise_if_resource(error, "building the episode's caches")
             raise harness_error(error, "building the episode") from error
-        self._may_reallocate = self.episode.loaded.capabilities.follows_reallocation
+        # An offloader keeps the cache's tensors it was built with, as an engine's handler does.
+        self._may_reallocate = self.episode.loaded.capabilities.follows_reallocation and self.episode.offload is None
 
     # -- plumbing ----------------------------------------------------------------------------
     def _apply(self, **op):
@@ -241,19 +243,33 @@ class ZeroerMachine(RuleBasedStateMachine):
         ids = self._apply(**op)
         return multiple(*(BlockRef(b, group.index, self.episode._owners) for b in ids))
 
+    def _usable(self, block: BlockRef, *, reading: bool = False) -> bool:
+        """Whether the caller may touch ``block`` now: an offload job on it keeps it from the caller
+        until the job is reported finished (a store lets it be read meanwhile)."""
+        offload = self.episode.offload
+        if offload is None or block.cache:
+            return True
+        job = offload.busy.get(block.block)
+        if job is None:
+            return self.episode.groups[0].shadow.blocks[block.block].state == "live"
+        return reading and offload.jobs[job].kind == "store"
+
     @precondition(lambda self: self._enabled("write_block"))
     @rule(block=blocks, stream=st.integers(0, 2))
     def write_block(self, block: BlockRef, stream: int) -> None:
-        self._apply(op="write", block=block.block, stream=self._n_streams(stream), **_cache_field(block))
+        if self._usable(block):
+            self._apply(op="write", block=block.block, stream=self._n_streams(stream), **_cache_field(block))
 
     @precondition(lambda self: self._enabled("read_block"))
     @rule(block=blocks, stream=st.integers(0, 2))
     def read_block(self, block: BlockRef, stream: int) -> None:
-        self._apply(op="read", block=block.block, stream=self._n_streams(stream), **_cache_field(block))
+        if self._usable(block, reading=True):
+            self._apply(op="read", block=block.block, stream=self._n_streams(stream), **_cache_field(block))
 
     @rule(block=consumes(blocks))
     def free_block(self, block: BlockRef) -> None:
-        self._apply(op="free", block=block.block, **_cache_field(block))
+        if self._usable(block):  # a block under a job stays allocated (and out of the bundle)
+            self._apply(op="free", block=block.block, **_cache_field(block))
 
     @precondition(lambda self: self._enabled("advance_stream"))
     @rule(stream=st.integers(0, 2), ops=st.integers(1, 4))
@@ -316,6 +332,60 @@ class ZeroerMachine(RuleBasedStateMachine):
             self._fail(findings, list(episode.trace))
 
 
+class OffloadMachine(ZeroerMachine):
+    """An offload campaign's machine (fuzz.engine.offload): the zeroer campaign's rules, on blocks
+    the harness's reference zeroer zeroes, plus storing blocks into host slots, loading stored slots
+    into free blocks, evicting slots and polling the offloader for finished jobs. A block under a
+    job not yet reported finished is kept from the caller (a rule drawn for it does nothing); a
+    slot is chosen among those the op may take now (``slot=0``: the first of them), so every drawn
+    load and eviction happens."""
+
+    blocks = ZeroerMachine.blocks
+    # Not drawn here: the containers a zero call's ids come in are the zeroer's contract, and the
+    # reference zeroer is not under test (fewer rules: the offloader's interleavings come sooner).
+    allocate_blocks_handed = None
+
+    @initialize(in_flight=st.integers(1, 3), disabled=st.frozensets(st.sampled_from(OPTIONAL_RULES + OFFLOAD_OPTIONAL_RULES)))
+    def start(self, in_flight: int, disabled: frozenset[str]) -> None:
+        self.disabled = disabled
+        self._apply(op="start", in_flight=in_flight)
+
+    def _slots(self, *, evictable: bool = False) -> list[int]:
+        slots = self.episode.offload.slots
+        return [i for i, s in enumerate(slots) if s.state == "stored" and not (evictable and s.loads)]
+
+    @precondition(lambda self: bool(self.episode.offload.free_slots))
+    @rule(block=blocks, stream=st.integers(0, 2))
+    def store_block(self, block: BlockRef, stream: int) -> None:
+        if not block.cache and self._usable(block) and block.block not in self.episode.offload.busy:
+            self._apply(op="store", block=block.block, stream=self._n_streams(stream))
+
+    @precondition(lambda self: bool(self.episode.groups[0].free) and bool(self._slots()))
+    @rule(target=blocks, slot=st.integers(0, 7), stream=st.integers(0, 2), oldest=st.booleans())
+    def load_slot(self, slot: int, stream: int, oldest: bool):
+        stored = self._slots()
+        block = self._apply(op="load", slot=stored[slot % len(stored)], stream=self._n_streams(stream),
+                            **({"oldest": 1} if oldest else {}))
+        return BlockRef(block, 0, self.episode._owners)
+
+    @precondition(lambda self: self._enabled("evict_slot") and bool(self._slots(evictable=True)))
+    @rule(slot=st.integers(0, 7))
+    def evict_slot(self, slot: int) -> None:
+        evictable = self._slots(evictable=True)
+        self._apply(op="evict", slot=evictable[slot % len(evictable)])
+
+    @rule(sync=st.booleans())
+    def poll_finished(self, sync: bool) -> None:
+        self._apply(op="poll", **({"sync": 1} if sync else {}))
+
+    def teardown(self) -> None:
+        episode = self.episode
+        if episode is not None and not episode.finished and not episode.in_op and currently_in_test_context():
+            # Targeting: programs whose jobs finish and come back (store, report, load) go deeper.
+            target(float(len(episode.offload.reported)), label="offload jobs reported finished")
+        super().teardown()
+
+
 def _cache_field(block: BlockRef) -> dict:
     return {"cache": block.cache} if block.cache else {}
 
@@ -327,7 +397,8 @@ def machine_for(config: EpisodeConfig, name: str, *, stats: CampaignStats | None
     it ran); ``database_key`` identifies its examples in an example database; ``known_bugs`` is
     the run's registry of shrunk bugs (:mod:`fuzz.engine.known_bugs`), None to shrink every finding."""
     label = "".join(c if c.isalnum() else "_" for c in name)
-    machine = type(label, (ZeroerMachine,), {"config": config, "stats": stats, "journal": journal,
+    base = OffloadMachine if config.offloader is not None else ZeroerMachine
+    machine = type(label, (base,), {"config": config, "stats": stats, "journal": journal,
                                              "known_bugs": known_bugs})
     if database_key is not None:
         # Hypothesis keys a stateful test's examples by the machine class; a class made here has

@@ -41,6 +41,12 @@ FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "sync_stream": (("stream",), {}),
     "sync_device": ((), {}),
     "reallocate": ((), {"cache": 0}),
+    # An offload campaign's (fuzz.engine.offload): its offloader's store, load and get_finished,
+    # and the caller's eviction of a host slot.
+    "store": (("block",), {"stream": 0}),
+    "load": (("slot",), {"stream": 0, "oldest": 0}),
+    "evict": (("slot",), {}),
+    "poll": ((), {"sync": 0}),
 }
 OPS = tuple(sorted(FIELDS))
 _ALL = {name: frozenset(required) | frozenset(optional) for name, (required, optional) in FIELDS.items()}

@@ -118,23 +118,26 @@ class Shadow:
         shadow.history.append(note)
 
     def verify(
-        self, block: int, expect: int, segments: list[torch.Tensor], where: str, history: list[str]
+        self, block: int, expect: int, segments: list[torch.Tensor], where: str, history: list[str],
+        *, kind: str | None = None, noun: str = "block",
     ) -> Finding | None:
-        """Compare the words observed for ``block`` (one tensor per segment) with ``expect``."""
+        """Compare the words observed for ``block`` (one tensor per segment) with ``expect``;
+        ``kind`` names the finding instead of the class of the difference, ``noun`` what was read
+        (``host slot`` for an offloader's pool)."""
         for seg, words in enumerate(segments):
             bad = (words != expect).nonzero()
             if bad.numel() == 0:
                 continue
             index = int(bad[0])
             observed = int(words[index])
-            kind = self._classify(expect, observed)
+            found = kind or self._classify(expect, observed)
             story = "; ".join(history[-4:]) or "no recorded history"
             message = (
-                f"{kind}: block {block}, segment {seg}, word {index} ({bad.numel()} of "
+                f"{found}: {noun} {block}, segment {seg}, word {index} ({bad.numel()} of "
                 f"{words.numel()} words differ) at {where}: expected {describe_word(expect)}, "
                 f"observed {describe_word(observed)}. History: {story}"
             )
-            return Finding(kind, block, message)
+            return Finding(found, block if noun == "block" else None, message)
         return None
 
     @staticmethod

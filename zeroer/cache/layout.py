@@ -274,7 +274,7 @@ class KVCache:
     """
 
     def __init__(self, spec: CacheSpec, device: torch.device | str = "cpu",
-                 fill: str = "poison") -> None:
+                 fill: str = "poison", pin_memory: bool = False) -> None:
         if fill not in ("poison", "zero"):
             raise CacheSpecError(f"fill={fill!r}: pages start as 'poison' (NaN bits) or 'zero'")
         self.spec = spec
@@ -283,7 +283,7 @@ class KVCache:
         self._guard_masks: list[torch.Tensor] = []
         for tensor in spec.tensors:
             raw = torch.full((self._total_words(tensor),), GUARD_WORD, dtype=torch.int32,
-                             device=device)
+                             device=device, pin_memory=pin_memory)
             mask = torch.ones_like(raw, dtype=torch.bool)
             self.raws.append(raw)
             self._guard_masks.append(mask)

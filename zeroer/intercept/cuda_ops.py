@@ -30,7 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from zeroer.intercept.errors import forward, unroutable
-from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, kind, written_args
+from zeroer.intercept.session import CacheAccess
+from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, written_args
+from racecheck.ranges import byte_runs, merge, row_runs
 from zeroer.runtime import Stream
 
 
@@ -66,12 +68,48 @@ class CudaOps(TorchDispatchMode):
                 self._recorded.discard(address)
                 self.session.rt.hb.forget(("cudamem", address))
 
-    def _accesses(self, tensors: list[torch.Tensor], written: list[torch.Tensor]) -> tuple[list, list, bool]:
+    def _accesses(self, tensors: list[torch.Tensor], written: list[torch.Tensor], indexed: Any = None) -> tuple[list, list, Any]:
+        if self.session.block_map is not None:
+            return self._offloader_accesses(tensors, written, indexed)
         write_keys = {self.key(t) for t in written}
         cache = any(k[1] in self._cache_storages for k in write_keys)
         writes = [k for k in write_keys if k[1] not in self._cache_storages]
         reads = sorted({self.key(t) for t in tensors} - write_keys - {("cudamem", s) for s in self._cache_storages})
         return reads, writes, cache
+
+    def _offloader_accesses(self, tensors: list[torch.Tensor], written: list[torch.Tensor], indexed: Any) -> tuple[list, list, Any]:
+        """An offloader's op: the cache's bytes apart, as a :class:`CacheAccess` its session maps to
+        blocks. An indexed op on the cache touches the rows a host index names; rows named by device
+        values are taken to be the blocks of the call."""
+        storages = self._cache_storages
+
+        def on_cache(t: torch.Tensor) -> bool:
+            return t.untyped_storage().data_ptr() in storages
+
+        written_ids = {id(t) for t in written}
+        rows_unknown = False
+        read_runs: list[tuple[int, int]] = []
+        write_runs: list[tuple[int, int]] = []
+        target = None
+        if indexed is not None:
+            position, dim, index, write = indexed
+            target = indexed[4]
+            if on_cache(target):
+                if index.device.type == "cpu":
+                    (write_runs if write else read_runs).extend(row_runs(target, dim, index.reshape(-1).tolist()))
+                else:
+                    rows_unknown = rows_unknown or write
+            else:
+                target = None
+        for t in tensors:
+            if on_cache(t) and t is not target:
+                (write_runs if id(t) in written_ids else read_runs).extend(byte_runs(t))
+        for t in written:
+            if on_cache(t) and t is not target and not any(t is u for u in tensors):
+                write_runs.extend(byte_runs(t))
+        write_keys = {self.key(t) for t in written if not on_cache(t)}
+        reads = sorted({self.key(t) for t in tensors if not on_cache(t)} - write_keys)
+        return reads, sorted(write_keys), CacheAccess(merge(read_runs), merge(write_runs), rows_unknown)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -105,7 +143,12 @@ class CudaOps(TorchDispatchMode):
                 return self._copy(func, args, kwargs, None, source, non_blocking, to_device=True)
         positional = args_by_position(func, args, kwargs)
         written = [positional[i] for i in written_args(func) if isinstance(positional[i], torch.Tensor) and positional[i].is_cuda]
-        reads, writes, cache = self._accesses(tensors, written)
+        indexed = None
+        if self.session.block_map is not None:
+            found = indexed_rows(func, args, kwargs)
+            if found is not None and found[0] < len(args) and isinstance(args[found[0]], torch.Tensor):
+                indexed = (*found, args[found[0]])
+        reads, writes, cache = self._accesses(tensors, written, indexed)
         box: list[Any] = []
 
         def issue() -> None:

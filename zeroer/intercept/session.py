@@ -48,6 +48,7 @@ class InterceptSession:
     """See the module docstring. ``spec`` names the zeroer in labels and messages."""
 
     host_memory_class = HostMemory
+    role = "zeroer"  # what the code under test is, in names: "the zeroer", stream "zeroer-1"
 
     def __init__(self, runtime: Runtime, spec: str) -> None:
         self.rt = runtime
@@ -76,6 +77,9 @@ class InterceptSession:
 
         self.mode = InterceptMode(self)
         self.graphs: Any = None  # CUDA graph captures, where the session supports them (zeroer.intercept.sim_graphs)
+        # An offloader's session maps the KV-cache bytes its ops touch to logical blocks (the keys the
+        # caller's own accesses use); a zeroer's declares the blocks of its zero call instead.
+        self.block_map: Any = None
         self.call: str = "construction"  # what the zeroer is doing now: its label in reports
         self.ids: tuple[int, ...] = ()  # the ids of the zero call in progress
         self._last: str = "the start of the call"
@@ -91,7 +95,7 @@ class InterceptSession:
     @property
     def owner(self) -> str:
         """The zeroer in resource names: ``the zeroer``, or ``zeroer 1`` once the runtime has several."""
-        return "the zeroer" if self.share.count == 1 else f"zeroer {self.index}"
+        return f"the {self.role}" if self.share.count == 1 else f"{self.role} {self.index}"
 
     @property
     def in_call(self) -> bool:
@@ -107,7 +111,7 @@ class InterceptSession:
             return
         number = next(self._calls)
         shown = list(ids) if len(ids) <= 8 else [*ids[:8], "..."]
-        self.call = f"{self.name}.{what}#{number}" + (f"({shown})" if what == "zero_block_ids" else "")
+        self.call = f"{self.name}.{what}#{number}" + (f"({shown})" if what in LABELLED_WITH_IDS else "")
         self.ids = tuple(int(i) for i in ids)
         self._last = "the start of the call"
         self.host.check(f"the host, before {self.call}")
@@ -152,9 +156,17 @@ class InterceptSession:
         self._last = what
 
     # -- device work -------------------------------------------------------------------------------
-    def _declare(self, reads: Sequence[Any], writes: Sequence[Any], cache_written: bool) -> dict[str, Any]:
-        blocks = self.ids if cache_written else ()
-        return {"reads": [_Key(k) for k in reads], "writes": [_Key(k) for k in writes], "blocks_written": blocks}
+    def _declare(self, reads: Sequence[Any], writes: Sequence[Any], cache_written: Any) -> dict[str, Any]:
+        declared = {"reads": [_Key(k) for k in reads], "writes": [_Key(k) for k in writes]}
+        if isinstance(cache_written, CacheAccess):  # an offloader's op: the blocks its bytes meet
+            declared["blocks_read"] = sorted(self.block_map.of_runs(cache_written.read))
+            written = self.block_map.of_runs(cache_written.written)
+            if cache_written.rows_unknown:  # indexed by device values: the blocks of the call
+                written.update(self.ids)
+            declared["blocks_written"] = sorted(written)
+            return declared
+        declared["blocks_written"] = self.ids if cache_written else ()
+        return declared
 
     def enqueue(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False) -> OpStamp:
@@ -170,7 +182,7 @@ class InterceptSession:
         """The runtime name of the ``number``-th stream the code under test makes: ``zeroer-1``, or
         ``zeroer[1]-1`` for the runtime's second zeroer (a program session names them otherwise)."""
         tag = "" if self.index == 0 else f"[{self.index}]"
-        return f"zeroer{tag}-{number}"
+        return f"{self.role}{tag}-{number}"
 
     def run_now(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False) -> None:
@@ -206,6 +218,23 @@ class InterceptSession:
         if nearest is None:
             return "no memory near it"
         return f"{nearest[0]} bytes {nearest[1]} {_name(nearest[2])}"
+
+
+LABELLED_WITH_IDS = ("zero_block_ids", "store", "load")
+
+
+class CacheAccess:
+    """The KV-cache bytes one op of an offloader reads and writes, as byte runs; the session turns
+    them into logical blocks (:class:`~zeroer.cache.block_map.CacheBlockMap`). ``rows_unknown``: it
+    writes cache rows chosen by device values, taken to be the blocks of the call in progress."""
+
+    __slots__ = ("read", "written", "rows_unknown")
+
+    def __init__(self, read: list[tuple[int, int]], written: list[tuple[int, int]], rows_unknown: bool = False) -> None:
+        self.read, self.written, self.rows_unknown = read, written, rows_unknown
+
+    def __bool__(self) -> bool:  # what a zeroer's "the cache is written" flag means
+        return bool(self.written) or self.rows_unknown
 
 
 class _Key:

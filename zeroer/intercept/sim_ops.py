@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from zeroer.intercept.errors import forward, unroutable
 from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, op_name, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
+from zeroer.intercept.session import CacheAccess
 from zeroer.intercept.sim_graphs import CapturedOp
 from zeroer.intercept.sim_memory import Allocation, Block
 from zeroer.intercept.sim_tensor import SimCudaTensor, uncloak
@@ -116,10 +117,20 @@ class SimOps:
         meta = forward(func, *tree_map(_meta, args), **tree_map(_meta, {**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
         return self._like(meta, f"{func}")
 
-    def _accesses(self, tensors: list[SimCudaTensor], written: list[SimCudaTensor]) -> tuple[list, list, bool]:
+    def _accesses(self, tensors: list[SimCudaTensor], written: list[SimCudaTensor]) -> tuple[list, list, Any]:
         """(bytes read, bytes written, whether the KV cache is written): each a :class:`Span`, the
         block and the runs of its bytes the tensor covers, so that two views of one allocation that
-        do not meet (``kv[3]`` and ``kv[7]``) are not taken for one memory."""
+        do not meet (``kv[3]`` and ``kv[7]``) are not taken for one memory. An offloader's session
+        gets the cache's bytes apart, as a :class:`CacheAccess` the session maps to blocks."""
+        if self.session.block_map is not None:
+            written_ids = {id(t) for t in written}
+            on_cache = [t for t in tensors + written if t._alloc.block.cache_tensor is not None]
+            cache_access = CacheAccess(merge([r for t in on_cache if id(t) not in written_ids for r in byte_runs(t._inner)]),
+                                       merge([r for t in on_cache if id(t) in written_ids for r in byte_runs(t._inner)]))
+            tensors = [t for t in tensors if t._alloc.block.cache_tensor is None]
+            written = [t for t in written if t._alloc.block.cache_tensor is None]
+            reads = _spans(t for t in tensors if id(t) not in written_ids)
+            return reads, _spans(written), cache_access
         writes = _spans(t for t in written if t._alloc.block.cache_tensor is None)
         cache = any(t._alloc.block.cache_tensor is not None for t in written)
         written_ids = {id(t) for t in written}
@@ -159,11 +170,17 @@ class SimOps:
         stamp: list[Any] = []
         hb = self.session.rt.hb
 
+        space = self.session.rt._block_space  # which cache "block N" means, as the op is queued
+
         def declare_rows(at: Any) -> None:  # the rows its index holds as the op runs
             target, dim, index, write = rows
             values = (index._inner if isinstance(index, SimCudaTensor) else index).reshape(-1).tolist()
-            hb.device_access(target._alloc.block.key, at, write=write,
-                             ranges=row_runs(target._inner, dim, values), late=True)
+            runs = row_runs(target._inner, dim, values)
+            if target._alloc.block.cache_tensor is not None:  # an offloader's op on the cache: its blocks
+                for block in sorted(self.session.block_map.of_runs(runs)):
+                    hb.device_access(("block", space, block), at, write=write, late=True)
+                return
+            hb.device_access(target._alloc.block.key, at, write=write, ranges=runs, late=True)
 
         def run() -> None:
             if rows is not None and not isinstance(stamp[0], CapturedOp):
@@ -189,7 +206,9 @@ class SimOps:
             return None
         position, dim, index, write = found
         target = args[position] if position < len(args) else None
-        if not isinstance(target, SimCudaTensor) or target._alloc.block.cache_tensor is not None:
+        if not isinstance(target, SimCudaTensor):
+            return None
+        if target._alloc.block.cache_tensor is not None and self.session.block_map is None:
             return None
         return target, dim, index, write
 

@@ -118,7 +118,30 @@ class InterceptMode(TorchFunctionMode):
         if self.sim and _has_sim(args, kwargs):
             self.session.boundary(_name(func))
             return self._on_sim_tensors(func, args, kwargs)
+        if self.session.block_map is not None:  # an offloader's host op on pinned memory: checked at the op
+            self._host_op(func, args, kwargs)
         return forward(func, *args, **kwargs)
+
+    def _host_op(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """A torch call on host tensors that live in pinned memory (an offloader's staging buffer, its
+        host pool) reads them, or writes them where it works in place (``copy_``, ``fill_``, ``out=``):
+        checked against the copies pending on those bytes, whatever values it writes."""
+        host = self.session.host
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.device.type == "cpu"]
+        pinned = [t for t in tensors if host.lookup(t) is not None]
+        if not pinned:
+            return
+        name = _name(func)
+        in_place = name.endswith("_") and not name.endswith("__")
+        written = [args[0]] if in_place and args else []
+        if isinstance(kwargs.get("out"), torch.Tensor):
+            written.append(kwargs["out"])
+        self.session.boundary(name)
+        for tensor in pinned:
+            write = any(tensor is w for w in written)
+            verb = "writes" if write else "reads"
+            label = f"the host code of {self.session.call}: {name} {verb} a pinned buffer"
+            (host.host_write if write else host.host_read)(host.lookup(tensor), tensor, label)
 
     def _on_sim_tensors(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A torch call on simulated CUDA tensors. What it raises is the zeroer's only when the
@@ -278,6 +301,8 @@ class InterceptMode(TorchFunctionMode):
         if not (self.sim and isinstance(tensor, SimCudaTensor)):
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
                 self.session.boundary("Tensor.__setitem__")
+                if self.session.block_map is not None and self.session.host.lookup(tensor) is not None:
+                    self._host_op(torch.Tensor.copy_, (tensor[index], value), {})  # the rows it writes
             return forward(func, *args, **kwargs)
         self.session.boundary("Tensor.__setitem__")
         index = tree_map(lambda v: cloak(v) if isinstance(v, SimCudaTensor) else v, index)

@@ -1,0 +1,211 @@
+"""KV offloaders written the way engine code writes them: plain torch and torch.cuda.
+
+Nothing here imports the fuzzer's runtime. Each factory builds an offloader for a device KV cache
+and a host pool of the same layout (``cache.layer_tensors`` and ``host_pool.layer_tensors``: layer
+name -> tensor, ``cache.spec`` for the layouts), with the three calls of docs/offload-contract.md:
+``store(job_id, block_ids, slot_ids)``, ``load(job_id, slot_ids, block_ids)`` and
+``get_finished()``. Like vLLM's CPU offload handlers they copy each block with non-blocking
+copies on a transfer stream of their own, one per direction, record a CUDA event after each job
+and report a job once its event has completed. They differ where the engines' recent KV
+corruption bugs were; each pattern comes racy and race-free:
+
+===================================  ====================================================================  =========
+factory                              what it does                                                          verdict
+===================================  ====================================================================  =========
+``store_without_compute_event``      the store stream copies blocks without waiting for the compute        racy
+                                     stream that wrote them (vLLM #46278, issue #45704)
+``store_after_compute_event``        an event recorded on the compute stream, waited by the store stream   race-free
+``load_unfenced``                    the load stream writes reused blocks without waiting for the          racy
+                                     forward stream's earlier use of them (SGLang #36738)
+``load_waits_forward``               the load stream waits for the forward stream first                    race-free
+``load_acked_on_issue``              a load is acknowledged when it is queued, so the caller recycles      racy
+                                     its host slot (and uses its block) mid-load (SGLang #27444, #31427)
+``load_acked_on_event``              acknowledged once its event has completed                             race-free
+``staging_freed_on_return``          loads stage through a pool of pinned temporaries, given back as       racy
+                                     soon as the copy is queued (LMCache #4830)
+``staging_freed_after_event``        a temporary is given back once the copy that reads it has completed   race-free
+===================================  ====================================================================  =========
+
+``VERDICTS`` says the same to the tools. Fuzz one as it is, on the CPU simulator or on a GPU
+(docs/fuzz-your-offloader.md)::
+
+    python -m pytest fuzz --offloader examples/engine_offloaders.py:store_without_compute_event
+    python -m pytest fuzz --offloader examples/engine_offloaders.py:load_waits_forward --backend cuda
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+VERDICTS = {
+    "store_without_compute_event": "racy",
+    "store_after_compute_event": "race-free",
+    "load_unfenced": "racy",
+    "load_waits_forward": "race-free",
+    "load_acked_on_issue": "racy",
+    "load_acked_on_event": "race-free",
+    "staging_freed_on_return": "racy",
+    "staging_freed_after_event": "race-free",
+}
+
+
+def _layers(cache, host_pool) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """(device tensor, host tensor, K/V outermost) per KV tensor, each shared tensor once, as an
+    engine's handler pairs its GPU and CPU caches."""
+    pairs, seen = [], set()
+    for spec in cache.spec.tensors:
+        device = cache.layer_tensors[spec.layers[0]]
+        if device.data_ptr() in seen:
+            continue
+        seen.add(device.data_ptr())
+        pairs.append((device, host_pool.layer_tensors[spec.layers[0]], spec.kv_outer))
+    return pairs
+
+
+def _rows(tensor: torch.Tensor, kv_outer: bool, block: int, ratio: int) -> torch.Tensor:
+    """The kernel-block rows of logical block ``block`` (``ratio`` kernel blocks per block)."""
+    first = block * ratio
+    return tensor[:, first:first + ratio] if kv_outer else tensor[first:first + ratio]
+
+
+class CpuOffloadHandler:
+    """Stores and loads on one stream per direction, a CUDA event per job, reported once it has
+    completed (vLLM's ``transfer_async`` / ``get_finished``). The flags choose the waits."""
+
+    def __init__(self, cache, host_pool, runtime=None, *, store_waits_compute: bool = True,
+                 load_waits_forward: bool = True, ack_on_issue: bool = False) -> None:
+        self.pairs = _layers(cache, host_pool)
+        self.ratio = cache.spec.block_size // cache.spec.kernel_block_size
+        self.store_stream = torch.cuda.Stream()
+        self.load_stream = torch.cuda.Stream()
+        self.store_waits_compute = store_waits_compute
+        self.load_waits_forward = load_waits_forward
+        self.ack_on_issue = ack_on_issue
+        self.in_flight: deque[tuple[int, torch.cuda.Event]] = deque()
+        self.acked: list[int] = []
+
+    def _after_current_stream(self, stream: torch.cuda.Stream) -> None:
+        compute_done = torch.cuda.Event()
+        compute_done.record(torch.cuda.current_stream())
+        stream.wait_event(compute_done)
+
+    def store(self, job_id: int, block_ids: list[int], slot_ids: list[int]) -> None:
+        if self.store_waits_compute:  # vLLM #46278: the blocks' writes are queued on the compute stream
+            self._after_current_stream(self.store_stream)
+        with torch.cuda.stream(self.store_stream):
+            for block, slot in zip(block_ids, slot_ids):
+                for device, host, kv_outer in self.pairs:
+                    _rows(host, kv_outer, slot, self.ratio).copy_(_rows(device, kv_outer, block, self.ratio), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self.in_flight.append((job_id, done))
+
+    def load(self, job_id: int, slot_ids: list[int], block_ids: list[int]) -> None:
+        if self.load_waits_forward:  # SGLang #36738: the blocks' last tenant ran on the forward stream
+            self._after_current_stream(self.load_stream)
+        with torch.cuda.stream(self.load_stream):
+            for slot, block in zip(slot_ids, block_ids):
+                for device, host, kv_outer in self.pairs:
+                    _rows(device, kv_outer, block, self.ratio).copy_(_rows(host, kv_outer, slot, self.ratio), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        if self.ack_on_issue:  # SGLang #27444: the host pages are released when the load starts
+            self.acked.append(job_id)
+        else:
+            self.in_flight.append((job_id, done))
+
+    def get_finished(self) -> list[tuple[int, bool]]:
+        finished = [(job_id, True) for job_id in self.acked]
+        self.acked = []
+        still = deque()
+        for job_id, done in self.in_flight:
+            if done.query():
+                finished.append((job_id, True))
+            else:
+                still.append((job_id, done))
+        self.in_flight = still
+        return finished
+
+    def close(self) -> None:
+        self.store_stream.synchronize()
+        self.load_stream.synchronize()
+
+
+class StagedLoadOffloader(CpuOffloadHandler):
+    """Loads that stage each block through a pinned temporary from a small pool of its own (one
+    pinned tensor carved into slots with a free list, as LMCache's allocator does): host slot ->
+    temporary on the host, then temporary -> device without blocking."""
+
+    POOL = 2
+
+    def __init__(self, cache, host_pool, runtime=None, *, free_on_return: bool) -> None:
+        super().__init__(cache, host_pool)
+        self.free_on_return = free_on_return
+        self.block_bytes = [(_rows(host, kv_outer, 0, self.ratio), kv_outer) for _, host, kv_outer in self.pairs]
+        self.temps = [[torch.empty_like(rows, pin_memory=True) for rows, _ in self.block_bytes] for _ in range(self.POOL)]
+        self.free_temps = list(range(self.POOL))
+        self.temps_in_use: deque[tuple[torch.cuda.Event, list[int]]] = deque()
+
+    def _take_temp(self) -> int:
+        if not self.free_temps:  # every temporary is under a copy: wait for the oldest
+            done, temps = self.temps_in_use.popleft()
+            done.synchronize()
+            self.free_temps.extend(temps)
+        return self.free_temps.pop()
+
+    def _return_finished_temps(self) -> None:
+        while self.temps_in_use and self.temps_in_use[0][0].query():
+            self.free_temps.extend(self.temps_in_use.popleft()[1])
+
+    def load(self, job_id: int, slot_ids: list[int], block_ids: list[int]) -> None:
+        self._return_finished_temps()
+        self._after_current_stream(self.load_stream)
+        taken = []
+        with torch.cuda.stream(self.load_stream):
+            for slot, block in zip(slot_ids, block_ids):
+                temp = self._take_temp()
+                taken.append(temp)
+                for (device, host, kv_outer), staging in zip(self.pairs, self.temps[temp]):
+                    staging.copy_(_rows(host, kv_outer, slot, self.ratio))  # on the host, now
+                    _rows(device, kv_outer, block, self.ratio).copy_(staging, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self.in_flight.append((job_id, done))
+        if self.free_on_return:  # LMCache #4830: the copies above may still be reading them
+            self.free_temps.extend(taken)
+        else:
+            self.temps_in_use.append((done, taken))
+
+
+def store_without_compute_event(cache, host_pool, runtime=None) -> CpuOffloadHandler:
+    return CpuOffloadHandler(cache, host_pool, store_waits_compute=False)
+
+
+def store_after_compute_event(cache, host_pool, runtime=None) -> CpuOffloadHandler:
+    return CpuOffloadHandler(cache, host_pool)
+
+
+def load_unfenced(cache, host_pool, runtime=None) -> CpuOffloadHandler:
+    return CpuOffloadHandler(cache, host_pool, load_waits_forward=False)
+
+
+def load_waits_forward(cache, host_pool, runtime=None) -> CpuOffloadHandler:
+    return CpuOffloadHandler(cache, host_pool)
+
+
+def load_acked_on_issue(cache, host_pool, runtime=None) -> CpuOffloadHandler:
+    return CpuOffloadHandler(cache, host_pool, ack_on_issue=True)
+
+
+def load_acked_on_event(cache, host_pool, runtime=None) -> CpuOffloadHandler:
+    return CpuOffloadHandler(cache, host_pool)
+
+
+def staging_freed_on_return(cache, host_pool, runtime=None) -> StagedLoadOffloader:
+    return StagedLoadOffloader(cache, host_pool, free_on_return=True)
+
+
+def staging_freed_after_event(cache, host_pool, runtime=None) -> StagedLoadOffloader:
+    return StagedLoadOffloader(cache, host_pool, free_on_return=False)

@@ -1,0 +1,308 @@
+"""The offload side of an episode: a host pool, the offloader under test, and the caller's book of
+its jobs, slots and the blocks they move.
+
+An episode with ``EpisodeConfig(offloader=SPEC)`` holds one KV cache (zeroed on allocation by the
+harness's reference zeroer, which is not under test), a host pool of the cache's geometry
+(:func:`zeroer.offload.build_host_pool`) and the offloader built for both. Its ops
+(:mod:`fuzz.engine.ops`):
+
+* ``store``: a live block's bytes into a free host slot (taken from a FIFO queue of slots 1..N-1);
+* ``load``: a stored slot's bytes into a free device block (the one freed last, or with ``oldest``
+  the queue's head) fenced as a zero call's blocks are (promise (a) of docs/contract.md);
+* ``evict``: a stored slot back to the queue, its bytes then overwritten on the host (the next
+  tenant's, as a recycled host page's are: the NaN poison);
+* ``poll``: ``get_finished()`` (with ``sync``, after the caller has waited for the device, as
+  vLLM's ``wait(job_ids)`` does), and what the caller does with a finished job: a store's slot is
+  read on the host at once; a loaded block is read on the main stream and is the caller's from then on.
+
+The caller keeps every promise of docs/offload-contract.md: a block under a store is not written
+or freed, a block under a load is not touched, a slot under a job is not evicted, until the
+offloader reports the job finished; each op waits for what the contract says it waits for and
+nothing more. The oracle then judges:
+
+* **wrong bytes loaded**: a loaded block, read once its load was reported, that does not hold what
+  was stored in its slot;
+* **transfer not done**: a store reported finished whose slot does not hold the block's bytes;
+* **slot clobbered** / **stray write**: a held slot, or a pool guard word, changed by what should not change it;
+* **bad report**: a job reported twice, a job that does not exist, or reported failed;
+* **never finished**: a job still unreported once the device is idle at the end;
+* every hazard of the happens-before checker, and the device cache's own checks (clobbered
+  blocks, stray writes), as for a zeroer.
+
+Example::
+
+    episode = Episode(EpisodeConfig(offloader="examples/engine_offloaders.py:event_ordered", zeroer="reference"))
+    episode.apply({"op": "start"})
+    block = episode.apply({"op": "allocate", "n": 1})[0]
+    episode.apply({"op": "write", "block": block})
+    slot = episode.apply({"op": "store", "block": block, "stream": 0})
+    episode.apply({"op": "sync_device"}); episode.apply({"op": "poll"})
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fuzz.engine.oracle import Finding, Shadow, describe_word
+from zeroer.cache.geometries import geometry
+from zeroer.cache.layout import POISON_WORD
+from zeroer.offload import build_host_pool
+from zeroer.registry import load_offloader
+
+from fuzz.engine.episode import OFFLOADER_CALL
+
+if TYPE_CHECKING:
+    from fuzz.engine.episode import Episode
+
+WARMUP_JOBS = (0, 1)  # the warm-up's store and load of block 0 / slot 0; the caller's jobs start at 2
+
+
+@dataclass
+class Job:
+    id: int
+    kind: str  # "store" | "load"
+    block: int
+    slot: int
+    word: int  # the word the destination must hold once the job is done
+    step: int
+    stream: int
+
+
+@dataclass
+class SlotShadow:
+    state: str = "free"  # "free" | "storing" | "stored"
+    expect: int = POISON_WORD
+    loads: int = 0  # loads from it not yet reported finished
+    history: list[str] = field(default_factory=list)
+
+
+class OffloadSide:
+    """See the module docstring: built by :class:`~fuzz.engine.episode.Episode` when its config names an offloader."""
+
+    def __init__(self, episode: "Episode") -> None:
+        config = episode.config
+        self.episode = episode
+        self.loaded = load_offloader(config.offloader)
+        self.pool = build_host_pool(geometry(config.geometry), memory=config.host_memory)
+        self.slots = [SlotShadow() for _ in range(self.pool.num_slots)]
+        self.slots[0] = SlotShadow(state="warm-up", history=["the warm-up stored the null block 0 here"])
+        self.free_slots: deque[int] = deque(range(1, self.pool.num_slots))
+        self.jobs: dict[int, Job] = {}
+        self.reported: set[int] = set()
+        self.busy: dict[int, int] = {}  # device block -> the job it is under
+        self.next_job = WARMUP_JOBS[-1] + 1
+        self.offloader: Any = None
+        group = episode.groups[0]
+        with episode.rt.block_space(group.index), self._call("factory"):
+            self.offloader = self.loaded.build(group.cache, self.pool, episode.rt)
+
+    # -- labels ---------------------------------------------------------------------------------------
+    @property
+    def spec(self) -> str:
+        return self.loaded.spec
+
+    def _call(self, what: str) -> Any:
+        return self.episode._zeroer_call(self.episode.groups[0], OFFLOADER_CALL + what)
+
+    # -- warm-up --------------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """The offloader's own warm-up, then one store and one load of the null block 0 through slot
+        0 (every copy and kernel it uses compiled and loaded before any gated work), then drained."""
+        episode = self.episode
+        rt = episode.rt
+        with rt.block_space(0):
+            with self._call("warmup"):
+                self.offloader.warmup()
+            with self._call("store(0, [0], [0]) (the warm-up)"):
+                self.offloader.store(WARMUP_JOBS[0], [0], [0])
+            episode._device_work(rt.synchronize)
+            with self._call("load(1, [0], [0]) (the warm-up)"):
+                self.offloader.load(WARMUP_JOBS[1], [0], [0])
+            episode._device_work(rt.synchronize)
+            with self._call("get_finished() (the warm-up)"):
+                self.offloader.get_finished()  # warm-up jobs: whatever it says of them is ignored
+
+    # -- ops ------------------------------------------------------------------------------------------
+    def store(self, block: int, stream: int) -> int:
+        episode = self.episode
+        group = episode.groups[0]
+        episode._check_live(group, block, "store")
+        if block in self.busy:
+            raise ValueError(f"store block {block}: it is under job {self.busy[block]}, not yet reported finished")
+        if not self.free_slots:
+            raise ValueError("store: no host slot is free (evict one first)")
+        slot = self.free_slots.popleft()
+        episode._order_before(group, block, stream)  # its writes are ordered before the caller's stream
+        job = self._new_job("store", block, slot, group.shadow.blocks[block].expect, stream)
+        shadow = self.slots[slot]
+        shadow.state = "storing"
+        shadow.history.append(episode._note(f"store job {job.id}: block {block} on stream {stream}"))
+        with episode.rt.use_stream(episode._stream(stream)), episode.rt.annotate(f"step {episode.step} store"), \
+                episode.rt.block_space(group.index), self._call(f"store({job.id}, [{block}], [{slot}])"):
+            self.offloader.store(job.id, [block], [slot])
+        group.shadow.blocks[block].history.append(episode._note(f"store job {job.id} into slot {slot} on stream {stream}"))
+        return slot
+
+    def load(self, slot: int, stream: int, oldest: bool = False) -> int:
+        episode = self.episode
+        group = episode.groups[0]
+        shadow = self._slot(slot, "load")
+        if shadow.state != "stored":
+            raise ValueError(f"load slot {slot}: it is {shadow.state}, not stored (its store not reported finished)")
+        if not group.free:
+            raise ValueError("load: no device block is free")
+        # Which free block is the caller's choice: the one freed last (a block whose last tenant may
+        # still be queued: the default, so shrinking keeps to it), or the queue's head.
+        block = group.free.popleft() if oldest else group.free.pop()
+        episode._order_before(group, block, stream)  # promise (a): its last tenant is ordered before
+        group.last.pop(block, None)
+        episode._owners += 1
+        job = self._new_job("load", block, slot, shadow.expect, stream)
+        shadow.loads += 1
+        shadow.history.append(episode._note(f"load job {job.id} into block {block} on stream {stream}"))
+        block_shadow = group.shadow.blocks[block]
+        block_shadow.state, block_shadow.owner, block_shadow.generation = "loading", episode._owners, 0
+        block_shadow.expect = shadow.expect
+        block_shadow.history.append(episode._note(f"load job {job.id} from slot {slot} on stream {stream}"))
+        with episode.rt.use_stream(episode._stream(stream)), episode.rt.annotate(f"step {episode.step} load"), \
+                episode.rt.block_space(group.index), self._call(f"load({job.id}, [{slot}], [{block}])"):
+            self.offloader.load(job.id, [slot], [block])
+        return block
+
+    def evict(self, slot: int) -> None:
+        episode = self.episode
+        shadow = self._slot(slot, "evict")
+        if shadow.state != "stored" or shadow.loads:
+            what = f"{shadow.loads} load(s) from it are not reported finished" if shadow.loads else f"it is {shadow.state}"
+            raise ValueError(f"evict slot {slot}: {what}")
+        label = f"step {episode.step} evict: the caller's host write of slot {slot} (its next tenant)"
+        pool = self.pool.cache
+        for seg in range(len(pool.segments)):
+            self.offloader.host_access(pool.pages(seg)[slot], label, write=True)
+        pool.poison([slot])
+        shadow.state, shadow.expect = "free", POISON_WORD
+        shadow.history.append(episode._note("evict, then overwritten on the host"))
+        self.free_slots.append(slot)
+
+    def poll(self) -> list[int]:
+        """``get_finished()``; each finished job is checked and its memory handed back to the caller."""
+        episode = self.episode
+        with episode.rt.block_space(0), self._call("get_finished()"):
+            reported = self.offloader.get_finished()
+        done = []
+        for job_id, ok in reported:
+            if job_id in WARMUP_JOBS:
+                continue
+            job = self.jobs.get(job_id)
+            if job is None or job_id in self.reported or not ok:
+                why = ("reported failed" if job is not None and job_id not in self.reported else
+                       "reported finished a second time" if job is not None else "a job the caller never started")
+                self._finding("bad report", job.block if job else None,
+                              f"bad report at step {episode.step}: get_finished() listed job {job_id}: {why}")
+                continue
+            self.reported.add(job_id)
+            done.append(job_id)
+            if job.kind == "store":
+                self._store_done(job)
+            else:
+                self._load_done(job)
+        return done
+
+    # -- finished jobs --------------------------------------------------------------------------------
+    def _store_done(self, job: Job) -> None:
+        episode = self.episode
+        self.busy.pop(job.block, None)
+        shadow = self.slots[job.slot]
+        label = f"step {episode.step} poll: the caller reads slot {job.slot} of finished store job {job.id}"
+        pool = self.pool.cache
+        observed = []
+        for seg in range(len(pool.segments)):
+            view = pool.pages(seg)[job.slot]
+            self.offloader.host_access(view, label, write=False)
+            observed.append(view.clone())
+        shadow.state, shadow.expect = "stored", job.word
+        shadow.history.append(episode._note(f"store job {job.id} reported finished"))
+        finding = _VERIFY.verify(job.slot, job.word, observed, f"step {episode.step} (store job {job.id} reported finished)",
+                                 shadow.history, kind="transfer not done", noun="host slot")
+        if finding is not None:
+            self._finding(finding.kind, None, finding.message)
+
+    def _load_done(self, job: Job) -> None:
+        episode = self.episode
+        group = episode.groups[0]
+        self.busy.pop(job.block, None)
+        slot = self.slots[job.slot]
+        slot.loads -= 1
+        block = group.shadow.blocks[job.block]
+        block.state = "live"
+        block.history.append(episode._note(f"load job {job.id} reported finished"))
+        # The caller uses the block at once on its main stream (the host has seen the job finish).
+        episode._read_capture(group, job.block, 0, kind="wrong bytes loaded",
+                              where=f"step {episode.step} poll: load job {job.id} reported finished, block read on stream 0")
+
+    # -- the end --------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """After the device is idle: every job reported, every slot holding what it should."""
+        episode = self.episode
+        self.poll()
+        for job in self.jobs.values():
+            if job.id not in self.reported:
+                self._finding("never finished", job.block,
+                              f"never finished: {job.kind} job {job.id} (block {job.block}, slot {job.slot}, step {job.step}) "
+                              f"was not reported by get_finished() once the device was idle at the end")
+        pool = self.pool.cache
+        for slot, shadow in enumerate(self.slots):
+            if shadow.state in ("warm-up", "storing"):
+                continue
+            words = [pool.pages(seg)[slot] for seg in range(len(pool.segments))]
+            kind = "stray write" if shadow.expect == POISON_WORD else "slot clobbered"
+            finding = _VERIFY.verify(slot, shadow.expect, words, "the end of the episode", shadow.history, kind=kind,
+                                     noun="host slot")
+            if finding is not None:
+                self._finding(finding.kind, None, finding.message)
+        for violation in pool.guard_violations():
+            self._finding("stray write", None, f"stray write: host pool {violation}")
+
+    def close(self) -> None:
+        if self.offloader is not None:
+            try:
+                with self._call("close"):
+                    self.offloader.close()
+            finally:
+                self.offloader = None
+
+    def release(self) -> None:
+        self.offloader = None
+        self.pool.release()
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _slot(self, slot: int, what: str) -> SlotShadow:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 1 <= slot < len(self.slots):
+            raise ValueError(f"{what} slot {slot!r}: the host pool has slots 1..{len(self.slots) - 1}")
+        return self.slots[slot]
+
+    def _new_job(self, kind: str, block: int, slot: int, word: int, stream: int) -> Job:
+        job = Job(self.next_job, kind, block, slot, word, self.episode.step, stream)
+        self.next_job += 1
+        self.jobs[job.id] = job
+        self.busy[block] = job.id
+        return job
+
+    def _finding(self, kind: str, block: int | None, message: str) -> None:
+        episode = self.episode
+        finding = Finding(kind, block, message, episode.config.caller_fault is not None)
+        episode.findings.append(finding)
+        episode.fresh_findings.append(finding)
+
+    def pending(self) -> int:
+        return len(self.jobs) - len(self.reported)
+
+    def describe(self, word: int) -> str:
+        return describe_word(word)
+
+
+_VERIFY = Shadow(2)  # its verify() phrases a difference; it reads nothing of the instance

@@ -1,0 +1,203 @@
+"""What an offloader is, what its factory may declare, and the one place both are checked.
+
+An offloader moves KV blocks between the device cache and a host pool on its own terms, the way
+vLLM's CPU offload handlers (``transfer_async`` / ``get_finished``) and SGLang's HiCache controller
+(``write`` / ``load`` with events polled later) do. Both fit one protocol of three calls, each
+returning at once with the copy queued:
+
+* ``store(job_id, block_ids, slot_ids)``: copy device block ``block_ids[i]`` into host slot
+  ``slot_ids[i]``, ordered after the work the caller queued on its current stream;
+* ``load(job_id, slot_ids, block_ids)``: copy host slot ``slot_ids[i]`` into device block
+  ``block_ids[i]``, ordered after the blocks' earlier use (which the caller ordered before its
+  current stream);
+* ``get_finished()``: the jobs that completed since the last call, without blocking: job ids, or
+  ``(job_id, success)`` pairs as vLLM's ``TransferResult`` is.
+
+Optional, as for a zeroer: ``warmup()`` (called once before any job) and ``close()`` (wait for
+queued work and release; called at the end of every episode). A factory builds one:
+``factory(cache, host_pool, runtime)``, where ``cache`` is the device KV cache, ``host_pool`` the
+host :class:`~zeroer.offload.host_pool.HostPool`'s cache (one slot per row, the device cache's
+layout) and ``runtime`` what a runtime-API component would use (a plain torch offloader must not).
+
+What the caller promises and what the offloader promises: docs/offload-contract.md.
+
+Example::
+
+    class MyOffloader:
+        capabilities = OffloaderCapabilities(geometries=("tiny",))
+
+        def __init__(self, cache, host_pool, runtime): ...
+        def store(self, job_id, block_ids, slot_ids): ...
+        def load(self, job_id, slot_ids, block_ids): ...
+        def get_finished(self): ...
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from zeroer.errors import ZeroerError
+from zeroer.offload.host_pool import HOST_MEMORY
+
+ALL_BACKENDS = ("sim", "cuda")
+ALL_CUDA_MODES = ("controlled", "free")
+REQUIRED = ("store", "load", "get_finished")
+
+
+class OffloaderSpecError(ZeroerError, ValueError):
+    """An offloader spec, factory or declaration that cannot be used; the message says how to fix it."""
+
+    user_fixable = True
+
+
+@dataclass(frozen=True)
+class OffloaderCapabilities:
+    """What an offloader's factory declares (every default is what an engine's class needs).
+
+    * ``backends``, ``cuda_modes``: where it runs.
+    * ``geometries``: the KV-cache presets it supports (None: every one).
+    * ``host_memory``: the host pools it works with: ``"pinned"`` (allocated page-locked) and
+      ``"registered"`` (registered with ``cudaHostRegister``); both by default.
+
+    An offloader is plain torch (and Triton) code, run under interception on every backend.
+    """
+
+    backends: tuple[str, ...] = ALL_BACKENDS
+    cuda_modes: tuple[str, ...] = ALL_CUDA_MODES
+    geometries: tuple[str, ...] | None = None
+    host_memory: tuple[str, ...] = HOST_MEMORY
+
+    def __post_init__(self) -> None:
+        for name in ("backends", "cuda_modes", "geometries", "host_memory"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise OffloaderSpecError(f"OffloaderCapabilities({name}={value!r}): pass a tuple of names, e.g. {name}=({value!r},)")
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        _check_subset("backends", self.backends, ALL_BACKENDS)
+        _check_subset("cuda_modes", self.cuda_modes, ALL_CUDA_MODES)
+        _check_subset("host_memory", self.host_memory, HOST_MEMORY)
+        if self.geometries is not None:
+            from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES  # the presets live above this module
+
+            known = {**GEOMETRIES, **LARGE_GEOMETRIES}
+            unknown = [g for g in self.geometries if g not in known]
+            if unknown or not self.geometries:
+                raise OffloaderSpecError(
+                    f"OffloaderCapabilities(geometries={self.geometries!r}): "
+                    + (f"{unknown[0]!r} is not a geometry" if unknown else "name at least one geometry")
+                    + f"; known: {', '.join(sorted(known))} (or None for every one)"
+                )
+
+    @property
+    def api(self) -> str:
+        return "torch"
+
+    def supports_geometry(self, name: str) -> bool:
+        return self.geometries is None or name in self.geometries
+
+    def runs_on(self, backend: str, mode: str | None = None) -> bool:
+        if backend not in self.backends:
+            return False
+        return backend != "cuda" or mode is None or mode in self.cuda_modes
+
+
+def _check_subset(name: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise OffloaderSpecError(
+            f"OffloaderCapabilities({name}={values!r}): "
+            + (f"{bad[0]!r} is not one of {', '.join(allowed)}" if bad else f"name at least one of {', '.join(allowed)}")
+        )
+
+
+def check_offloader_factory(factory: object, spec: str) -> OffloaderCapabilities:
+    """Check that ``factory`` can build offloaders and return what it declares (the defaults if nothing)."""
+    if not callable(factory):
+        raise OffloaderSpecError(f"offloader {spec!r} is {type(factory).__name__}, not a factory(cache, host_pool, runtime)")
+    try:
+        inspect.signature(factory).bind(object(), object(), object())
+    except TypeError as exc:
+        raise OffloaderSpecError(
+            f"offloader {spec!r} has signature {inspect.signature(factory)}; a factory must accept "
+            f"(cache, host_pool, runtime): {exc}"
+        ) from None
+    except ValueError:  # no signature to read: let the call decide
+        pass
+    declared = getattr(factory, "capabilities", None)
+    if declared is None:
+        return OffloaderCapabilities()
+    if not isinstance(declared, OffloaderCapabilities):
+        raise OffloaderSpecError(
+            f"offloader {spec!r} declares capabilities = {declared!r} ({type(declared).__name__}); "
+            f"declare a zeroer.offload.OffloaderCapabilities(...) instead"
+        )
+    return declared
+
+
+def finished_job_ids(reported: Any, spec: str) -> list[tuple[int, bool]]:
+    """``get_finished()``'s answer as ``(job_id, success)`` pairs: it may list job ids, or pairs
+    as vLLM's ``TransferResult``; anything else is the offloader's error (a TypeError)."""
+    if reported is None:
+        return []
+    if not isinstance(reported, Iterable):
+        raise TypeError(f"offloader {spec!r}: get_finished() returned {type(reported).__name__}, not an iterable of job ids")
+    out = []
+    for item in reported:
+        if isinstance(item, tuple) and len(item) == 2:
+            job, ok = item
+        else:
+            job, ok = item, True
+        if isinstance(job, bool) or not isinstance(job, int):
+            try:
+                job = int(job)  # a numpy or 0-d tensor id
+            except (TypeError, ValueError):
+                raise TypeError(f"offloader {spec!r}: get_finished() listed {item!r}, not a job id or (job_id, success)") from None
+        out.append((int(job), bool(ok)))
+    return out
+
+
+class BoundOffloader:
+    """A built offloader with its optional hooks resolved once (``warmup`` and ``close`` fall back to
+    nothing)."""
+
+    def __init__(self, offloader: object, spec: str, capabilities: OffloaderCapabilities) -> None:
+        missing = [name for name in REQUIRED if not callable(getattr(offloader, name, None))]
+        if missing:
+            raise OffloaderSpecError(
+                f"offloader {spec!r}: its factory returned a {type(offloader).__name__}, which has no "
+                f"{' or '.join(f'{m}()' for m in missing)}; an offloader has store(job_id, block_ids, slot_ids), "
+                f"load(job_id, slot_ids, block_ids) and get_finished()"
+            )
+        self.offloader = offloader
+        self.spec = spec
+        self.capabilities = capabilities
+        self.store: Callable[[int, list[int], list[int]], None] = offloader.store  # type: ignore[attr-defined]
+        self.load: Callable[[int, list[int], list[int]], None] = offloader.load  # type: ignore[attr-defined]
+        self._get_finished: Callable[[], Any] = offloader.get_finished  # type: ignore[attr-defined]
+        self._warmup = _hook(offloader, "warmup", spec)
+        self._close = _hook(offloader, "close", spec)
+
+    def get_finished(self) -> list[tuple[int, bool]]:
+        return finished_job_ids(self._get_finished(), self.spec)
+
+    def warmup(self) -> None:
+        if self._warmup is not None:
+            self._warmup()
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+
+
+def _hook(offloader: object, name: str, spec: str) -> Callable[[], None] | None:
+    hook = getattr(offloader, name, None)
+    if hook is not None and not callable(hook):
+        raise OffloaderSpecError(
+            f"offloader {spec!r}: its {name} attribute is a {type(hook).__name__}, not a method; "
+            f"define {name}(self) -> None or remove it"
+        )
+    return hook
