@@ -16,7 +16,8 @@ import torch
 
 from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES, geometry_names
 from zeroer.errors import ZeroerError
-from zeroer.registry import load_zeroer, zeroer_names
+from zeroer.offload import HOST_MEMORY
+from zeroer.registry import load_offloader, load_zeroer, zeroer_names
 
 from fuzz.cli import UsageError, check_output
 from fuzz.engine.campaigns import PROFILES, Profile
@@ -44,6 +45,9 @@ class FuzzOptions:
     database: str = ".hypothesis/fuzz-db"  # --fuzz-db: DIR, redis://host:port/N or DIR,redis://host:port/N
     debug: bool = False  # --fuzz-debug: tracebacks of usage and harness errors
     shrink_seconds: float | None = None  # --fuzz-shrink-seconds; None: fuzz.engine.shrink.SHRINK_BOUND_S per backend
+    offloader: str | None = None  # --offloader: fuzz one offloader (fuzz.engine.offload) instead of zeroers
+    host_memory: tuple[str, ...] = HOST_MEMORY  # --host-memory: the host pools an offloader is fuzzed with
+    strict_caller: bool = False  # --strict-caller: no device synchronisation after a zeroer's warm-up
 
 
 def parse_backend(value: str, cuda_available: bool) -> str:
@@ -91,6 +95,37 @@ def check_zeroer_runs_here(value: str | None, backend: str, cuda_modes: tuple[st
         )
 
 
+def parse_offloader(value: str | None, zeroer: str | None, backend: str, cuda_modes: tuple[str, ...]) -> str | None:
+    """``--offloader SPEC``: a checked offloader factory that runs on the chosen backend."""
+    if value is None:
+        return None
+    if zeroer is not None:
+        raise pytest.UsageError(f"--offloader {value!r} and --zeroer {zeroer!r}: fuzz one component per run; "
+                                f"run pytest twice, once with each")
+    try:
+        capabilities = load_offloader(value).capabilities
+    except ZeroerError as error:
+        raise pytest.UsageError(f"--offloader {value!r}: {error}") from None
+    if backend not in capabilities.backends:
+        raise pytest.UsageError(f"--offloader {value!r} runs on the {' and '.join(capabilities.backends)} backend only, "
+                                f"not {backend!r}; pass --backend {capabilities.backends[0]}")
+    if backend == "cuda" and not set(capabilities.cuda_modes) & set(cuda_modes):
+        raise pytest.UsageError(f"--offloader {value!r} runs in the {' and '.join(capabilities.cuda_modes)} cuda mode only, "
+                                f"not {' or '.join(cuda_modes)}; pass --cuda-mode {capabilities.cuda_modes[0]}")
+    return value
+
+
+def parse_host_memory(value: str, offloader: str | None) -> tuple[str, ...]:
+    """``--host-memory pinned|registered|both``: the host pools ``--offloader`` is fuzzed with."""
+    choices = (*HOST_MEMORY, "both")
+    if value not in choices:
+        raise pytest.UsageError(f"--host-memory {value!r} is not a host pool; choose one of: {', '.join(choices)}")
+    if offloader is None and value != "both":
+        raise pytest.UsageError(f"--host-memory {value!r} needs --offloader: it chooses the host pool an offloader "
+                                f"stores into, e.g. --offloader my_offloader.py:factory --host-memory registered")
+    return HOST_MEMORY if value == "both" else (value,)
+
+
 def parse_minutes(value: str | None) -> float | None:
     if value is None:
         return None
@@ -119,12 +154,13 @@ def parse_shrink_seconds(value: str | None) -> float | None:
 
 
 def parse_geometries(value: str | None, zeroer: str | None) -> tuple[str, ...] | None:
-    """``--geometry NAME[,NAME...]`` or ``all`` (every preset the simulator runs), for ``--zeroer``."""
+    """``--geometry NAME[,NAME...]`` or ``all`` (every preset the simulator runs), for ``--zeroer``
+    or ``--offloader`` (``zeroer``: the one given)."""
     if value is None:
         return None
     if zeroer is None:
-        raise pytest.UsageError(f"--geometry {value!r} needs --zeroer: it chooses the presets one zeroer runs on, "
-                                f"e.g. --zeroer my_zeroer.py:factory --geometry packed,tiny")
+        raise pytest.UsageError(f"--geometry {value!r} needs --zeroer or --offloader: it chooses the presets one "
+                                f"component runs on, e.g. --zeroer my_zeroer.py:factory --geometry packed,tiny")
     if value == "all":
         return tuple(geometry_names())
     names = tuple(n.strip() for n in value.split(",") if n.strip())
@@ -212,6 +248,11 @@ def fuzz_options(config: pytest.Config) -> FuzzOptions:
     cuda_modes = parse_cuda_mode(config.getoption("cuda_mode"))
     zeroer = parse_zeroer(config.getoption("zeroer"))
     check_zeroer_runs_here(zeroer, backend, cuda_modes)
+    offloader = parse_offloader(config.getoption("offloader"), zeroer, backend, cuda_modes)
+    strict = bool(config.getoption("strict_caller"))
+    if strict and offloader is not None:
+        raise pytest.UsageError("--strict-caller is the zeroer's stricter caller (no synchronisation after its warm-up); "
+                                "an offloader's campaigns do not take it: drop one of the two")
     database = config.getoption("fuzz_db")
     return FuzzOptions(
         backends=[backend],
@@ -224,11 +265,14 @@ def fuzz_options(config: pytest.Config) -> FuzzOptions:
         summary_path=Path(config.getoption("fuzz_summary")),
         journal=parse_journal(config.getoption("fuzz_journal"), backend),
         seed=parse_seed(config.getoption("hypothesis_seed", None)),
-        geometries=parse_geometries(config.getoption("fuzz_geometry"), zeroer),
+        geometries=parse_geometries(config.getoption("fuzz_geometry"), zeroer or offloader),
         shard=parse_shard(config.getoption("fuzz_shard")),
         database=database,
         debug=bool(config.getoption("fuzz_debug", False)),
         shrink_seconds=parse_shrink_seconds(config.getoption("fuzz_shrink_seconds")),
+        offloader=offloader,
+        host_memory=parse_host_memory(config.getoption("host_memory"), offloader),
+        strict_caller=strict,
     )
 
 

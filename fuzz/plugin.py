@@ -39,7 +39,7 @@ from fuzz import interrupts
 # raises, so a dropped KeyboardInterrupt still stops the run before its next example.
 interrupts.install()
 
-from fuzz.engine.campaigns import Campaign, default_campaigns  # noqa: E402
+from fuzz.engine.campaigns import Campaign, default_campaigns, offload_campaigns  # noqa: E402
 from fuzz.engine.journal import Journal, rescue  # noqa: E402
 from fuzz.engine.known_bugs import KnownBugs  # noqa: E402
 from fuzz.engine.summary import harness_status, is_unexpected, render_summary, write_summary  # noqa: E402
@@ -114,7 +114,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--backend", dest="fuzz_backend", default="auto", help="auto, sim or cuda (auto: cuda when a GPU is present)")
     add("--cuda-mode", dest="cuda_mode", default="both", help="cuda campaigns: both, controlled (gates) or free (real timing)")
     add("--zeroer", dest="zeroer", default=None, help="fuzz one zeroer: a built-in name, module:attr or path/to/file.py:attr naming factory(cache, runtime)")
-    add("--geometry", dest="fuzz_geometry", default=None, help="with --zeroer: NAME[,NAME...] or all (default: every geometry the zeroer supports)")
+    add("--offloader", dest="offloader", default=None, help="fuzz one KV offloader instead: module:attr or path/to/file.py:attr naming factory(cache, host_pool, runtime) (docs/offload-contract.md)")
+    add("--host-memory", dest="host_memory", default="both", help="with --offloader: the host pool it stores into: pinned, registered (cudaHostRegister) or both")
+    add("--strict-caller", dest="strict_caller", action="store_true", default=False, help="the zeroer campaigns' stricter caller: no device synchronisation after the zeroer's warm-up (docs/contract.md)")
+    add("--geometry", dest="fuzz_geometry", default=None, help="with --zeroer or --offloader: NAME[,NAME...] or all (default: every geometry it supports)")
     add("--repro-dir", dest="repro_dir", default="repro/failures", help="where shrunk traces of findings are written")
     add("--fuzz-profile", dest="fuzz_profile", default=None, help="quick (default), ci (default when CI is set) or nightly")
     add("--fuzz-minutes", dest="fuzz_minutes", default=None, help="wall-clock budget for the whole run (selects the nightly profile)")
@@ -130,7 +133,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
     """``pytest --zeroer SPEC`` (or ``--pyargs fuzz``) in a repository with no campaign file of
     its own: collect the installed campaigns."""
-    if any(a == "--zeroer" or a.startswith("--zeroer=") for a in args) and not any(
+    if any(a in ("--zeroer", "--offloader") or a.startswith(("--zeroer=", "--offloader=")) for a in args) and not any(
             not a.startswith("-") and Path(a.split("::")[0]).exists() for a in args):
         args.append(str(CAMPAIGNS_MODULE))
 
@@ -199,10 +202,11 @@ def _size_gpu_workers(config: pytest.Config) -> None:
 
 
 def _campaigns(options: FuzzOptions) -> list[tuple[Campaign, str | None]]:
-    pairs = [
-        (c, skipped) for c, skipped in default_campaigns(options.backends, options.zeroer, options.geometries)
-        if c.config.backend == "sim" or c.config.mode in options.cuda_modes
-    ]
+    if options.offloader is not None:
+        chosen = offload_campaigns(options.backends, options.offloader, options.geometries, options.host_memory)
+    else:
+        chosen = default_campaigns(options.backends, options.zeroer, options.geometries, warmup_sync=not options.strict_caller)
+    pairs = [(c, skipped) for c, skipped in chosen if c.config.backend == "sim" or c.config.mode in options.cuda_modes]
     if options.shard is not None:  # every i-th of the sorted list: disjoint, and together all of them
         index, count = options.shard
         pairs = [pair for position, pair in enumerate(pairs) if position % count == index]

@@ -33,7 +33,8 @@ from fuzz.engine.trace import TRACE_VERSION
 from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES, geometry
 from zeroer.designs.common import KERNELS
 from zeroer.errors import ZeroerError
-from zeroer.registry import load_zeroer
+from zeroer.offload import HOST_MEMORY
+from zeroer.registry import load_offloader, load_zeroer
 from zeroer.runtime import CUDA_MODES
 
 
@@ -65,6 +66,8 @@ _CHOICES = {
     "mode": CUDA_MODES,
     "kernel": (None, *KERNELS),
     "caller_fault": (None, *CALLER_FAULTS),
+    "host_memory": HOST_MEMORY,
+    "warmup_sync": (True, False),
 }
 
 
@@ -142,11 +145,23 @@ def _config(path: Path, raw: dict[str, Any]) -> EpisodeConfig:
         raise bad("geometry", f"known geometries: {', '.join(presets)}")
     if "zeroer" in raw and (not isinstance(raw["zeroer"], str) or not raw["zeroer"]):
         raise bad("zeroer", "give a built-in name, 'module:attr' or 'path/to/file.py:attr'")
+    if raw.get("offloader") is not None and (not isinstance(raw["offloader"], str) or ":" not in raw["offloader"]):
+        raise bad("offloader", "give null or 'module:attr' or 'path/to/file.py:attr' naming an offloader factory")
+    if raw.get("offloader") is not None and raw.get("zeroers", 1) != 1:
+        raise bad("zeroers", "an offload trace (config.offloader set) holds one KV cache: 1")
     config = EpisodeConfig(**raw)
     try:
         capabilities = load_zeroer(config.zeroer).capabilities
     except ZeroerError as error:
         raise TraceError(f"{path}: field 'config.zeroer': {error}") from None
+    if config.offloader is not None:
+        try:
+            offloader = load_offloader(config.offloader).capabilities
+        except ZeroerError as error:
+            raise TraceError(f"{path}: field 'config.offloader': {error}") from None
+        if not offloader.supports_geometry(config.geometry) or not offloader.runs_on(config.backend):
+            raise TraceError(f"{path}: field 'config.offloader': offloader {config.offloader!r} does not run on "
+                             f"geometry {config.geometry!r} and backend {config.backend!r} (its OffloaderCapabilities)")
     if not capabilities.supports_geometry(config.geometry):
         raise TraceError(f"{path}: field 'config.geometry' is {config.geometry!r}; zeroer {config.zeroer!r} "
                          f"supports only {', '.join(capabilities.geometries or ())}")
@@ -172,6 +187,7 @@ def _check_op(path: Path, index: int, op: object, config: EpisodeConfig) -> None
         "stream": (0, config.streams - 1, f"config.streams is {config.streams}"),
         "cache": (0, config.zeroers - 1, f"config.zeroers is {config.zeroers}"),
         "block": (0, blocks - 1, f"geometry {config.geometry!r} has {blocks} blocks"),
+        "slot": (1, blocks - 1, f"the host pool of geometry {config.geometry!r} has slots 1..{blocks - 1}"),
         "n": (1, blocks - 1, f"geometry {config.geometry!r} has {blocks - 1} blocks to hand out"),
         "in_flight": (1, 8, "steps in flight"),
         "ops": (0, None, "ops to run"),

@@ -47,6 +47,12 @@ def _annotations(trace: Trace) -> dict[int, str]:
                 notes[index] = f"{op['op']} block {op['block']} on stream {op.get('stream', 0)}"
             elif op["op"] == "free":
                 notes[index] = f"free block {op['block']}; its page is poisoned (NaN bytes)"
+            elif op["op"] == "store":
+                notes[index] = f"store block {op['block']} into host slot {result} on stream {op.get('stream', 0)}"
+            elif op["op"] == "load":
+                notes[index] = f"load host slot {op['slot']} into block {result} on stream {op.get('stream', 0)}"
+            elif op["op"] == "poll":
+                notes[index] = f"get_finished() -> jobs {result}"
             if episode.new_hazard_findings():
                 notes[index] = notes.get(index, op["op"]) + "  <-- the happens-before checker fires here"
                 break
@@ -70,7 +76,7 @@ def _headline(trace: Trace, title: str | None) -> str:
     for finding in trace.findings:
         kinds.setdefault(finding["kind"], finding.get("block"))
     found = "; ".join(k + (f" (block {b})" if b is not None else "") for k, b in kinds.items()) or "no recorded finding"
-    return f"{config.zeroer} on {config.geometry}: {found}."
+    return f"{config.offloader or config.zeroer} on {config.geometry}: {found}."
 
 
 def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
@@ -123,7 +129,8 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "--debug adds the traceback).",
         f"    {run}                              # the CPU simulator",
         f"    {run} --backend cuda --repeat 20   # a GPU: gates force the recorded schedule",
-        f"    {run} --zeroer per_call            # the same steps on a race-free design: exits 0",
+        (f"    {run} --offloader FILE.py:factory  # the same steps on another offloader"
+         if config.offloader else f"    {run} --zeroer per_call            # the same steps on a race-free design: exits 0"),
         '"""',
         "",
         "from __future__ import annotations",
@@ -145,6 +152,9 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         f"KERNEL = {config.kernel!r}  # built-in staged designs: torch or triton (None: their default)",
         f"STREAMS = {config.streams!r}",
         f"CALLER_FAULT = {config.caller_fault!r}",
+        f"OFFLOADER = {config.offloader!r}  # an offload episode's offloader (None: the zeroer is under test)",
+        f"HOST_MEMORY = {config.host_memory!r}  # the offloader's host pool: pinned or registered",
+        f"WARMUP_SYNC = {config.warmup_sync!r}  # False: the stricter caller (no sync after the zeroer's warm-up)",
         *_dict_literal("FOUND_ON", trace.environment),
         "",
         "",
@@ -188,12 +198,14 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "    parser.add_argument('--mode', choices=('controlled', 'free'), default=MODE)",
         "    parser.add_argument('--repeat', type=int, default=1, help='run the steps N times and count')",
         "    parser.add_argument('--zeroer', default=ZEROER, help='another zeroer spec, e.g. a race-free design')",
+        "    parser.add_argument('--offloader', default=OFFLOADER, help='another offloader spec (an offload episode)')",
         "    args = parser.parse_args(argv)",
         "    if args.repeat < 1:",
         "        parser.error(f'--repeat {args.repeat} must be at least 1')",
         "    kernel = KERNEL if args.zeroer == ZEROER else None",
         "    config = EpisodeConfig(zeroer=args.zeroer, geometry=GEOMETRY, backend=args.backend, mode=args.mode,",
-        "                           kernel=kernel, streams=STREAMS, caller_fault=CALLER_FAULT)",
+        "                           kernel=kernel, streams=STREAMS, caller_fault=CALLER_FAULT, offloader=args.offloader,",
+        "                           host_memory=HOST_MEMORY, warmup_sync=WARMUP_SYNC)",
         "    print(f'found on: {describe(FOUND_ON)}')",
         "    print(f'running on: {describe(environment())}', flush=True)",
         "    shown, first = 0, []",
@@ -204,7 +216,7 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "    for finding in first[:10]:",
         "        print(finding)",
         "    where = args.backend + (f' ({args.mode})' if args.backend == 'cuda' else '')",
-        "    print(f'{args.zeroer}: reproduced {shown} of {args.repeat} on {where}')",
+        "    print(f'{args.offloader or args.zeroer}: reproduced {shown} of {args.repeat} on {where}')",
         "    return 1 if shown else 0",
         "",
         "",

@@ -52,7 +52,8 @@ from fuzz.interrupts import interrupted
 from fuzz.environment import environment
 from zeroer.cache.geometries import geometry_names
 from zeroer.designs import StagedZeroer
-from zeroer.registry import BUILTINS, builtin_names, default_geometry, load_zeroer
+from zeroer.offload import HOST_MEMORY
+from zeroer.registry import BUILTINS, builtin_names, default_geometry, load_offloader, load_zeroer
 
 SIM_GEOMETRIES = ("mixed_dtypes", "ratio2", "tiny")
 CUDA_GEOMETRIES = ("mixed_dtypes", "tiny")
@@ -201,12 +202,42 @@ def campaign_geometries(spec: str, backend: str, requested: tuple[str, ...] | No
     return result
 
 
+def offload_campaigns(backends: list[str], offloader: str, geometries: tuple[str, ...] | None = None,
+                      host_memory: tuple[str, ...] = HOST_MEMORY) -> list[tuple[Campaign, str | None]]:
+    """The campaigns of ``pytest fuzz --offloader SPEC``, sorted, each with why it is skipped (None: it
+    runs): every geometry it supports (or ``--geometry``), with each host pool it takes (pinned,
+    registered with ``cudaHostRegister``), on each backend and cuda mode it runs in; all must be clean."""
+    capabilities = load_offloader(offloader).capabilities
+    campaigns: list[tuple[Campaign, str | None]] = []
+    for backend in sorted(backends):
+        for mode in ("controlled", "free") if backend == "cuda" else ("controlled",):
+            if not capabilities.runs_on(backend, mode):
+                continue
+            for name in geometries if geometries is not None else geometry_names():
+                skipped = None
+                if not capabilities.supports_geometry(name):
+                    skipped = (f"{offloader} declares OffloaderCapabilities(geometries=({', '.join(capabilities.geometries or ())})), "
+                               f"not {name}")
+                for memory in host_memory:
+                    why = skipped or (None if memory in capabilities.host_memory else
+                                      f"{offloader} declares OffloaderCapabilities(host_memory=({', '.join(capabilities.host_memory)})), "
+                                      f"not {memory}")
+                    for shard in range(SHARDS):
+                        config = EpisodeConfig(offloader=offloader, geometry=name, backend=backend, mode=mode, host_memory=memory)
+                        campaigns.append((Campaign(config, shard, "clean"), why))
+    return sorted(campaigns, key=lambda pair: pair[0].id)
+
+
 def default_campaigns(backends: list[str], zeroer: str | None = None,
-                      geometries: tuple[str, ...] | None = None) -> list[tuple[Campaign, str | None]]:
+                      geometries: tuple[str, ...] | None = None, *, warmup_sync: bool = True) -> list[tuple[Campaign, str | None]]:
     """The campaigns ``pytest fuzz`` runs, sorted, each with why it is skipped (None: it runs).
 
-    ``zeroer`` restricts to one (all must be clean); ``geometries`` is ``--geometry``.
+    ``zeroer`` restricts to one (all must be clean); ``geometries`` is ``--geometry``; ``warmup_sync``
+    False: the stricter caller, which does not synchronise after a zeroer's warm-up (``--strict-caller``).
     """
+    if not warmup_sync:
+        return [(Campaign(dataclasses.replace(c.config, warmup_sync=False), c.shard, c.expect), skipped)
+                for c, skipped in default_campaigns(backends, zeroer, geometries)]
     campaigns: list[tuple[Campaign, str | None]] = []
     for backend in sorted(backends):
         modes = ("controlled", "free") if backend == "cuda" else ("controlled",)

@@ -53,7 +53,8 @@ from typing import Any
 from fuzz.engine.bugs import bug_id
 from fuzz.engine.violation import ZeroerViolation  # standard library only: reports read signatures without torch
 
-VALUE_KINDS = ("non-zero after zeroing", "clobbered", "stray write")
+VALUE_KINDS = ("non-zero after zeroing", "clobbered", "stray write",
+               "wrong bytes loaded", "transfer not done", "slot clobbered")  # the last three: an offloader's
 CALLER_STREAM = re.compile(r"stream '(?:main|s\d+)'")  # fuzz.engine.episode names the caller's streams so
 
 
@@ -118,7 +119,8 @@ def violation_signature(violation: ZeroerViolation) -> Signature | None:
     if not violation.findings:
         return None
     config = violation.config
-    return finding_signature(violation.findings[0], zeroer=config.zeroer, geometry=config.geometry,
+    under_test = getattr(config, "offloader", None) or config.zeroer  # an offload campaign's: its offloader
+    return finding_signature(violation.findings[0], zeroer=under_test, geometry=config.geometry,
                              caller_fault=config.caller_fault)
 
 

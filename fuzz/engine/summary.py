@@ -28,6 +28,7 @@ def result_record(result: CampaignResult) -> dict:
         "campaign": result.campaign.id,
         "expect": result.campaign.expect,
         "zeroer": result.campaign.config.zeroer,
+        "offloader": result.campaign.config.offloader,  # an offload campaign's component under test
         "geometry": result.campaign.config.geometry,
         "backend": result.campaign.config.backend,
         "mode": result.campaign.config.mode,
