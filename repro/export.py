@@ -110,6 +110,7 @@ def _root_line(output: str) -> str:
 def render_script(trace: Trace, output: str, *, title: str | None = None, today: datetime.date | None = None) -> str:
     """The text of the standalone script for ``trace``, to be saved at ``output``."""
     config = trace.config
+    offload = config.offloader is not None
     today = today or datetime.date.today()
     notes = _annotations(trace)
     run = f"python {output}"
@@ -152,9 +153,11 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         f"KERNEL = {config.kernel!r}  # built-in staged designs: torch or triton (None: their default)",
         f"STREAMS = {config.streams!r}",
         f"CALLER_FAULT = {config.caller_fault!r}",
-        f"OFFLOADER = {config.offloader!r}  # an offload episode's offloader (None: the zeroer is under test)",
-        f"HOST_MEMORY = {config.host_memory!r}  # the offloader's host pool: pinned or registered",
-        f"WARMUP_SYNC = {config.warmup_sync!r}  # False: the stricter caller (no sync after the zeroer's warm-up)",
+        *([f"OFFLOADER = {config.offloader!r}  # the offloader under test; --offloader overrides",
+           f"HOST_MEMORY = {config.host_memory!r}  # its host pool: pinned or registered (cudaHostRegister)"]
+          if offload else []),
+        *(["WARMUP_SYNC = False  # the stricter caller: no synchronisation after the zeroer's warm-up"]
+          if not config.warmup_sync else []),
         *_dict_literal("FOUND_ON", trace.environment),
         "",
         "",
@@ -198,14 +201,16 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "    parser.add_argument('--mode', choices=('controlled', 'free'), default=MODE)",
         "    parser.add_argument('--repeat', type=int, default=1, help='run the steps N times and count')",
         "    parser.add_argument('--zeroer', default=ZEROER, help='another zeroer spec, e.g. a race-free design')",
-        "    parser.add_argument('--offloader', default=OFFLOADER, help='another offloader spec (an offload episode)')",
+        *(["    parser.add_argument('--offloader', default=OFFLOADER, help='another offloader spec, e.g. its race-free twin')"]
+          if offload else []),
         "    args = parser.parse_args(argv)",
         "    if args.repeat < 1:",
         "        parser.error(f'--repeat {args.repeat} must be at least 1')",
         "    kernel = KERNEL if args.zeroer == ZEROER else None",
         "    config = EpisodeConfig(zeroer=args.zeroer, geometry=GEOMETRY, backend=args.backend, mode=args.mode,",
-        "                           kernel=kernel, streams=STREAMS, caller_fault=CALLER_FAULT, offloader=args.offloader,",
-        "                           host_memory=HOST_MEMORY, warmup_sync=WARMUP_SYNC)",
+        "                           kernel=kernel, streams=STREAMS, caller_fault=CALLER_FAULT"
+        + (", offloader=args.offloader,\n                           host_memory=HOST_MEMORY" if offload else "")
+        + (", warmup_sync=WARMUP_SYNC" if not config.warmup_sync else "") + ")",
         "    print(f'found on: {describe(FOUND_ON)}')",
         "    print(f'running on: {describe(environment())}', flush=True)",
         "    shown, first = 0, []",
@@ -216,7 +221,7 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "    for finding in first[:10]:",
         "        print(finding)",
         "    where = args.backend + (f' ({args.mode})' if args.backend == 'cuda' else '')",
-        "    print(f'{args.offloader or args.zeroer}: reproduced {shown} of {args.repeat} on {where}')",
+        f"    print(f'{{args.{'offloader' if offload else 'zeroer'}}}: reproduced {{shown}} of {{args.repeat}} on {{where}}')",
         "    return 1 if shown else 0",
         "",
         "",

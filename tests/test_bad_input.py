@@ -97,7 +97,11 @@ ROWS: list[Row] = [
         "Expecting property name enclosed in double quotes", text="{"),
     trace_row({"version": 7}, "error: bad.json: field 'version' is 7; this replayer reads version 1"),
     trace_row({"config.colour": 1}, "error: bad.json: field 'config.colour' is not a config field (backend, caller_fault, "
-              "device, geometry, kernel, mode, streams, zeroer, zeroers)"),
+              "device, geometry, host_memory, kernel, mode, offloader, streams, warmup_sync, zeroer, zeroers)"),
+    trace_row({"config.offloader": "nope"}, "error: bad.json: field 'config.offloader' is 'nope'; give null or "
+              "'module:attr' or 'path/to/file.py:attr' naming an offloader factory"),
+    trace_row({"config.host_memory": "paged"}, "error: bad.json: field 'config.host_memory' is 'paged'; choose one of "
+              "pinned, registered"),
     trace_row({"config.zeroer": "nope"}, f"error: bad.json: field 'config.zeroer': {UNKNOWN_ZEROER}"),
     trace_row({"config.zeroer": "tests/bad_zeroers.py:nothing_here"}, "error: bad.json: field 'config.zeroer': zeroer "
               "'tests/bad_zeroers.py:nothing_here': 'tests/bad_zeroers.py' has no attribute 'nothing_here'"),
@@ -114,7 +118,7 @@ ROWS: list[Row] = [
               "zeroer 'zoo.int32_offset_4gib' runs on cuda only"),
     trace_row({"ops[1].n": "a"}, "error: bad.json: field 'ops[1].n' is 'a'; it must be an integer"),
     trace_row({"ops[1].op": "explode"}, "error: bad.json: field 'ops[1].op' is 'explode'; known ops: advance, allocate, "
-              "delay, end_step, free, read, reallocate, start, sync_device, sync_stream, write"),
+              "delay, end_step, evict, free, load, poll, read, reallocate, start, store, sync_device, sync_stream, write"),
     trace_row({"ops[2].m": 1}, "error: bad.json: field 'ops[2].m' is not a field of op 'allocate' (its fields are: n, "
               "stream, cache, ids_as, then)"),
     trace_row({"ops[1].ids_as": "set"}, "error: bad.json: field 'ops[1].ids_as' is 'set'; choose one of list, tuple, array, tensor"),
@@ -293,8 +297,18 @@ ROWS: list[Row] = [
         "'sim' (str); declare a zeroer.protocol.Capabilities(...) instead (built-in zeroers: event_ring, ..."),
     Row("pytest --zeroer per_call --geometry huge", 2, "Exit: error: --geometry 'huge': 'huge' is not a geometry; choose "
         "from block_outer_fp8, int32_wrap, kv_outer_bf16, mixed_dtypes, mla_indexer, packed, ratio2, shared_layers, tiny, or all"),
-    Row("pytest fuzz --geometry tiny", 2, "Exit: error: --geometry 'tiny' needs --zeroer: it chooses the presets one zeroer "
-        "runs on, e.g. --zeroer my_zeroer.py:factory --geometry packed,tiny"),
+    Row("pytest fuzz --geometry tiny", 2, "Exit: error: --geometry 'tiny' needs --zeroer or --offloader: it chooses the "
+        "presets one component runs on, e.g. --zeroer my_zeroer.py:factory --geometry packed,tiny"),
+    Row("pytest fuzz --offloader examples/engine_offloaders.py:nothing_here", 2, "Exit: error: --offloader "
+        "'examples/engine_offloaders.py:nothing_here': offloader 'examples/engine_offloaders.py:nothing_here': "
+        "'examples/engine_offloaders.py' has no attribute 'nothing_here'"),
+    Row("pytest fuzz --offloader examples/engine_offloaders.py:load_waits_forward --zeroer per_call", 2, "Exit: error: "
+        "--offloader 'examples/engine_offloaders.py:load_waits_forward' and --zeroer 'per_call': fuzz one component per "
+        "run; run pytest twice, once with each"),
+    Row("pytest fuzz --host-memory registered", 2, "Exit: error: --host-memory 'registered' needs --offloader: it chooses "
+        "the host pool an offloader stores into, e.g. --offloader my_offloader.py:factory --host-memory registered"),
+    Row("pytest fuzz --offloader examples/engine_offloaders.py:load_waits_forward --host-memory paged", 2, "Exit: error: "
+        "--host-memory 'paged' is not a host pool; choose one of: pinned, registered, both"),
     *(Row(f"pytest fuzz --fuzz-minutes {value}", 2, f"Exit: error: --fuzz-minutes '{value}' must be a finite number greater "
           "than 0; give minutes, e.g. 30") for value in ("0", "-1", "nan", "inf")),
     Row("pytest fuzz --fuzz-minutes abc", 2,

@@ -91,7 +91,7 @@ def fake_config(**overrides):
         "fuzz_backend": "sim", "cuda_mode": "both", "zeroer": None, "fuzz_profile": None, "fuzz_minutes": None,
         "repro_dir": "repro/failures", "fuzz_db": ".hypothesis/fuzz-db", "fuzz_summary": "repro/summary.json",
         "fuzz_journal": "auto", "hypothesis_seed": None, "fuzz_geometry": None, "fuzz_shard": None, "fuzz_debug": False,
-        "fuzz_shrink_seconds": None,
+        "fuzz_shrink_seconds": None, "offloader": None, "host_memory": "both", "strict_caller": False,
     }
     values.update(overrides)
     return type("Config", (), {"getoption": lambda self, name, default=None: values[name]})()

@@ -32,7 +32,7 @@ def options_for(backend: str, shard: str | None):
         "fuzz_backend": "sim", "cuda_mode": "both", "zeroer": None, "fuzz_profile": "quick", "fuzz_minutes": None,
         "repro_dir": "repro/failures", "fuzz_db": ".hypothesis/fuzz-db", "fuzz_summary": "repro/summary.json",
         "fuzz_journal": "auto", "hypothesis_seed": None, "fuzz_geometry": None, "fuzz_shard": shard,
-        "fuzz_debug": False, "fuzz_shrink_seconds": None,
+        "fuzz_debug": False, "fuzz_shrink_seconds": None, "offloader": None, "host_memory": "both", "strict_caller": False,
     }
     options = fuzz_options(SimpleNamespace(getoption=lambda name, default=None: values[name]))
     return dataclasses.replace(options, backends=[backend])  # cuda's list is built without a GPU

@@ -312,7 +312,7 @@ def fake_config(**overrides) -> SimpleNamespace:
         "fuzz_backend": "sim", "cuda_mode": "both", "zeroer": None, "fuzz_profile": None, "fuzz_minutes": None,
         "repro_dir": "repro/failures", "fuzz_db": ".hypothesis/fuzz-db", "fuzz_summary": "repro/summary.json",
         "fuzz_journal": "auto", "hypothesis_seed": None, "fuzz_geometry": None, "fuzz_shard": None, "fuzz_debug": False,
-        "fuzz_shrink_seconds": None,
+        "fuzz_shrink_seconds": None, "offloader": None, "host_memory": "both", "strict_caller": False,
     }
     values.update(overrides)
     return SimpleNamespace(getoption=lambda name, default=None: values[name])
@@ -417,3 +417,23 @@ def test_the_shrink_bound_takes_seconds_and_a_bad_one_is_a_usage_error_naming_it
             parse_shrink_seconds(value)
     with pytest.raises(pytest.UsageError, match=r"^--fuzz-shrink-seconds 'abc' is not a number; give seconds, e\.g\. 30$"):
         parse_shrink_seconds("abc")
+
+
+def test_offloader_options_choose_offload_campaigns_only():
+    options = fuzz_options(fake_config(offloader="examples/engine_offloaders.py:load_waits_forward", host_memory="registered",
+                                       fuzz_geometry="tiny,packed"))
+    assert options.offloader == "examples/engine_offloaders.py:load_waits_forward"
+    assert options.host_memory == ("registered",) and options.geometries == ("tiny", "packed")
+    from fuzz.plugin import _campaigns
+
+    ids = [c.id for c, _ in _campaigns(options)]
+    assert ids and all(i.startswith("examples_engine_offloaders.py:load_waits_forward-") and "host-registered" in i for i in ids)
+
+
+def test_strict_caller_runs_the_zeroer_campaigns_without_the_warmup_synchronisation():
+    from fuzz.plugin import _campaigns
+
+    options = fuzz_options(fake_config(zeroer="per_call", strict_caller=True))
+    assert options.strict_caller and all(not c.config.warmup_sync for c, _ in _campaigns(options))
+    with pytest.raises(pytest.UsageError, match=r"^--strict-caller is the zeroer's stricter caller"):
+        fuzz_options(fake_config(offloader="examples/engine_offloaders.py:load_waits_forward", strict_caller=True))

@@ -97,7 +97,7 @@ def test_pytest_n_on_cuda_is_capped_by_the_free_gpu_memory_and_says_so(monkeypat
 
     monkeypatch.setattr(gpu_workers, "free_gpu_bytes", lambda: [140 * GIB])
     options = SimpleNamespace(backends=["cuda"], zeroer="zoo.int32_offset_4gib", geometries=None,
-                              cuda_modes=("controlled",), shard=None)
+                              cuda_modes=("controlled",), shard=None, offloader=None, strict_caller=False)
     config = SimpleNamespace(option=SimpleNamespace(numprocesses=16), _fuzz_options=options)
     plugin._size_gpu_workers(config)
     assert config.option.numprocesses == 4

@@ -618,8 +618,8 @@ class _ZeroerCall:
         many = len(self._episode.groups) > 1
         what = self._group.label(many) + self._what
         # An unroutable call, a simulator gap, a clash in the runtime: the harness's, not a finding.
-        raise_if_harness(error, f"the zeroer's {self._what.removeprefix('its ')}" + (f" (cache {self._group.index})" if many else ""),
-                         step=self._episode.step)
+        during = self._what if self._what.startswith(OFFLOADER_CALL) else f"the zeroer's {self._what.removeprefix('its ')}"
+        raise_if_harness(error, during + (f" (cache {self._group.index})" if many else ""), step=self._episode.step)
         raise ZeroerRaised(_raised_finding(self._episode, what, error)) from error
 
 

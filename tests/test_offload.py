@@ -1,0 +1,233 @@
+"""Offload campaigns: the offloader protocol, its episode ops and oracle, and the engine-pattern examples.
+
+Each racy example of examples/engine_offloaders.py must be found on the simulator with a trace of
+at most 6 ops that replays; each race-free one must come out clean, and must move exactly the bytes
+of its blocks on every geometry and host pool. The oracle's own findings (a report of a job that
+does not exist, a job never reported, a store reported before its bytes arrived) are shown on
+small offloaders written here. The cuda cases run where there is a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from fuzz.engine.campaigns import PROFILES, Campaign, offload_campaigns, run_campaign
+from fuzz.engine.episode import Episode, EpisodeConfig, run_ops
+from fuzz.engine.handles import concrete, symbolic
+from fuzz.engine.harness_error import HarnessError
+from zeroer.cache.block_map import CacheBlockMap
+from zeroer.cache.geometries import geometry, geometry_names
+from zeroer.cache.layout import build_cache
+from zeroer.offload import OffloaderCapabilities, OffloaderSpecError, build_host_pool, finished_job_ids
+from zeroer.registry import load_offloader
+from racecheck.ranges import byte_runs
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = "examples/engine_offloaders.py"
+_spec = importlib.util.spec_from_file_location("_engine_offloaders", ROOT / EXAMPLES)
+engine_offloaders = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(engine_offloaders)
+VERDICTS = engine_offloaders.VERDICTS
+RACY = sorted(n for n, v in VERDICTS.items() if v == "racy")
+RACE_FREE = sorted(n for n, v in VERDICTS.items() if v == "race-free")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BACKENDS = ["sim", pytest.param("cuda", marks=CUDA)]
+
+# The shortest program that shows each racy example's race, by hand: what the fuzzer must get to.
+SHORTEST = {
+    "store_without_compute_event": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}],
+    "load_unfenced": [{"op": "start"}, {"op": "allocate", "n": 2}, {"op": "store", "block": 2}, {"op": "poll", "sync": 1},
+                      {"op": "free", "block": 1}, {"op": "load", "slot": 1}],
+    "load_acked_on_issue": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1},
+                            {"op": "poll", "sync": 1}, {"op": "load", "slot": 1}, {"op": "poll"}],
+    "staging_freed_on_return": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1},
+                                {"op": "poll", "sync": 1}, {"op": "load", "slot": 1}, {"op": "load", "slot": 1}],
+}
+# Its race-free twin, for each racy example: the same program is clean there.
+TWIN = {"store_without_compute_event": "store_after_compute_event", "load_unfenced": "load_waits_forward",
+        "load_acked_on_issue": "load_acked_on_event", "staging_freed_on_return": "staging_freed_after_event"}
+
+
+def _config(name: str, **fields) -> EpisodeConfig:
+    return EpisodeConfig(offloader=f"{EXAMPLES}:{name}", **fields)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", RACY)
+def test_each_racy_example_shows_on_its_shortest_program_and_not_on_its_twin(name: str, backend: str) -> None:
+    mode = {"mode": "controlled"} if backend == "cuda" else {}
+    found = run_ops(_config(name, backend=backend, **mode), SHORTEST[name])
+    assert found and found[0].kind == "hazard", found
+    assert run_ops(_config(TWIN[name], backend=backend, **mode), SHORTEST[name]) == []
+
+
+@pytest.mark.parametrize("name", RACY)
+def test_the_fuzzer_finds_each_racy_example_in_at_most_six_ops(name: str, tmp_path: Path) -> None:
+    result = run_campaign(Campaign(_config(name), shard=0, expect="finds"), PROFILES["ci"], tmp_path)
+    assert result.found, f"{name}: not found in {result.examples} examples"
+    assert len(result.violation.trace) <= 6, result.violation.trace
+    assert run_ops(result.violation.config, result.violation.trace), "the shrunk trace does not replay"
+    assert result.trace_path is not None and result.trace_path.exists()
+
+
+@pytest.mark.parametrize("name", RACE_FREE)
+def test_each_race_free_example_is_clean_in_the_ci_profile(name: str, tmp_path: Path) -> None:
+    result = run_campaign(Campaign(_config(name, host_memory="registered"), shard=1, expect="clean"), PROFILES["ci"], tmp_path)
+    assert not result.found, result.violation and str(result.violation.findings[0])
+    assert result.harness_error is None and result.steps > 200
+
+
+@pytest.mark.parametrize("memory", ["pinned", "registered"])
+@pytest.mark.parametrize("geometry_name", geometry_names())
+def test_race_free_examples_move_exactly_their_blocks_on_every_geometry(geometry_name: str, memory: str) -> None:
+    """Store two written blocks, load both back into other blocks, evict, and read: every byte right,
+    every other block, slot and guard untouched (the oracle checks them all at the end)."""
+    ops = [{"op": "start"}, {"op": "allocate", "n": 2}, {"op": "write", "block": 1}, {"op": "write", "block": 2, "stream": 1},
+           {"op": "store", "block": 1}, {"op": "store", "block": 2, "stream": 2}, {"op": "poll", "sync": 1},
+           {"op": "free", "block": 1}, {"op": "load", "slot": 2, "stream": 1}, {"op": "load", "slot": 1, "oldest": 1},
+           {"op": "poll", "sync": 1},
+           {"op": "evict", "slot": 1}, {"op": "read", "block": 3, "stream": 2}]
+    for name in RACE_FREE:
+        assert run_ops(_config(name, geometry=geometry_name, host_memory=memory), ops) == [], name
+
+
+def test_a_load_shows_the_bytes_the_store_saw_not_later_writes() -> None:
+    episode = Episode(_config("load_waits_forward"))
+    episode.apply({"op": "start"})
+    block = episode.apply({"op": "allocate", "n": 1})[0]
+    episode.apply({"op": "write", "block": block})
+    expected = episode.shadow.blocks[block].expect
+    slot = episode.apply({"op": "store", "block": block})
+    assert episode.offload.slots[slot].state == "storing"
+    with pytest.raises(ValueError, match="under offload job"):
+        episode.apply({"op": "write", "block": block})  # the caller's promise: not until it is reported
+    episode.apply({"op": "poll", "sync": 1})
+    episode.apply({"op": "write", "block": block})  # now the block is the caller's again
+    loaded = episode.apply({"op": "load", "slot": slot})
+    assert episode.shadow.blocks[loaded].expect == expected != episode.shadow.blocks[block].expect
+    assert episode.finish() == []
+
+
+# -- the oracle's offload findings, on offloaders written to break one promise each ------------------
+class _Base:
+    def __init__(self, cache, host_pool, runtime=None) -> None:
+        self.done = []
+
+    def store(self, job_id, block_ids, slot_ids):
+        self.done.append(job_id)
+
+    def load(self, job_id, slot_ids, block_ids):
+        self.done.append(job_id)
+
+    def get_finished(self):
+        done, self.done = self.done, []
+        return done
+
+
+class DoesNothing(_Base):
+    """Reports every job at once and moves no bytes."""
+
+
+class ReportsTwice(engine_offloaders.CpuOffloadHandler):
+    """Moves the bytes right, and lists every finished job at every call."""
+
+    def __init__(self, cache, host_pool, runtime=None) -> None:
+        super().__init__(cache, host_pool)
+        self.seen = []
+
+    def get_finished(self):
+        self.seen += super().get_finished()
+        return list(self.seen)
+
+
+class NeverReports(engine_offloaders.CpuOffloadHandler):
+    def get_finished(self):
+        return []
+
+
+class ReportsFailure(engine_offloaders.CpuOffloadHandler):
+    def get_finished(self):
+        return [(job, False) for job, _ in super().get_finished()]
+
+
+class NoLoad:
+    def __init__(self, cache, host_pool, runtime=None) -> None: ...
+    def store(self, job_id, block_ids, slot_ids): ...
+    def get_finished(self): return []
+
+
+STORE = [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}, {"op": "poll", "sync": 1}]
+
+
+@pytest.mark.parametrize(("factory", "kind"), [("DoesNothing", "transfer not done"), ("ReportsTwice", "bad report"),
+                                               ("NeverReports", "never finished"), ("ReportsFailure", "bad report")])
+def test_an_offloader_that_breaks_its_promise_is_a_finding_of_its_kind(factory: str, kind: str) -> None:
+    findings = run_ops(EpisodeConfig(offloader=f"tests/test_offload.py:{factory}"), STORE + [{"op": "poll", "sync": 1}])
+    assert findings and findings[0].kind == kind, findings
+
+
+def test_an_offloader_without_load_is_refused_with_the_fix() -> None:
+    with pytest.raises(HarnessError, match=r"in the offloader's factory, not a finding: .*no load\(\); an offloader has store") as raised:
+        Episode(EpisodeConfig(offloader="tests/test_offload.py:NoLoad"))
+    assert raised.value.status == 2  # the user's to fix
+
+
+def test_bad_declarations_and_specs_name_the_value_and_the_fix() -> None:
+    with pytest.raises(OffloaderSpecError, match="pass a tuple"):
+        OffloaderCapabilities(host_memory="pinned")
+    with pytest.raises(OffloaderSpecError, match="'huge' is not one of pinned, registered"):
+        OffloaderCapabilities(host_memory=("huge",))
+    with pytest.raises(OffloaderSpecError, match="'nope' is not a geometry"):
+        OffloaderCapabilities(geometries=("nope",))
+    with pytest.raises(OffloaderSpecError, match="file 'missing.py' does not exist"):
+        load_offloader("missing.py:make")
+    with pytest.raises(OffloaderSpecError, match="'module:attr'"):
+        load_offloader("no_colon")
+    with pytest.raises(TypeError, match="not a job id"):
+        finished_job_ids(["x"], "spec")
+    assert finished_job_ids([3, (4, False)], "spec") == [(3, True), (4, False)]
+
+
+def test_cache_block_map_names_the_blocks_a_view_meets() -> None:
+    cache = build_cache(geometry("ratio2"))  # two kernel blocks per logical block
+    blocks = CacheBlockMap(cache)
+    kv = cache.layer_tensors["model.layers.0.self_attn.attn"]
+    assert blocks.of_runs(byte_runs(kv[:, 6:8])) == {3}
+    assert blocks.of_runs(byte_runs(kv[:, 5:7])) == {2, 3}
+    assert blocks.of_runs([(cache.raws[0].data_ptr(), cache.raws[0].data_ptr() + 4)]) == set()  # a guard word
+
+
+def test_host_pool_mirrors_the_device_layout() -> None:
+    spec = geometry("kv_outer_bf16")
+    pool = build_host_pool(spec, memory="registered")
+    try:
+        device = build_cache(spec)
+        for name, tensor in device.layer_tensors.items():
+            assert pool.cache.layer_tensors[name].shape == tensor.shape and pool.cache.layer_tensors[name].device.type == "cpu"
+    finally:
+        pool.release()
+
+
+def test_offload_ops_minimize_with_their_slots() -> None:
+    """Dropping a store drops the loads and evictions of its slot, and the rest still replays."""
+    ops = [{"op": "start"}, {"op": "allocate", "n": 2}, {"op": "store", "block": 1}, {"op": "store", "block": 2},
+           {"op": "poll", "sync": 1}, {"op": "load", "slot": 2}, {"op": "poll", "sync": 1}, {"op": "evict", "slot": 1},
+           {"op": "write", "block": 7}]
+    refs = symbolic(ops, num_blocks=8)
+    assert concrete(refs, 8) == ops
+    without_first_store = concrete(refs[:2] + refs[3:], 8)
+    assert without_first_store == [{"op": "start"}, {"op": "allocate", "n": 2}, {"op": "store", "block": 2},
+                                   {"op": "poll", "sync": 1}, {"op": "load", "slot": 1}, {"op": "poll", "sync": 1},
+                                   {"op": "write", "block": 7}]
+    assert run_ops(_config("load_waits_forward"), without_first_store) == []
+
+
+def test_offload_campaigns_cover_every_geometry_and_host_pool() -> None:
+    campaigns = offload_campaigns(["sim"], f"{EXAMPLES}:load_waits_forward")
+    ids = {c.id for c, skipped in campaigns if skipped is None}
+    assert len(ids) == len(geometry_names()) * 2 * 2  # geometries x host pools x shards
+    assert any("host-registered" in i for i in ids) and all(c.expect == "clean" for c, _ in campaigns)
