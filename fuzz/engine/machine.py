@@ -360,12 +360,22 @@ class OffloadMachine(ZeroerMachine):
         if not block.cache and self._usable(block) and block.block not in self.episode.offload.busy:
             self._apply(op="store", block=block.block, stream=self._n_streams(stream))
 
-    @precondition(lambda self: bool(self.episode.groups[0].free) and bool(self._slots()))
+    def _loadable(self) -> list[int]:
+        slots = self.episode.offload.slots
+        return [i for i, s in enumerate(slots) if s.state in ("stored", "storing")]
+
+    # A slot whose store is still in flight may be chosen too: the caller then waits for it first,
+    # as an engine resuming a request waits for its KV to be saved (a poll after a device sync).
+    @precondition(lambda self: bool(self.episode.groups[0].free) and bool(self._loadable()))
     @rule(target=blocks, slot=st.integers(0, 7), stream=st.integers(0, 2), oldest=st.booleans())
     def load_slot(self, slot: int, stream: int, oldest: bool):
-        stored = self._slots()
-        block = self._apply(op="load", slot=stored[slot % len(stored)], stream=self._n_streams(stream),
-                            **({"oldest": 1} if oldest else {}))
+        candidates = self._loadable()
+        chosen = candidates[slot % len(candidates)]
+        if self.episode.offload.slots[chosen].state == "storing":
+            self._apply(op="poll", sync=1)
+            if self.episode.offload.slots[chosen].state != "stored" or not self.episode.groups[0].free:
+                return multiple()  # not reported even then: the end of the episode judges it
+        block = self._apply(op="load", slot=chosen, stream=self._n_streams(stream), **({"oldest": 1} if oldest else {}))
         return BlockRef(block, 0, self.episode._owners)
 
     @precondition(lambda self: self._enabled("evict_slot") and bool(self._slots(evictable=True)))

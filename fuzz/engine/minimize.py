@@ -12,7 +12,9 @@ rest still replays, and keeps every change after which the same kind of finding 
 1. cut the trace after the shortest prefix that shows it (a hazard stops the program at its op);
 2. drop chunks of ops, halves first, then quarters, down to single ops (never the ``start`` op);
 3. set each argument back to its default or make it smaller; an allocation shrinks to the blocks
-   later ops use, or to one, or merges with the allocation right after it (one zero call fewer);
+   later ops use, or to one, or merges with the allocation right after it (one zero call fewer),
+   or with the allocation before it, moved up to join it (``allocate, store, allocate`` becomes
+   ``allocate(n=2), store``);
 
 and repeats until a round changes nothing. On the simulator and in the controlled cuda mode a
 replay is exact (the schedule is in the ops), so the result is deterministic.
@@ -154,12 +156,25 @@ class _Search:
             ref = self.refs[index]
             variants = []
             if ref.allocation is not None:
-                variants += [v for v in (compact(self.refs, index), merge(self.refs, index)) if v is not None]
+                variants += [v for v in (compact(self.refs, index), merge(self.refs, index), self._joined(index))
+                             if v is not None]
             variants += [self.refs[:index] + [replace(ref, op=op)] + self.refs[index + 1:] for op in _smaller(ref.op)]
             for variant in variants:
                 if self.attempt(variant):
                     break
             index += 1
+
+
+    def _joined(self, index: int) -> list[Ref] | None:
+        """The allocation at ``index`` moved up to right after the allocation before it and merged
+        with it; None when there is none to join (or they are adjacent: ``merge`` tries that)."""
+        if self.refs[index].op.get("op") != "allocate":
+            return None
+        previous = next((j for j in range(index - 1, 0, -1) if self.refs[j].op.get("op") == "allocate"), None)
+        if previous is None or previous == index - 1:
+            return None
+        moved = self.refs[:previous + 1] + [self.refs[index]] + self.refs[previous + 1:index] + self.refs[index + 1:]
+        return merge(moved, previous)
 
 
 def minimize(violation: ZeroerViolation, *, deadline: float | None = None) -> Minimized:
