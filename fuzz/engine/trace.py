@@ -37,10 +37,10 @@ TRACE_VERSION = 1
 
 
 def trace_name(config: EpisodeConfig, ops: list[dict]) -> str:
-    """``<zeroer>-<geometry>-<hash of config and ops>.json``: one file per distinct finding."""
+    """``<zeroer or offloader>-<geometry>-<hash of config and ops>.json``: one file per distinct finding."""
     body = json.dumps({"config": dataclasses.asdict(config), "ops": ops}, sort_keys=True)
     digest = hashlib.sha256(body.encode()).hexdigest()[:16]
-    spec = config.zeroer
+    spec = getattr(config, "offloader", None) or config.zeroer  # an offload campaign's: its offloader
     if ".py:" in spec:  # a file's factory: its name, not the whole path
         spec = Path(spec.rpartition(":")[0]).name + ":" + spec.rpartition(":")[2]
     safe = spec.replace("/", "_").replace(":", "_").replace(".", "_")

@@ -132,6 +132,8 @@ def run_job(job: Job) -> dict[str, Any]:
         "kind": job.kind,
         "seed": job.seed,
         "geometry": job.config.geometry,
+        "backend": job.config.backend,
+        "mode": job.config.mode,
         "profile": job.profile,
         "campaign": Campaign(job.config, job.seed, "finds").id if job.profile == QUICK else None,
         **dataclasses.asdict(outcome),

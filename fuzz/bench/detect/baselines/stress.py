@@ -98,21 +98,48 @@ class EpisodeHooks:
 
 
 def draw_op(rng: random.Random, episode: Episode, live: list[int]) -> dict:
-    """One random op that is valid now, chosen uniformly among the ops that are enabled."""
+    """One random op that is valid now, chosen uniformly among the ops that are enabled. An offload
+    episode's loop also stores, loads, evicts and polls, keeping the caller's promises: a block under
+    a job is not written or freed (nor read while it loads) until the job is reported finished."""
     enabled = ["end_step", "sync_device", "sync_stream"]
     if episode.free:
         enabled.append("allocate")
-    if live:
-        enabled += ["free", "read", "write"]
+    offload = episode.offload
+    writable, readable = live, live
+    if offload is not None:
+        shadow = episode.shadow.blocks
+        writable = [b for b in live if b not in offload.busy and shadow[b].state == "live"]
+        readable = [b for b in live if shadow[b].state == "live"]
+        stored = [i for i, slot in enumerate(offload.slots) if slot.state == "stored"]
+        evictable = [i for i in stored if not offload.slots[i].loads]
+        enabled.append("poll")
+        if writable and offload.free_slots:
+            enabled.append("store")
+        if stored and episode.free:
+            enabled.append("load")
+        if evictable:
+            enabled.append("evict")
+    if writable:
+        enabled += ["free", "write"]
+    if readable:
+        enabled.append("read")
     name = rng.choice(sorted(enabled))
     streams = len(episode.streams)
+    if name == "store":
+        return {"op": name, "block": rng.choice(writable), "stream": rng.randrange(streams)}
+    if name == "load":
+        return {"op": name, "slot": rng.choice(stored), "stream": rng.randrange(streams), "oldest": rng.randrange(2)}
+    if name == "evict":
+        return {"op": name, "slot": rng.choice(evictable)}
+    if name == "poll":
+        return {"op": name, "sync": rng.randrange(2)}
+    if name in ("write", "free"):
+        return {"op": name, "block": rng.choice(writable), **({"stream": rng.randrange(streams)} if name == "write" else {})}
+    if name == "read":
+        return {"op": name, "block": rng.choice(readable), "stream": rng.randrange(streams)}
     if name == "allocate":
         n = rng.randint(1, SMALL_ALLOCATE) if rng.random() < 0.5 else rng.randint(SMALL_ALLOCATE + 1, MAX_ALLOCATE)
         return {"op": name, "n": min(n, len(episode.free)), "stream": rng.randrange(streams)}
-    if name in ("read", "write"):
-        return {"op": name, "block": rng.choice(live), "stream": rng.randrange(streams)}
-    if name == "free":
-        return {"op": name, "block": rng.choice(live)}
     if name == "sync_stream":
         return {"op": name, "stream": rng.randrange(streams)}
     return {"op": name}
@@ -166,6 +193,8 @@ def stress_loop(
                 outcome = hooks.apply(episode, op)
                 if op["op"] == "allocate":
                     live.extend(outcome)
+                elif op["op"] == "load":
+                    live.append(outcome)
                 elif op["op"] == "free":
                     live.remove(op["block"])
                 episode.new_hazard_findings()  # as the fuzzer does after every op; counted, not reported
