@@ -116,6 +116,12 @@ class CpuOffloadHandler:
         else:
             self.in_flight.append((job_id, done))
 
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until those jobs have finished (vLLM's ``wait``)."""
+        for job_id, done in self.in_flight:
+            if job_id in job_ids:
+                done.synchronize()
+
     def get_finished(self) -> list[tuple[int, bool]]:
         finished = [(job_id, True) for job_id in self.acked]
         self.acked = []

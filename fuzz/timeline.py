@@ -217,7 +217,7 @@ def build_timeline(trace: Trace) -> dict[str, Any]:
     """The trace-event JSON of one trace, replayed on the simulator (module docstring)."""
     replay = _replay(trace)
     config = trace.config
-    title = f"{config.zeroer} on {config.geometry}: {trace.path.name} (simulator replay)"
+    title = f"{config.offloader or config.zeroer} on {config.geometry}: {trace.path.name} (simulator replay)"
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": PID, "tid": HOST_TID, "args": {"name": title}},
         {"ph": "M", "name": "thread_name", "pid": PID, "tid": HOST_TID, "args": {"name": "host"}},
@@ -261,7 +261,7 @@ def build_timeline(trace: Trace) -> dict[str, Any]:
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {
-            "trace": str(trace.path), "zeroer": config.zeroer, "geometry": config.geometry,
+            "trace": str(trace.path), "zeroer": config.zeroer, "offloader": config.offloader, "geometry": config.geometry,
             "found on": config.backend, "replayed on": "sim", "campaign": trace.campaign, "seed": trace.seed,
             "clock": f"logical: 1 tick = {TICK_US} us on the ruler; a host op starts a tick, each device op that runs takes one",
             "ticks": end, **({"stopped": replay.stopped} if replay.stopped else {}),

@@ -95,6 +95,14 @@ def _check_runs_here(args: argparse.Namespace, config: EpisodeConfig) -> None:
         where = config.backend + (f" ({config.mode})" if config.backend == "cuda" else "")
         raise UsageError(f"zeroer {config.zeroer!r} of {args.trace} does not run on {where}; it runs on "
                          f"{', '.join(capabilities.backends)} (cuda modes: {', '.join(capabilities.cuda_modes)})")
+    if config.offloader is not None:
+        from zeroer.registry import load_offloader
+
+        offloader = load_offloader(config.offloader).capabilities
+        if not offloader.runs_on(config.backend, config.mode):
+            where = config.backend + (f" ({config.mode})" if config.backend == "cuda" else "")
+            raise UsageError(f"offloader {config.offloader!r} of {args.trace} does not run on {where}; it runs on "
+                             f"{', '.join(offloader.backends)} (cuda modes: {', '.join(offloader.cuda_modes)})")
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ small offloaders written here. The cuda cases run where there is a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -152,6 +153,36 @@ class NeverReports(engine_offloaders.CpuOffloadHandler):
 class ReportsFailure(engine_offloaders.CpuOffloadHandler):
     def get_finished(self):
         return [(job, False) for job, _ in super().get_finished()]
+
+
+@dataclasses.dataclass
+class TransferResult:  # vLLM's newer result type
+    job_id: int
+    success: bool
+
+
+class VllmShaped(engine_offloaders.CpuOffloadHandler):
+    """vLLM's handler shape: one transfer_async(job_id, (src, dst)) for both directions, each side
+    with block_ids (a numpy array) and medium(), and TransferResult objects from get_finished()."""
+
+    store = None
+    load = None
+
+    def transfer_async(self, job_id, spec):
+        src, dst = spec
+        if src.medium() == "GPU":
+            engine_offloaders.CpuOffloadHandler.store(self, job_id, src.block_ids.tolist(), dst.block_ids.tolist())
+        else:
+            engine_offloaders.CpuOffloadHandler.load(self, job_id, src.block_ids.tolist(), dst.block_ids.tolist())
+        return True
+
+    def get_finished(self):
+        return [TransferResult(job, ok) for job, ok in super().get_finished()]
+
+
+def test_vllm_handler_shape_is_taken_as_it_is() -> None:
+    ops = SHORTEST["load_acked_on_issue"] + [{"op": "poll", "sync": 1}, {"op": "read", "block": 7, "stream": 1}]
+    assert run_ops(EpisodeConfig(offloader="tests/test_offload.py:VllmShaped"), ops) == []
 
 
 class NoLoad:

@@ -440,6 +440,9 @@ class Episode:
     def _op_evict(self, slot: int) -> None:
         self._offload_side("evict").evict(slot)
 
+    def _op_wait(self, slot: int) -> list[int]:
+        return self._offload_side("wait").wait_for(slot)
+
     def _op_poll(self, sync: int = 0) -> list[int]:
         side = self._offload_side("poll")
         if sync:  # the caller waits for the device first (what vLLM's wait(job_ids) comes to)

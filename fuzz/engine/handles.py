@@ -82,6 +82,8 @@ def symbolic(ops: list[dict], num_blocks: int) -> list[Ref]:
             if free:
                 owner[(0, free.popleft() if op.get("oldest") else free.pop())] = (index, 0)
             refs.append(Ref(op, allocation=index, slot=slot_owner[op["slot"]]))
+        elif op.get("op") == "wait" and op.get("slot") in slot_owner:
+            refs.append(Ref(op, slot=slot_owner[op["slot"]]))
         elif op.get("op") == "evict" and op.get("slot") in slot_owner:
             refs.append(Ref(op, slot=slot_owner.pop(op["slot"])))
             slots.append(op["slot"])
@@ -117,9 +119,12 @@ def concrete(refs: list[Ref], num_blocks: int) -> list[dict] | None:
     ops = []
     for ref in refs:
         op = ref.op
-        if op.get("op") in ("load", "evict") and ref.slot is not None:
+        if op.get("op") in ("load", "evict", "wait") and ref.slot is not None:
             slot = placed_slots.get(ref.slot)
             if slot is None:  # its store was dropped: so is this op (and, for a load, its block)
+                continue
+            if op["op"] == "wait":
+                ops.append({**op, "slot": slot})
                 continue
             if op["op"] == "evict":
                 del placed_slots[ref.slot]

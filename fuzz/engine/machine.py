@@ -365,14 +365,14 @@ class OffloadMachine(ZeroerMachine):
         return [i for i, s in enumerate(slots) if s.state in ("stored", "storing")]
 
     # A slot whose store is still in flight may be chosen too: the caller then waits for it first,
-    # as an engine resuming a request waits for its KV to be saved (a poll after a device sync).
+    # as an engine resuming a request waits for its KV to be saved (the offloader's wait(job_ids)).
     @precondition(lambda self: bool(self.episode.groups[0].free) and bool(self._loadable()))
     @rule(target=blocks, slot=st.integers(0, 7), stream=st.integers(0, 2), oldest=st.booleans())
     def load_slot(self, slot: int, stream: int, oldest: bool):
         candidates = self._loadable()
         chosen = candidates[slot % len(candidates)]
         if self.episode.offload.slots[chosen].state == "storing":
-            self._apply(op="poll", sync=1)
+            self._apply(op="wait", slot=chosen)
             if self.episode.offload.slots[chosen].state != "stored" or not self.episode.groups[0].free:
                 return multiple()  # not reported even then: the end of the episode judges it
         block = self._apply(op="load", slot=chosen, stream=self._n_streams(stream), **({"oldest": 1} if oldest else {}))

@@ -11,8 +11,10 @@ harness's reference zeroer, which is not under test), a host pool of the cache's
   the queue's head) fenced as a zero call's blocks are (promise (a) of docs/contract.md);
 * ``evict``: a stored slot back to the queue, its bytes then overwritten on the host (the next
   tenant's, as a recycled host page's are: the NaN poison);
-* ``poll``: ``get_finished()`` (with ``sync``, after the caller has waited for the device, as
-  vLLM's ``wait(job_ids)`` does), and what the caller does with a finished job: a store's slot is
+* ``wait``: the caller waits for the store into a slot (the offloader's ``wait(job_ids)``, vLLM's,
+  or the whole device where it has none), then polls;
+* ``poll``: ``get_finished()`` (with ``sync``, after the caller has waited for the whole device),
+  and what the caller does with a finished job: a store's slot is
   read on the host at once; a loaded block is read on the main stream and is the caller's from then on.
 
 The caller keeps every promise of docs/offload-contract.md: a block under a store is not written
@@ -187,6 +189,19 @@ class OffloadSide:
         shadow.state, shadow.expect = "free", POISON_WORD
         shadow.history.append(episode._note("evict, then overwritten on the host"))
         self.free_slots.append(slot)
+
+    def wait_for(self, slot: int) -> list[int]:
+        """The caller waits for the store in flight into ``slot`` (the offloader's ``wait(job_ids)``,
+        or the whole device without one), then polls."""
+        self._slot(slot, "wait")
+        pending = {j.id for j in self.jobs.values() if j.kind == "store" and j.slot == slot and j.id not in self.reported}
+        episode = self.episode
+        if pending and self.offloader.waits:
+            with episode.rt.block_space(0), self._call(f"wait({sorted(pending)})"):
+                self.offloader.wait(pending)
+        elif pending:
+            episode._device_work(episode.rt.synchronize)
+        return self.poll()
 
     def poll(self) -> list[int]:
         """``get_finished()``; each finished job is checked and its memory handed back to the caller."""

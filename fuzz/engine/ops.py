@@ -47,6 +47,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "load": (("slot",), {"stream": 0, "oldest": 0}),
     "evict": (("slot",), {}),
     "poll": ((), {"sync": 0}),
+    "wait": (("slot",), {}),
 }
 OPS = tuple(sorted(FIELDS))
 _ALL = {name: frozenset(required) | frozenset(optional) for name, (required, optional) in FIELDS.items()}

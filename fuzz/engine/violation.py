@@ -35,5 +35,7 @@ class ZeroerViolation(AssertionError):
         self.findings = findings
         self.trace = trace
         self.config = config
-        head = f"{len(findings)} finding(s) for zeroer {config.zeroer!r} on {config.geometry} ({config.backend})"
+        offloader = getattr(config, "offloader", None)
+        under_test = f"offloader {offloader!r}" if offloader else f"zeroer {config.zeroer!r}"
+        head = f"{len(findings)} finding(s) for {under_test} on {config.geometry} ({config.backend})"
         super().__init__("\n".join([head] + [f"  - {f}" for f in findings[:10]]))

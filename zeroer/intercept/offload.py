@@ -42,7 +42,6 @@ class InterceptedOffloader(BoundOffloader):
         super().__init__(offloader, spec, capabilities)
         self.session = session
         self.pool = pool
-        self.regions = [session.host.lookup(raw) for raw in pool.cache.raws]
         store, load = self.store, self.load
 
         def store_in_session(job_id: int, block_ids: list[int], slot_ids: list[int]) -> None:
@@ -59,6 +58,10 @@ class InterceptedOffloader(BoundOffloader):
     def get_finished(self) -> list[tuple[int, bool]]:
         with self.session.running("get_finished"):
             return super().get_finished()
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self.session.running("wait"):
+            super().wait(job_ids)
 
     def warmup(self) -> None:
         with self.session.running("warmup"):

@@ -126,6 +126,8 @@ class InterceptMode(TorchFunctionMode):
         """A torch call on host tensors that live in pinned memory (an offloader's staging buffer, its
         host pool) reads them, or writes them where it works in place (``copy_``, ``fill_``, ``out=``):
         checked against the copies pending on those bytes, whatever values it writes."""
+        if getattr(self.session.rt, "executing", 0):
+            return  # the simulated device running a queued op (a copy into the pool): not the host
         host = self.session.host
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.device.type == "cpu"]
         pinned = [t for t in tensors if host.lookup(t) is not None]

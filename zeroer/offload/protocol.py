@@ -13,8 +13,14 @@ returning at once with the copy queued:
 * ``get_finished()``: the jobs that completed since the last call, without blocking: job ids, or
   ``(job_id, success)`` pairs as vLLM's ``TransferResult`` is.
 
-Optional, as for a zeroer: ``warmup()`` (called once before any job) and ``close()`` (wait for
-queued work and release; called at the end of every episode). A factory builds one:
+vLLM's handler shape is taken as it is too: an offloader with ``transfer_async(job_id, (src, dst))``
+instead of ``store`` and ``load`` gets spec objects whose ``block_ids`` is a numpy array and whose
+``medium()`` is ``"GPU"`` or ``"CPU"`` (a store is GPU -> CPU, a load CPU -> GPU), and
+``get_finished()`` may list vLLM's ``TransferResult`` objects (``job_id``, ``success``).
+
+Optional: ``wait(job_ids)`` (block until those jobs have finished, as vLLM's handlers do; without
+it the caller waits for the whole device instead), and, as for a zeroer, ``warmup()`` (called once
+before any job) and ``close()`` (wait for queued work and release; called at the end of every episode). A factory builds one:
 ``factory(cache, host_pool, runtime)``, where ``cache`` is the device KV cache, ``host_pool`` the
 host :class:`~zeroer.offload.host_pool.HostPool`'s cache (one slot per row, the device cache's
 layout) and ``runtime`` what a runtime-API component would use (a plain torch offloader must not).
@@ -149,6 +155,8 @@ def finished_job_ids(reported: Any, spec: str) -> list[tuple[int, bool]]:
     for item in reported:
         if isinstance(item, tuple) and len(item) == 2:
             job, ok = item
+        elif hasattr(item, "job_id"):  # vLLM's TransferResult dataclass
+            job, ok = item.job_id, getattr(item, "success", True)
         else:
             job, ok = item, True
         if isinstance(job, bool) or not isinstance(job, int):
@@ -160,26 +168,64 @@ def finished_job_ids(reported: Any, spec: str) -> list[tuple[int, bool]]:
     return out
 
 
+class BlockIds:
+    """A transfer side as vLLM's handlers read one: ``block_ids`` (a numpy int64 array) on ``medium()``."""
+
+    def __init__(self, medium: str, ids: list[int]) -> None:
+        import numpy as np
+
+        self._medium = medium
+        self.block_ids = np.asarray(ids, dtype=np.int64)
+
+    def medium(self) -> str:
+        return self._medium
+
+    def __repr__(self) -> str:
+        return f"{self._medium}{self.block_ids.tolist()}"
+
+
 class BoundOffloader:
     """A built offloader with its optional hooks resolved once (``warmup`` and ``close`` fall back to
     nothing)."""
 
     def __init__(self, offloader: object, spec: str, capabilities: OffloaderCapabilities) -> None:
-        missing = [name for name in REQUIRED if not callable(getattr(offloader, name, None))]
+        transfer = getattr(offloader, "transfer_async", None)
+        vllm_shape = callable(transfer) and not callable(getattr(offloader, "store", None))
+        missing = [name for name in REQUIRED if not callable(getattr(offloader, name, None))
+                   and not (vllm_shape and name in ("store", "load"))]
         if missing:
             raise OffloaderSpecError(
                 f"offloader {spec!r}: its factory returned a {type(offloader).__name__}, which has no "
                 f"{' or '.join(f'{m}()' for m in missing)}; an offloader has store(job_id, block_ids, slot_ids), "
-                f"load(job_id, slot_ids, block_ids) and get_finished()"
+                f"load(job_id, slot_ids, block_ids) (or vLLM's transfer_async(job_id, spec)) and get_finished()"
             )
         self.offloader = offloader
         self.spec = spec
         self.capabilities = capabilities
-        self.store: Callable[[int, list[int], list[int]], None] = offloader.store  # type: ignore[attr-defined]
-        self.load: Callable[[int, list[int], list[int]], None] = offloader.load  # type: ignore[attr-defined]
+        if vllm_shape:
+            def store(job_id: int, block_ids: list[int], slot_ids: list[int]) -> None:
+                transfer(job_id, (BlockIds("GPU", block_ids), BlockIds("CPU", slot_ids)))
+
+            def load(job_id: int, slot_ids: list[int], block_ids: list[int]) -> None:
+                transfer(job_id, (BlockIds("CPU", slot_ids), BlockIds("GPU", block_ids)))
+
+            self.store, self.load = store, load
+        else:
+            self.store = offloader.store  # type: ignore[attr-defined]
+            self.load = offloader.load  # type: ignore[attr-defined]
         self._get_finished: Callable[[], Any] = offloader.get_finished  # type: ignore[attr-defined]
         self._warmup = _hook(offloader, "warmup", spec)
         self._close = _hook(offloader, "close", spec)
+        self._wait = _hook(offloader, "wait", spec)
+
+    @property
+    def waits(self) -> bool:
+        """Whether it has ``wait(job_ids)``."""
+        return self._wait is not None
+
+    def wait(self, job_ids: set[int]) -> None:
+        if self._wait is not None:
+            self._wait(job_ids)
 
     def get_finished(self) -> list[tuple[int, bool]]:
         return finished_job_ids(self._get_finished(), self.spec)
