@@ -242,7 +242,7 @@ def test_the_installed_plugin_fuzzes_a_users_zeroer_from_an_empty_directory(tmp_
     assert script_run.returncode == 1 and "step.py:7 (<module>)" in script_run.stdout, script_run.stdout + script_run.stderr
 
     for script in ("kvzero-repro", "kvzero-detect", "kvzero-bench-kernel", "kvzero-bench-speed", "kvzero-bench-intercept",
-                   "kvzero-bench-examples", "kvzero-sanitize"):
+                   "kvzero-bench-examples", "kvzero-bench-offload", "kvzero-sanitize"):
         started = steps.run(f"{script} --help", [str(venv / "bin" / script), "--help"], cwd=work)
         assert started.returncode == 0 and "usage:" in started.stdout, started.stdout + started.stderr
 

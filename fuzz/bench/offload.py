@@ -49,8 +49,7 @@ from fuzz.engine.episode import EpisodeConfig
 from fuzz.environment import environment
 
 PROG = "python -m fuzz.bench.offload"
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "engine_offloaders.py"
-EXAMPLES_SPEC = "examples/engine_offloaders.py"
+DEFAULT_FILE = "examples/engine_offloaders.py"  # relative to the working directory: run from the checkout
 # method -> (the detect method it runs, backend, cuda mode)
 METHODS: dict[str, tuple[str, str, str]] = {
     "fuzz-sim": (FUZZ, "sim", "controlled"),
@@ -71,6 +70,7 @@ class OffloadBenchUsageError(UsageError, ValueError):
 
 @dataclass(frozen=True)
 class Args:
+    file: str
     backend: str
     methods: tuple[str, ...]
     entries: tuple[str, ...]
@@ -84,16 +84,24 @@ class Args:
     repro_dir: Path
 
 
-def verdicts() -> dict[str, str]:
-    """The examples' ``VERDICTS`` (factory name -> "racy" or "race-free")."""
-    spec = importlib.util.spec_from_file_location("_engine_offloaders_bench", EXAMPLES)
+def verdicts(file: str = DEFAULT_FILE) -> dict[str, str]:
+    """The ``VERDICTS`` of a file of offloaders (factory name -> "racy" or "race-free")."""
+    path = Path(file)
+    if not path.is_file():
+        raise OffloadBenchUsageError(f"--file {file!r} does not exist; run from the kvzero-fuzz checkout, or name a file "
+                                     f"of offloader factories with a VERDICTS dict")
+    spec = importlib.util.spec_from_file_location("_offloaders_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return dict(module.VERDICTS)
+    found = getattr(module, "VERDICTS", None)
+    if not isinstance(found, dict) or not found or not set(found.values()) <= {"racy", "race-free"}:
+        raise OffloadBenchUsageError(f"--file {file!r} has no VERDICTS dict of factory name -> 'racy' or 'race-free'")
+    return dict(found)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--file", default=DEFAULT_FILE, help=f"the offloader factories and their VERDICTS (default {DEFAULT_FILE})")
     parser.add_argument("--backend", default="sim", help="sim (fuzz-sim and stress on the simulator) or cuda (every method)")
     parser.add_argument("--methods", default=None, help=f"comma-separated, of: {', '.join(METHODS)}")
     parser.add_argument("--entries", default=None, help="comma-separated factory names of examples/engine_offloaders.py")
@@ -124,7 +132,7 @@ def parse_args(argv: list[str], cuda_available: bool) -> Args:
         raise OffloadBenchUsageError(f"--backend {options.backend!r} is not a backend; choose sim or cuda")
     if options.backend == "cuda" and not cuda_available:
         raise OffloadBenchUsageError("--backend cuda needs a CUDA GPU and none is visible here; use --backend sim")
-    known = verdicts()
+    known = verdicts(options.file)
     entries = tuple(known) if options.entries is None else tuple(n.strip() for n in options.entries.split(",") if n.strip())
     for name in entries or ("",):
         if name not in known:
@@ -152,7 +160,7 @@ def parse_args(argv: list[str], cuda_available: bool) -> Args:
     if options.geometry not in GEOMETRIES:
         raise OffloadBenchUsageError(f"--geometry {options.geometry!r}; choose one of {', '.join(sorted(GEOMETRIES))}")
     json_path = None if options.json is None else check_output("--json", Path(options.json), "file path")
-    return Args(options.backend, methods, entries, _positive("--seeds", options.seeds, "3"), budget, steps_clean,
+    return Args(options.file, options.backend, methods, entries, _positive("--seeds", options.seeds, "3"), budget, steps_clean,
                 options.geometry, options.host_memory, _positive("-j", options.jobs, "4"), json_path, Path(options.repro_dir))
 
 
@@ -160,12 +168,12 @@ def _config(args: Args, entry: str, method: str) -> EpisodeConfig:
     _, backend, mode = METHODS[method]
     if backend == "cuda" and args.backend != "cuda":
         backend = "sim"  # the stress loop on the simulator where there is no GPU
-    return EpisodeConfig(offloader=f"{EXAMPLES_SPEC}:{entry}", geometry=args.geometry, backend=backend, mode=mode,
+    return EpisodeConfig(offloader=f"{args.file}:{entry}", geometry=args.geometry, backend=backend, mode=mode,
                          host_memory=args.host_memory)
 
 
 def jobs_for(args: Args) -> list[Job]:
-    known = verdicts()
+    known = verdicts(args.file)
     jobs = []
     for method in args.methods:
         for entry in args.entries:
@@ -246,7 +254,7 @@ def _main(argv: list[str]) -> int:
     args = parse_args(argv, torch.cuda.is_available())
     if args.steps_clean is not None:
         return _soak(args, argv)
-    known = verdicts()
+    known = verdicts(args.file)
     started = time.perf_counter()
     records = []
     for record in run_jobs(jobs_for(args), args.jobs):
@@ -265,7 +273,7 @@ def _main(argv: list[str]) -> int:
 
 def _soak(args: Args, argv: list[str]) -> int:
     """Each race-free example fuzzed with fresh seeds until ``steps_clean`` steps; any finding fails."""
-    known = verdicts()
+    known = verdicts(args.file)
     entries = [e for e in args.entries if known[e] == "race-free"]
     method = args.methods[0]
     totals = {e: 0 for e in entries}
