@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     again.add_argument("--profile", default="quick", help="the profile the run used (the summary's totals.profile)")
     again.add_argument("--summary", type=Path, default=None, help="regenerate every finding of this summary JSON")
     again.add_argument("--zeroer", default=None, help="the --zeroer SPEC of the run, for a campaign of an outside zeroer")
+    again.add_argument("--offloader", default=None, help="the --offloader SPEC of the run, for an offload campaign (a summary names it itself)")
     again.add_argument("--repro-dir", type=Path, default=Path("repro/failures"))
     picture = sub.add_parser("timeline", help="draw a trace's host and stream tracks (Perfetto JSON and HTML)")
     picture.add_argument("trace", type=Path)
@@ -133,7 +134,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         runs = [Regeneration(args.campaign, args.seed, args.profile)]
     missed = 0
     for run in runs:
-        result = regenerate(run, args.repro_dir, args.zeroer)
+        result = regenerate(run, args.repro_dir, args.zeroer, args.offloader)
         if result.trace_path is None:
             missed += 1
             print(f"{run.campaign} seed {run.seed} ({run.profile}): no finding this time")

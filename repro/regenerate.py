@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fuzz.cli import UsageError
-from fuzz.engine.campaigns import PROFILES, Campaign, CampaignResult, default_campaigns, run_campaign
+from fuzz.engine.campaigns import PROFILES, Campaign, CampaignResult, default_campaigns, offload_campaigns, run_campaign
 
 
 class RegenerateError(UsageError):
@@ -33,18 +33,20 @@ class Regeneration:
     seed: int
     profile: str
     expected_trace: str | None = None  # the trace path the summary named, if any
+    offloader: str | None = None  # an offload campaign's offloader spec, as the summary names it
 
 
-def find_campaign(campaign_id: str, zeroer: str | None = None) -> Campaign:
-    """The campaign whose id is ``campaign_id``, among the default ones (or ``zeroer``'s)."""
-    pairs = (default_campaigns(["cuda", "sim"], zeroer) if zeroer else []) + default_campaigns(["cuda", "sim"])
+def find_campaign(campaign_id: str, zeroer: str | None = None, offloader: str | None = None) -> Campaign:
+    """The campaign whose id is ``campaign_id``, among the default ones (or ``zeroer``'s, or ``offloader``'s)."""
+    pairs = (offload_campaigns(["cuda", "sim"], offloader) if offloader else [])
+    pairs += (default_campaigns(["cuda", "sim"], zeroer) if zeroer else []) + default_campaigns(["cuda", "sim"])
     candidates = [campaign for campaign, _ in pairs]
     for campaign in candidates:
         if campaign.id == campaign_id:
             return campaign
     near = [c.id for c in candidates if c.id.split("-")[0] == campaign_id.split("-")[0]][:6]
     hint = f"; campaigns of that zeroer: {', '.join(near)}" if near else "; `pytest fuzz --collect-only -q` lists them"
-    extra = "" if zeroer else " (a campaign of an outside zeroer also needs --zeroer SPEC)"
+    extra = "" if zeroer or offloader else " (a campaign of an outside zeroer also needs --zeroer SPEC, an offloader's --offloader SPEC)"
     raise RegenerateError(f"unknown campaign {campaign_id!r}{extra}{hint}")
 
 
@@ -82,14 +84,15 @@ def from_summary(path: Path) -> list[Regeneration]:
             raise RegenerateError(f"{path}: field 'campaigns[{index}].campaign' is {record.get('campaign')!r}; it must be a campaign id")
         # A campaign that stopped at a bug another had shrunk (same_as) names that campaign's trace, not its own.
         own_trace = None if record.get("same_as") else record.get("trace")
-        runs.append(Regeneration(record["campaign"], seeds[-1], profile, own_trace))
+        offloader = record.get("offloader") if isinstance(record.get("offloader"), str) else None
+        runs.append(Regeneration(record["campaign"], seeds[-1], profile, own_trace, offloader))
     return runs
 
 
-def regenerate(run: Regeneration, repro_dir: Path, zeroer: str | None = None) -> CampaignResult:
+def regenerate(run: Regeneration, repro_dir: Path, zeroer: str | None = None, offloader: str | None = None) -> CampaignResult:
     if run.profile not in PROFILES:
         raise RegenerateError(f"unknown profile {run.profile!r}; choose one of {', '.join(PROFILES)}")
-    campaign = find_campaign(run.campaign, zeroer)
+    campaign = find_campaign(run.campaign, zeroer, offloader or run.offloader)
     if campaign.config.backend != "sim":
         import torch
 

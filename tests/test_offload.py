@@ -262,3 +262,17 @@ def test_offload_campaigns_cover_every_geometry_and_host_pool() -> None:
     ids = {c.id for c, skipped in campaigns if skipped is None}
     assert len(ids) == len(geometry_names()) * 2 * 2  # geometries x host pools x shards
     assert any("host-registered" in i for i in ids) and all(c.expect == "clean" for c, _ in campaigns)
+
+
+def test_an_offload_campaign_regenerates_from_its_summary_record(tmp_path: Path) -> None:
+    import json
+
+    from repro.regenerate import find_campaign, from_summary
+
+    spec = f"{EXAMPLES}:store_without_compute_event"
+    campaign = Campaign(_config("store_without_compute_event"), shard=0, expect="clean")
+    assert find_campaign(campaign.id, offloader=spec) == campaign
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"totals": {"profile": "quick"}, "campaigns": [
+        {"campaign": campaign.id, "found": True, "seeds": [7], "offloader": spec}]}))
+    assert from_summary(summary)[0].offloader == spec

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The offload fuzzer's GPU evidence (docs/fuzz-your-offloader.md, "Detection"): one command, under
+# 8 minutes on an H200, from the repository root:
+#   bash fuzz/bench/offload-evidence.sh OUTDIR
+# 1. the GPU cases of tests/test_offload.py (each racy example's shortest program forced in the
+#    controlled mode, its race-free twin clean);
+# 2. the detection table: every example under fuzz (controlled and free-running), the stress loop
+#    and PyTorch's CUDA sanitizer, 2 seeds, 60 s each at most;
+# 3. the race-free examples free-running until 20,000 steps each.
+# Each stage has its own time limit, so the whole ends within 8 minutes whatever happens; a stage
+# cut off says "exit 124" in its log. The results go into OUTDIR/offload-evidence.tar.gz.
+set -u
+out=${1:?give an output directory}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+month=$(date +%Y-%m)
+export PYTHONUNBUFFERED=1
+timeout 60 $py -m pytest tests/test_offload.py -k "cuda" -q -p no:cacheprovider --tb=short -rfE \
+  > "$out/gpu-tests.txt" 2>&1; echo "exit $?" >> "$out/gpu-tests.txt"
+timeout 240 $py -m fuzz.bench.offload --backend cuda --seeds 2 --budget 60 -j "${WORKERS:-8}" \
+  --json "$out/h200-offload-$month.json" > "$out/detect.txt" 2> "$out/detect-progress.txt"
+echo "exit $?" >> "$out/detect.txt"
+timeout 150 $py -m fuzz.bench.offload --backend cuda --steps-clean 20000 --budget 30 -j 4 \
+  --json "$out/h200-offload-soak-$month.json" > "$out/soak.txt" 2> "$out/soak-progress.txt"
+echo "exit $?" >> "$out/soak.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+tar -czf "$out/offload-evidence.tar.gz" -C "$out" --exclude offload-evidence.tar.gz .
