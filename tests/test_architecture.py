@@ -31,7 +31,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "zeroer.protocol": ("zeroer.errors", "zeroer.cache", "zeroer.id_containers"),
     "zeroer.kernel": ("zeroer.errors", "zeroer.cache"),
     "zeroer.triton_cpu": (),
-    "zeroer.offload": ("zeroer.errors", "zeroer.cache"),
+    "zeroer.offload": ("zeroer.errors", "zeroer.cache", "zeroer.id_containers", "zeroer.protocol"),
     "zeroer.designs": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol"),
     "zeroer.zoo": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol",
                    "zeroer.designs"),

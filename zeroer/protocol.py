@@ -96,23 +96,13 @@ class Capabilities:
                 f"Capabilities(api={self.api!r}) is not an api; choose 'torch' (plain torch and Triton, "
                 f"intercepted) or 'runtime' (written against zeroer.runtime)"
             )
-        _check_subset("backends", self.backends, ALL_BACKENDS)
-        _check_subset("cuda_modes", self.cuda_modes, ALL_CUDA_MODES)
+        check_subset("backends", self.backends, ALL_BACKENDS)
+        check_subset("cuda_modes", self.cuda_modes, ALL_CUDA_MODES)
         if self.ids_as is not None:
-            _check_subset("ids_as", self.ids_as, IDS_CONTAINERS)
+            check_subset("ids_as", self.ids_as, IDS_CONTAINERS)
         if not isinstance(self.follows_reallocation, bool):
             raise ZeroerSpecError(f"Capabilities(follows_reallocation={self.follows_reallocation!r}): pass True or False")
-        if self.geometries is not None:
-            from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES  # the presets live above this module
-
-            known = {**GEOMETRIES, **LARGE_GEOMETRIES}
-            unknown = [g for g in self.geometries if g not in known]
-            if unknown or not self.geometries:
-                raise ZeroerSpecError(
-                    f"Capabilities(geometries={self.geometries!r}): "
-                    + (f"{unknown[0]!r} is not a geometry" if unknown else "name at least one geometry")
-                    + f"; known: {', '.join(sorted(known))} (or None for every one)"
-                )
+        check_geometries(self.geometries)
 
     def supports_geometry(self, name: str) -> bool:
         return self.geometries is None or name in self.geometries
@@ -124,28 +114,53 @@ class Capabilities:
         return backend != "cuda" or mode is None or mode in self.cuda_modes
 
 
-def _check_subset(name: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+def check_subset(name: str, values: tuple[str, ...], allowed: tuple[str, ...], record: str = "Capabilities",
+                  error: type[Exception] = ZeroerSpecError) -> None:
     bad = [v for v in values if v not in allowed]
     if bad or not values:
-        raise ZeroerSpecError(
-            f"Capabilities({name}={values!r}): "
+        raise error(
+            f"{record}({name}={values!r}): "
             + (f"{bad[0]!r} is not one of {', '.join(allowed)}" if bad else f"name at least one of {', '.join(allowed)}")
         )
 
 
-def check_factory(factory: object, spec: str) -> Capabilities:
-    """Check that ``factory`` can build zeroers and return what it declares (the defaults if nothing)."""
+def check_geometries(geometries: tuple[str, ...] | None, record: str = "Capabilities",
+                     error: type[Exception] = ZeroerSpecError) -> None:
+    """Declared geometries name presets (None: every one), or ``error`` names the bad one."""
+    if geometries is None:
+        return
+    from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES  # the presets live above this module
+
+    known = {**GEOMETRIES, **LARGE_GEOMETRIES}
+    unknown = [g for g in geometries if g not in known]
+    if unknown or not geometries:
+        raise error(
+            f"{record}(geometries={geometries!r}): "
+            + (f"{unknown[0]!r} is not a geometry" if unknown else "name at least one geometry")
+            + f"; known: {', '.join(sorted(known))} (or None for every one)"
+        )
+
+
+def check_callable_factory(factory: object, spec: str, parameters: tuple[str, ...], what: str = "zeroer",
+                           error: type[Exception] = ZeroerSpecError) -> None:
+    """``factory`` is callable with ``parameters`` (names for the message), or ``error`` says why."""
+    shape = f"factory({', '.join(parameters)})"
     if not callable(factory):
-        raise ZeroerSpecError(f"zeroer {spec!r} is {type(factory).__name__}, not a factory(cache, runtime)")
+        raise error(f"{what} {spec!r} is {type(factory).__name__}, not a {shape}")
     try:
-        inspect.signature(factory).bind(object(), object())
+        inspect.signature(factory).bind(*(object() for _ in parameters))
     except TypeError as exc:
-        raise ZeroerSpecError(
-            f"zeroer {spec!r} has signature {inspect.signature(factory)}; a factory must accept "
-            f"(cache, runtime): {exc}"
+        raise error(
+            f"{what} {spec!r} has signature {inspect.signature(factory)}; a factory must accept "
+            f"({', '.join(parameters)}): {exc}"
         ) from None
     except ValueError:  # builtins without a signature: accept and let the call decide
         pass
+
+
+def check_factory(factory: object, spec: str) -> Capabilities:
+    """Check that ``factory`` can build zeroers and return what it declares (the defaults if nothing)."""
+    check_callable_factory(factory, spec, ("cache", "runtime"))
     declared = getattr(factory, "capabilities", None)  # the one place a declaration is read
     if declared is None:
         return Capabilities()
@@ -157,14 +172,19 @@ def check_factory(factory: object, spec: str) -> Capabilities:
     return declared
 
 
-def _hook(zeroer: object, name: str, spec: str) -> Callable[[], None] | None:
-    hook = getattr(zeroer, name, None)
+def optional_hook(obj: object, name: str, spec: str, what: str = "zeroer",
+                  error: type[Exception] = ZeroerSpecError) -> Callable[..., None] | None:
+    """``obj``'s optional method ``name``, or None; an attribute of that name that is not callable is ``error``."""
+    hook = getattr(obj, name, None)
     if hook is not None and not callable(hook):
-        raise ZeroerSpecError(
-            f"zeroer {spec!r}: its {name} attribute is a {type(hook).__name__}, not a method; "
+        raise error(
+            f"{what} {spec!r}: its {name} attribute is a {type(hook).__name__}, not a method; "
             f"define {name}(self) -> None or remove it"
         )
     return hook
+
+
+_hook = optional_hook
 
 
 def _required_arguments(hook: Callable[..., Any], spec: str, name: str) -> int:

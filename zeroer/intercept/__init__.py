@@ -120,16 +120,21 @@ def bind(loaded: Any, cache: KVCache, runtime: Runtime, **options: Any) -> Inter
     if runtime.scheduled:
         check_no_gpu_packages(loaded.spec, runtime.backend)
     session = InterceptSession(runtime, loaded.spec)
-    if runtime.backend == "sim":
-        from zeroer.intercept.cache_view import SimCacheView
-
-        seen: Any = SimCacheView(cache, session)
-    else:
-        session.cuda_ops.note_cache([raw.untyped_storage().data_ptr() for raw in cache.raws])
-        seen = cache
+    seen = cache_as_seen(cache, session)
     with session.running("__init__"):
         zeroer = loaded.factory(seen, _RuntimeRefused(loaded.spec), **options)
     return InterceptedZeroer(zeroer, loaded.spec, loaded.capabilities, session)
+
+
+def cache_as_seen(cache: KVCache, session: Any) -> Any:
+    """The KV cache as the session's code is handed it: a view of simulated CUDA tensors over the
+    same memory on the simulator, the cache itself on CUDA (whose storages the session then knows)."""
+    if session.backend == "sim":
+        from zeroer.intercept.cache_view import SimCacheView
+
+        return SimCacheView(cache, session)
+    session.cuda_ops.note_cache([raw.untyped_storage().data_ptr() for raw in cache.raws])
+    return cache
 
 
 @contextlib.contextmanager

@@ -97,7 +97,7 @@ def _session_class() -> type:
 
 def bind_offloader(loaded: Any, cache: KVCache, pool: HostPool, runtime: Runtime) -> InterceptedOffloader:
     """Build ``loaded``'s offloader for ``cache`` and ``pool`` on ``runtime`` under interception."""
-    from zeroer.intercept import _RuntimeRefused
+    from zeroer.intercept import _RuntimeRefused, cache_as_seen
     from zeroer.intercept.unroutable import check_no_gpu_packages
 
     OffloaderSession = _session_class()
@@ -108,13 +108,7 @@ def bind_offloader(loaded: Any, cache: KVCache, pool: HostPool, runtime: Runtime
     session.block_map = CacheBlockMap(cache)
     for raw in pool.cache.raws:
         session.host.register(raw, origin=f"the harness's host KV pool, {pool.origin()}")
-    if runtime.backend == "sim":
-        from zeroer.intercept.cache_view import SimCacheView
-
-        seen: Any = SimCacheView(cache, session)
-    else:
-        session.cuda_ops.note_cache([raw.untyped_storage().data_ptr() for raw in cache.raws])
-        seen = cache
+    seen = cache_as_seen(cache, session)
     with session.running("__init__"):
         offloader = loaded.factory(seen, pool.cache, _RuntimeRefused(loaded.spec))
     return InterceptedOffloader(offloader, loaded.spec, loaded.capabilities, session, pool)

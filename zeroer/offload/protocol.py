@@ -40,13 +40,14 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from zeroer.errors import ZeroerError
 from zeroer.offload.host_pool import HOST_MEMORY
+from zeroer.protocol import check_subset
+from zeroer.protocol import check_callable_factory, check_geometries, optional_hook
 
 ALL_BACKENDS = ("sim", "cuda")
 ALL_CUDA_MODES = ("controlled", "free")
@@ -86,17 +87,7 @@ class OffloaderCapabilities:
         _check_subset("backends", self.backends, ALL_BACKENDS)
         _check_subset("cuda_modes", self.cuda_modes, ALL_CUDA_MODES)
         _check_subset("host_memory", self.host_memory, HOST_MEMORY)
-        if self.geometries is not None:
-            from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES  # the presets live above this module
-
-            known = {**GEOMETRIES, **LARGE_GEOMETRIES}
-            unknown = [g for g in self.geometries if g not in known]
-            if unknown or not self.geometries:
-                raise OffloaderSpecError(
-                    f"OffloaderCapabilities(geometries={self.geometries!r}): "
-                    + (f"{unknown[0]!r} is not a geometry" if unknown else "name at least one geometry")
-                    + f"; known: {', '.join(sorted(known))} (or None for every one)"
-                )
+        check_geometries(self.geometries, "OffloaderCapabilities", OffloaderSpecError)
 
     @property
     def api(self) -> str:
@@ -112,27 +103,12 @@ class OffloaderCapabilities:
 
 
 def _check_subset(name: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
-    bad = [v for v in values if v not in allowed]
-    if bad or not values:
-        raise OffloaderSpecError(
-            f"OffloaderCapabilities({name}={values!r}): "
-            + (f"{bad[0]!r} is not one of {', '.join(allowed)}" if bad else f"name at least one of {', '.join(allowed)}")
-        )
+    check_subset(name, values, allowed, "OffloaderCapabilities", OffloaderSpecError)
 
 
 def check_offloader_factory(factory: object, spec: str) -> OffloaderCapabilities:
     """Check that ``factory`` can build offloaders and return what it declares (the defaults if nothing)."""
-    if not callable(factory):
-        raise OffloaderSpecError(f"offloader {spec!r} is {type(factory).__name__}, not a factory(cache, host_pool, runtime)")
-    try:
-        inspect.signature(factory).bind(object(), object(), object())
-    except TypeError as exc:
-        raise OffloaderSpecError(
-            f"offloader {spec!r} has signature {inspect.signature(factory)}; a factory must accept "
-            f"(cache, host_pool, runtime): {exc}"
-        ) from None
-    except ValueError:  # no signature to read: let the call decide
-        pass
+    check_callable_factory(factory, spec, ("cache", "host_pool", "runtime"), "offloader", OffloaderSpecError)
     declared = getattr(factory, "capabilities", None)
     if declared is None:
         return OffloaderCapabilities()
@@ -239,11 +215,5 @@ class BoundOffloader:
             self._close()
 
 
-def _hook(offloader: object, name: str, spec: str) -> Callable[[], None] | None:
-    hook = getattr(offloader, name, None)
-    if hook is not None and not callable(hook):
-        raise OffloaderSpecError(
-            f"offloader {spec!r}: its {name} attribute is a {type(hook).__name__}, not a method; "
-            f"define {name}(self) -> None or remove it"
-        )
-    return hook
+def _hook(offloader: object, name: str, spec: str) -> Callable[..., None] | None:
+    return optional_hook(offloader, name, spec, "offloader", OffloaderSpecError)
