@@ -118,7 +118,7 @@ ROWS: list[Row] = [
               "zeroer 'zoo.int32_offset_4gib' runs on cuda only"),
     trace_row({"ops[1].n": "a"}, "error: bad.json: field 'ops[1].n' is 'a'; it must be an integer"),
     trace_row({"ops[1].op": "explode"}, "error: bad.json: field 'ops[1].op' is 'explode'; known ops: advance, allocate, "
-              "delay, end_step, evict, free, load, poll, read, reallocate, start, store, sync_device, sync_stream, write"),
+              "delay, end_step, evict, free, load, poll, read, reallocate, start, store, sync_device, sync_stream, wait, write"),
     trace_row({"ops[2].m": 1}, "error: bad.json: field 'ops[2].m' is not a field of op 'allocate' (its fields are: n, "
               "stream, cache, ids_as, then)"),
     trace_row({"ops[1].ids_as": "set"}, "error: bad.json: field 'ops[1].ids_as' is 'set'; choose one of list, tuple, array, tensor"),
@@ -145,7 +145,8 @@ ROWS: list[Row] = [
     trace_row({}, "error: -o 'README.md/x.py': 'README.md' is a file, not a directory; give a file path you can write to",
               command="python -m repro export bad.json -o README.md/x.py"),
     Row("python -m repro regenerate nope-tiny-sim-shard0 --seed 1 --repro-dir out/", 2,
-        "error: unknown campaign 'nope-tiny-sim-shard0' (a campaign of an outside zeroer also needs --zeroer SPEC); "
+        "error: unknown campaign 'nope-tiny-sim-shard0' (a campaign of an outside zeroer also needs --zeroer SPEC, an "
+        "offloader's --offloader SPEC); "
         "`pytest fuzz --collect-only -q` lists them"),
     Row("python -m repro regenerate ring-tiny-sim-k-torch-shard0 --seed 1 --profile weekly --repro-dir out/", 2,
         "error: unknown profile 'weekly'; choose one of quick, ci, nightly"),
