@@ -193,7 +193,7 @@ def test_a_seed_from_a_summary_regenerates_the_same_shrunk_trace(tmp_path, capsy
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["regenerate", "nope-tiny-sim-shard0", "--seed", "1"], r"error: unknown campaign 'nope-tiny-sim-shard0' \(a campaign of an outside zeroer also needs --zeroer SPEC\); `pytest fuzz --collect-only -q` lists them"),
+        (["regenerate", "nope-tiny-sim-shard0", "--seed", "1"], r"error: unknown campaign 'nope-tiny-sim-shard0' \(a campaign of an outside zeroer also needs --zeroer SPEC, an offloader's --offloader SPEC\); `pytest fuzz --collect-only -q` lists them"),
         (["regenerate", "ring-tiny-sim-shard9", "--seed", "1"], r"error: unknown campaign 'ring-tiny-sim-shard9' .*; campaigns of that zeroer: ring-.*"),
         (["regenerate", "ring-tiny-sim-k-torch-shard0"], r"error: give CAMPAIGN --seed N \(from a summary\), or --summary FILE"),
         (["regenerate", "ring-tiny-sim-k-torch-shard0", "--seed", "1", "--profile", "weekly"], r"error: unknown profile 'weekly'; choose one of quick, ci, nightly"),
