@@ -276,3 +276,51 @@ def test_an_offload_campaign_regenerates_from_its_summary_record(tmp_path: Path)
     summary.write_text(json.dumps({"totals": {"profile": "quick"}, "campaigns": [
         {"campaign": campaign.id, "found": True, "seeds": [7], "offloader": spec}]}))
     assert from_summary(summary)[0].offloader == spec
+
+
+def test_cuda_offloader_accesses_name_the_blocks_their_bytes_meet() -> None:
+    """The cuda backend's mapping of an offloader's op to blocks (zeroer.intercept.cuda_ops), run on
+    host tensors standing in for device ones: only the address arithmetic is under test here."""
+    from types import SimpleNamespace
+
+    from zeroer.intercept.cuda_ops import CudaOps
+    from zeroer.intercept.session import InterceptSession
+
+    cache = build_cache(geometry("tiny"))
+    session = SimpleNamespace(share=SimpleNamespace(recorded=set()), block_map=CacheBlockMap(cache), ids=(5,))
+    ops = CudaOps(session)
+    ops.note_cache([raw.untyped_storage().data_ptr() for raw in cache.raws])
+    kv = cache.layer_tensors["model.layers.0.self_attn.attn"]
+    staging = torch.zeros(2, 4, 2, 4)
+    _, _, access = ops._offloader_accesses([kv[:, 3], staging], [], None)  # a store's copy out of block 3
+    assert session.block_map.of_runs(access.read) == {3} and not access.written and not access.rows_unknown
+    block2 = kv[:, 2]
+    _, _, access = ops._offloader_accesses([block2, staging], [block2], None)  # a load's copy into block 2
+    assert session.block_map.of_runs(access.written) == {2} and not access.read
+    rows = torch.tensor([1, 6])  # index_copy_ into rows a host index names
+    _, _, access = ops._offloader_accesses([kv, rows], [kv], (0, 1, rows, True, kv))
+    assert session.block_map.of_runs(access.written) == {1, 6}
+    on_device = torch.empty(2, dtype=torch.int64, device="meta")  # rows chosen by device values: the call's blocks
+    _, _, access = ops._offloader_accesses([kv], [kv], (0, 1, on_device, True, kv))
+    assert access.rows_unknown and not access.written
+    assert InterceptSession._declare(session, [], [], access)["blocks_written"] == [5]
+
+
+def test_a_copy_between_the_device_and_pinned_memory_is_not_a_host_op() -> None:
+    """On CUDA a ``pinned.copy_(device_tensor, non_blocking=True)`` reaches the torch-function mode
+    with a CPU destination; it is the device's queued copy, not a host write of the pinned bytes."""
+    from types import SimpleNamespace
+
+    from zeroer.intercept.torch_mode import InterceptMode
+
+    seen = []
+    host = SimpleNamespace(lookup=lambda t: "region", host_write=lambda *a: seen.append("write"),
+                           host_read=lambda *a: seen.append("read"))
+    session = SimpleNamespace(backend="cuda", host=host, rt=SimpleNamespace(), block_map=object(), call="store#1",
+                              boundary=lambda what: None)
+    mode = InterceptMode(session)
+    pinned, device_like = torch.zeros(4), torch.zeros(4, device="meta")
+    mode._host_op(torch.Tensor.copy_, (pinned, device_like), {})
+    assert seen == []
+    mode._host_op(torch.Tensor.copy_, (pinned, torch.ones(4)), {})  # host to host: a write of the pinned bytes
+    assert seen == ["write", "read"]

@@ -91,9 +91,8 @@ class CudaOps(TorchDispatchMode):
         read_runs: list[tuple[int, int]] = []
         write_runs: list[tuple[int, int]] = []
         target = None
-        if indexed is not None:
-            position, dim, index, write = indexed
-            target = indexed[4]
+        if indexed is not None:  # (position, dim, index, writes, the indexed tensor)
+            _, dim, index, write, target = indexed
             if on_cache(target):
                 if index.device.type == "cpu":
                     (write_runs if write else read_runs).extend(row_runs(target, dim, index.reshape(-1).tolist()))

@@ -128,8 +128,11 @@ class InterceptMode(TorchFunctionMode):
         checked against the copies pending on those bytes, whatever values it writes."""
         if getattr(self.session.rt, "executing", 0):
             return  # the simulated device running a queued op (a copy into the pool): not the host
+        every = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        if any(v.device.type != "cpu" for v in every):
+            return  # a copy to or from the device: a queued op of the device's, checked as one
         host = self.session.host
-        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.device.type == "cpu"]
+        tensors = every
         pinned = [t for t in tensors if host.lookup(t) is not None]
         if not pinned:
             return
