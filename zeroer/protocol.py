@@ -56,8 +56,36 @@ class Zeroer(Protocol):
 ZeroerFactory = Callable[[Any, Any], Zeroer]
 
 
+class Declared:
+    """What a component's declaration shares, zeroer or offloader: its tuples of names, and where
+    it runs (its ``backends``, ``cuda_modes`` and ``geometries``)."""
+
+    backends: tuple[str, ...]
+    cuda_modes: tuple[str, ...]
+    geometries: tuple[str, ...] | None
+
+    def _tuples(self, names: tuple[str, ...], error: type[Exception]) -> None:
+        """Each of ``names`` as a tuple; a bare string is refused (``("sim")`` is a string)."""
+        record = type(self).__name__
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise error(f"{record}({name}={value!r}): pass a tuple of names, e.g. {name}=({value!r},)")
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+
+    def supports_geometry(self, name: str) -> bool:
+        return self.geometries is None or name in self.geometries
+
+    def runs_on(self, backend: str, mode: str | None = None) -> bool:
+        """Whether it runs on ``backend`` (and, on cuda, in ``mode``)."""
+        if backend not in self.backends:
+            return False
+        return backend != "cuda" or mode is None or mode in self.cuda_modes
+
+
 @dataclass(frozen=True)
-class Capabilities:
+class Capabilities(Declared):
     """What a zeroer's factory declares about it (every field has the default an engine's class needs).
 
     * ``api``: ``"torch"`` (the default) for a zeroer written in plain torch, Triton and
@@ -85,12 +113,7 @@ class Capabilities:
     ids_as: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("backends", "cuda_modes", "geometries", "ids_as"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                raise ZeroerSpecError(f"Capabilities({name}={value!r}): pass a tuple of names, e.g. {name}=({value!r},)")
-            if value is not None:
-                object.__setattr__(self, name, tuple(value))
+        self._tuples(("backends", "cuda_modes", "geometries", "ids_as"), ZeroerSpecError)
         if self.api not in APIS:
             raise ZeroerSpecError(
                 f"Capabilities(api={self.api!r}) is not an api; choose 'torch' (plain torch and Triton, "
@@ -103,15 +126,6 @@ class Capabilities:
         if not isinstance(self.follows_reallocation, bool):
             raise ZeroerSpecError(f"Capabilities(follows_reallocation={self.follows_reallocation!r}): pass True or False")
         check_geometries(self.geometries)
-
-    def supports_geometry(self, name: str) -> bool:
-        return self.geometries is None or name in self.geometries
-
-    def runs_on(self, backend: str, mode: str | None = None) -> bool:
-        """Whether it runs on ``backend`` (and, on cuda, in ``mode``)."""
-        if backend not in self.backends:
-            return False
-        return backend != "cuda" or mode is None or mode in self.cuda_modes
 
 
 def check_subset(name: str, values: tuple[str, ...], allowed: tuple[str, ...], record: str = "Capabilities",
@@ -184,9 +198,6 @@ def optional_hook(obj: object, name: str, spec: str, what: str = "zeroer",
     return hook
 
 
-_hook = optional_hook
-
-
 def _required_arguments(hook: Callable[..., Any], spec: str, name: str) -> int:
     """How many arguments ``hook`` needs (0, or 1: vLLM's ``warmup(num_kv_blocks)``)."""
     try:
@@ -233,9 +244,9 @@ class BoundZeroer:
             self.ids_as: tuple[str, ...] = declared if declared is not None else accepted_containers(call, spec)
         except ValueError as error:  # an annotation that admits no container the caller has
             raise ZeroerSpecError(str(error)) from None
-        self._warmup = _hook(zeroer, "warmup", spec)
+        self._warmup = optional_hook(zeroer, "warmup", spec)
         self._warmup_takes_blocks = self._warmup is not None and _required_arguments(self._warmup, spec, "warmup") == 1
-        self._close = _hook(zeroer, "close", spec)
+        self._close = optional_hook(zeroer, "close", spec)
 
     def warmup(self, num_blocks: int) -> None:
         """Compile and load the zeroer's kernels; ``num_blocks`` for a ``warmup(num_kv_blocks)``."""

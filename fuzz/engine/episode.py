@@ -433,10 +433,12 @@ class Episode:
         return self.offload
 
     def _op_store(self, block: int, stream: int = 0) -> int:
-        return self._offload_side("store").store(block, self._stream_index(stream))
+        self._stream(stream)  # checked before anything changes
+        return self._offload_side("store").store(block, stream)
 
     def _op_load(self, slot: int, stream: int = 0, oldest: int = 0) -> int:
-        return self._offload_side("load").load(slot, self._stream_index(stream), bool(oldest))
+        self._stream(stream)
+        return self._offload_side("load").load(slot, stream, bool(oldest))
 
     def _op_evict(self, slot: int) -> None:
         self._offload_side("evict").evict(slot)
@@ -446,13 +448,9 @@ class Episode:
 
     def _op_poll(self, sync: int = 0) -> list[int]:
         side = self._offload_side("poll")
-        if sync:  # the caller waits for the device first (what vLLM's wait(job_ids) comes to)
+        if sync:  # the caller waits for the whole device first
             self._device_work(self.rt.synchronize)
         return side.poll()
-
-    def _stream_index(self, index: int) -> int:
-        self._stream(index)  # checks it
-        return index
 
     def _op_reallocate(self, cache: int = 0) -> None:
         # The engine moves its KV cache (a resize, a re-initialisation): the host drains the

@@ -22,8 +22,8 @@ only make a candidate fail to replay (the minimizer then keeps the larger progra
 
 An offload campaign's ops (:mod:`fuzz.engine.offload`) are handled the same way: a ``load``
 allocates one block (the queue's tail, or with ``oldest`` its head), a ``store`` takes a host slot
-from the slots' own FIFO queue (slots 1..N-1), and a ``load`` or ``evict`` names its slot by the
-store that took it, so dropping a store drops the loads and evictions of its slot.
+from the slots' own FIFO queue (slots 1..N-1), and a ``load``, ``wait`` or ``evict`` names its slot
+by the store that took it, so dropping a store drops the ops on its slot.
 
 Example::
 
@@ -48,7 +48,7 @@ class Ref:
     op: dict
     allocation: int | None = None  # an allocate op: its stable id (its index in the original trace)
     handle: Handle | None = None  # an op on a block: which allocation's block, and which of them
-    slot: int | None = None  # a load or evict: the index of the store that took its host slot
+    slot: int | None = None  # a load, wait or evict: the index of the store that took its host slot
     store: int | None = None  # a store: its stable id (its index in the original trace)
 
 

@@ -33,7 +33,7 @@ nothing more. The oracle then judges:
 
 Example::
 
-    episode = Episode(EpisodeConfig(offloader="examples/engine_offloaders.py:event_ordered", zeroer="reference"))
+    episode = Episode(EpisodeConfig(offloader="examples/engine_offloaders.py:store_after_compute_event"))
     episode.apply({"op": "start"})
     block = episode.apply({"op": "allocate", "n": 1})[0]
     episode.apply({"op": "write", "block": block})
@@ -47,9 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from fuzz.engine.oracle import Finding, Shadow, describe_word
+from fuzz.engine.oracle import Finding, Shadow
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import POISON_WORD
 from zeroer.offload import build_host_pool
@@ -71,7 +69,6 @@ class Job:
     slot: int
     word: int  # the word the destination must hold once the job is done
     step: int
-    stream: int
 
 
 @dataclass
@@ -139,7 +136,7 @@ class OffloadSide:
             raise ValueError("store: no host slot is free (evict one first)")
         slot = self.free_slots.popleft()
         episode._order_before(group, block, stream)  # its writes are ordered before the caller's stream
-        job = self._new_job("store", block, slot, group.shadow.blocks[block].expect, stream)
+        job = self._new_job("store", block, slot, group.shadow.blocks[block].expect)
         shadow = self.slots[slot]
         shadow.state = "storing"
         shadow.history.append(episode._note(f"store job {job.id}: block {block} on stream {stream}"))
@@ -163,7 +160,7 @@ class OffloadSide:
         episode._order_before(group, block, stream)  # promise (a): its last tenant is ordered before
         group.last.pop(block, None)
         episode._owners += 1
-        job = self._new_job("load", block, slot, shadow.expect, stream)
+        job = self._new_job("load", block, slot, shadow.expect)
         shadow.loads += 1
         shadow.history.append(episode._note(f"load job {job.id} into block {block} on stream {stream}"))
         block_shadow = group.shadow.blocks[block]
@@ -241,7 +238,7 @@ class OffloadSide:
             observed.append(view.clone())
         shadow.state, shadow.expect = "stored", job.word
         shadow.history.append(episode._note(f"store job {job.id} reported finished"))
-        finding = _VERIFY.verify(job.slot, job.word, observed, f"step {episode.step} (store job {job.id} reported finished)",
+        finding = Shadow.verify(job.slot, job.word, observed, f"step {episode.step} (store job {job.id} reported finished)",
                                  shadow.history, kind="transfer not done", noun="host slot")
         if finding is not None:
             self._finding(finding.kind, None, finding.message)
@@ -262,7 +259,6 @@ class OffloadSide:
     # -- the end --------------------------------------------------------------------------------------
     def finish(self) -> None:
         """After the device is idle: every job reported, every slot holding what it should."""
-        episode = self.episode
         self.poll()
         for job in self.jobs.values():
             if job.id not in self.reported:
@@ -275,7 +271,7 @@ class OffloadSide:
                 continue
             words = [pool.pages(seg)[slot] for seg in range(len(pool.segments))]
             kind = "stray write" if shadow.expect == POISON_WORD else "slot clobbered"
-            finding = _VERIFY.verify(slot, shadow.expect, words, "the end of the episode", shadow.history, kind=kind,
+            finding = Shadow.verify(slot, shadow.expect, words, "the end of the episode", shadow.history, kind=kind,
                                      noun="host slot")
             if finding is not None:
                 self._finding(finding.kind, None, finding.message)
@@ -300,8 +296,8 @@ class OffloadSide:
             raise ValueError(f"{what} slot {slot!r}: the host pool has slots 1..{len(self.slots) - 1}")
         return self.slots[slot]
 
-    def _new_job(self, kind: str, block: int, slot: int, word: int, stream: int) -> Job:
-        job = Job(self.next_job, kind, block, slot, word, self.episode.step, stream)
+    def _new_job(self, kind: str, block: int, slot: int, word: int) -> Job:
+        job = Job(self.next_job, kind, block, slot, word, self.episode.step)
         self.next_job += 1
         self.jobs[job.id] = job
         self.busy[block] = job.id
@@ -313,11 +309,3 @@ class OffloadSide:
         episode.findings.append(finding)
         episode.fresh_findings.append(finding)
 
-    def pending(self) -> int:
-        return len(self.jobs) - len(self.reported)
-
-    def describe(self, word: int) -> str:
-        return describe_word(word)
-
-
-_VERIFY = Shadow(2)  # its verify() phrases a difference; it reads nothing of the instance

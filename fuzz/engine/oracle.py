@@ -117,8 +117,9 @@ class Shadow:
         shadow.state, shadow.expect = "free", POISON_WORD
         shadow.history.append(note)
 
+    @staticmethod
     def verify(
-        self, block: int, expect: int, segments: list[torch.Tensor], where: str, history: list[str],
+        block: int, expect: int, segments: list[torch.Tensor], where: str, history: list[str],
         *, kind: str | None = None, noun: str = "block",
     ) -> Finding | None:
         """Compare the words observed for ``block`` (one tensor per segment) with ``expect``;
@@ -130,7 +131,7 @@ class Shadow:
                 continue
             index = int(bad[0])
             observed = int(words[index])
-            found = kind or self._classify(expect, observed)
+            found = kind or Shadow._classify(expect, observed)
             story = "; ".join(history[-4:]) or "no recorded history"
             message = (
                 f"{found}: {noun} {block}, segment {seg}, word {index} ({bad.numel()} of "

@@ -15,7 +15,7 @@ scope every call runs in (its constructor, ``warmup``, each ``store``, ``load`` 
 
 Example::
 
-    loaded = load_offloader("examples/engine_offloaders.py:event_ordered_store")   # zeroer.registry
+    loaded = load_offloader("examples/engine_offloaders.py:store_after_compute_event")   # zeroer.registry
     offloader = bind_offloader(loaded, cache, pool, runtime)
     with runtime.use_stream(stream):
         offloader.store(2, [3], [1])              # queued on the simulated streams
@@ -30,6 +30,7 @@ import torch
 
 from zeroer.cache.block_map import CacheBlockMap
 from zeroer.cache.layout import KVCache
+from zeroer.intercept.session import InterceptSession
 from zeroer.offload.host_pool import HostPool
 from zeroer.offload.protocol import BoundOffloader
 from zeroer.runtime import Runtime
@@ -86,21 +87,16 @@ class InterceptedOffloader(BoundOffloader):
             host.host_read(region, view, label)
 
 
-def _session_class() -> type:
-    from zeroer.intercept.session import InterceptSession
+class OffloaderSession(InterceptSession):
+    """An offloader's session: named as the offloader (``the offloader``, stream ``offloader-1``)."""
 
-    class OffloaderSession(InterceptSession):
-        role = "offloader"
-
-    return OffloaderSession
+    role = "offloader"
 
 
 def bind_offloader(loaded: Any, cache: KVCache, pool: HostPool, runtime: Runtime) -> InterceptedOffloader:
     """Build ``loaded``'s offloader for ``cache`` and ``pool`` on ``runtime`` under interception."""
     from zeroer.intercept import _RuntimeRefused, cache_as_seen
     from zeroer.intercept.unroutable import check_no_gpu_packages
-
-    OffloaderSession = _session_class()
 
     if runtime.scheduled:
         check_no_gpu_packages(loaded.spec, runtime.backend)

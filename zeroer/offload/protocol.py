@@ -46,11 +46,8 @@ from typing import Any
 
 from zeroer.errors import ZeroerError
 from zeroer.offload.host_pool import HOST_MEMORY
-from zeroer.protocol import check_subset
-from zeroer.protocol import check_callable_factory, check_geometries, optional_hook
+from zeroer.protocol import ALL_BACKENDS, ALL_CUDA_MODES, Declared, check_callable_factory, check_geometries, check_subset, optional_hook
 
-ALL_BACKENDS = ("sim", "cuda")
-ALL_CUDA_MODES = ("controlled", "free")
 REQUIRED = ("store", "load", "get_finished")
 
 
@@ -61,7 +58,7 @@ class OffloaderSpecError(ZeroerError, ValueError):
 
 
 @dataclass(frozen=True)
-class OffloaderCapabilities:
+class OffloaderCapabilities(Declared):
     """What an offloader's factory declares (every default is what an engine's class needs).
 
     * ``backends``, ``cuda_modes``: where it runs.
@@ -78,32 +75,10 @@ class OffloaderCapabilities:
     host_memory: tuple[str, ...] = HOST_MEMORY
 
     def __post_init__(self) -> None:
-        for name in ("backends", "cuda_modes", "geometries", "host_memory"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                raise OffloaderSpecError(f"OffloaderCapabilities({name}={value!r}): pass a tuple of names, e.g. {name}=({value!r},)")
-            if value is not None:
-                object.__setattr__(self, name, tuple(value))
-        _check_subset("backends", self.backends, ALL_BACKENDS)
-        _check_subset("cuda_modes", self.cuda_modes, ALL_CUDA_MODES)
-        _check_subset("host_memory", self.host_memory, HOST_MEMORY)
+        self._tuples(("backends", "cuda_modes", "geometries", "host_memory"), OffloaderSpecError)
+        for name, allowed in (("backends", ALL_BACKENDS), ("cuda_modes", ALL_CUDA_MODES), ("host_memory", HOST_MEMORY)):
+            check_subset(name, getattr(self, name), allowed, "OffloaderCapabilities", OffloaderSpecError)
         check_geometries(self.geometries, "OffloaderCapabilities", OffloaderSpecError)
-
-    @property
-    def api(self) -> str:
-        return "torch"
-
-    def supports_geometry(self, name: str) -> bool:
-        return self.geometries is None or name in self.geometries
-
-    def runs_on(self, backend: str, mode: str | None = None) -> bool:
-        if backend not in self.backends:
-            return False
-        return backend != "cuda" or mode is None or mode in self.cuda_modes
-
-
-def _check_subset(name: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
-    check_subset(name, values, allowed, "OffloaderCapabilities", OffloaderSpecError)
 
 
 def check_offloader_factory(factory: object, spec: str) -> OffloaderCapabilities:
@@ -190,9 +165,8 @@ class BoundOffloader:
             self.store = offloader.store  # type: ignore[attr-defined]
             self.load = offloader.load  # type: ignore[attr-defined]
         self._get_finished: Callable[[], Any] = offloader.get_finished  # type: ignore[attr-defined]
-        self._warmup = _hook(offloader, "warmup", spec)
-        self._close = _hook(offloader, "close", spec)
-        self._wait = _hook(offloader, "wait", spec)
+        self._warmup, self._close, self._wait = (optional_hook(offloader, name, spec, "offloader", OffloaderSpecError)
+                                                 for name in ("warmup", "close", "wait"))
 
     @property
     def waits(self) -> bool:
@@ -214,6 +188,3 @@ class BoundOffloader:
         if self._close is not None:
             self._close()
 
-
-def _hook(offloader: object, name: str, spec: str) -> Callable[..., None] | None:
-    return optional_hook(offloader, name, spec, "offloader", OffloaderSpecError)

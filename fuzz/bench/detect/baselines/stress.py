@@ -133,10 +133,10 @@ def draw_op(rng: random.Random, episode: Episode, live: list[int]) -> dict:
         return {"op": name, "slot": rng.choice(evictable)}
     if name == "poll":
         return {"op": name, "sync": rng.randrange(2)}
-    if name in ("write", "free"):
-        return {"op": name, "block": rng.choice(writable), **({"stream": rng.randrange(streams)} if name == "write" else {})}
-    if name == "read":
-        return {"op": name, "block": rng.choice(readable), "stream": rng.randrange(streams)}
+    if name in ("read", "write"):
+        return {"op": name, "block": rng.choice(readable if name == "read" else writable), "stream": rng.randrange(streams)}
+    if name == "free":
+        return {"op": name, "block": rng.choice(writable)}
     if name == "allocate":
         n = rng.randint(1, SMALL_ALLOCATE) if rng.random() < 0.5 else rng.randint(SMALL_ALLOCATE + 1, MAX_ALLOCATE)
         return {"op": name, "n": min(n, len(episode.free)), "stream": rng.randrange(streams)}
