@@ -172,18 +172,25 @@ def check_callable_factory(factory: object, spec: str, parameters: tuple[str, ..
         pass
 
 
+def declaration(factory: object, spec: str, record: type, package: str = "zeroer.protocol", what: str = "zeroer",
+                error: type[Exception] = ZeroerSpecError) -> Any:
+    """What ``factory`` declares as its ``capabilities`` attribute, a ``record`` (the defaults if
+    nothing); anything else is ``error``. The one place a declaration is read."""
+    declared = getattr(factory, "capabilities", None)
+    if declared is None:
+        return record()
+    if not isinstance(declared, record):
+        raise error(
+            f"{what} {spec!r} declares capabilities = {declared!r} ({type(declared).__name__}); "
+            f"declare a {package}.{record.__name__}(...) instead"
+        )
+    return declared
+
+
 def check_factory(factory: object, spec: str) -> Capabilities:
     """Check that ``factory`` can build zeroers and return what it declares (the defaults if nothing)."""
     check_callable_factory(factory, spec, ("cache", "runtime"))
-    declared = getattr(factory, "capabilities", None)  # the one place a declaration is read
-    if declared is None:
-        return Capabilities()
-    if not isinstance(declared, Capabilities):
-        raise ZeroerSpecError(
-            f"zeroer {spec!r} declares capabilities = {declared!r} ({type(declared).__name__}); "
-            f"declare a zeroer.protocol.Capabilities(...) instead"
-        )
-    return declared
+    return declaration(factory, spec, Capabilities)
 
 
 def optional_hook(obj: object, name: str, spec: str, what: str = "zeroer",

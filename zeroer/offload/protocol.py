@@ -46,7 +46,8 @@ from typing import Any
 
 from zeroer.errors import ZeroerError
 from zeroer.offload.host_pool import HOST_MEMORY
-from zeroer.protocol import ALL_BACKENDS, ALL_CUDA_MODES, Declared, check_callable_factory, check_geometries, check_subset, optional_hook
+from zeroer.protocol import (ALL_BACKENDS, ALL_CUDA_MODES, Declared, check_callable_factory, check_geometries, check_subset,
+                             declaration, optional_hook)
 
 REQUIRED = ("store", "load", "get_finished")
 
@@ -84,15 +85,7 @@ class OffloaderCapabilities(Declared):
 def check_offloader_factory(factory: object, spec: str) -> OffloaderCapabilities:
     """Check that ``factory`` can build offloaders and return what it declares (the defaults if nothing)."""
     check_callable_factory(factory, spec, ("cache", "host_pool", "runtime"), "offloader", OffloaderSpecError)
-    declared = getattr(factory, "capabilities", None)
-    if declared is None:
-        return OffloaderCapabilities()
-    if not isinstance(declared, OffloaderCapabilities):
-        raise OffloaderSpecError(
-            f"offloader {spec!r} declares capabilities = {declared!r} ({type(declared).__name__}); "
-            f"declare a zeroer.offload.OffloaderCapabilities(...) instead"
-        )
-    return declared
+    return declaration(factory, spec, OffloaderCapabilities, "zeroer.offload", "offloader", OffloaderSpecError)
 
 
 def finished_job_ids(reported: Any, spec: str) -> list[tuple[int, bool]]:
