@@ -19,8 +19,9 @@ examples instead: each is fuzzed with fresh seeds (``fuzz-free`` on a GPU, ``fuz
 it has run N steps; any finding fails it.
 
 Exit status: 0 when every racy example was found by every fuzz method run, on every seed, with a
-trace of at most 6 ops (forced replays showing it at least 19 times in 20 in the controlled mode),
-and no race-free one was; 1 otherwise; 2 for a bad command line.
+trace of at most 6 ops that showed again in 20 of 20 replays (at least 19 of 20 forced replays in
+the controlled mode), and no race-free one was; 1 otherwise, a finding without its trace length or
+its replays included; 2 for a bad command line.
 
 Run it::
 
@@ -60,7 +61,8 @@ METHODS: dict[str, tuple[str, str, str]] = {
 }
 FUZZ_METHODS = ("fuzz-sim", "fuzz-controlled", "fuzz-free")
 MAX_TRACE = 6  # ops, start included: what a found race must shrink to
-MIN_FORCED = 19  # of 20 forced replays in the controlled mode
+REPLAYS = 20  # a finding's shrunk trace is replayed this many times (fuzz.bench.detect.run)
+MIN_FORCED = 19  # of 20 forced replays in the controlled mode; every other fuzz method, all 20
 DEFAULT_REPRO_DIR = Path("repro/failures/offload")
 
 
@@ -198,7 +200,8 @@ def summarize(records: list[dict], known: dict[str, str]) -> list[dict[str, Any]
     for record in records:
         key = (record["entry"], _method_of(record))
         row = rows.setdefault(key, {"entry": key[0], "verdict": known[key[0]], "method": key[1], "runs": 0, "found": 0,
-                                    "seconds": [], "trace_len": [], "reproduced": [], "steps": 0, "errors": []})
+                                    "seconds": [], "trace_len": [], "reproduced": [], "steps": 0, "errors": [],
+                                    "no_trace_len": 0, "no_replays": 0})
         row["runs"] += 1
         row["steps"] += record["steps"] or 0
         if record.get("error"):
@@ -209,8 +212,12 @@ def summarize(records: list[dict], known: dict[str, str]) -> list[dict[str, Any]
                 row["seconds"].append(record["seconds"])
             if record["trace_len"] is not None:
                 row["trace_len"].append(record["trace_len"])
-            if record.get("reproduced") is not None:
+            else:
+                row["no_trace_len"] += 1
+            if record.get("reproduced") is not None and record.get("replays") is not None:
                 row["reproduced"].append(f"{record['reproduced']}/{record['replays']}")
+            else:
+                row["no_replays"] += 1
     out = []
     for row in rows.values():
         row["median_s"] = round(statistics.median(row["seconds"]), 2) if row["seconds"] else None
@@ -219,21 +226,43 @@ def summarize(records: list[dict], known: dict[str, str]) -> list[dict[str, Any]
 
 
 def judge(rows: list[dict]) -> list[str]:
-    """What fails the run (empty: it passed)."""
+    """What fails the run (empty: it passed): the promise of the module docstring, row by row.
+
+    A racy example's fuzz row passes only with every seed's finding measured: its trace length at
+    most :data:`MAX_TRACE` and its :data:`REPLAYS` replays showing it every time (at least
+    :data:`MIN_FORCED` forced ones in the controlled mode). A finding without its trace length or
+    its replays fails the row: what was not measured was not shown.
+    """
     failures = []
     for row in rows:
+        where = f"{row['entry']} / {row['method']}"
         if row["errors"]:
-            failures.append(f"{row['entry']} / {row['method']}: {row['errors'][0]}")
+            failures.append(f"{where}: {row['errors'][0]}")
         elif row["verdict"] == "race-free" and row["found"]:
-            failures.append(f"{row['entry']} / {row['method']}: a race-free example was reported racy")
+            failures.append(f"{where}: a race-free example was reported racy")
         elif row["verdict"] == "racy" and row["method"] in FUZZ_METHODS:
+            needed = MIN_FORCED if row["method"] == "fuzz-controlled" else REPLAYS
+            short = [r for r in row["reproduced"] if _shown(r) < needed]
             if row["found"] < row["runs"]:
-                failures.append(f"{row['entry']} / {row['method']}: found on {row['found']} of {row['runs']} seeds")
+                failures.append(f"{where}: found on {row['found']} of {row['runs']} seeds")
+            elif row["no_trace_len"]:
+                failures.append(f"{where}: {row['no_trace_len']} finding(s) without a trace length "
+                                f"(at most {MAX_TRACE} ops needed)")
             elif any(n > MAX_TRACE for n in row["trace_len"]):
-                failures.append(f"{row['entry']} / {row['method']}: a trace of {max(row['trace_len'])} ops (at most {MAX_TRACE})")
-            elif row["method"] == "fuzz-controlled" and any(int(r.split("/")[0]) < MIN_FORCED for r in row["reproduced"]):
-                failures.append(f"{row['entry']} / {row['method']}: forced replays {row['reproduced']} (at least {MIN_FORCED}/20)")
+                failures.append(f"{where}: a trace of {max(row['trace_len'])} ops (at most {MAX_TRACE})")
+            elif row["no_replays"]:
+                failures.append(f"{where}: {row['no_replays']} finding(s) without replay data "
+                                f"(at least {needed}/{REPLAYS} replays needed)")
+            elif short:
+                forced = "forced " if row["method"] == "fuzz-controlled" else ""
+                failures.append(f"{where}: {forced}replays {', '.join(short)} (at least {needed}/{REPLAYS})")
     return failures
+
+
+def _shown(reproduced: str) -> int:
+    """How many of :data:`REPLAYS` replays showed the finding, from ``"k/n"``; fewer replays count as none."""
+    shown, replays = (int(n) for n in reproduced.split("/"))
+    return shown if replays == REPLAYS else -1
 
 
 def render(rows: list[dict]) -> str:
