@@ -48,6 +48,9 @@ _COPY = _ops("copy_.default")
 _TO_COPY = _ops("_to_copy.default")
 _UNSUPPORTED = _ops("set_.source_Storage", "set_.source_Tensor", "set_.default", "resize_.default",
                     "resize_as_.default", "set_.source_Storage_storage_offset")
+# ``t.set_(storage, offset, size, stride)``: t now views other bytes (vLLM's register_kv_caches views a
+# registered host buffer or a device storage in another shape); no byte is read or written.
+SET_STORAGE = _ops("set_.source_Storage", "set_.source_Storage_storage_offset", "set_.source_Tensor")
 # Output shape depends on the data: CUDA copies a count to the host, which synchronises.
 _DATA_SHAPED = _ops("nonzero.default", "masked_select.default", "repeat_interleave.Tensor", "unique_dim.default",
                     "_unique2.default", "_unique.default", "unique_consecutive.default")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from racecheck.ops import NUMPY_INTEGERS, args_by_position, indexed_rows, kind, masked_rows, op_name, written_args
+from racecheck.ops import NUMPY_INTEGERS, SET_STORAGE, args_by_position, indexed_rows, kind, masked_rows, op_name, written_args
 from racecheck.ranges import row_runs
 from sanitizer.sites import Site, caller_site
 
@@ -31,8 +31,8 @@ _INDEX_DTYPES = {**NUMPY_INTEGERS, torch.bool: np.bool_}  # a boolean mask's val
 def pinned_access(watch: Any, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Site | None:
     """Check ``func``'s host reads and writes of pinned memory (``watch`` is a
     :class:`~sanitizer.watch.HostWatch`); the op's site when it touches any, else None."""
-    if kind(func) in ("view", "alloc"):
-        return None  # metadata only: a view reads nothing yet
+    if kind(func) in ("view", "alloc") or func in SET_STORAGE:
+        return None  # metadata only: a view (or set_ onto a storage) reads nothing yet
     lookup = watch.pinned.lookup
     pinned = [t for t in tensors if lookup(t) is not None]
     if not pinned:

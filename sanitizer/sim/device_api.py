@@ -20,17 +20,51 @@ import torch
 from zeroer.intercept.errors import unroutable
 from zeroer.origin import stand_in
 
-CUDA_SUCCESS = 0
+class CudaError(int):
+    """What torch's ``cudart()`` calls return: its pybind11 enum ``cudaError`` (``torch._C._cudart``),
+    which engines read as ``.value`` (vLLM's offload handler), ``int(...)``, ``== 0`` or through
+    ``torch.cuda.check_error``. An ``int`` subclass with the enum's ``value``, ``name`` and repr."""
+
+    @property
+    def value(self) -> int:
+        return int(self)
+
+    @property
+    def name(self) -> str:
+        return "success" if self == 0 else "???"
+
+    def __repr__(self) -> str:
+        return f"<cudaError.{self.name}: {int(self)}>"
+
+    def __str__(self) -> str:
+        return f"cudaError.{self.name}"
+
+
+class _CudaErrorEnum:
+    """``torch.cuda.cudart().cudaError``: the enum torch binds, of which only ``success`` is named."""
+
+    success = CudaError(0)
+
+    def __call__(self, value: int) -> CudaError:
+        return CudaError(int(value))
+
+
+CUDA_SUCCESS = CudaError(0)
 
 
 @stand_in
 class CudaRuntimeLibrary:
     """What ``torch.cuda.cudart()`` returns on the simulator: the calls engines make on it."""
 
+    cudaError = _CudaErrorEnum()  # noqa: N815 - CUDA's name
+
     def __init__(self, session: Any) -> None:
         self._session = session
 
-    def cudaHostRegister(self, address: int, nbytes: int, flags: int = 0) -> int:  # noqa: N802 - CUDA's name
+    def cudaGetErrorString(self, error: int) -> str:  # noqa: N802
+        return "no error" if int(error) == 0 else f"CUDA error {int(error)}"
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int = 0) -> CudaError:  # noqa: N802 - CUDA's name
         session = self._session
         with session.lock:
             session.boundary("cudaHostRegister")
@@ -38,7 +72,7 @@ class CudaRuntimeLibrary:
                                         site=session.watch.last_site)
         return CUDA_SUCCESS
 
-    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+    def cudaHostUnregister(self, address: int) -> CudaError:  # noqa: N802
         session = self._session
         with session.lock:
             session.boundary("cudaHostUnregister")
@@ -49,10 +83,10 @@ class CudaRuntimeLibrary:
         total = 80 * 2**30
         return total, total
 
-    def cudaProfilerStart(self) -> int:  # noqa: N802
+    def cudaProfilerStart(self) -> CudaError:  # noqa: N802
         return CUDA_SUCCESS
 
-    def cudaProfilerStop(self) -> int:  # noqa: N802
+    def cudaProfilerStop(self) -> CudaError:  # noqa: N802
         return CUDA_SUCCESS
 
     def __getattr__(self, name: str) -> Any:
@@ -71,9 +105,9 @@ def device_api(session: Any) -> dict[str, Any]:
         session.boundary("torch.cuda._sleep")
 
     def check_error(result: int) -> None:
-        """``torch.cuda.check_error(cudart().cudaHostRegister(...))``: the stand-ins return success."""
-        if int(getattr(result, "value", result) or 0) != CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA error {result}")
+        """``torch.cuda.check_error(cudart().cudaHostRegister(...))``: as torch's, an enum or an int."""
+        if int(result) != CUDA_SUCCESS:
+            raise RuntimeError(library.cudaGetErrorString(result))
 
     def seed(value: int) -> None:
         # The simulated device draws from the CPU generator, so seeding it seeds that one (not through

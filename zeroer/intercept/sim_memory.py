@@ -51,6 +51,7 @@ class Block:
     waits: list[Event] = field(default_factory=list)  # events that must complete before reuse
     cache_tensor: int | None = None  # the KV cache's raw tensor index, for adopted cache memory
     generation: int = 1  # how many times the allocator has handed these bytes out
+    nbytes: int = 0  # the bytes asked for (the buffer is rounded up to a size class)
 
     @property
     def key(self) -> tuple:
@@ -85,6 +86,7 @@ class SimDeviceMemory:
         self._released: list[Block] = []  # blocks whose last tensor died, not yet sorted
         self._starts: list[int] = []  # every block's [start, end), sorted, for address checks
         self._ranges: list[tuple[int, int, Block]] = []
+        self._live: weakref.WeakValueDictionary[int, Allocation] = weakref.WeakValueDictionary()
         self.reused = 0
 
     # -- allocation ------------------------------------------------------------------------------
@@ -97,12 +99,12 @@ class SimDeviceMemory:
             for i, block in enumerate(free):
                 if all(self.rt.query_event(e) for e in block.waits):  # the allocator looked: the host knows
                     free.pop(i)
-                    block.waits, block.uses, block.name = [], set(), name
+                    block.waits, block.uses, block.name, block.nbytes = [], set(), name, nbytes
                     block.generation += 1
                     self.reused += 1
                     self.rt.hb.name_resource(block.key, f"device block d{block.id} (reused for {name})")
                     return self._track(block)
-        block = Block(next(self._ids), torch.zeros(size, dtype=torch.uint8), stream, name)
+        block = Block(next(self._ids), torch.zeros(size, dtype=torch.uint8), stream, name, nbytes=nbytes)
         self._add_range(block)
         self.rt.hb.name_resource(block.key, f"device block d{block.id} ({name})")
         return self._track(block)
@@ -111,15 +113,22 @@ class SimDeviceMemory:
         """Memory the harness owns (the KV cache), seen by the zeroer as device memory; never freed."""
         storage = tensor.untyped_storage()
         raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-        block = Block(next(self._ids), raw, None, name, cache_tensor=cache_tensor)
+        block = Block(next(self._ids), raw, None, name, cache_tensor=cache_tensor, nbytes=storage.nbytes())
         self._add_range(block)
         self.rt.hb.name_resource(block.key, name)
-        return Allocation(block)
+        allocation = Allocation(block)
+        self._live[block.id] = allocation
+        return allocation
 
     def _track(self, block: Block) -> Allocation:
         allocation = Allocation(block)
         weakref.finalize(allocation, self._released.append, block)  # only a list append: safe in any GC
+        self._live[block.id] = allocation
         return allocation
+
+    def allocation_of(self, block: Block) -> Allocation | None:
+        """The live allocation of ``block`` (``t.set_(storage)`` joins it), None once it was freed."""
+        return self._live.get(block.id)
 
     def record_stream(self, allocation: Allocation, stream: Stream) -> None:
         """``tensor.record_stream(stream)``: the block is in use on ``stream`` too."""

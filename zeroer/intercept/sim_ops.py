@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from zeroer.intercept.errors import forward, unroutable
-from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, op_name, written_args
+from racecheck.ops import SET_STORAGE, aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, op_name, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
 from zeroer.intercept.session import CacheAccess
 from zeroer.intercept.sim_graphs import CapturedOp
@@ -91,6 +91,14 @@ class SimOps:
     # -- dispatch --------------------------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         args, kwargs = tree_map(uncloak, args), tree_map(uncloak, kwargs)
+        if func in SET_STORAGE:
+            return self._set(func, args, kwargs)
+        if _composite(func):
+            # Under torch.inference_mode() a composite op (``x.cpu()``'s ``aten.to.dtype_layout``)
+            # reaches the Python key whole; its own decomposition says what CUDA would run.
+            out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         what = kind(func)
         if what == "view":
             return self._view(func, args, kwargs)
@@ -112,6 +120,35 @@ class SimOps:
         base = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, SimCudaTensor))
         out = forward(func, *tree_map(_inner, args), **tree_map(_inner, kwargs))
         return tree_map(lambda t: self.wrap(t, base._alloc) if isinstance(t, torch.Tensor) else t, out)
+
+    def _set(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``t.set_(storage, offset, size, stride)`` / ``t.set_(other)``: ``t`` now views the bytes of
+        a simulated allocation (vLLM's ``register_kv_caches`` views a device storage in another
+        shape). The same block, so every access through it is checked as the storage's own."""
+        given = args_by_position(func, args, kwargs)
+        target, source = given[0], given[1]
+        if isinstance(source, SimCudaTensor):
+            allocation = source._alloc
+            inner = torch.empty(0, dtype=target.dtype).set_(source._inner)
+        else:
+            storage = source.untyped_storage() if isinstance(source, torch.Tensor) else source
+            storage = getattr(storage, "_untyped_storage", storage)  # a TypedStorage's bytes
+            block = self.memory.block_at(storage.data_ptr())
+            allocation = self.memory.allocation_of(block) if block is not None else None
+            if allocation is None or storage.data_ptr() + storage.nbytes() > block.end:
+                raise unroutable(f"{func} on a simulated CUDA tensor",
+                                 "the storage is not simulated device memory (set_ onto a CPU storage "
+                                 "is a device mismatch on CUDA too)")
+            rest = [value for value in given[2:5] if value is not None]
+            if not rest:  # the whole storage: the bytes CUDA allocated, not the simulator's size class
+                itemsize = target.dtype.itemsize
+                rest = [0, ((block.start + block.nbytes - storage.data_ptr()) // itemsize,)]
+            inner = torch.empty(0, dtype=target.dtype).set_(storage, *rest)
+        replaced = self.wrap(inner, allocation)
+        with torch._C.DisableTorchFunction():
+            target.data = replaced  # sizes, strides and offset in place, as set_ changes them
+        target._inner, target._alloc = inner, allocation
+        return target
 
     def _alloc(self, func: Any, args: tuple, kwargs: dict) -> Any:
         meta = forward(func, *tree_map(_meta, args), **tree_map(_meta, {**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
@@ -291,6 +328,10 @@ class SimOps:
         source = host if dtype is None or dtype == host.dtype else host.to(dtype)
         self.copy(out, source, non_blocking)
         return out
+
+
+def _composite(func: Any) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
 class Span:

@@ -1,0 +1,113 @@
+"""What engines and their tests call runs on the sanitizer's simulator as it runs on CUDA.
+
+Each test is a small program in the shape of an engine's own code (vLLM's CPU offload handler and
+its unit test, LMCache's transfer path), run in-process with :func:`sanitizer.sim.session.run_simulated`:
+``torch.cuda.cudart()``'s results, ``set_`` onto a storage, ``.cpu()`` under ``torch.inference_mode()``,
+and pinned memory recycled by a model of torch's caching host allocator.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from sanitizer.sim.session import run_simulated
+
+
+def simulated(main: Callable[[], Any]) -> tuple[list, Any]:
+    """The races of ``main`` on the simulator and what it returned; what it raised is raised."""
+    box: list[Any] = []
+    races, error, _notes = run_simulated(lambda: box.append(main()))
+    if error is not None:
+        raise error
+    return races, box[0] if box else None
+
+
+# -- torch.cuda.cudart() ---------------------------------------------------------------------------
+def test_cuda_host_register_answers_cudas_error_enum_read_as_value_int_or_check_error():
+    # vLLM's offload handler reads ``.value`` of cudaHostRegister's result; torch binds cudaError_t
+    # as a pybind11 enum that also converts to int and compares with 0.
+    def main():
+        pool = torch.zeros(64, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        result = cudart.cudaHostRegister(pool.data_ptr(), pool.numel(), 0)
+        torch.cuda.check_error(result)
+        undone = cudart.cudaHostUnregister(pool.data_ptr())
+        return (result.value, int(result), result == 0, result == cudart.cudaError.success, repr(result),
+                undone.value)
+
+    races, answers = simulated(main)
+    assert races == []
+    assert answers == (0, 0, True, True, "<cudaError.success: 0>", 0)
+
+
+# -- set_ onto a storage ---------------------------------------------------------------------------
+def test_set_onto_a_device_storage_views_the_same_memory_in_another_shape():
+    # vLLM's register_kv_caches: ``torch.empty(0, device=...).set_(storage, offset, size, stride)``.
+    @torch.inference_mode()
+    def main():
+        flat = torch.arange(24.0, device="cuda")
+        blocks = torch.empty(0, device="cuda").set_(flat.untyped_storage(), 4, (2, 5), (5, 1))
+        whole = torch.tensor([], device="cuda")
+        whole.set_(flat.untyped_storage())
+        window = torch.empty(0, device="cuda")
+        window.set_(flat[2:6])
+        blocks.fill_(-1.0)
+        return blocks.device, blocks.shape, whole.shape, window.cpu().tolist(), flat.cpu()[2:15].tolist()
+
+    races, (device, shape, whole, window, flat) = simulated(main)
+    assert races == []
+    assert (str(device), tuple(shape), tuple(whole)) == ("cuda:0", (2, 5), (24,))
+    assert window == [2.0, 3.0, -1.0, -1.0]
+    assert flat == [2.0, 3.0] + [-1.0] * 10 + [14.0]
+
+
+def test_a_write_through_a_set_view_is_checked_as_a_write_of_the_storage():
+    def main():
+        flat = torch.zeros(16, device="cuda")
+        view = torch.empty(0, device="cuda").set_(flat.untyped_storage(), 0, (4, 4), (4, 1))
+        torch.cuda.synchronize()  # the zeros are written
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            view[1].fill_(1.0)  # unordered with the default stream's read below
+        return flat[4:8].sum()
+
+    races, _ = simulated(main)
+    assert [race.kind for race in races] == ["unordered-device-access"]
+
+
+def test_set_onto_a_pinned_storage_reads_and_writes_nothing_under_a_pending_copy():
+    def main():
+        landing = torch.zeros(8, pin_memory=True)
+        landing.copy_(torch.arange(8.0, device="cuda"), non_blocking=True)  # pending: writes landing
+        rows = torch.empty(0).set_(landing.untyped_storage(), 0, (2, 4), (4, 1))
+        same = torch.empty(0)
+        same.set_(landing)
+        landing.set_(landing.untyped_storage(), 0, (8,), (1,))
+        torch.cuda.synchronize()
+        return rows.is_pinned(), rows.data_ptr() == landing.data_ptr(), same.tolist()
+
+    races, (pinned, aliased, values) = simulated(main)
+    assert races == []
+    assert (pinned, aliased, values) == (True, True, [float(i) for i in range(8)])
+
+
+# -- .cpu() and .cuda() ----------------------------------------------------------------------------
+@pytest.mark.parametrize("move", ["cpu()", "to('cpu')", "to(device='cpu')", "to(torch.device('cpu'))"])
+def test_a_device_tensor_moved_to_the_host_under_inference_mode_is_a_cpu_tensor(move):
+    # vLLM's offload test is decorated with @torch.inference_mode() and compares ``dst.cpu()`` with
+    # ``torch.testing.assert_close``; there the composite ``aten.to`` reaches the simulator whole.
+    @torch.inference_mode()
+    def main():
+        x = torch.arange(6.0, device="cuda").view(2, 3)
+        host = eval(f"x[1].{move}")
+        back = host.cuda()
+        again = host.to("cuda")
+        torch.testing.assert_close(host, torch.tensor([3.0, 4.0, 5.0]))
+        return str(host.device), str(back.device), str(again.device), back.cpu().tolist()
+
+    races, answers = simulated(main)
+    assert races == []
+    assert answers == ("cpu", "cuda:0", "cuda:0", [3.0, 4.0, 5.0])
