@@ -160,17 +160,64 @@ REFUSED = [
     (lambda z: torch.cuda.CUDAGraph(),
      "torch.cuda.CUDAGraph: the harness cannot order or schedule it; run this zeroer on a GPU in the free-running "
      "mode instead (pytest fuzz --zeroer SPEC --backend cuda --cuda-mode free), where its calls run as they are"),
-    (lambda z: torch.cuda.Event(enable_timing=True),
-     "torch.cuda.Event(enable_timing=True, interprocess=False): timing and interprocess events have no meaning on "
-     "the harness's schedule; create the event without them (the zeroer contract needs ordering only)"),
+    (lambda z: torch.cuda.Event(interprocess=True),
+     "torch.cuda.Event(enable_timing=False, interprocess=True): an interprocess event is waited on by another "
+     "process, which the harness cannot follow; create the event with interprocess=False"),
+    (lambda z: _driver().cuMemcpyAsync(0, 0, 16, 0),
+     "cuda.bindings.driver.cuMemcpyAsync: a CUDA call made around torch moves or orders device work the harness can "
+     "neither simulate nor gate; run this zeroer on a GPU in the free-running mode instead (pytest fuzz --zeroer SPEC "
+     "--backend cuda --cuda-mode free), where its calls run as they are"),
 ]
 
 
-@pytest.mark.parametrize("body, message", REFUSED, ids=["ctypes-cudart", "cupy", "cuda-graph", "timing-event"])
-def test_what_cannot_be_routed_is_an_error_naming_the_call_and_the_way_forward(body, message):
+def _driver():
+    import sys
+
+    return sys.modules["cuda.bindings.driver"]
+
+
+@pytest.fixture
+def bindings_loaded(monkeypatch):
+    """``cuda.bindings.driver`` imported, as torch 2.13 imports the bindings wherever they are
+    installed: the real module where cuda-bindings is installed, else a stand-in with its names."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        importlib.import_module("cuda.bindings.driver")
+    except ImportError:
+        package, bindings, module = (types.ModuleType(n) for n in ("cuda", "cuda.bindings", "cuda.bindings.driver"))
+        package.bindings, bindings.driver = bindings, module
+        module.cuMemcpyAsync = lambda *args: (0,)
+        module.cuDeviceGetCount = lambda: (0, 1)
+        for name, value in (("cuda", package), ("cuda.bindings", bindings), ("cuda.bindings.driver", module)):
+            monkeypatch.setitem(sys.modules, name, value)
+
+
+@pytest.mark.parametrize("body, message", REFUSED,
+                         ids=["ctypes-cudart", "cupy", "cuda-graph", "interprocess-event", "driver-copy"])
+def test_what_cannot_be_routed_is_an_error_naming_the_call_and_the_way_forward(body, message, bindings_loaded):
     bound = _refused(body)
     with pytest.raises(InterceptError, match=exactly(message)):
         bound.zero_block_ids([1])
+
+
+def test_cuda_bindings_imported_by_torch_or_the_zeroer_are_no_refusal_until_a_call_moves_device_work(
+        bindings_loaded):
+    # torch 2.13 imports cuda.bindings.runtime wherever cuda-bindings is installed; engines that call
+    # the driver import it themselves. Neither moves a byte.
+    def body(z):
+        import cuda.bindings.driver as driver  # noqa: F401 - the import itself is what is checked
+
+        return driver.cuDeviceGetCount is not None
+
+    class Imports(_Probe):
+        def zero_block_ids(self, block_ids) -> None:
+            body(self)
+
+    _bind(Imports)[2].zero_block_ids([1])
+    assert _driver().cuMemcpyAsync.__name__ != "call"  # put back after the call
 
 
 def test_a_pageable_tensor_passed_to_a_kernel_is_refused_as_cuda_would():

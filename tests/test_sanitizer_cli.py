@@ -262,7 +262,7 @@ def test_what_engines_and_their_tests_call_on_torch_cuda_runs_on_the_simulator(t
         torch.cuda.nvtx.range_pop()
         end.record()
         end.synchronize()
-        assert start.elapsed_time(end) == 0.0
+        assert start.elapsed_time(end) > 0.0  # the simulator's clock: the ops between the records
         torch.cuda.reset_peak_memory_stats()
         assert torch.cuda.max_memory_allocated() >= 0 and torch.cuda.memory_reserved() >= 0
         print(c.item())

@@ -565,13 +565,104 @@ def test_the_device_generic_event_and_stream_are_the_runtimes_as_on_cuda(backend
     assert checks == [True, True, True] and rt.pending(stream) == 0
 
 
-def test_a_timing_event_of_the_generic_kind_is_refused_naming_the_call():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_timing_events_from_a_pool_time_each_transfer_consistently_as_on_cuda(backend):
+    # vLLM's offloading handler and SGLang's HiCache take a stream and two timing events from pools
+    # per transfer and report start.elapsed_time(end) once the end event has completed.
     def body(cache):
-        torch.Event(enable_timing=True)
+        pool = [(torch.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(2)]
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        times = []
+        for job, size in enumerate((1, 3, 2, 4)):
+            start, end = pool[job % 2]
+            stream = streams[job % 2]
+            start.record(stream)
+            with torch.cuda.stream(stream):
+                for _ in range(size):
+                    torch.ones(4, device="cuda")
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return times
 
-    with pytest.raises(InterceptError, match=exactly(
-            "torch.Event(enable_timing=True, interprocess=False): timing and interprocess events have no meaning on "
-            "the harness's schedule; create the event without them (the zeroer contract needs ordering only)")):
+    times, _ = in_a_zeroer(body, backend)
+    assert all(t >= 0.0 for t in times)
+    if backend == "sim":  # the simulator's clock: one step per op run between the records, the end's included
+        from zeroer.runtime.sim import SIM_MS_PER_STEP
+
+        assert [round(t / SIM_MS_PER_STEP) for t in times] == [2, 4, 3, 5]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case, message", [
+    ("untimed", "Both events must be created with argument 'enable_timing=True'."),
+    ("unrecorded", "Both events must be recorded before calculating elapsed time."),
+], ids=["untimed", "unrecorded"])
+def test_elapsed_time_raises_what_cuda_raises_on_events_it_cannot_time(backend, case, message):
+    def body(cache):
+        start, end = torch.cuda.Event(enable_timing=case != "untimed"), torch.cuda.Event(enable_timing=True)
+        if case != "unrecorded":
+            start.record()
+        end.record()
+        end.synchronize()
+        start.synchronize()
+        try:
+            start.elapsed_time(end)
+        except RuntimeError as error:
+            return str(error)
+        return None
+
+    said, _ = in_a_zeroer(body, backend)
+    assert said is not None and said.endswith(message)
+
+
+def test_elapsed_time_of_an_event_still_queued_is_cudas_not_ready_error_on_the_simulator():
+    def body(cache):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.ones(4, device="cuda")
+        end.record()
+        try:
+            start.elapsed_time(end)
+        except RuntimeError as error:
+            return str(error)
+
+    said, _ = in_a_zeroer(body)
+    assert said == "CUDA error: device not ready"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stream_priorities_are_accepted_clamped_and_reported_as_on_cuda(backend):
+    # vLLM's SimpleCPUOffload makes its copy streams at the lowest priority of the range
+    def body(cache):
+        low, high = torch.cuda.Stream.priority_range()
+        made = [torch.cuda.Stream(priority=p) for p in (low, high, high - 10, low + 10)]
+        return (low, high), [s.priority for s in made], torch.cuda.current_stream().priority
+
+    ((low, high), priorities, current), _ = in_a_zeroer(body, backend)
+    assert low == 0 and high < 0
+    assert priorities == [low, high, high, low] and current == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_raw_stream_handle_names_its_stream_again_through_external_stream_as_on_cuda(backend):
+    def body(cache):
+        side = torch.cuda.Stream()
+        again = torch.cuda.ExternalStream(side.cuda_stream)
+        also = torch.cuda.get_stream_from_external(side.cuda_stream)
+        return again == side and also == side and again.cuda_stream == side.cuda_stream
+
+    same, _ = in_a_zeroer(body, backend)
+    assert same
+
+
+def test_a_raw_stream_handle_the_harness_did_not_make_is_refused_naming_the_call():
+    def body(cache):
+        torch.cuda.ExternalStream(0xDEAD)
+
+    with pytest.raises(InterceptError, match=r"^torch\.cuda\.ExternalStream\(57005\): it is a stream the harness "
+                                             r"did not make, so it can neither order nor schedule it; use a stream "
+                                             r"made with torch\.cuda\.Stream\(\) \(its \.cuda_stream is followed\)$"):
         in_a_zeroer(body)
 
 

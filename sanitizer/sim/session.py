@@ -75,7 +75,6 @@ class ProgramSession(InterceptSession):
     """See the module docstring. ``name`` is the program (or the test) in messages."""
 
     host_memory_class = ProgramHostMemory
-    allows_timing = True  # a program's timing events are allowed (their elapsed time reads 0.0)
 
     def __init__(self, name: str) -> None:
         import zeroer

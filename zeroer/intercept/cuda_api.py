@@ -42,9 +42,14 @@ from typing import Any, Iterator
 
 import torch
 
+from racecheck import real_cuda
 from zeroer.intercept.errors import unroutable
 from zeroer.origin import stand_in
 from zeroer.runtime import Event, Runtime, Stream
+
+#: (lowest, highest) stream priority on the simulator, as ``torch.cuda.Stream.priority_range()``
+#: reports it on a current NVIDIA GPU (CUDA's range, capped by torch's pools of priority streams)
+SIM_PRIORITY_RANGE = (0, -3)
 
 
 @stand_in
@@ -75,7 +80,14 @@ class StreamProxy:
 
     @property
     def priority(self) -> int:
-        return 0
+        return self._api.priorities.get(id(self.runtime_stream), 0)
+
+    @classmethod
+    def priority_range(cls) -> tuple[int, int]:
+        """(lowest, highest) priority, as torch gives them (vLLM's SimpleCPUOffload makes its copy
+        streams at the lowest): a priority changes what the GPU prefers, never what is ordered,
+        so the harness keeps every interleaving."""
+        return cls._api.priority_range()
 
     # torch.Stream's identity (torch.Stream() is this class too)
     @property
@@ -145,14 +157,15 @@ class EventProxy:
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         # ``blocking`` only changes how the host waits in synchronize(), not what it waits for.
-        # A program's session (the sanitizer) allows timing events; a zeroer's schedule has no clock.
-        if interprocess or (enable_timing and not getattr(self._api.session, "allows_timing", False)):
+        # Timing events are what engines time every transfer with (vLLM's offloading handler,
+        # SGLang's HiCache): real on CUDA, the simulator's clock on the simulator.
+        if interprocess:
             raise unroutable(
                 f"{self._spelled}(enable_timing={enable_timing}, interprocess={interprocess})",
-                "timing and interprocess events have no meaning on the harness's schedule",
-                "create the event without them (the zeroer contract needs ordering only)",
+                "an interprocess event is waited on by another process, which the harness cannot follow",
+                "create the event with interprocess=False",
             )
-        self.runtime_event: Event = self._api.rt.new_event()
+        self.runtime_event: Event = self._api.rt.new_event(timing=bool(enable_timing))
 
     def record(self, stream: StreamProxy | None = None) -> None:
         self._api.boundary("Event.record")
@@ -177,10 +190,11 @@ class EventProxy:
         self._api.rt.synchronize_event(self.runtime_event)
 
     def elapsed_time(self, end_event: "EventProxy") -> float:
-        if getattr(self._api.session, "allows_timing", False):
-            return 0.0  # the simulator has no clock: a program's timing reads zero (docs/sanitizer.md)
-        raise unroutable("torch.cuda.Event.elapsed_time", "the harness's schedule has no wall-clock timing",
-                         "time the zeroer outside the fuzzer (python -m fuzz.bench.kernel)")
+        """Milliseconds between the two records (``Runtime.elapsed_time``: CUDA's errors where
+        an event was made without timing, never recorded, or has not completed)."""
+        self._api.boundary("Event.elapsed_time")
+        self._api.refuse_sync("Event.elapsed_time")
+        return self._api.rt.elapsed_time(self.runtime_event, self._api.event_of(end_event))
 
     def ipc_handle(self) -> Any:
         raise unroutable("torch.cuda.Event.ipc_handle", "events cannot leave the harness's process")
@@ -243,6 +257,7 @@ class CudaApi:
         self.rt: Runtime = session.rt
         self.device = session.device
         self._proxies: dict[int, StreamProxy] = {}
+        self.priorities: dict[int, int] = {}  # id(runtime stream) -> the priority it was made with
         self._made = itertools.count(1)
         self._local = threading.local()  # per thread, as CUDA's current stream is
         # What the zeroer sees as torch.cuda.Stream and torch.cuda.Event: classes bound to this session.
@@ -307,7 +322,27 @@ class CudaApi:
         if kwargs:
             raise unroutable(f"torch.cuda.Stream(**{kwargs!r})", "only device and priority are supported")
         self.boundary("torch.cuda.Stream()")
-        return self.proxy(self.rt.new_stream(self._stream_name()))
+        proxy = self.proxy(self.rt.new_stream(self._stream_name()))
+        # CUDA clamps a priority to the device's range (cudaStreamCreateWithPriority)
+        lowest, highest = self.priority_range()
+        self.priorities[id(proxy.runtime_stream)] = min(lowest, max(highest, int(priority)))
+        return proxy
+
+    def priority_range(self) -> tuple[int, int]:
+        if self.session.backend == "sim":
+            return SIM_PRIORITY_RANGE
+        return tuple(real_cuda.Stream.priority_range())  # type: ignore[return-value]
+
+    def from_handle(self, handle: Any) -> StreamProxy:
+        """``torch.cuda.ExternalStream(handle)`` and ``get_stream_from_external(handle)``: a raw
+        handle (``stream.cuda_stream``) the harness gave out names that stream again; any other
+        is a stream made outside torch, which the harness cannot order."""
+        for stream in self.rt.streams:
+            if self.proxy(stream).cuda_stream == int(handle):
+                return self.proxy(stream)
+        raise unroutable(f"torch.cuda.ExternalStream({handle!r})",
+                         "it is a stream the harness did not make, so it can neither order nor schedule it",
+                         "use a stream made with torch.cuda.Stream() (its .cuda_stream is followed)")
 
     def _stream_name(self) -> str:
         """The session's name for its next stream (``zeroer-1``, ``zeroer[1]-1`` for the runtime's
@@ -382,8 +417,8 @@ class CudaApi:
             "stream": self.stream,
             "set_stream": self.set_stream,
             "synchronize": self.synchronize,
-            "ExternalStream": refuse("ExternalStream"),
-            "get_stream_from_external": refuse("get_stream_from_external"),
+            "ExternalStream": lambda stream_ptr, device=None: self.from_handle(stream_ptr),
+            "get_stream_from_external": lambda data_ptr, device=None: self.from_handle(data_ptr),
             "CUDAGraph": refuse("CUDAGraph"),
             "graph": refuse("graph"),
             "caching_allocator_alloc": refuse("caching_allocator_alloc"),

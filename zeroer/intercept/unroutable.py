@@ -1,31 +1,49 @@
 """CUDA work the harness cannot route, refused with a clear error instead of passing silently.
 
-A zeroer that reaches the GPU around torch (cupy, pycuda, numba.cuda, cuda-python, or the CUDA
-libraries through ``ctypes``) issues work the simulator cannot run and the controlled mode
-cannot gate or order. While such a zeroer runs under interception on the simulator or in the
-controlled mode, importing one of those packages or loading a CUDA library through ``ctypes`` is
-an :class:`~zeroer.intercept.errors.InterceptError` naming it and pointing to the free-running
-mode, where the zeroer's calls run as they are; so is a zeroer whose module had already loaded
-one (checked when it is bound).
+A zeroer that reaches the GPU around torch (cupy, pycuda, numba.cuda, or the CUDA libraries
+through ``ctypes``) issues work the simulator cannot run and the controlled mode cannot gate or
+order. While such a zeroer runs under interception on the simulator or in the controlled mode,
+importing one of those packages or loading a CUDA library through ``ctypes`` is an
+:class:`~zeroer.intercept.errors.InterceptError` naming it and pointing to the free-running mode,
+where the zeroer's calls run as they are; so is a zeroer whose module had already loaded one
+(checked when it is bound).
+
+NVIDIA's ``cuda-bindings`` (``cuda.bindings``, and cuda-python's older ``cuda.cuda`` and
+``cuda.cudart``) is different: torch 2.13 imports ``cuda.bindings.runtime`` when torch itself is
+imported, wherever the package is installed, and engines that call the driver import it too
+(vLLM's SimpleCPUOffload resolves ``cuMemcpyBatchAsync`` with ``cuGetProcAddress``). Importing it
+moves no bytes, so it is allowed; what is refused, at the call, is each entry point of
+:data:`BINDING_PREFIXES` that queues, orders or moves device work (copies, memsets, launches,
+stream and event calls, graphs) or hands back a raw function pointer, named as the code spells it.
 
 Example::
 
     with unroutable_guard(session):
         import cupy            # InterceptError: importing 'cupy' inside an intercepted zeroer: ...
+        from cuda.bindings import driver
+        driver.cuMemcpyAsync(dst, src, n, stream)   # InterceptError: cuda.bindings.driver.cuMemcpyAsync ...
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.abc
 import sys
 from typing import Any, Iterator
 
 from zeroer.intercept.errors import unroutable
 
-GPU_PACKAGES = ("cupy", "pycuda", "numba.cuda", "cuda.bindings", "cuda.cuda", "cuda.cudart")
+GPU_PACKAGES = ("cupy", "pycuda", "numba.cuda")
 CUDA_LIBRARIES = ("libcuda", "libcudart", "libnvrtc", "nvcuda", "cudart64")
+#: the modules of NVIDIA's bindings whose byte-moving entry points are refused at the call
+BINDING_MODULES = ("cuda.bindings.driver", "cuda.bindings.runtime", "cuda.cuda", "cuda.cudart")
+#: entry points that queue, order or move device work, or hand back a raw function pointer
+BINDING_PREFIXES = ("cuMemcpy", "cuMemset", "cuLaunch", "cuStream", "cuEvent", "cuGraph", "cuGetProcAddress",
+                    "cuMemFree", "cuMemAlloc", "cuMemHostRegister", "cuMemHostUnregister",
+                    "cudaMemcpy", "cudaMemset", "cudaLaunch", "cudaStream", "cudaEvent", "cudaGraph",
+                    "cudaGetDriverEntryPoint", "cudaFree", "cudaMalloc", "cudaHostRegister", "cudaHostUnregister")
 
 
 def _is_gpu_package(name: str) -> bool:
@@ -59,7 +77,8 @@ class _Refuse(importlib.abc.MetaPathFinder):
 
 @contextlib.contextmanager
 def unroutable_guard(session: Any) -> Iterator[None]:
-    """Refuse GPU packages and CUDA libraries inside (simulator and controlled mode only)."""
+    """Refuse GPU packages, CUDA libraries and the bindings' device calls inside (simulator and
+    controlled mode only)."""
     if not session.rt.scheduled:  # free-running: nothing is gated, anything may run
         yield
         return
@@ -76,11 +95,42 @@ def unroutable_guard(session: Any) -> Iterator[None]:
 
     ctypes.CDLL.__init__ = guarded  # type: ignore[method-assign]
     try:
-        yield
+        with _bindings_refused():
+            yield
     finally:
         ctypes.CDLL.__init__ = original  # type: ignore[method-assign]
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(finder)
+
+
+def _refusal(module: str, name: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        raise unroutable(f"{module}.{name}", "a CUDA call made around torch moves or orders device work the harness "
+                         "can neither simulate nor gate")
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_points(module_name: str, module: Any) -> tuple[str, ...]:
+    return tuple(n for n in dir(module) if n.startswith(BINDING_PREFIXES))
+
+
+@contextlib.contextmanager
+def _bindings_refused() -> Iterator[None]:
+    """Inside, :data:`BINDING_PREFIXES` of every loaded binding module raise at the call."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for module_name in BINDING_MODULES:
+            module = sys.modules.get(module_name)
+            if module is None:
+                continue
+            for name in _entry_points(module_name, module):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, _refusal(module_name, name))
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
 
 
 def check_no_gpu_packages(spec: str, backend: str) -> None:

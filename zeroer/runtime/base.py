@@ -106,6 +106,8 @@ class Event:
     position: int = 0  # op position on that stream (queue-model backends)
     hb_snapshot: tuple[int, ...] | None = None
     handle: object = None  # backend object (torch.cuda.Event on cuda)
+    timing: bool = False  # made with enable_timing=True: elapsed_time() may read it
+    time: int | None = None  # the simulator's step count when its latest record ran (sim only)
 
     def __repr__(self) -> str:
         where = f" on {self.stream.name!r}" if self.stream is not None else " (never recorded)"
@@ -332,8 +334,9 @@ class Runtime(ABC):
             )
 
     # -- events ------------------------------------------------------------------------------
-    def new_event(self) -> Event:
-        event = Event(next(self._event_ids))
+    def new_event(self, timing: bool = False) -> Event:
+        """A new event; ``timing``: it keeps a time stamp, as ``torch.cuda.Event(enable_timing=True)``."""
+        event = Event(next(self._event_ids), timing=timing)
         event.handle = self._new_event_handle(event)
         return event
 
@@ -360,6 +363,19 @@ class Runtime(ABC):
         if done:
             self.hb.host_observes(event.hb_snapshot, self.host_thread())
         return done
+
+    def elapsed_time(self, start: Event, end: Event) -> float:
+        """Milliseconds from ``start`` to ``end``, as ``torch.cuda.Event.elapsed_time``: both made
+        with timing, recorded, and complete (the host then knows everything before them, as after a
+        query), else the error CUDA gives. Real on CUDA; on the simulator its clock
+        (:data:`zeroer.runtime.sim.SIM_MS_PER_STEP` per scheduling step)."""
+        if not (start.timing and end.timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if start.stream is None or end.stream is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if not (self.query_event(start) and self.query_event(end)):
+            raise RuntimeError("CUDA error: device not ready")  # cudaEventElapsedTime's cudaErrorNotReady
+        return self._elapsed(start, end)
 
     def synchronize_event(self, event: Event) -> None:
         if event.stream is not None:
@@ -568,6 +584,9 @@ class Runtime(ABC):
 
     def _use_stream_handle(self, stream: Stream) -> contextlib.AbstractContextManager:
         return _NO_CONTEXT  # nothing to switch
+
+    def _elapsed(self, start: Event, end: Event) -> float:
+        raise NotImplementedError
 
     def _new_event_handle(self, event: Event) -> object:
         return None

@@ -8,6 +8,8 @@ The model (what a GPU does that matters for these races, and nothing else):
 * events complete when their stream reaches them; ``wait_event`` holds a stream until then;
   host synchronisation runs the least queued work that satisfies it, and work behind an
   unreleased hold is reported as a deadlock;
+* a timing event's record takes the simulator's clock when it executes: one scheduling step is
+  :data:`SIM_MS_PER_STEP` ms, so ``elapsed_time`` is consistent with what ran in between;
 * pinned memory comes from a caching host allocator that, like PyTorch's, hands a freed block
   out again only once the events recorded on it by copies have completed; unprotected memory
   (the ``cudaHostRegister`` / ``from_blob`` hazard) is reused as soon as it is freed.
@@ -42,6 +44,9 @@ from zeroer.runtime.base import Event, Hold, HostBuffer, Runtime, Stream
 from racecheck.hb import OpStamp
 from zeroer.runtime.host_memory import size_class
 from zeroer.runtime.queues import QueuedOp, StreamQueues
+
+#: Simulated milliseconds per scheduling step: what a timing event's elapsed_time counts in.
+SIM_MS_PER_STEP = 0.001
 
 
 class Schedule(Protocol):
@@ -174,8 +179,18 @@ class SimRuntime(Runtime):
 
     # -- events ------------------------------------------------------------------------------
     def _record(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
-        event.position = self.queues.enqueue(stream.index, QueuedOp("record", stamp.label))
+        op = QueuedOp("record", stamp.label)
+        if event.timing:
+            def stamp_time() -> None:  # only the latest record of the event sets its time
+                if event.stream is stream and event.position == op.seq:
+                    event.time = self.queues.steps
+            op.action = stamp_time
+        event.position = self.queues.enqueue(stream.index, op)
         self._after_host_call()
+
+    def _elapsed(self, start: Event, end: Event) -> float:
+        assert start.time is not None and end.time is not None  # both complete (elapsed_time checked)
+        return (end.time - start.time) * SIM_MS_PER_STEP
 
     def _wait(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
         target = (event.stream.index, event.position) if event.stream is not None else None

@@ -206,7 +206,10 @@ class CudaRuntimeBase(Runtime):
 
     def _new_event_handle(self, event: Event) -> object:
         self._check_usable()
-        return real_cuda.Event()
+        return real_cuda.Event(enable_timing=event.timing)
+
+    def _elapsed(self, start: Event, end: Event) -> float:
+        return float(start.handle.elapsed_time(end.handle))  # type: ignore[attr-defined]
 
     # -- memory ------------------------------------------------------------------------------
     def _alloc_host(self, n: int, dtype: torch.dtype, protected: bool) -> HostBuffer:
