@@ -31,7 +31,9 @@ factory                               how the ids reach the kernel              
 ====================================  =====================================================================  =========
 
 ``VERDICTS`` says the same to the tools (``python -m fuzz.bench.examples`` judges every factory
-against it). Fuzz one as it is, on the CPU simulator or on a GPU (docs/fuzz-your-zeroer.md)::
+against it), and each racy factory marks the two lines of its race for the sanitizer's benchmark
+(``# race[FACTORY]: queued`` on the op the race is with, ``# race[FACTORY]: later`` on the access
+that may overtake it; sanitizer/bench/verdict.py). Fuzz one as it is, on the CPU simulator or on a GPU (docs/fuzz-your-zeroer.md)::
 
     python -m pytest fuzz --zeroer examples/engine_zeroers.py:single_pinned_buffer
     python -m pytest fuzz --zeroer examples/engine_zeroers.py:event_guarded_ring --backend cuda
@@ -142,7 +144,7 @@ class _KVBlockZeroerBase:
         """Zero the blocks ``idx`` (int64, on the device) names, on the current stream."""
         seg_addrs, seg_block_strides, seg_page_sizes, max_chunks, blk_size, n_segs = self._meta
         grid = (idx.shape[0], n_segs, max_chunks)
-        _zero_kv_blocks_kernel[grid](seg_addrs, seg_block_strides, seg_page_sizes, idx, BLOCK_SIZE=blk_size)
+        _zero_kv_blocks_kernel[grid](seg_addrs, seg_block_strides, seg_page_sizes, idx, BLOCK_SIZE=blk_size)  # race[side_stream_copy_no_record]: queued; race[side_stream_copy_event_on_caller]: later
 
     def warmup(self, num_kv_blocks: int) -> None:
         if num_kv_blocks > 0:
@@ -174,9 +176,9 @@ class SinglePinnedBuffer(_KVBlockZeroerBase):
             self._id_cap = 2 * n
             self._ids_pinned = torch.empty(self._id_cap, dtype=torch.int64, pin_memory=True)
             self._ids_gpu = torch.empty(self._id_cap, dtype=torch.int64, device=self.device)
-        self._ids_pinned[:n].numpy()[:] = block_ids  # a host write no torch op sees: the race
+        self._ids_pinned[:n].numpy()[:] = block_ids  # a host write no torch op sees: the race; race[single_pinned_buffer]: later
         idx = self._ids_gpu[:n]
-        idx.copy_(self._ids_pinned[:n], non_blocking=True)
+        idx.copy_(self._ids_pinned[:n], non_blocking=True)  # race[single_pinned_buffer]: queued
         self._launch(idx)
 
 
@@ -233,9 +235,9 @@ class PinnedRing(_KVBlockZeroerBase):
         i = self._id_buffer_index
         self._id_buffer_index = (i + 1) % self.max_concurrency
         pinned = self._ids_pinned[i]
-        pinned[:n].numpy()[:] = block_ids  # may still be read by the copy of call k - max_concurrency
+        pinned[:n].numpy()[:] = block_ids  # may still be read by the copy of call k - max_concurrency; race[pinned_ring]: later
         idx = self._ids_gpu[i][:n]
-        idx.copy_(pinned[:n], non_blocking=True)
+        idx.copy_(pinned[:n], non_blocking=True)  # race[pinned_ring]: queued
         self._launch(idx)
 
 
@@ -322,7 +324,7 @@ class SideStreamCopyNoRecord(SideStreamCopy):
         caller = torch.cuda.current_stream()
         ids_cpu = torch.tensor(block_ids, dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(self._copy_stream):
-            idx = ids_cpu.to(self.device, non_blocking=True)
+            idx = ids_cpu.to(self.device, non_blocking=True)  # race[side_stream_copy_no_record]: later
             self._ids_copied.record()
         caller.wait_event(self._ids_copied)
         self._launch(idx)  # and idx is dropped with no record_stream(caller)
@@ -341,7 +343,7 @@ class SideStreamCopyEventOnCaller(SideStreamCopy):
         caller = torch.cuda.current_stream()
         ids_cpu = torch.tensor(block_ids, dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(self._copy_stream):
-            idx = ids_cpu.to(self.device, non_blocking=True)
+            idx = ids_cpu.to(self.device, non_blocking=True)  # race[side_stream_copy_event_on_caller]: queued
         self._ids_copied.record()  # on the caller's stream: orders nothing after the copy
         caller.wait_event(self._ids_copied)
         self._launch(idx)

@@ -12,6 +12,7 @@ forced sleeps: tests/test_sanitizer_gpu.py and ``python -m sanitizer.bench.compa
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from sanitizer.bench import engine_loop
 from sanitizer.bench.corpus import CORPUS
 from sanitizer.bench.corpus import load as load_corpus
 from sanitizer.bench.programs import (BY_NAME, DEVICE_ACCESS, HOST_READ, HOST_WRITE, PROGRAMS, REUSE, ZEROERS,
-                                      Program, load, marked_lines, source, zeroer_spec)
+                                      Program, load, marked_lines, race_lines, source, zeroer_spec)
 from sanitizer.bench.verdict import CLEAN, FOUND, judge
 from sanitizer.runner import sanitize
 
@@ -77,14 +78,46 @@ def test_the_corpus_names_each_upstream_bug_the_issue_lists() -> None:
     assert any("graph" in p.pattern for p in CORPUS if p.racy)
 
 
-def test_a_report_with_the_right_kind_at_other_lines_is_not_a_find() -> None:
-    program = BY_NAME["block_table_one_buffer"]
-    lines = marked_lines(source(program))
-    site = {"file": str(source(program)), "function": "main"}
-    race = {"kind": HOST_WRITE, "queued": {"site": {**site, "line": lines["queued"]}},
-            "later": {"site": {**site, "line": lines["later"]}}}
-    assert judge(program, [race]) == FOUND
-    moved = {**race, "later": {"site": {**site, "line": lines["later"] + 1}}}
-    assert judge(program, [moved]) == "wrong lines"
-    assert judge(program, [{**race, "kind": DEVICE_ACCESS}]) == "wrong kind"
+def _race(program: Program, queued: tuple[str, int], later: tuple[str, int], kind: str = "") -> dict:
+    def access(site: tuple[str, int]) -> dict:
+        return {"site": {"file": site[0], "line": site[1], "function": "f"}}
+
+    return {"kind": kind or program.hazard, "queued": access(queued), "later": access(later)}
+
+
+@pytest.mark.parametrize("name", ["block_table_one_buffer", "zeroer:single_pinned_buffer",
+                                  "zeroer:side_stream_copy_event_on_caller"])
+def test_only_the_planted_kind_at_both_marked_lines_of_the_programs_own_file_is_a_find(
+        name: str, tmp_path: Path) -> None:
+    program = next(p for p in PROGRAMS + ZEROERS if p.name == name)
+    path, lines = source(program), race_lines(program)
+    queued, later = (str(path), lines["queued"]), (str(path), lines["later"])
+    assert judge(program, [_race(program, queued, later)]) == FOUND
+    relative = os.path.relpath(path)  # as a report names a file under the working directory
+    assert judge(program, [_race(program, (relative, lines["queued"]), (relative, lines["later"]))]) == FOUND
+    wrong_lines = {
+        "queued line": _race(program, (str(path), lines["queued"] + 1), later),
+        "later line": _race(program, queued, (str(path), lines["later"] + 1)),
+        "lines swapped": _race(program, later, queued),
+        "same name, other directory": _race(program, (str(tmp_path / path.name), lines["queued"]),
+                                            (str(tmp_path / path.name), lines["later"])),
+        "queued op in another file": _race(program, (str(engine_loop.__file__), lines["queued"]), later),
+        "later access in another file": _race(program, queued, (str(engine_loop.__file__), lines["later"])),
+    }
+    for why, race in wrong_lines.items():
+        assert judge(program, [race]) == "wrong lines", why
+    other_kind = DEVICE_ACCESS if program.hazard != DEVICE_ACCESS else HOST_WRITE
+    assert judge(program, [_race(program, queued, later, kind=other_kind)]) == "wrong kind"
+    assert judge(program, [*wrong_lines.values(), _race(program, queued, later)]) == FOUND  # one right race is enough
     assert judge(program, []) == "missed"
+
+
+def test_each_racy_zeroer_marks_its_two_lines_with_its_name_and_a_race_free_one_none() -> None:
+    for program in ZEROERS:
+        if program.racy:
+            lines = race_lines(program)
+            assert lines["queued"] != lines["later"], program.name
+        else:
+            factory = program.name.removeprefix("zeroer:")
+            with pytest.raises(ValueError, match=rf": no 'race\[{factory}\]: queued' marker; no 'race\[{factory}\]: later' marker$"):
+                race_lines(program)

@@ -3,11 +3,17 @@
 A racy program marks the two lines of its race (``# race: queued``, ``# race: later``;
 :func:`sanitizer.bench.programs.marked_lines`). A report *found* it when one of its races has the
 planted kind, its queued op on the queued line and its later access on the later line, both in the
-program's file. Races of the right kind at other lines are *wrong lines*, races of other kinds only
-*wrong kind*: both count as missed, never as found. A race-free twin is *clean* when nothing is
-reported and a *false alarm* otherwise. The ``zeroer:`` rows drive a zeroer of
-``examples/engine_zeroers.py``, whose file holds racy and race-free factories side by side: there
-the queued op must be in that file, with the planted kind.
+program's file. Races of the right kind at other lines (or in another file) are *wrong lines*,
+races of other kinds only *wrong kind*: both count as missed, never as found. A race-free twin is
+*clean* when nothing is reported and a *false alarm* otherwise. The ``zeroer:`` rows drive a zeroer
+of ``examples/engine_zeroers.py``, whose file holds racy and race-free factories side by side: there
+each racy factory marks its two lines with its name (``# race[single_pinned_buffer]: queued``), and
+the rule is the same.
+
+A report's file is the program's file when both name the same file on disk: a report names it
+relative to the working directory of the run (:mod:`sanitizer.sites`), which is the judge's own
+(the benchmark runs each program from where it judges it), or by its absolute path. A file of the
+same name elsewhere is another file.
 
 Example::
 
@@ -16,10 +22,11 @@ Example::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from sanitizer.bench.programs import ENGINE_ZEROERS, Program, marked_lines, source
+from sanitizer.bench.programs import Program, race_lines, source
 
 FOUND, MISSED, WRONG_KIND, WRONG_LINES, CLEAN, FALSE_ALARM = (
     "found", "missed", "wrong kind", "wrong lines", "clean", "false alarm")
@@ -39,19 +46,21 @@ def judge(program: Program, races: list[dict[str, Any]]) -> str:
     kinds = [r for r in races if r["kind"] == program.hazard]
     if not kinds:
         return WRONG_KIND
-    if program.name.startswith("zeroer:"):
-        return FOUND if any(_in(_site(r["queued"]), ENGINE_ZEROERS) for r in kinds) else WRONG_LINES
     path = source(program)
-    lines = marked_lines(path)
+    lines = race_lines(program)
     for race in kinds:
-        queued, later = _site(race["queued"]), _site(race["later"])
-        if queued and later and _in(queued, path) and _in(later, path) \
-                and queued[1] == lines["queued"] and later[1] == lines["later"]:
+        if _at(_site(race["queued"]), path, lines["queued"]) and _at(_site(race["later"]), path, lines["later"]):
             return FOUND
     return WRONG_LINES
 
 
-def _in(site: tuple[str, int] | None, path: Path) -> bool:
-    return site is not None and Path(site[0]).name == path.name and (
-        not Path(site[0]).is_absolute() or Path(site[0]).resolve() == path.resolve()
-        or Path(site[0]).name == path.name)
+def _at(site: tuple[str, int] | None, path: Path, line: int) -> bool:
+    """Whether ``site`` is ``line`` of the file ``path``."""
+    return site is not None and site[1] == line and _same_file(site[0], path)
+
+
+def _same_file(reported: str, path: Path) -> bool:
+    try:
+        return os.path.samefile(reported, path)  # relative names are relative to the working directory
+    except OSError:  # no such file here: compare the names as paths
+        return Path(reported).resolve() == path.resolve()

@@ -28,6 +28,9 @@ REUSE = "reuse-without-record-stream"
 # A racy program marks the two lines of its race with trailing comments: ``# race: queued`` on the
 # line that queues the op the race is with, ``# race: later`` on the access that may overtake it.
 MARKER = re.compile(r"#\s*race:\s*(queued|later)\b")
+# A file of several racy factories (the ``zeroer:`` rows) names the factory in each marker, and one
+# comment may hold several: ``# race[single_pinned_buffer]: queued``.
+FACTORY_MARKER = re.compile(r"\brace\[(\w+)\]:\s*(queued|later)\b")
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,13 @@ def source(program: Program) -> Path:
     return Path(__file__).resolve().parent.parent / program.collection / f"{program.name}.py"
 
 
+def race_lines(program: Program) -> dict[str, int]:
+    """The two lines of a racy ``program``'s race in :func:`source` (:func:`marked_lines`; a
+    ``zeroer:`` row's are marked with its factory's name)."""
+    factory = program.name.removeprefix("zeroer:") if program.collection == "zeroer" else None
+    return marked_lines(source(program), factory)
+
+
 def zeroer_spec(program: Program) -> str:
     """The ``file.py:factory`` spec a ``zeroer:`` row drives."""
     return f"{ENGINE_ZEROERS}:{program.name.removeprefix('zeroer:')}"
@@ -117,13 +127,14 @@ def path(name: str) -> Path:
     return Path(__file__).with_name(f"{BY_NAME[name].name}.py")
 
 
-def marked_lines(path: Path) -> dict[str, int]:
+def marked_lines(path: Path, factory: str | None = None) -> dict[str, int]:
     """The lines a racy program marks as its race: ``{"queued": line, "later": line}`` (1-based).
 
     ``queued`` is the line with a ``# race: queued`` comment (the op the race is with), ``later``
-    the line with ``# race: later`` (the access that may overtake it). Only comments count, not
-    text in strings or docstrings. ``ValueError`` naming the file when a marker is missing or
-    appears more than once.
+    the line with ``# race: later`` (the access that may overtake it); with ``factory``, the lines
+    marked ``race[factory]: queued`` and ``race[factory]: later`` in a file of several factories.
+    Only comments count, not text in strings or docstrings. ``ValueError`` naming the file when a
+    marker is missing or appears more than once.
     """
     path = Path(path)
     found: dict[str, list[int]] = {"queued": [], "later": []}
@@ -131,10 +142,15 @@ def marked_lines(path: Path) -> dict[str, int]:
         text = source.read()
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type == tokenize.COMMENT:
-            for match in MARKER.finditer(token.string):
-                found[match.group(1)].append(token.start[0])
-    problems = [f"no '# race: {which}' marker" if not lines else
-                f"'# race: {which}' on {len(lines)} lines ({', '.join(map(str, lines))})"
+            if factory is None:
+                marks = [m.group(1) for m in MARKER.finditer(token.string)]
+            else:
+                marks = [m.group(2) for m in FACTORY_MARKER.finditer(token.string) if m.group(1) == factory]
+            for which in marks:
+                found[which].append(token.start[0])
+    label = "# race" if factory is None else f"race[{factory}]"
+    problems = [f"no '{label}: {which}' marker" if not lines else
+                f"'{label}: {which}' on {len(lines)} lines ({', '.join(map(str, lines))})"
                 for which, lines in found.items() if len(lines) != 1]
     if problems:
         raise ValueError(f"{path}: {'; '.join(problems)}")
