@@ -89,6 +89,6 @@ def _timeline(trace: Path) -> str | None:
     simulator). Never at the cost of the finding: its trace is already written."""
     try:
         json_path, _ = write_timeline(trace)
-    except Exception:  # noqa: BLE001 - a picture is a convenience
+    except (Exception, HarnessError):  # noqa: BLE001 - a picture is a convenience
         return None
     return str(json_path)

@@ -138,10 +138,8 @@ def _stream_names(count: int) -> list[str]:
 def _replay(trace: Trace) -> _Replay:
     """Run the trace's ops as :func:`fuzz.engine.episode.run_ops` does, on the simulator, observed."""
     config = dataclasses.replace(trace.config, backend="sim", device=None)
-    try:
+    try:  # a factory that raises is a usage error (HarnessError, exit status 2): nothing to draw
         episode = Episode(config)
-    except ZeroerRaised as error:  # the factory raised: nothing ran, the finding says why
-        return _Replay(_stream_names(config.streams), [], [], [error.finding], None)
     except Exception as error:  # noqa: BLE001 - e.g. a zeroer that needs a GPU
         return _Replay(_stream_names(config.streams), [], [], [], f"replay stopped: {type(error).__name__}: {error}")
     recorder = _Recorder()

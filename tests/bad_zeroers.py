@@ -1,8 +1,8 @@
 """Zeroer specs that are wrong in one way each, for the table of bad inputs (docs/bad-input.md).
 
 Named on a command line as ``tests/bad_zeroers.py:NAME``. The first four are usage errors (exit
-status 2: the spec cannot be used); ``raising_factory`` and ``RaisingZeroer`` are findings (exit
-status 1: a zeroer that raises is a bug in the zeroer, reported as kind "zeroer raised",
+status 2: the spec cannot be used), as is ``raising_factory`` (it built nothing); ``RaisingZeroer``
+is a finding (exit 1: a zeroer that raises once it exists is a bug in it, kind "zeroer raised",
 docs/contract.md); ``OutOfMemoryZeroer`` is a resource error; the last two are harness errors the
 user can act on (exit status 2: what the harness cannot follow is never a finding).
 """
@@ -24,7 +24,7 @@ declares_a_string.capabilities = "sim"  # should be a zeroer.protocol.Capabiliti
 
 
 def raising_factory(cache, runtime):
-    """A factory that fails: a finding at step 0, "in its factory"."""
+    """A factory that fails: a usage error naming it and this line, never a finding."""
     raise RuntimeError("planted: this factory cannot build a zeroer")
 
 

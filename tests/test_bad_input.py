@@ -105,6 +105,11 @@ ROWS: list[Row] = [
     trace_row({"config.zeroer": "nope"}, f"error: bad.json: field 'config.zeroer': {UNKNOWN_ZEROER}"),
     trace_row({"config.zeroer": "tests/bad_zeroers.py:nothing_here"}, "error: bad.json: field 'config.zeroer': zeroer "
               "'tests/bad_zeroers.py:nothing_here': 'tests/bad_zeroers.py' has no attribute 'nothing_here'"),
+    trace_row({"config.zeroer": "tests/bad_zeroers.py:raising_factory"}, "python -m repro: the zeroer factory "
+              "'tests/bad_zeroers.py:raising_factory' raised at tests/bad_zeroers.py:28 (raise RuntimeError(\"planted: this "
+              "factory cannot build a zeroer\")): RuntimeError: planted: this factory cannot build a zeroer; it built no "
+              "zeroer, so nothing was fuzzed and this is not a finding: fix the factory so that raising_factory(cache, "
+              "runtime) returns the zeroer"),
     trace_row({"config.geometry": "huge"}, "error: bad.json: field 'config.geometry' is 'huge'; known geometries: "
               "block_outer_fp8, int32_wrap, kv_outer_bf16, mixed_dtypes, mla_indexer, packed, ratio2, shared_layers, tiny"),
     trace_row({"config.backend": "tpu"}, "error: bad.json: field 'config.backend' is 'tpu'; choose one of sim, cuda"),
@@ -330,10 +335,12 @@ ROWS: list[Row] = [
     Row("pytest fuzz --fuzz-summary README.md/s.json", 2, "_pytest.outcomes.Exit: error: --fuzz-summary 'README.md/s.json': 'README.md' is a "
         "file, not a directory; give a file path you can write to"),
     Row("pytest fuzz --fuzz-minuts 3", 4, "ERROR: usage: ..."),  # pytest's own rule for an unknown option
-    # -- zeroers that raise: findings, not usage errors ------------------------------------------------------------
-    Row("pytest --zeroer tests/bad_zeroers.py:raising_factory --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 1,
-        "  - zeroer raised at step 0 in its factory: RuntimeError: planted: this factory cannot build a zeroer",
-        trace_details="RuntimeError: planted: this factory cannot build a zeroer"),
+    # -- zeroers that raise: a factory that raises built nothing (a usage error), a zeroer that raises is a finding --
+    Row("pytest --zeroer tests/bad_zeroers.py:raising_factory --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 2,
+        "the zeroer factory 'tests/bad_zeroers.py:raising_factory' raised at tests/bad_zeroers.py:28 (raise "
+        "RuntimeError(\"planted: this factory cannot build a zeroer\")): RuntimeError: planted: this factory cannot build "
+        "a zeroer; it built no zeroer, so nothing was fuzzed and this is not a finding: fix the factory so that "
+        "raising_factory(cache, runtime) returns the zeroer"),
     Row("pytest --zeroer tests/bad_zeroers.py:RaisingZeroer --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 1,
         "  - zeroer raised at step 2 in zero_block_ids([1]): RuntimeError: planted: cannot zero [1]",
         trace_details="RuntimeError: planted: cannot zero [1]"),

@@ -84,8 +84,6 @@ def test_a_raise_is_the_same_bug_at_the_same_line_whatever_the_ids_and_another_b
     assert one == other and one.kind == "zeroer raised"
     assert one.zeroer == "bad_zeroers.py:RaisingZeroer"  # not where the checkout lies
     assert one.site.startswith("zero_block_ids raised RuntimeError at ") and one.site.endswith("bad_zeroers.py:41")
-    factory = signature_of(f"{ROOT}/tests/bad_zeroers.py:raising_factory", TWO_CALLS)
-    assert factory != one and factory.site.startswith("its factory raised RuntimeError at ")
 
 
 def test_a_value_finding_records_no_code_location_so_it_is_one_bug_per_geometry():

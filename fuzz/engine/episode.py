@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from fuzz.engine.cache_pool import CachePool
-from fuzz.engine.harness_error import harness_error, raise_if_harness
+from fuzz.engine.harness_error import factory_error, harness_error, raise_if_harness
 from fuzz.engine.ops import OPS, check_op
 from fuzz.engine.oracle import Finding, Shadow, all_rows_match
 from fuzz.engine.resources import raise_if_gpu_lost, raise_if_resource
@@ -204,7 +204,7 @@ class Episode:
         self.in_op = False  # an op is running: an interruption now leaves the episode unjudgeable
         self.finished = False
         for group in self.groups:
-            with self._zeroer_call(group, "its factory"):
+            with self._factory_call("zeroer", self.loaded.spec, "(cache, runtime)"):
                 group.zeroer = self.loaded.build(group.cache, self.rt, **kernel_options(config.zeroer, config.kernel))
         if config.offloader is not None:
             from fuzz.engine.offload import OffloadSide  # an offload campaign only
@@ -256,6 +256,9 @@ class Episode:
 
     def _zeroer_call(self, group: CacheGroup, what: str) -> "_ZeroerCall":
         return _ZeroerCall(self, group, what)
+
+    def _factory_call(self, component: str, spec: str, signature: str) -> "_FactoryCall":
+        return _FactoryCall(self, component, spec, signature)
 
     def _order_before(self, group: CacheGroup, block: int, stream: int, skip_kinds: tuple[str, ...] = ()) -> None:
         last = group.last.get(block)
@@ -625,6 +628,29 @@ class _ZeroerCall:
         raise ZeroerRaised(_raised_finding(self._episode, what, error)) from error
 
 
+class _FactoryCall:
+    """The scope of a factory's call: what it raises is a usage error (exit status 2), never a
+    finding. Code that cannot be built was never run; only what the zeroer or offloader raises once
+    it exists is judged (fuzz.engine.harness_error.factory_error)."""
+
+    __slots__ = ("_episode", "_component", "_spec", "_signature")
+
+    def __init__(self, episode: Episode, component: str, spec: str, signature: str) -> None:
+        self._episode, self._component, self._spec, self._signature = episode, component, spec, signature
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
+        if error is None or not isinstance(error, Exception):
+            return False
+        _stop_if_interrupted(error)
+        raise_if_resource(error, f"in the {self._component}'s factory")
+        # The harness refusing what the factory built or asked for keeps its own line (and status).
+        raise_if_harness(error, f"the {self._component}'s factory", step=self._episode.step)
+        raise factory_error(error, self._component, self._spec, self._signature) from error
+
+
 def _stop_if_interrupted(error: BaseException) -> None:
     """After Ctrl-C or SIGTERM an error is not the zeroer's finding: code that caught the
     KeyboardInterrupt (the zeroer's, a library's) may have turned it into this one."""
@@ -660,12 +686,10 @@ def run_ops(config: EpisodeConfig, ops: list[dict], caches: CachePool | None = N
 
     Like the fuzzer, it stops at the first happens-before hazard, then synchronises once and lets
     the oracle check every read and every block. A program that is not valid here (an op on a
-    block that is not live) raises ValueError.
+    block that is not live) raises ValueError; a factory that raises, a usage error
+    (:class:`~fuzz.engine.harness_error.HarnessError`, status 2): nothing was built to run them on.
     """
-    try:
-        episode = Episode(config, caches=caches)
-    except ZeroerRaised as error:  # the factory raised
-        return [error.finding]
+    episode = Episode(config, caches=caches)
     try:
         for op in ops:
             episode.apply(op)

@@ -8,6 +8,10 @@ at once, writes no trace, and is reported as an error with one line that names t
 its ``file:line`` and the way forward, and exit status 2 (the user can act on it) or 3 (a bug of
 kvzero-fuzz). Whose an exception is, is read from where it was raised (:mod:`zeroer.origin`).
 
+A factory that raises is a usage error (exit status 2), never a finding, whoever's code raised
+it: code that cannot be built was never run (:func:`factory_error`). Only what the zeroer or
+offloader raises once it exists (its warmup, calls, close, kernels) can be a finding.
+
 Example::
 
     try:
@@ -24,7 +28,7 @@ import traceback
 from fuzz.engine.resources import raise_if_device_fault
 from zeroer.origin import HARNESS_BUG, USER_FIXABLE, blame
 
-__all__ = ["HARNESS_BUG", "USER_FIXABLE", "HarnessError", "harness_error", "raise_if_harness"]
+__all__ = ["HARNESS_BUG", "USER_FIXABLE", "HarnessError", "factory_error", "harness_error", "raise_if_harness"]
 
 REPORT = ("a bug of kvzero-fuzz, not of the zeroer: please report this line with the summary's harness_details "
           "(or rerun with --fuzz-debug for the traceback)")
@@ -75,3 +79,18 @@ def raise_if_harness(error: BaseException, during: str, *, step: int | None = No
     verdict = blame(error)
     if verdict.harness:
         raise harness_error(error, during, step=step, where=verdict.where, status=verdict.status) from error
+
+
+def factory_error(error: BaseException, component: str, spec: str, signature: str) -> HarnessError:
+    """The usage error (status 2) for ``spec``'s factory raising ``error`` before the ``component``
+    (``"zeroer"`` or ``"offloader"``) existed; ``signature`` is how the harness calls it,
+    ``(cache, runtime)`` or ``(cache, host_pool, runtime)``. The line names the factory, the
+    exception and the ``file:line`` of the innermost frame of code that is not a library's."""
+    where = blame(error).where
+    at = f" at {where}" if where else ""
+    name = spec.rpartition(":")[2] if ":" in spec else "factory"
+    message = _one_line(
+        f"the {component} factory {spec!r} raised{at}: {type(error).__name__}: {error}; it built no {component}, so "
+        f"nothing was fuzzed and this is not a finding: fix the factory so that {name}{signature} returns the {component}")
+    details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return HarnessError(message, USER_FIXABLE, details)

@@ -96,7 +96,7 @@ class OffloadSide:
         self.next_job = WARMUP_JOBS[-1] + 1
         self.offloader: Any = None
         group = episode.groups[0]
-        with episode.rt.block_space(group.index), self._call("factory"):
+        with episode.rt.block_space(group.index), episode._factory_call("offloader", self.spec, "(cache, host_pool, runtime)"):
             self.offloader = self.loaded.build(group.cache, self.pool, episode.rt)
 
     # -- labels ---------------------------------------------------------------------------------------

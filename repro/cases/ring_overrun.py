@@ -61,10 +61,7 @@ def steps(episode: Episode) -> None:
 
 def run_once(config: EpisodeConfig) -> list:
     """One episode of the steps, judged as the fuzzer and the replayer judge it (run_ops)."""
-    try:
-        episode = Episode(config)
-    except ZeroerRaised as raised:  # the zeroer's factory raised: that is the finding
-        return [raised.finding]
+    episode = Episode(config)  # a factory that raises: a usage error (exit status 2), not a finding
     try:
         steps(episode)
         return episode.finish()  # one synchronisation, then the oracle checks every read and block

@@ -32,6 +32,7 @@ from fuzz.bench.detect.baselines import METHODS
 from fuzz.bench.detect.outcome import QUICK, DetectionOutcome
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig, count_shown
+from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.resources import ResourceExhausted, is_out_of_memory
 
 Method = Callable[[EpisodeConfig, float, int], DetectionOutcome]
@@ -122,6 +123,8 @@ def run_job(job: Job) -> dict[str, Any]:
             outcome = FuzzMethod(Path(job.repro_dir))(job.config, None, job.seed)
         else:
             outcome = resolve_method(job.method, Path(job.repro_dir))(job.config, job.budget_s, job.seed)
+    except HarnessError as error:  # the harness could not build or run the entry (a factory that raises): no verdict
+        outcome = DetectionOutcome(False, None, None, 0, None, None, "harness error", error=error.message)
     except (Exception, ResourceExhausted) as error:  # report and go on: one broken entry must not hide the others
         out_of_memory = is_out_of_memory(error)
         outcome = DetectionOutcome(False, None, None, 0, None, None, "resource error" if out_of_memory else "the method raised",
