@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sanitizer.bench.programs import path
+from sanitizer.bench.programs import BY_NAME, path, source
+from sanitizer.bench.verdict import FOUND, judge
 from sanitizer.races import Access, Race, distinct
 from sanitizer.sites import Site
 
@@ -152,13 +153,21 @@ def test_an_interrupted_run_keeps_the_races_it_saw_and_writes_no_result_file(tmp
         assert run.returncode == 130 and err.strip() == "python -m sanitizer: interrupted", out + err
 
 
-def test_force_mode_says_when_its_gates_opened_by_the_time_limit(capsys: pytest.CaptureFixture) -> None:
+def test_force_mode_says_when_its_gates_opened_by_the_time_limit_and_still_reports_its_races(
+        capsys: pytest.CaptureFixture) -> None:
     from sanitizer.__main__ import report
     from sanitizer.runner import Outcome
 
+    timeouts = ("kvz-sanitize: force mode opened its gates by the 2 s limit 2 time(s) (the host waited for the GPU "
+                "where no hook shows it): the values of those copies were not compared")
     assert report(Outcome("cuda", "force", forced_timeouts=2), "p.py", partial=False) == 0
-    assert ("force mode opened its gates by the 2 s limit 2 time(s) (the host waited for the GPU where no hook shows "
-            "it): the values of those copies were not compared") in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert timeouts in out and out.strip().endswith("kvz-sanitize: no race in p.py [force mode, cuda]")
+    # A gate that opened early costs the comparison of values, never the verdict from the queue order.
+    assert report(Outcome("cuda", "force", races=[_race("p.py", 9, 8)], forced_timeouts=2), "p.py", partial=False) == 1
+    out = capsys.readouterr().out
+    assert timeouts in out and "[host-write-vs-pending-copy]" in out and "at p.py:9 (main)" in out
+    assert out.strip().endswith("kvz-sanitize: 1 distinct race (1 seen) in p.py [force mode, cuda]")
 
 
 # -- the first hour with it (issue 30, item 9) -------------------------------------------------------------
@@ -206,12 +215,34 @@ def test_a_host_write_through_fill_is_reported_at_its_own_line(tmp_path: Path) -
     assert "host write (fill_.Scalar on the pinned buffer) on the host, at " in done.stdout
 
 
-def test_force_on_the_simulator_is_accepted_and_says_the_simulator_always_holds_copies() -> None:
-    done = sanitize_cli("--backend", "sim", "--force", "--", "python", str(path("block_table_fresh_pinned")),
+SIM_FORCE = "[simulator, which holds every copy until the host synchronises, as --force does on a GPU]"
+
+
+def test_force_on_the_simulator_reports_the_race_at_both_lines_and_the_values_it_made_wrong(tmp_path: Path) -> None:
+    # docs/sanitizer.md: on the simulator every run is what --force makes of one on a GPU: the
+    # verdict from the queue order, and the held copy reading what the host wrote later.
+    racy = BY_NAME["block_table_one_buffer"]
+    report = tmp_path / "races.json"
+    done = sanitize_cli("--backend", "sim", "--force", "--json", str(report), "--", "python", str(source(racy)),
+                        "--steps", "2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    data = json.loads(report.read_text())
+    assert data["mode"] == "force" and data["backend"] == "sim"
+    assert judge(racy, data["races"]) == FOUND, data["races"]  # its kind and both marked lines
+    assert "gathered block sums" in data["program_error"]  # the program's own check: the values came out wrong
+    assert "kvz-sanitize: 1 distinct race (" in done.stdout and f") in {source(racy)} {SIM_FORCE}" in done.stdout
+    assert "failed (AssertionError) after the race above" in done.stdout
+
+
+def test_force_on_the_simulator_leaves_the_race_free_twin_clean_with_its_values_right(tmp_path: Path) -> None:
+    twin = BY_NAME["block_table_fresh_pinned"]
+    report = tmp_path / "races.json"
+    done = sanitize_cli("--backend", "sim", "--force", "--json", str(report), "--", "python", str(source(twin)),
                         "--steps", "2")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip().endswith("[simulator, which holds every copy until the host synchronises, as --force "
-                                        "does on a GPU]")
+    data = json.loads(report.read_text())
+    assert data["mode"] == "force" and data["races"] == [] and data["program_error"] is None and not data["notes"]
+    assert done.stdout.strip() == f"kvz-sanitize: no race in {source(twin)} {SIM_FORCE}"
 
 
 def test_a_host_read_under_a_pending_device_to_host_copy_is_its_own_kind(tmp_path: Path) -> None:
