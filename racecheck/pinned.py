@@ -60,6 +60,7 @@ class Region:
     site: Any = None  # where it was made, for a report's "allocated at"
     base: torch.Tensor | None = None  # the tensor it was registered from, where the caller keeps it
     registered: bool = False  # cudaHostRegister: outside the caching allocator
+    layout: str = ""  # "(8,) int32", for a region that does not hold its tensor (one torch may free)
 
     @property
     def key(self) -> tuple:

@@ -60,6 +60,14 @@ _ADVICE = {
     ),
 }
 
+# The second side of a race on a pinned block torch's caching host allocator handed out again.
+HANDED_OUT_AGAIN = "pinned memory handed out again by torch's caching host allocator"
+_FREED_ADVICE = (
+    "keep the pinned tensor until the device work that reads or writes it has run: synchronize its stream, or an "
+    "event recorded after it, before the last reference goes (LMCache #4830); the allocator itself waits only "
+    "for copy_(..., non_blocking=True), not for kernels or other uses of the tensor's pointer"
+)
+
 
 @dataclass(frozen=True)
 class Access:
@@ -122,7 +130,8 @@ class Race:
         ]
         if self.values:
             lines.append(f"  forced:  {self.values}")
-        lines.append(f"  fix:     {_ADVICE[self.kind]}")
+        freed = self.later.what.startswith(HANDED_OUT_AGAIN)
+        lines.append(f"  fix:     {_FREED_ADVICE if freed else _ADVICE[self.kind]}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

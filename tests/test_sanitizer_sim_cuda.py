@@ -8,11 +8,14 @@ and pinned memory recycled by a model of torch's caching host allocator.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 
+from sanitizer.bench.programs import marked_lines
 from sanitizer.sim.session import run_simulated
 
 
@@ -111,3 +114,62 @@ def test_a_device_tensor_moved_to_the_host_under_inference_mode_is_a_cpu_tensor(
     races, answers = simulated(main)
     assert races == []
     assert answers == ("cpu", "cuda:0", "cuda:0", [3.0, 4.0, 5.0])
+
+
+# -- torch's caching host allocator ----------------------------------------------------------------
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lmcache_4830_pinned_temporaries.py"
+
+
+def test_a_dropped_pinned_temporary_is_handed_to_the_next_pinned_allocation_of_its_size():
+    def main():
+        first = torch.arange(6.0).pin_memory()
+        address = first.data_ptr()
+        del first
+        second = torch.empty(8, pin_memory=True)  # 24 and 32 bytes: one 32-byte block
+        return second.data_ptr() == address, second.is_pinned()
+
+    races, answers = simulated(main)
+    assert races == []
+    assert answers == (True, True)
+
+
+def test_a_block_a_non_blocking_copy_used_waits_for_the_copys_stream_before_reuse():
+    # Copy.cu records an event on the block for every non-blocking copy: torch's own protection.
+    def main():
+        device = torch.empty(8, device="cuda")
+        staging = torch.arange(8.0, pin_memory=True)
+        address = staging.data_ptr()
+        device.copy_(staging, non_blocking=True)
+        del staging
+        while_pending = torch.zeros(8, pin_memory=True).data_ptr()
+        torch.cuda.synchronize()
+        after_sync = torch.zeros(8, pin_memory=True).data_ptr()
+        return while_pending != address, after_sync == address, device.cpu().tolist()
+
+    races, (fresh, reused, values) = simulated(main)
+    assert races == []
+    assert (fresh, reused, values) == (True, True, [float(i) for i in range(8)])
+
+
+def test_lmcache_4830_temporaries_read_by_a_kernel_and_dropped_on_return_are_a_race_at_both_lines():
+    module = _example()
+    races, error, _ = run_simulated(lambda: module.main(steps=3))
+    assert isinstance(error, AssertionError)  # the next pin_memory() overwrote what the kernel read
+    lines = marked_lines(EXAMPLE)
+    found = {(race.kind, race.queued.site.line, race.later.site.line) for race in races}
+    assert found == {("host-write-vs-pending-copy", lines["queued"], lines["later"])}
+    assert races[0].later.what.startswith("pinned memory handed out again by torch's caching host allocator")
+
+
+@pytest.mark.parametrize("twin", ["fixed", "copy"])
+def test_lmcache_4830_twins_synchronizing_or_copying_with_copy_are_clean(twin):
+    module = _example()
+    races, error, _ = run_simulated(lambda: module.main(steps=3, **{twin: True}))
+    assert (races, error) == ([], None)
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("lmcache_4830_pinned_temporaries", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -41,7 +41,7 @@ from racecheck.pinned import Region
 from sanitizer import numpy_views
 from sanitizer.dynamo_guard import GUARD
 from sanitizer.host_ops import pinned_access, tensors_of
-from sanitizer.races import Access, Race
+from sanitizer.races import HANDED_OUT_AGAIN, Access, Race
 from sanitizer.sites import Site, also_skip, caller_site
 from sanitizer.watch import HostWatch
 from zeroer.intercept.host_memory import HostMemory
@@ -56,13 +56,19 @@ _BLOCK = re.compile(r"^device block d(\d+)\b")
 
 
 class ProgramHostMemory(HostMemory):
-    """Pinned memory named as the GPU observer names it, with the line that allocated it."""
+    """Pinned memory named as the GPU observer names it, with the line that allocated it; torch's
+    pinned allocations come from the model of its caching host allocator (``caching``)."""
+
+    caching = True
 
     def register(self, tensor: torch.Tensor, origin: str = "", site: Any = None, **details: Any) -> Region:
         return super().register(tensor, origin, site if site is not None else caller_site(), **details)
 
     def _name(self, region: Region) -> None:
         base = region.base
+        if region.layout:
+            self.rename(region, f"pinned host buffer {region.layout} ({region.origin})")
+            return
         if region.registered or base is None:
             self.rename(region, f"host memory registered with cudaHostRegister ({region.end - region.start} bytes)")
             return
@@ -85,6 +91,7 @@ class ProgramSession(InterceptSession):
         self.host.rename_owner("the program")
         self.graphs = SimGraphs(self)
         self.watch = SimWatch(self)
+        self.host.on_reuse = self._pinned_reused
         self.lock = self.watch.lock
         self.ops: dict[str, Access] = {}
         self.generations: dict[str, dict[int, int]] = {}  # op label -> {block id: its generation}
@@ -118,6 +125,12 @@ class ProgramSession(InterceptSession):
 
     def boundary(self, what: str) -> None:
         self.watch.boundary(caller_site())
+
+    def _pinned_reused(self, tensor: torch.Tensor, origin: str) -> None:
+        """The caching host allocator handed ``tensor``'s bytes out again: a host write of them, checked
+        against the device work still pending on the block's last tenant (LMCache #4830)."""
+        what = f"{HANDED_OUT_AGAIN} ({origin})"
+        self.watch.host_access(tensor, write=True, what=what, site=caller_site())
 
     # -- what the program runs under ------------------------------------------------------------------
     def patch_tables(self) -> list[tuple[Any, dict[str, Any]]]:

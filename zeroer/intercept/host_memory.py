@@ -20,25 +20,68 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 
 from racecheck.pinned import PinnedWatch, Region
 from zeroer.intercept.sim_graphs import CapturedOp
+from zeroer.intercept.sim_host_allocator import SimHostAllocator
 from zeroer.runtime import Runtime
 
 PinnedBuffer = Region  # one pinned allocation of the code under test (views share it)
 
 
 class HostMemory(PinnedWatch):
-    """The pinned regions of one session and the reads still pending on them."""
+    """The pinned regions of one session and the reads still pending on them.
+
+    With ``caching`` (a program on the simulator), pinned memory made by torch comes from
+    :class:`~zeroer.intercept.sim_host_allocator.SimHostAllocator`, freed when its tensors die and
+    handed out again as torch's caching host allocator does; a block handed out again is a host
+    write of the bytes its last tenant had (``on_reuse``: the session reports it at the program's line).
+    """
+
+    caching = False
 
     def __init__(self, runtime: Runtime, ids: Iterator[int] | None = None, owner: str = "the zeroer") -> None:
         super().__init__(runtime.hb, runtime.host_thread, ids)  # ids per runtime (zeroer.intercept.shared)
         self.rt = runtime
         self._owner = owner
+        self.allocator = SimHostAllocator(runtime) if self.caching else None
+        self.on_reuse: Callable[[torch.Tensor, str], None] | None = None
+
+    def pin(self, tensor: torch.Tensor, origin: str) -> torch.Tensor:
+        """``tensor`` (a fresh CPU tensor) as pinned memory torch allocated: itself, registered, or
+        with ``caching`` a tensor with its values over a block of the allocator."""
+        if self.allocator is None:
+            self.register(tensor, origin)
+            return tensor
+        pinned, _block, reused = self.allocator.allocate(tensor)
+        if reused and self.on_reuse is not None and self.lookup(pinned) is not None:
+            self.on_reuse(pinned, origin)  # before the new tenant's bytes land, against the old one's copies
+        with torch._C.DisableTorchFunction(), no_dispatch():
+            pinned.copy_(tensor)
+        layout = f"{tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}"
+        self.register(pinned, origin, keep=False, layout=layout)
+        return pinned
+
+    def by_address(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What queued device work keeps of ``tensor``: its address. A view of the same bytes over the
+        allocator's block, so the work does not keep the tensor alive (on CUDA a queued copy or
+        kernel holds no reference: the tensor can die and its block be handed out again first)."""
+        block = self.allocator.block_of(tensor) if self.allocator is not None else None
+        if block is None:
+            return tensor
+        with torch._C.DisableTorchFunction(), no_dispatch():
+            return torch.empty(0, dtype=tensor.dtype).set_(block.buffer.untyped_storage(), tensor.storage_offset(),
+                                                          tensor.size(), tensor.stride())
+
+    def used_by_copy(self, tensor: torch.Tensor, stream: Any) -> None:
+        """A non-blocking copy on ``stream`` read or wrote ``tensor``: the allocator's ``record_event``."""
+        if self.allocator is not None:
+            self.allocator.used_by(tensor, stream)
 
     def register(self, tensor: torch.Tensor, origin: str = "", site: Any = None, **details: Any) -> Region:
         """Remember ``tensor`` (a CPU tensor) as pinned memory the code allocated."""

@@ -291,6 +291,10 @@ class SimOps:
             return forward(dst.copy_, src, non_blocking=non_blocking)
         if how == "h2d-staged":
             source = source.clone()  # CUDA stages pageable bytes before the call returns
+        elif how == "h2d-async":
+            source = self.session.host.by_address(source)  # the queued copy keeps an address, not the tensor
+        elif how == "d2h-async":
+            target = self.session.host.by_address(target)
 
         def run() -> None:
             forward(target.copy_, source)
@@ -305,6 +309,10 @@ class SimOps:
             self.session.host.note_read(pinned, src, stamp)
         elif how == "d2h-async":
             self.session.host.note_device_write(pinned, dst, stamp)
+        if how in ("h2d-async", "d2h-async"):
+            # Copy.cu's record_event: the caching host allocator keeps the block until this stream's
+            # work is done; nothing else tells it of a use (a kernel reading the pointer, say).
+            self.session.host.used_by_copy(host_side, self.session.rt.current_stream())
         return dst
 
     def _to_copy(self, x: SimCudaTensor, *, dtype: torch.dtype | None = None, layout: Any = None,
@@ -317,7 +325,7 @@ class SimOps:
             # CUDA pins the result of a non-blocking move to the host (aten's _to_copy), so the copy
             # stays queued: its values are there once the stream has run it (an event, a sync).
             if pin_memory or non_blocking:
-                self.session.host.register(out, "pinned result of .to()")
+                out = self.session.host.pin(out, "pinned result of .to()")
             return self.copy(out, x, non_blocking)
         out = self.new(tuple(x.size()), dtype, name=".to() result")
         return self.copy(out, x, non_blocking)

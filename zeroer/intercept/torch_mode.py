@@ -171,6 +171,8 @@ class InterceptMode(TorchFunctionMode):
             kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
         result = forward(func, *args, **kwargs)
         if isinstance(result, torch.Tensor) and result.device.type == "cpu":
+            if self.sim:  # from the caching host allocator's model, where the program's session has one
+                return self.session.host.pin(result, f"{_name(func)}(pin_memory=True)")
             self.session.host.register(result, f"{_name(func)}(pin_memory=True)")
         return result
 
@@ -178,7 +180,9 @@ class InterceptMode(TorchFunctionMode):
         self.session.boundary("Tensor.pin_memory")
         if self.session.host.is_pinned(args[0]):  # torch returns a pinned tensor itself: registered already
             return args[0] if self.sim else forward(func, *args, **kwargs)
-        result = args[0].clone() if self.sim else forward(func, *args, **kwargs)
+        if self.sim:
+            return self.session.host.pin(args[0].clone(), "Tensor.pin_memory()")
+        result = forward(func, *args, **kwargs)
         self.session.host.register(result, "Tensor.pin_memory()")
         return result
 

@@ -161,7 +161,10 @@ class TritonLaunches:
         if session.backend == "sim":
             if warmup:
                 return None  # nothing to compile: the interpreter runs the source
-            values = [value._inner if isinstance(value, SimCudaTensor) else value for value in bound.arguments.values()]
+            # A pinned argument by its address: the queued kernel does not keep the tensor alive (LMCache #4830).
+            values = [value._inner if isinstance(value, SimCudaTensor)
+                      else session.host.by_address(value) if isinstance(value, torch.Tensor) else value
+                      for value in bound.arguments.values()]
             launch_grid = grid(dict(bound.arguments)) if callable(grid) else grid
             launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
             check = _AddressCheck(session, name)
