@@ -43,6 +43,7 @@ from typing import Any
 
 from fuzz.atomic_file import write_json_atomically, write_text_atomically
 from fuzz.engine.episode import Episode, ZeroerRaised
+from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.ops import FIELDS
 from fuzz.trace import Trace, load_trace
 from zeroer.runtime.queues import QueuedOp
@@ -170,6 +171,9 @@ def _replay(trace: Trace) -> _Replay:
                 {"does": "synchronise once, then the oracle checks every read and every block"})
     except ZeroerRaised:
         pass  # a finding of its own, already in episode.findings
+    except HarnessError as error:  # what the simulator cannot run (a Triton kernel its interpreter cannot): draw what ran
+        where = f" at op {hosts[-1].index} ({hosts[-1].name})" if hosts else ""
+        stopped = f"replay stopped{where}: {error.message}"
     except Exception as error:  # noqa: BLE001 - draw what ran; the reason goes in the picture
         where = f" at op {hosts[-1].index} ({hosts[-1].name})" if hosts else ""
         stopped = f"replay stopped{where}: {type(error).__name__}: {error}"

@@ -8,6 +8,10 @@ was imported. While :func:`launch_on_cpu` runs a kernel, such a call runs the ca
 under the interpreter, and the interpreter's language patch covers both ``triton.language`` and
 its ``core`` module (which the standard library calls), once for the whole launch.
 
+Whose a failure under the interpreter is: :func:`raised_by_interpreter` tells the interpreter's own
+failure (it could not run the kernel: a gap of the simulator, which a GPU compiles past) from an
+error of the kernel's own code.
+
 Example::
 
     @triton.jit
@@ -23,13 +27,47 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import Any, Iterator
 
 import triton.language as tl
 from triton.language import core as tl_core
 from triton.runtime import interpreter as triton_interpreter
+from triton.runtime.errors import InterpreterError
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
+
+
+# Frames that raise on behalf of their caller: the first other frame from the raise outwards decides.
+_ON_BEHALF = frozenset({"numpy"}) | frozenset(getattr(sys, "stdlib_module_names", ()))
+
+
+def kernel_error(error: BaseException) -> BaseException:
+    """What failed in a kernel: the interpreter re-raises it as ``InterpreterError(repr(e)) from e``."""
+    while isinstance(error, InterpreterError) and error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def raised_by_interpreter(error: BaseException) -> bool:
+    """Whether Triton's interpreter itself raised ``error``: from the raise outwards, past numpy and
+    the standard library, the first frame is the interpreter's module. Then the interpreter could
+    not run the kernel, which says nothing of the kernel: Triton 3.6's takes a loaded scalar as a
+    loop bound (``words = tl.load(sizes + job) // 8; for start in range(0, words, BLOCK)``) through
+    ``int()`` of a one-element array, ``TypeError: only 0-dimensional arrays can be converted to
+    Python scalars``, where Triton 3.9's and every GPU build run it. An error of the kernel's own
+    code (its frame is the innermost), or of a ``triton.language`` function it misused, is not.
+    ``error`` is read under the interpreter's wrapping (:func:`kernel_error`)."""
+    frames = []
+    tb = kernel_error(error).__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        module = str(frame.f_globals.get("__name__", "") or "")
+        if module.split(".")[0] not in _ON_BEHALF:
+            return module == triton_interpreter.__name__
+    return False
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,7 +15,8 @@ ops exactly, and fast. So on cuda, where the zeroer runs on the simulator too:
    kind of finding (controlled: one replay, which is exact; free-running: at least one of
    :data:`FREE_CONFIRM_REPLAYS`, since real timing decides there);
 4. confirmed, the shrunk trace and the GPU's findings are the campaign's result. Otherwise (the
-   simulator does not show it, or the shrunk trace does not show on the GPU) it falls back to
+   simulator does not show it or cannot run it, say a Triton kernel the installed Triton's
+   interpreter cannot run, or the shrunk trace does not show on the GPU) it falls back to
    shrinking on the GPU: :func:`minimize` on the campaign's own config, from the first failing
    program. (Hypothesis cannot take the shrinking up again: its run has ended, and an example it
    replays from a database it does not shrink again.)
@@ -200,7 +201,13 @@ def _shrink_on_simulator(violation: ZeroerViolation, plan: ShrinkPlan,
     """Steps 2 and 3: the first failing program minimized on the simulator and confirmed where the
     campaign runs, with the campaign's findings; or None and why not."""
     kind = violation.findings[0].kind
-    on_sim = _replay(plan.shrink_on, violation.trace)
+    try:
+        on_sim = run_ops(plan.shrink_on, violation.trace)
+    except ValueError:  # not a valid program there
+        on_sim = []
+    except HarnessError as error:  # e.g. Triton's interpreter cannot run the zeroer's kernel: the GPU can
+        return None, (f"the simulator could not run the first failing program ({len(violation.trace)} ops): "
+                      f"{error.message}")
     if not on_sim or on_sim[0].kind != kind:
         shown = f"a {on_sim[0].kind!r} finding" if on_sim else "no finding"
         return None, (f"the first failing program ({len(violation.trace)} ops) showed {shown} on the simulator, "

@@ -47,7 +47,7 @@ from zeroer.intercept.sim_tensor import SimCudaTensor
 from racecheck.gate import is_gate_kernel
 from racecheck.hb import Hazard
 from racecheck.triton_stores import stored_params
-from zeroer.triton_cpu import interpreted, nested_calls_interpreted
+from zeroer.triton_cpu import interpreted, kernel_error, nested_calls_interpreted, raised_by_interpreter
 
 
 class _AddressCheck:
@@ -175,9 +175,14 @@ class TritonLaunches:
                     try:
                         kernel[launch_grid](*values)
                     except Exception as error:
-                        # Triton's interpreter, not the GPU, ran the kernel: what fails under it
-                        # (an op it does not support, say) is the simulator's, never a finding.
-                        raise interpreter_gap(name, error) from error
+                        # Triton's interpreter, not the GPU, ran the kernel: what the interpreter
+                        # itself fails at (an op or an operand it does not take) is the simulator's,
+                        # never a finding. What the kernel's own code raises (an IndexError in its
+                        # Python, say) is the zeroer's, as zeroer.origin reads it from the traceback.
+                        cause = kernel_error(error)  # under the interpreter's InterpreterError
+                        if raised_by_interpreter(cause):
+                            raise interpreter_gap(name, cause) from error
+                        raise cause from None
 
             stamp = session.enqueue(run, name=name, reads=reads, writes=writes, cache_written=True)
             result = None
