@@ -173,3 +173,53 @@ def _example() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# -- a host that polls ------------------------------------------------------------------------------
+def _poll(done: Callable[[], bool], limit: int = 50) -> int:
+    """How many queries ``done`` answered False before True, as a loop with a sleep polls on a GPU."""
+    for polls in range(limit):
+        if done():
+            return polls
+    raise AssertionError(f"still not done after {limit} polls")
+
+
+@pytest.mark.parametrize("query", ["torch.Event", "torch.cuda.Event", "stream"])
+def test_a_polled_event_or_stream_completes_as_on_a_gpu_and_orders_the_host_after_it(query):
+    # vLLM's offloading handler's get_finished polls its end event until it is done; the simulator
+    # runs queued work only at a synchronisation, so a query must be one, or the loop never ends.
+    def main():
+        stream = torch.cuda.Stream()
+        device = torch.arange(8.0, device="cuda")
+        host = torch.empty(8, pin_memory=True)
+        make = torch.Event if query == "torch.Event" else torch.cuda.Event
+        start, end = make(enable_timing=True), make(enable_timing=True)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            host.copy_(device, non_blocking=True)
+            end.record(stream)
+        polls = _poll(stream.query if query == "stream" else end.query)
+        return polls, start.elapsed_time(end) >= 0, host.tolist()  # the host saw the copy land
+
+    races, (polls, timed, values) = simulated(main)
+    assert races == []
+    assert (polls, timed, values) == (1, True, [float(i) for i in range(8)])
+
+
+def test_a_host_read_after_a_query_that_answered_false_is_still_a_race():
+    def main():
+        stream = torch.cuda.Stream()
+        device = torch.arange(8.0, device="cuda")
+        host = torch.zeros(8, pin_memory=True)
+        end = torch.cuda.Event()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            host.copy_(device, non_blocking=True)
+            end.record(stream)
+        not_yet = end.query()
+        return not_yet, host.tolist()  # read before the copy was seen to land
+
+    races, (not_yet, values) = simulated(main)
+    assert not_yet is False and values == [0.0] * 8
+    assert [race.kind for race in races] == ["host-read-vs-pending-copy"]

@@ -11,6 +11,8 @@ what a program's report needs and a zeroer's does not:
   tensor (a dispatch mode, :mod:`sanitizer.host_ops`), ``.tolist()``, numpy views
   (:mod:`sanitizer.numpy_views`); the rest by the snapshots, at the next call;
 * CUDA graphs are captured and replayed (:mod:`zeroer.intercept.sim_graphs`);
+* a host that polls an event or a stream gets there, as on a GPU: a query that finds it not done
+  answers False and lets the work up to it run before the next query of it (:meth:`_poll_progress`);
 * every thread the program starts runs under the session (its modes are entered in it; each
   thread has its own current stream and host clock, :mod:`sanitizer.threads`); one lock makes each
   intercepted call whole, whichever thread makes it.
@@ -97,6 +99,7 @@ class ProgramSession(InterceptSession):
         self.generations: dict[str, dict[int, int]] = {}  # op label -> {block id: its generation}
         self._stream_sites: dict[int, Site] = {}
         self.mode = ProgramMode(self)
+        self._poll_progress()
         self.sim_ops.dispatch = self._locked(self.sim_ops.dispatch)  # type: ignore[method-assign]
         self._lock_stand_ins()
 
@@ -160,6 +163,44 @@ class ProgramSession(InterceptSession):
                 mode.__exit__(None, None, None)
 
         return leave
+
+    def _poll_progress(self) -> None:
+        """Make a polled event or stream complete, as a GPU's does while the host polls.
+
+        On the simulator queued work runs only when the host synchronises, so a loop that polls
+        ``end_event.query()`` with a sleep until it is True (vLLM's offloading handler's
+        ``get_finished``, SGLang's cache controller's acks) would never end. A query that finds the
+        work not done still answers False, and gives the host no order; it is the synchronisation
+        point at which force mode opens its gates on a GPU: the work up to that event (the stream's
+        work queued so far) runs at the next query of it, which answers True. What the host writes
+        between the two queries is what a held copy reads, as under force mode."""
+        rt = self.rt
+        query_event, query_stream = rt.query_event, rt.query_stream
+        polled: set[tuple[str, int, int, int]] = set()  # what a query found not done: (kind, id, stream, position)
+
+        def polled_event(event: Any) -> bool:
+            if event.stream is not None and not rt._event_done(event):
+                key = ("event", event.index, event.stream.index, event.position)
+                if key not in polled:
+                    polled.add(key)
+                    return False
+                polled.discard(key)
+                rt._sync_event(event)  # the device got there while the host polled
+            return query_event(event)
+
+        def polled_stream(stream: Any = None) -> bool:
+            stream = rt._resolve(stream)
+            if not rt._stream_done(stream):
+                key = ("stream", stream.index, stream.index, rt.queues.enqueued[stream.index])
+                if key not in polled:
+                    polled.add(key)
+                    return False
+                polled.discard(key)
+                rt._sync_stream(stream)
+            return query_stream(stream)
+
+        rt.query_event = polled_event  # type: ignore[method-assign]
+        rt.query_stream = polled_stream  # type: ignore[method-assign]
 
     def _locked(self, call: Callable[..., Any]) -> Callable[..., Any]:
         lock = self.lock
