@@ -24,7 +24,15 @@ factory                              what it does                               
 ``staging_freed_on_return``          loads stage through a pool of pinned temporaries, given back as       racy
                                      soon as the copy is queued (LMCache #4830)
 ``staging_freed_after_event``        a temporary is given back once the copy that reads it has completed   race-free
+``copy_thread_without_compute_event`` copies issued by a background thread fed by a queue (vLLM's          racy
+                                     SimpleCPUOffload), the store stream not waiting for the compute stream
+``copy_thread_after_compute_event``  the thread's store stream waits for an event the caller recorded      race-free
 ===================================  ====================================================================  =========
+
+The copy-thread pair also takes the idioms around engines' transfers: low-priority streams from
+``torch.cuda.Stream.priority_range()``, two timing events per job from a pool, ``elapsed_time``
+reported as a metric, and a ``threading.Event`` per job that ``wait`` blocks on until the thread has
+issued it.
 
 ``VERDICTS`` says the same to the tools. Fuzz one as it is, on the CPU simulator or on a GPU
 (docs/fuzz-your-offloader.md)::
@@ -35,6 +43,8 @@ factory                              what it does                               
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 
 import torch
@@ -48,6 +58,8 @@ VERDICTS = {
     "load_acked_on_event": "race-free",
     "staging_freed_on_return": "racy",
     "staging_freed_after_event": "race-free",
+    "copy_thread_without_compute_event": "racy",
+    "copy_thread_after_compute_event": "race-free",
 }
 
 
@@ -185,6 +197,90 @@ class StagedLoadOffloader(CpuOffloadHandler):
             self.temps_in_use.append((done, taken))
 
 
+class CopyThreadOffloader:
+    """Copies issued by a background thread fed by a ``queue.SimpleQueue`` (vLLM's SimpleCPUOffload
+    shape), on low-priority streams, each job timed by two events from a pool."""
+
+    def __init__(self, cache, host_pool, runtime=None, *, store_waits_compute: bool = True) -> None:
+        self.pairs = _layers(cache, host_pool)
+        self.ratio = cache.spec.block_size // cache.spec.kernel_block_size
+        lowest, _ = torch.cuda.Stream.priority_range()
+        self.store_stream = torch.cuda.Stream(priority=lowest)
+        self.load_stream = torch.cuda.Stream(priority=lowest)
+        self.store_waits_compute = store_waits_compute
+        self.timers = deque((torch.Event(enable_timing=True), torch.Event(enable_timing=True)) for _ in range(4))
+        self.issued: dict[int, threading.Event] = {}
+        self.in_flight: list[tuple[int, torch.Event, torch.Event]] = []  # appended by the copy thread
+        self.transfer_ms: list[float] = []  # the metric engines report
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._copy_loop, name="kv-copy", daemon=True)
+        self.thread.start()
+
+    def _timer(self) -> tuple[torch.Event, torch.Event]:
+        if not self.timers:  # every pair times a job still in flight: a fresh pair
+            return torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+        return self.timers.popleft()
+
+    def _submit(self, job_id: int, store: bool, pairs: list[tuple[int, int]], waits: bool) -> None:
+        after = None
+        if waits:  # vLLM #46278: the blocks' writes are queued on the compute stream
+            after = torch.Event()
+            after.record(torch.cuda.current_stream())
+        self.issued[job_id] = threading.Event()
+        self.jobs.put((job_id, store, pairs, after, self._timer()))
+
+    def store(self, job_id: int, block_ids: list[int], slot_ids: list[int]) -> None:
+        self._submit(job_id, True, list(zip(block_ids, slot_ids)), self.store_waits_compute)
+
+    def load(self, job_id: int, slot_ids: list[int], block_ids: list[int]) -> None:
+        self._submit(job_id, False, list(zip(block_ids, slot_ids)), True)
+
+    def _copy_loop(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            job_id, store, pairs, after, (start, end) = item
+            stream = self.store_stream if store else self.load_stream
+            if after is not None:
+                stream.wait_event(after)
+            start.record(stream)
+            with torch.cuda.stream(stream):
+                for block, slot in pairs:
+                    for device, host, kv_outer in self.pairs:
+                        gpu, cpu = _rows(device, kv_outer, block, self.ratio), _rows(host, kv_outer, slot, self.ratio)
+                        (cpu.copy_(gpu, non_blocking=True) if store else gpu.copy_(cpu, non_blocking=True))
+            end.record(stream)
+            self.in_flight.append((job_id, start, end))
+            self.issued[job_id].set()
+
+    def wait(self, job_ids: set[int]) -> None:
+        for job_id in job_ids:
+            self.issued[job_id].wait()
+        for job_id, _, end in list(self.in_flight):
+            if job_id in job_ids:
+                end.synchronize()
+
+    def get_finished(self) -> list[tuple[int, bool]]:
+        finished, still = [], []
+        for job_id, start, end in self.in_flight:
+            if end.query():
+                self.transfer_ms.append(start.elapsed_time(end))
+                self.timers.append((start, end))
+                self.issued.pop(job_id, None)
+                finished.append((job_id, True))
+            else:
+                still.append((job_id, start, end))
+        self.in_flight = still
+        return finished
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+        self.store_stream.synchronize()
+        self.load_stream.synchronize()
+
+
 def store_without_compute_event(cache, host_pool, runtime=None) -> CpuOffloadHandler:
     return CpuOffloadHandler(cache, host_pool, store_waits_compute=False)
 
@@ -215,3 +311,11 @@ def staging_freed_on_return(cache, host_pool, runtime=None) -> StagedLoadOffload
 
 def staging_freed_after_event(cache, host_pool, runtime=None) -> StagedLoadOffloader:
     return StagedLoadOffloader(cache, host_pool, free_on_return=False)
+
+
+def copy_thread_without_compute_event(cache, host_pool, runtime=None) -> CopyThreadOffloader:
+    return CopyThreadOffloader(cache, host_pool, store_waits_compute=False)
+
+
+def copy_thread_after_compute_event(cache, host_pool, runtime=None) -> CopyThreadOffloader:
+    return CopyThreadOffloader(cache, host_pool)

@@ -2,7 +2,9 @@
 
 Streams are per thread in CUDA and torch, and engines issue work from helper threads (vLLM's async
 output thread copies sampled tokens to the host on its own copy stream; SGLang's cache controller
-loads and stores KV from threads of its own). While a sanitizer runs:
+loads and stores KV from threads of its own; vLLM's SimpleCPUOffload copies from a background
+thread fed by a ``queue.SimpleQueue``). While a tool (the sanitizer, or the fuzzer's intercepted
+code) watches:
 
 * a thread started with ``threading.Thread.start`` (executor workers included) is set up for the
   sanitizer before its target runs (its own dispatch mode: modes are per thread in torch) and is a
@@ -16,8 +18,12 @@ loads and stores KV from threads of its own). While a sanitizer runs:
 
 A thread that was already running when the sanitizer started is not followed (docs/sanitizer.md).
 
-The watch of the running sanitizer (:class:`ThreadWatch`) decides what "set up" means for its
-backend; :class:`HandOffs` is the clock bookkeeping both backends share.
+The watch (:class:`ThreadWatch`) decides what "set up" means for its backend; :class:`HandOffs` is
+the clock bookkeeping both backends share. A watch that schedules threads itself (the fuzzer's, over
+:class:`racecheck.turns.Turns`, so that a run replays) also answers :meth:`ThreadWatch.wait_turn`:
+every primitive that would block asks it first, with the condition it waits for. The fuzzer's
+intercepted code creates its ``queue.SimpleQueue`` as :class:`FollowedSimpleQueue` (a C type's
+methods cannot be patched), which is followed the same way.
 
 Example::
 
@@ -31,11 +37,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import inspect
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from racecheck.turns import TurnsClosed
 
 
 class ThreadWatch(Protocol):
@@ -44,6 +54,17 @@ class ThreadWatch(Protocol):
     def thread_setup(self) -> Callable[[], None] | None: ...
     def release(self, obj: Any) -> None: ...
     def acquire(self, obj: Any) -> None: ...
+    # Optional: ``wait_turn(obj, condition, timeout)`` before a primitive blocks on ``obj`` until
+    # ``condition()``: None (not scheduled here: block as usual), True (it holds now), False (timed out).
+
+
+def _turn(obj: Any, condition: Callable[[], bool], timeout: float | None) -> bool | None:
+    """What a scheduling watch says of a wait about to block (None: no such watch, or not its thread)."""
+    watch = _watch()
+    wait_turn = getattr(watch, "wait_turn", None)
+    if wait_turn is None:
+        return None
+    return wait_turn(obj, condition, timeout)
 
 
 _ACTIVE: list[ThreadWatch] = []
@@ -160,10 +181,15 @@ def install() -> None:
         run = self.run
 
         def watched_run() -> None:
-            finish = watch.thread_running(self, entry[1])
+            try:
+                finish = watch.thread_running(self, entry[1])
+            except TurnsClosed:  # its turns ended before it ever ran
+                return
             _HOOKED.busy = False
             try:
                 run()
+            except TurnsClosed:  # parked when its turns ended: the thread ends quietly
+                pass
             finally:
                 with _Hooked():
                     finish()
@@ -173,6 +199,8 @@ def install() -> None:
 
     @functools.wraps(join)
     def thread_join(self: threading.Thread, timeout: float | None = None) -> None:
+        if _turn(self, lambda: not self.is_alive(), timeout) is False:
+            return  # timed out: still alive
         join(self, timeout)
         watch = _watch()
         if watch is not None and not self.is_alive():
@@ -210,6 +238,42 @@ def install() -> None:
 
         setattr(cls, name, call)
 
+    def blocking(cls: type, name: str, condition: Callable[..., bool], timed_out: Callable[[], Any]) -> None:
+        """``cls.name(self, ..., block/timeout)`` asks a scheduling watch before it would block."""
+        original = getattr(cls, name)
+        parameters = list(inspect.signature(original).parameters)
+
+        @functools.wraps(original)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            bound = dict(zip(parameters[1:], args), **kwargs)
+            if bound.get("block", True):
+                if _turn(self, lambda: condition(self, bound), bound.get("timeout")) is False:
+                    return timed_out()
+            return original(self, *args, **kwargs)
+
+        setattr(cls, name, call)
+
+    def raise_(error: type[BaseException]) -> Callable[[], Any]:
+        def timed_out() -> Any:
+            raise error()
+        return timed_out
+
+    blocking(queue.Queue, "get", lambda q, _: not q.empty(), raise_(queue.Empty))
+    blocking(queue.Queue, "put", lambda q, _: not q.full(), raise_(queue.Full))
+    blocking(threading.Event, "wait", lambda e, _: e.is_set(), lambda: False)
+    blocking(concurrent.futures.Future, "result", lambda f, _: f.done(), raise_(concurrent.futures.TimeoutError))
+    blocking(concurrent.futures.Future, "exception", lambda f, _: f.done(), raise_(concurrent.futures.TimeoutError))
+    _hook_condition_wait()
+
+    sleep = time.sleep
+
+    @functools.wraps(sleep)
+    def time_sleep(seconds: float) -> None:
+        if _turn(time, lambda: False, seconds) is None:
+            sleep(seconds)
+
+    time.sleep = time_sleep
+
     releasing(queue.Queue, "put")
     acquiring(queue.Queue, "get")
     releasing(threading.Event, "set")
@@ -218,6 +282,9 @@ def install() -> None:
     releasing(threading.Condition, "notify_all")
     acquiring(threading.Condition, "wait", when=bool)
     acquiring(threading.Condition, "wait_for", when=bool)
+    # ``with cond: while not ready: cond.wait()`` calls no wait() where the notify came first:
+    # taking the Condition's lock after the notifier let it go is the hand-off then.
+    acquiring(threading.Condition, "__enter__")
     releasing(concurrent.futures.Future, "set_result")
     releasing(concurrent.futures.Future, "set_exception")
     acquiring(concurrent.futures.Future, "result")
@@ -251,3 +318,72 @@ def install() -> None:
         return submit(self, task, *args, **kwargs)
 
     concurrent.futures.ThreadPoolExecutor.submit = executor_submit  # type: ignore[method-assign]
+
+
+def _hook_condition_wait() -> None:
+    """``Condition.wait`` under a scheduling watch: the lock is let go, the turn passes until a
+    notify that came after the wait began (or the timeout), and the lock is taken back."""
+    wait, notify, notify_all = threading.Condition.wait, threading.Condition.notify, threading.Condition.notify_all
+
+    @functools.wraps(wait)
+    def condition_wait(self: threading.Condition, timeout: float | None = None) -> bool:
+        watch = _watch()
+        if getattr(watch, "wait_turn", None) is None or not watch.scheduling():  # type: ignore[union-attr]
+            return wait(self, timeout)
+        woken = [False]
+        waiters = self.__dict__.setdefault("_kvz_turn_waiters", [])
+        waiters.append(woken)
+        saved = self._release_save()  # type: ignore[attr-defined]
+        try:
+            got = _turn(self, lambda: woken[0], timeout)
+        finally:
+            self._acquire_restore(saved)  # type: ignore[attr-defined]
+            if woken in waiters:
+                waiters.remove(woken)
+        return bool(got)
+
+    @functools.wraps(notify)
+    def condition_notify(self: threading.Condition, n: int = 1) -> None:
+        for woken in list(self.__dict__.get("_kvz_turn_waiters", ()))[:n]:
+            woken[0] = True
+            self._kvz_turn_waiters.remove(woken)  # type: ignore[attr-defined]
+        notify(self, n)
+
+    @functools.wraps(notify_all)
+    def condition_notify_all(self: threading.Condition) -> None:
+        for woken in self.__dict__.get("_kvz_turn_waiters", ()):
+            woken[0] = True
+        self.__dict__.get("_kvz_turn_waiters", []).clear()
+        notify_all(self)
+
+    threading.Condition.wait = condition_wait  # type: ignore[method-assign]
+    threading.Condition.notify = condition_notify  # type: ignore[method-assign]
+    threading.Condition.notify_all = condition_notify_all  # type: ignore[method-assign]
+
+
+class FollowedSimpleQueue(queue.SimpleQueue):
+    """``queue.SimpleQueue`` whose ``put``/``get`` are hand-offs the watch follows (and, under a
+    scheduling watch, whose ``get`` waits for its turn), as ``queue.Queue``'s are."""
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        watch = _watch()
+        if watch is not None:
+            with _Hooked():
+                watch.release(self)
+        super().put(item, block, timeout)
+
+    def put_nowait(self, item: Any) -> None:
+        self.put(item, False)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if block and _turn(self, lambda: not self.empty(), timeout) is False:
+            raise queue.Empty
+        item = super().get(block, timeout)
+        watch = _watch()
+        if watch is not None:
+            with _Hooked():
+                watch.acquire(self)
+        return item
+
+    def get_nowait(self) -> Any:
+        return self.get(False)

@@ -4,7 +4,7 @@ Whatever runs the program's device work (the GPU observer, or the simulator), th
 same: pinned memory and the copies pending on it (:class:`racecheck.pinned.PinnedWatch`), host
 accesses that a call shows (a torch op on pinned memory, a :class:`~sanitizer.numpy_views.WatchedArray`)
 and those only a changed snapshot reveals, host threads and the hand-offs between them
-(:mod:`sanitizer.threads`), and the checker's hazards turned into :class:`~sanitizer.races.Race`
+(:mod:`racecheck.thread_hooks`), and the checker's hazards turned into :class:`~sanitizer.races.Race`
 records. :class:`HostWatch` holds it; each backend subclasses it with what is its own (how ops are
 seen and stamped, what a thread needs set up).
 
@@ -26,7 +26,7 @@ from racecheck.pinned import PinnedWatch, Region, Snapshot
 from racecheck.ranges import Runs, clip
 from racecheck.threads import HostThreads
 from sanitizer import numpy_views
-from sanitizer import threads as thread_hooks
+from racecheck import thread_hooks
 from sanitizer.races import Access, Label, Race
 from sanitizer.sites import Site, caller_site
 
@@ -145,7 +145,7 @@ class HostWatch:
                                          write=write)
             self.collect()
 
-    # -- threads (sanitizer.threads.ThreadWatch) -----------------------------------------------------
+    # -- threads (racecheck.thread_hooks.ThreadWatch) -----------------------------------------------------
     def thread_starting(self, thread: threading.Thread) -> Any:
         """``thread.start()`` is being called: what the starter knows now is what the thread knows."""
         with self.lock:

@@ -41,6 +41,7 @@ BACKENDS = ["sim", pytest.param("cuda", marks=CUDA)]
 # The shortest program that shows each racy example's race, by hand: what the fuzzer must get to.
 SHORTEST = {
     "store_without_compute_event": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}],
+    "copy_thread_without_compute_event": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}],
     "load_unfenced": [{"op": "start"}, {"op": "allocate", "n": 2}, {"op": "store", "block": 2}, {"op": "poll", "sync": 1},
                       {"op": "free", "block": 1}, {"op": "load", "slot": 1}],
     "load_acked_on_issue": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1},
@@ -49,7 +50,8 @@ SHORTEST = {
                                 {"op": "poll", "sync": 1}, {"op": "load", "slot": 1}, {"op": "load", "slot": 1}],
 }
 # Its race-free twin, for each racy example: the same program is clean there.
-TWIN = {"store_without_compute_event": "store_after_compute_event", "load_unfenced": "load_waits_forward",
+TWIN = {"store_without_compute_event": "store_after_compute_event",
+        "copy_thread_without_compute_event": "copy_thread_after_compute_event", "load_unfenced": "load_waits_forward",
         "load_acked_on_issue": "load_acked_on_event", "staging_freed_on_return": "staging_freed_after_event"}
 
 

@@ -158,12 +158,7 @@ PROGRAMS: dict[str, Callable[[bool], object]] = {
 }
 KINDS = {"executor-submit": HOST_WRITE}
 # Known gaps: hand-offs docs/sanitizer.md says are followed that are not (each a note instead of clean).
-GAPS = {
-    "condition-notified-before-the-wait-loop": (
-        "the canonical `with cond: while not ready: cond.wait()` calls no wait() when the notify came first, "
-        "and taking the Condition's lock is not followed; the fix is to acquire on Condition.__enter__ in "
-        "racecheck/thread_hooks.py"),
-}
+GAPS: dict[str, str] = {}  # hand-offs a program of this file takes that the sanitizer does not follow
 
 
 def _sanitized(name: str, racy: bool) -> tuple[Outcome, object]:

@@ -14,7 +14,7 @@ what a program's report needs and a zeroer's does not:
 * a host that polls an event or a stream gets there, as on a GPU: a query that finds it not done
   answers False and lets the work up to it run before the next query of it (:meth:`_poll_progress`);
 * every thread the program starts runs under the session (its modes are entered in it; each
-  thread has its own current stream and host clock, :mod:`sanitizer.threads`); one lock makes each
+  thread has its own current stream and host clock, :mod:`racecheck.thread_hooks`); one lock makes each
   intercepted call whole, whichever thread makes it.
 
 The host side (hazards into races, notes, hand-offs) is :class:`~sanitizer.watch.HostWatch`'s, the
@@ -83,6 +83,7 @@ class ProgramSession(InterceptSession):
     """See the module docstring. ``name`` is the program (or the test) in messages."""
 
     host_memory_class = ProgramHostMemory
+    helper_threads_class = None  # a program's threads run free under one lock (racecheck.thread_hooks)
 
     def __init__(self, name: str) -> None:
         import zeroer

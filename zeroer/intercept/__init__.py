@@ -96,8 +96,11 @@ class InterceptedZeroer(BoundZeroer):
                 self.zero_block_ids([0] * n)  # duplicates are harmless (contract 5): block 0 only
 
     def close(self) -> None:
-        with self.session.running("close"):
-            super().close()
+        try:
+            with self.session.running("close"):
+                super().close()
+        finally:
+            self.session.close_helpers()  # a helper thread still waiting ends with its zeroer
 
 
 def _ids_of(block_ids: Any) -> list[int]:

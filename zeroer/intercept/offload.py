@@ -69,8 +69,11 @@ class InterceptedOffloader(BoundOffloader):
             super().warmup()
 
     def close(self) -> None:
-        with self.session.running("close"):
-            super().close()
+        try:
+            with self.session.running("close"):
+                super().close()
+        finally:
+            self.session.close_helpers()  # a helper thread still waiting ends with its offloader
 
     # -- the caller's host accesses to the pool -------------------------------------------------------
     def host_access(self, view: torch.Tensor, label: str, *, write: bool) -> None:

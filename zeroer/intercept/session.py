@@ -13,7 +13,9 @@
   (:mod:`zeroer.intercept.cuda_api`) and ``JITFunction.run`` is wrapped
   (:mod:`zeroer.intercept.triton_launch`); both patches are undone on exit, even on error;
 * every boundary between the zeroer's code and the harness compares the pinned bytes that queued
-  work will read with what they were (:mod:`zeroer.intercept.host_memory`).
+  work will read with what they were (:mod:`zeroer.intercept.host_memory`);
+* threads the code starts run its torch work through the session, one at a time, and have all
+  run until they wait before the call returns (:mod:`zeroer.intercept.helper_threads`).
 
 Everything the zeroer enqueues goes through :meth:`enqueue` (one runtime op) or :meth:`run_now`
 (a synchronising op), labelled with the call it belongs to, so a race report names the call and
@@ -35,6 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from zeroer.intercept.cuda_api import CudaApi, patched
+from zeroer.intercept.helper_threads import HelperThreads
 from zeroer.intercept.host_memory import HostMemory
 from zeroer.intercept.shared import share_of
 from zeroer.intercept.sim_memory import SIM_DEVICE, Block, SimDeviceMemory
@@ -48,6 +51,8 @@ class InterceptSession:
     """See the module docstring. ``spec`` names the zeroer in labels and messages."""
 
     host_memory_class = HostMemory
+    #: threads the code starts take turns (None: a program session follows them its own way)
+    helper_threads_class: type[HelperThreads] | None = HelperThreads
     role = "zeroer"  # what the code under test is, in names: "the zeroer", stream "zeroer-1"
 
     def __init__(self, runtime: Runtime, spec: str) -> None:
@@ -61,6 +66,7 @@ class InterceptSession:
         self.host.rename_owner(self.owner)
         self.cuda_api = CudaApi(self)
         self.triton = TritonLaunches(self)
+        self.helpers = self.helper_threads_class(self) if self.helper_threads_class is not None else None
         self.memory: SimDeviceMemory | None = None
         self.sim_ops: Any = None
         self.cuda_ops: Any = None
@@ -126,6 +132,8 @@ class InterceptSession:
                 # open), the caller's is current again when the call ends.
                 scope.callback(self.cuda_api.restore_streams)
                 scope.enter_context(unroutable_guard(self))
+                if self.helpers is not None:
+                    scope.enter_context(self.helpers.calling())
                 for module, table in self.patch_tables():
                     scope.enter_context(patched(module, table))
                 from triton.runtime.jit import JITFunction
@@ -137,14 +145,22 @@ class InterceptSession:
                 for mode in self.modes():
                     scope.enter_context(mode)
                 yield
+                if self.helpers is not None:
+                    self.helpers.settle()
                 self.boundary("the end of the call")
         finally:
             self._depth -= 1
             self.call, self.ids = "the harness", ()
 
     def patch_tables(self) -> list[tuple[Any, dict[str, Any]]]:
-        """(module, attribute -> stand-in) patched while the code runs (:mod:`zeroer.intercept.cuda_api`)."""
-        return self.cuda_api.patch_tables()
+        """(module, attribute -> stand-in) patched while the code runs (:mod:`zeroer.intercept.cuda_api`,
+        :mod:`zeroer.intercept.helper_threads`)."""
+        return self.cuda_api.patch_tables() + (self.helpers.patches() if self.helpers is not None else [])
+
+    def close_helpers(self) -> None:
+        """End the threads the code started that still wait (its component is closed)."""
+        if self.helpers is not None:
+            self.helpers.close()
 
     def modes(self) -> list[Any]:
         """The torch modes the code runs under, outermost first."""

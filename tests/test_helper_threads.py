@@ -1,0 +1,186 @@
+"""Threads the code under test starts: one at a time, in a fixed order (racecheck/turns.py), their
+torch work followed through the session (zeroer/intercept/helper_threads.py)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fuzz.engine.episode import EpisodeConfig
+from fuzz.engine.minimize import run_ops
+from racecheck import thread_hooks
+from racecheck.turns import TurnDeadlock, Turns
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = "examples/engine_offloaders.py"
+STORE = [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}]
+
+
+class _Watch:
+    """The least thread watch that schedules: turns, no happens-before."""
+
+    def __init__(self, turns: Turns) -> None:
+        self.turns = turns
+
+    def scheduling(self) -> bool:
+        return self.turns.holding()
+
+    def wait_turn(self, obj, condition, timeout):
+        if not self.turns.holding():
+            return None
+        if isinstance(obj, threading.Thread) and self.turns.done(obj) is not None:
+            return self.turns.wait_until(lambda: bool(self.turns.done(obj)), timeout)
+        return self.turns.wait_until(condition, timeout)
+
+    def thread_starting(self, thread):
+        return self.turns.add(thread, thread.name) if self.turns.holding() else None
+
+    def thread_running(self, thread, member):
+        if member is None:
+            return lambda: None
+        self.turns.begin(member)
+        return lambda: self.turns.finish(member)
+
+    def thread_setup(self):
+        return None
+
+    def release(self, obj) -> None:
+        pass
+
+    def acquire(self, obj) -> None:
+        pass
+
+
+def _scheduled(body):
+    """Run ``body(log)`` on this thread as the caller of a set of turns; return the log."""
+    turns = Turns()
+    thread_hooks.install()
+    deactivate = thread_hooks.activate(_Watch(turns))
+    log: list[str] = []
+    turns.enter()
+    try:
+        body(log)
+        turns.settle()
+    finally:
+        turns.leave()
+        deactivate()
+        turns.close()
+    return log
+
+
+def _workers(log, jobs):
+    def worker(name):
+        while True:
+            item = jobs.get()
+            if item is None:
+                return
+            log.append(f"{name}:{item}")
+            time.sleep(0.001)  # a turn passes here: the other worker may run
+
+    return [threading.Thread(target=worker, args=(n,), name=n, daemon=True) for n in ("a", "b")]
+
+
+def test_helpers_run_one_at_a_time_in_the_same_order_on_every_run():
+    def body(log):
+        jobs = queue.Queue()
+        workers = _workers(log, jobs)
+        for w in workers:
+            w.start()
+        for item in range(6):
+            jobs.put(item)
+        log.append("caller waits")
+        for _ in workers:
+            jobs.put(None)
+        for w in workers:
+            w.join()
+        log.append("joined")
+
+    runs = [_scheduled(body) for _ in range(5)]
+    assert all(run == runs[0] for run in runs)
+    assert runs[0][0] == "caller waits"  # nothing ran while the caller held the turn
+    assert sorted(int(e.split(":")[1]) for e in runs[0] if ":" in e) == list(range(6))  # each job once
+    assert {e.split(":")[0] for e in runs[0] if ":" in e} == {"a", "b"}  # a sleep passes the turn on
+    assert runs[0][-1] == "joined"
+
+
+def test_a_call_ends_only_once_every_helper_waits_again():
+    def body(log):
+        jobs = queue.SimpleQueue.__new__(thread_hooks.FollowedSimpleQueue)
+        done = threading.Event()
+
+        def loop():
+            jobs.get()
+            log.append("copied")
+            done.set()
+            jobs.get()  # waits again: the call may end
+
+        threading.Thread(target=loop, daemon=True).start()
+        jobs.put("job")
+        log.append("returned")
+
+    assert _scheduled(body) == ["returned", "copied"]
+
+
+def test_a_wait_nobody_can_end_is_a_deadlock_raised_in_the_callers_thread():
+    def body(log):
+        never = threading.Event()
+        threading.Thread(target=lambda: queue.Queue().get(), daemon=True).start()
+        never.wait()
+
+    with pytest.raises(TurnDeadlock, match=r"^deadlock: every thread waits for another, none with a timeout "):
+        _scheduled(body)
+
+
+def test_a_timed_wait_times_out_only_when_nothing_else_can_run():
+    def body(log):
+        jobs = queue.Queue()
+
+        def poller():
+            while True:
+                try:
+                    item = jobs.get(timeout=0.5)
+                except queue.Empty:
+                    log.append("timed out")
+                    return
+                log.append(f"got {item}")
+
+        t = threading.Thread(target=poller, daemon=True)
+        t.start()
+        jobs.put(1)
+        t.join()
+
+    assert _scheduled(body) == ["got 1", "timed out"]
+
+
+# -- the fuzzer, on an offloader whose copies a background thread issues (vLLM's SimpleCPUOffload) --
+def _config(name: str) -> EpisodeConfig:
+    return EpisodeConfig(offloader=f"{EXAMPLES}:{name}")
+
+
+def test_the_copy_threads_race_replays_the_same_finding_every_time():
+    found = [run_ops(_config("copy_thread_without_compute_event"), STORE) for _ in range(5)]
+    assert found[0] and found[0][0].kind == "hazard"
+    assert all([str(f) for f in run] == [str(f) for f in found[0]] for run in found)
+    # the copy the thread issued, on the thread's stream, in the store that fed it
+    assert "copy_ (d2h)" in str(found[0][0]) and "on stream 'offloader-1'" in str(found[0][0])
+    assert "copy_thread_without_compute_event.store#" in str(found[0][0])
+
+
+def test_an_offloader_whose_wait_can_never_end_is_its_finding_not_a_hang(tmp_path: Path):
+    source = tmp_path / "hangs.py"
+    source.write_text(
+        "import sys, threading\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "from engine_offloaders import CopyThreadOffloader\n"
+        "class Hangs(CopyThreadOffloader):\n"
+        "    def wait(self, job_ids):\n"
+        "        threading.Event().wait()  # nobody sets it\n"
+        "def make(cache, host_pool, runtime=None):\n"
+        "    return Hangs(cache, host_pool)\n")
+    ops = [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}, {"op": "wait", "slot": 1}]
+    found = run_ops(EpisodeConfig(offloader=f"{source}:make"), ops)
+    assert found and "deadlock: every thread waits for another" in str(found[0])
