@@ -12,7 +12,7 @@ what a program's report needs and a zeroer's does not:
   (:mod:`sanitizer.numpy_views`); the rest by the snapshots, at the next call;
 * CUDA graphs are captured and replayed (:mod:`zeroer.intercept.sim_graphs`);
 * a host that polls an event or a stream gets there, as on a GPU: a query that finds it not done
-  answers False and lets the work up to it run before the next query of it (:meth:`_poll_progress`);
+  answers False and lets the work up to it run before the next query of it (:meth:`query_event`);
 * every thread the program starts runs under the session (its modes are entered in it; each
   thread has its own current stream and host clock, :mod:`racecheck.thread_hooks`); one lock makes each
   intercepted call whole, whichever thread makes it.
@@ -100,7 +100,7 @@ class ProgramSession(InterceptSession):
         self.generations: dict[str, dict[int, int]] = {}  # op label -> {block id: its generation}
         self._stream_sites: dict[int, Site] = {}
         self.mode = ProgramMode(self)
-        self._poll_progress()
+        self._polls: set[tuple] = set()  # what a query of the program found not done (query_event)
         self.sim_ops.dispatch = self._locked(self.sim_ops.dispatch)  # type: ignore[method-assign]
         self._lock_stand_ins()
 
@@ -165,43 +165,38 @@ class ProgramSession(InterceptSession):
 
         return leave
 
-    def _poll_progress(self) -> None:
-        """Make a polled event or stream complete, as a GPU's does while the host polls.
+    def query_event(self, event: Any) -> bool:
+        """The program's ``Event.query()``: a polled event completes, as a GPU's does while the host
+        polls.
 
         On the simulator queued work runs only when the host synchronises, so a loop that polls
         ``end_event.query()`` with a sleep until it is True (vLLM's offloading handler's
         ``get_finished``, SGLang's cache controller's acks) would never end. A query that finds the
         work not done still answers False, and gives the host no order; it is the synchronisation
-        point at which force mode opens its gates on a GPU: the work up to that event (the stream's
-        work queued so far) runs at the next query of it, which answers True. What the host writes
-        between the two queries is what a held copy reads, as under force mode."""
-        rt = self.rt
-        query_event, query_stream = rt.query_event, rt.query_stream
-        polled: set[tuple[str, int, int, int]] = set()  # what a query found not done: (kind, id, stream, position)
+        point at which force mode opens its gates on a GPU: the work up to that event runs at the
+        next query of it, which answers True. What the host writes between the two queries is what
+        a held copy reads, as under force mode. Only the program's queries poll: the allocators'
+        own looks at an event are the runtime's (a block is reused only once its work has run)."""
+        if self.rt.query_event(event):
+            return True
+        return self._polled(("event", event.index, event.stream.index, event.position),
+                            lambda: self.rt.synchronize_event(event))
 
-        def polled_event(event: Any) -> bool:
-            if event.stream is not None and not rt._event_done(event):
-                key = ("event", event.index, event.stream.index, event.position)
-                if key not in polled:
-                    polled.add(key)
-                    return False
-                polled.discard(key)
-                rt._sync_event(event)  # the device got there while the host polled
-            return query_event(event)
+    def query_stream(self, stream: Any) -> bool:
+        """The program's ``Stream.query()``: as :meth:`query_event`, for the stream's work so far."""
+        if self.rt.query_stream(stream):
+            return True
+        return self._polled(("stream", stream.index, self.rt.queues.enqueued[stream.index]),
+                            lambda: self.rt.synchronize_stream(stream))
 
-        def polled_stream(stream: Any = None) -> bool:
-            stream = rt._resolve(stream)
-            if not rt._stream_done(stream):
-                key = ("stream", stream.index, stream.index, rt.queues.enqueued[stream.index])
-                if key not in polled:
-                    polled.add(key)
-                    return False
-                polled.discard(key)
-                rt._sync_stream(stream)
-            return query_stream(stream)
-
-        rt.query_event = polled_event  # type: ignore[method-assign]
-        rt.query_stream = polled_stream  # type: ignore[method-assign]
+    def _polled(self, key: tuple, catch_up: Callable[[], None]) -> bool:
+        """False the first time ``key`` is found not done; the next time, the device got there."""
+        if key not in self._polls:
+            self._polls.add(key)
+            return False
+        self._polls.discard(key)
+        catch_up()
+        return True
 
     def _locked(self, call: Callable[..., Any]) -> Callable[..., Any]:
         lock = self.lock

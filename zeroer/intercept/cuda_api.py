@@ -124,7 +124,7 @@ class StreamProxy:
     def query(self) -> bool:
         self._api.boundary("Stream.query")
         self._api.refuse_sync("Stream.query")
-        return self._api.rt.query_stream(self.runtime_stream)
+        return self._api.session.query_stream(self.runtime_stream)
 
     def synchronize(self) -> None:
         self._api.boundary("Stream.synchronize")
@@ -182,7 +182,7 @@ class EventProxy:
     def query(self) -> bool:
         self._api.boundary("Event.query")
         self._api.refuse_sync("Event.query")
-        return self._api.rt.query_event(self.runtime_event)
+        return self._api.session.query_event(self.runtime_event)
 
     def synchronize(self) -> None:
         self._api.boundary("Event.synchronize")

@@ -157,6 +157,14 @@ class InterceptSession:
         :mod:`zeroer.intercept.helper_threads`)."""
         return self.cuda_api.patch_tables() + (self.helpers.patches() if self.helpers is not None else [])
 
+    def query_event(self, event: Any) -> bool:
+        """The code's ``Event.query()`` (a program session lets a polled event complete)."""
+        return self.rt.query_event(event)
+
+    def query_stream(self, stream: Any) -> bool:
+        """The code's ``Stream.query()``."""
+        return self.rt.query_stream(stream)
+
     def close_helpers(self) -> None:
         """End the threads the code started that still wait (its component is closed)."""
         if self.helpers is not None:
