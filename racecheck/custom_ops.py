@@ -124,6 +124,8 @@ class EffectModel:
 
     def bind(self, args: tuple, kwargs: dict, func: Any = None) -> list[Any]:
         """The call's arguments by position (keywords placed by the schema or ``params``)."""
+        if func is None and self.is_torch_op:
+            func = _torch_op_overload(self)
         if func is not None and hasattr(func, "_schema"):
             names = [a.name for a in func._schema.arguments]
             defaults = [a.default_value if a.has_default_value() else None for a in func._schema.arguments]

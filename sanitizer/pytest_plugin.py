@@ -125,7 +125,8 @@ class SanitizePlugin:
             watch.collect()
         races, notes = watch.races[self._seen:], watch.notes[self._notes_seen:]
         self._seen, self._notes_seen = len(watch.races), len(watch.notes)
-        return list(races), [], list(notes)
+        unfollowed, self.session.unfollowed = self.session.unfollowed, []
+        return list(races), unfollowed, list(notes)
 
     # -- verdicts ----------------------------------------------------------------------------------
     @pytest.hookimpl(hookwrapper=True)

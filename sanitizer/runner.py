@@ -142,9 +142,9 @@ def sanitize(program: Callable[[], Any], *, backend: str = "auto", mode: str = "
         raise UsageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     outcome = Outcome(backend, mode)
     if backend == "sim":
-        from sanitizer.sim.session import run_simulated
+        from sanitizer.sim.session import simulate
 
-        outcome.races, error, outcome.notes = run_simulated(program, name)
+        outcome.races, error, outcome.notes, outcome.unfollowed = simulate(program, name)
         _settle(outcome, error)
         return outcome
     sanitizer = GpuSanitizer(mode)

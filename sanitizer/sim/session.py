@@ -101,6 +101,7 @@ class ProgramSession(InterceptSession):
         self._stream_sites: dict[int, Site] = {}
         self.mode = ProgramMode(self)
         self._polls: set[tuple] = set()  # what a query of the program found not done (query_event)
+        self.unfollowed: list[str] = []  # one line each: what the program did that could not be followed
         self.sim_ops.dispatch = self._locked(self.sim_ops.dispatch)  # type: ignore[method-assign]
         self._lock_stand_ins()
 
@@ -129,6 +130,12 @@ class ProgramSession(InterceptSession):
 
     def boundary(self, what: str) -> None:
         self.watch.boundary(caller_site())
+
+    def cannot_follow(self, error: BaseException) -> bool:
+        """A call the simulator cannot follow (a raw copy to an address it does not know): one line,
+        and the program gets CUDA's error for the call and goes on (the run is partial)."""
+        self.unfollowed.append(f"kvz-sanitize could not follow a call at {caller_site().short}: {error}")
+        return True
 
     def _pinned_reused(self, tensor: torch.Tensor, origin: str) -> None:
         """The caching host allocator handed ``tensor``'s bytes out again: a host write of them, checked
@@ -335,6 +342,12 @@ def run_simulated(main: Callable[[], Any], name: str = "program") -> tuple[list[
     """Run ``main`` with its ``cuda`` work on the simulator; its races, what it raised (if anything,
     ``KeyboardInterrupt`` and ``SystemExit`` included: the races seen before are not lost), and the
     notes (what was assumed, not followed)."""
+    races, raised, notes, _ = simulate(main, name)
+    return races, raised, notes
+
+
+def simulate(main: Callable[[], Any], name: str = "program") -> tuple[list[Race], BaseException | None, list[str], list[str]]:
+    """:func:`run_simulated`, and the lines of what could not be followed."""
     session = ProgramSession(name)
     raised: BaseException | None = None
     with sanitized(session, "main"):
@@ -342,7 +355,7 @@ def run_simulated(main: Callable[[], Any], name: str = "program") -> tuple[list[
             main()
         except (Exception, KeyboardInterrupt, SystemExit) as error:  # noqa: BLE001 - reported beside its races
             raised = error
-    return session.watch.races, raised, session.watch.notes
+    return session.watch.races, raised, session.watch.notes, session.unfollowed
 
 
-__all__ = ["ProgramSession", "Site", "run_simulated", "sanitized"]
+__all__ = ["ProgramSession", "Site", "run_simulated", "sanitized", "simulate"]

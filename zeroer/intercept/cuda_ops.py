@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroer.intercept.errors import forward, unroutable
 from zeroer.intercept.session import CacheAccess
+from racecheck.custom_ops import is_custom, model_for
 from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
 from zeroer.runtime import Stream
@@ -112,6 +113,11 @@ class CudaOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if is_custom(func):  # an extension's op: its effect model says what it touches (racecheck.custom_ops)
+            model = model_for(func)
+            if model is None:
+                return self.session.unmodelled_op(func, args, kwargs)
+            return self.session.custom.cuda(model, func, args, kwargs)
         tensors = _cuda_tensors(args, kwargs)
         device = kwargs.get("device")
         on_device = bool(tensors) or (device is not None and torch.device(device).type == "cuda")

@@ -44,6 +44,8 @@ from zeroer.intercept.sim_memory import SIM_DEVICE, Block, SimDeviceMemory
 from zeroer.intercept.triton_launch import TritonLaunches
 from zeroer.intercept.unroutable import unroutable_guard
 from zeroer.runtime import Runtime
+from racecheck import custom_ops
+from racecheck.custom_ops import define_references
 from racecheck.hb import OpStamp
 
 
@@ -79,8 +81,11 @@ class InterceptSession:
             from zeroer.intercept.cuda_ops import CudaOps
 
             self.cuda_ops = CudaOps(self)
+        from zeroer.intercept.custom_calls import CustomCalls
         from zeroer.intercept.torch_mode import InterceptMode
 
+        self.custom = CustomCalls(self)  # custom ops by their effect models (racecheck.custom_ops)
+        define_references()
         self.mode = InterceptMode(self)
         self.graphs: Any = None  # CUDA graph captures, where the session supports them (zeroer.intercept.sim_graphs)
         # An offloader's session maps the KV-cache bytes its ops touch to logical blocks (the keys the
@@ -132,6 +137,8 @@ class InterceptSession:
                 # open), the caller's is current again when the call ends.
                 scope.callback(self.cuda_api.restore_streams)
                 scope.enter_context(unroutable_guard(self))
+                scope.enter_context(custom_ops.routing(self.route_custom))
+                scope.enter_context(custom_ops.extension_modules())
                 if self.helpers is not None:
                     scope.enter_context(self.helpers.calling())
                 for module, table in self.patch_tables():
@@ -151,6 +158,23 @@ class InterceptSession:
         finally:
             self._depth -= 1
             self.call, self.ids = "the harness", ()
+
+    def route_custom(self, model: Any, args: tuple, kwargs: dict, real: Any) -> Any:
+        """A modelled call no dispatch saw (a pybind function, a torch op on host tensors only)."""
+        if self.backend == "sim":
+            return self.custom.sim(model, args, kwargs)
+        if real is None:
+            from zeroer.intercept.errors import unroutable
+
+            raise unroutable(f"{model.name} on CUDA", "its extension is not installed here and its reference "
+                             "implementation runs on CPU memory only", "install the extension, or use --backend sim")
+        return self.custom.cuda(model, real, args, kwargs)
+
+    def unmodelled_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A custom op with no effect model: the harness cannot say what it touches."""
+        from zeroer.intercept.custom_calls import unmodelled
+
+        raise unmodelled(custom_ops.op_name(func))
 
     def patch_tables(self) -> list[tuple[Any, dict[str, Any]]]:
         """(module, attribute -> stand-in) patched while the code runs (:mod:`zeroer.intercept.cuda_api`,

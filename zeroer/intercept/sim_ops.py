@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from zeroer.intercept.errors import forward, unroutable
+from racecheck.custom_ops import is_custom, model_for
 from racecheck.ops import SET_STORAGE, aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, op_name, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
 from zeroer.intercept.session import CacheAccess
@@ -91,6 +92,11 @@ class SimOps:
     # -- dispatch --------------------------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         args, kwargs = tree_map(uncloak, args), tree_map(uncloak, kwargs)
+        if is_custom(func):  # an extension's op: its effect model says what it touches (racecheck.custom_ops)
+            model = model_for(func)
+            if model is None:
+                return self.session.unmodelled_op(func, args, kwargs)
+            return self.session.custom.sim(model, args, kwargs, func)
         if func in SET_STORAGE:
             return self._set(func, args, kwargs)
         if _composite(func):

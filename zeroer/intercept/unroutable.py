@@ -12,16 +12,21 @@ NVIDIA's ``cuda-bindings`` (``cuda.bindings``, and cuda-python's older ``cuda.cu
 ``cuda.cudart``) is different: torch 2.13 imports ``cuda.bindings.runtime`` when torch itself is
 imported, wherever the package is installed, and engines that call the driver import it too
 (vLLM's SimpleCPUOffload resolves ``cuMemcpyBatchAsync`` with ``cuGetProcAddress``). Importing it
-moves no bytes, so it is allowed; what is refused, at the call, is each entry point of
+moves no bytes, so it is allowed. The copies engines make through it are followed
+(:mod:`zeroer.intercept.driver_copies`: ``cuGetProcAddress`` of ``cuMemcpyBatchAsync`` or
+``cuMemcpyAsync``, ``cuMemcpyAsync``, ``cudaMemcpyAsync``), and so are those symbols of the CUDA
+libraries loaded through ``ctypes``; what is refused, at the call, is every other entry point of
 :data:`BINDING_PREFIXES` that queues, orders or moves device work (copies, memsets, launches,
-stream and event calls, graphs) or hands back a raw function pointer, named as the code spells it.
+stream and event calls, graphs) or hands back a raw function pointer, named as the code spells it,
+and every other symbol of a CUDA library.
 
 Example::
 
     with unroutable_guard(session):
         import cupy            # InterceptError: importing 'cupy' inside an intercepted zeroer: ...
         from cuda.bindings import driver
-        driver.cuMemcpyAsync(dst, src, n, stream)   # InterceptError: cuda.bindings.driver.cuMemcpyAsync ...
+        driver.cuMemcpyAsync(dst, src, n, stream)   # followed: one queued op of the session
+        driver.cuMemsetD8Async(dst, 0, n, stream)   # InterceptError: cuda.bindings.driver.cuMemsetD8Async ...
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import importlib
 import importlib.abc
+import importlib.util
 import sys
 from typing import Any, Iterator
 
+from zeroer.intercept.driver_copies import FollowedLibrary
 from zeroer.intercept.errors import unroutable
 
 GPU_PACKAGES = ("cupy", "pycuda", "numba.cuda")
@@ -84,21 +92,40 @@ def unroutable_guard(session: Any) -> Iterator[None]:
         return
     finder = _Refuse()
     sys.meta_path.insert(0, finder)
-    original = ctypes.CDLL.__init__
+    cdll = ctypes.CDLL
+    original = (cdll.__init__, cdll.__getattr__, cdll.__getitem__)
+    simulated = session.backend == "sim"
 
     def guarded(self: ctypes.CDLL, name: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(name, str) and any(lib in name for lib in CUDA_LIBRARIES) and not _from_torch_or_triton():
-            raise unroutable(f"ctypes.CDLL({name!r}) inside an intercepted zeroer",
-                             "raw CUDA calls (cudaMemcpyAsync, kernel launches) bypass torch, so the harness "
-                             "can neither simulate nor gate them")
-        original(self, name, *args, **kwargs)
+            # the driver and runtime copies are followed (zeroer.intercept.driver_copies); on the
+            # simulator there is no library to load
+            if not simulated:
+                original[0](self, name, *args, **kwargs)
+            self._name, self._kvz_followed = name, FollowedLibrary(name, None if simulated else self)
+            if simulated:
+                self._handle = 0
+            return
+        original[0](self, name, *args, **kwargs)
 
-    ctypes.CDLL.__init__ = guarded  # type: ignore[method-assign]
+    def symbol(self: ctypes.CDLL, name: str) -> Any:
+        followed = self.__dict__.get("_kvz_followed")
+        if followed is not None and not name.startswith("_"):
+            return followed[name]
+        return original[1](self, name)
+
+    def item(self: ctypes.CDLL, name: Any) -> Any:
+        followed = self.__dict__.get("_kvz_followed")
+        if followed is not None and isinstance(name, str):
+            return followed[name]
+        return original[2](self, name)
+
+    cdll.__init__, cdll.__getattr__, cdll.__getitem__ = guarded, symbol, item  # type: ignore[method-assign]
     try:
-        with _bindings_refused():
+        with session.driver, _bindings_refused(session):
             yield
     finally:
-        ctypes.CDLL.__init__ = original  # type: ignore[method-assign]
+        cdll.__init__, cdll.__getattr__, cdll.__getitem__ = original  # type: ignore[method-assign]
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(finder)
 
@@ -116,17 +143,28 @@ def _entry_points(module_name: str, module: Any) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def _bindings_refused() -> Iterator[None]:
-    """Inside, :data:`BINDING_PREFIXES` of every loaded binding module raise at the call."""
+def _bindings_refused(session: Any) -> Iterator[None]:
+    """Inside, :data:`BINDING_PREFIXES` of every loaded binding module are followed
+    (:meth:`~zeroer.intercept.driver_copies.DriverCopies.binding`) or raise at the call."""
     saved: list[tuple[Any, str, Any]] = []
+    for module_name in BINDING_MODULES[:2]:  # an engine importing them inside its call meets them patched
+        if module_name not in sys.modules and "cuda.bindings" not in sys.modules:
+            with contextlib.suppress(ImportError, ValueError):
+                if importlib.util.find_spec("cuda.bindings") is not None:
+                    importlib.import_module(module_name)
+        elif module_name not in sys.modules:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module_name)
     try:
         for module_name in BINDING_MODULES:
             module = sys.modules.get(module_name)
             if module is None:
                 continue
             for name in _entry_points(module_name, module):
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, _refusal(module_name, name))
+                value = getattr(module, name)
+                saved.append((module, name, value))
+                followed = session.driver.binding(module, module_name, name, value)
+                setattr(module, name, followed if followed is not None else _refusal(module_name, name))
         yield
     finally:
         for module, name, value in reversed(saved):
