@@ -45,6 +45,7 @@ Example (inside an intercepted call)::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from collections.abc import Callable
@@ -324,6 +325,11 @@ class DriverCopies:
 
     def copy(self, call: str, runs: list[tuple[int, int, int, str]], handle: int, real: Any) -> None:
         """One queued op on the stream ``handle`` names, moving ``runs`` (dst, src, bytes, source order)."""
+        lock = getattr(self.session, "lock", None)  # a program session: one step, whichever thread calls
+        with lock if lock is not None else contextlib.nullcontext():
+            self._copy(call, runs, handle, real)
+
+    def _copy(self, call: str, runs: list[tuple[int, int, int, str]], handle: int, real: Any) -> None:
         session = self.session
         session.boundary(call)
         stream = self.stream(handle, call)
