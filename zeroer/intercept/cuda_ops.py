@@ -58,6 +58,18 @@ class CudaOps(TorchDispatchMode):
     def key(self, tensor: torch.Tensor) -> tuple:
         return ("cudamem", tensor.untyped_storage().data_ptr())
 
+    def place(self, address: int, size: int) -> "RawDevice | None":
+        """The caching allocator's live block that ``[address, address + size)`` lies in, for a raw
+        copy (:mod:`zeroer.intercept.driver_copies`); a tensor's storage starts where its block does."""
+        for segment in torch.cuda.memory_snapshot():
+            start = int(segment["address"])
+            for block in segment.get("blocks", ()):
+                begin = int(block.get("address", start))
+                start = begin + int(block["size"])
+                if block.get("state") == "active_allocated" and begin <= address and address + size <= start:
+                    return RawDevice(("cudamem", begin), 0 if begin in self._cache_storages else None)
+        return None
+
     def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         self._recorded.add(tensor.untyped_storage().data_ptr())
 
@@ -212,3 +224,12 @@ class CudaOps(TorchDispatchMode):
         if dst is None and pin and how != "d2h-async" and isinstance(result, torch.Tensor) and not result.is_cuda:
             self.session.host.register(result, "pinned result of .to()")
         return result
+
+
+class RawDevice:
+    """Device memory a raw address lies in: its key, and whether it is the KV cache's (``cache_tensor``)."""
+
+    __slots__ = ("key", "cache_tensor")
+
+    def __init__(self, key: tuple, cache_tensor: int | None) -> None:
+        self.key, self.cache_tensor = key, cache_tensor

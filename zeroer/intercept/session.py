@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from zeroer.intercept.cuda_api import CudaApi, patched
+from zeroer.intercept.driver_copies import DriverCopies
 from zeroer.intercept.helper_threads import HelperThreads
 from zeroer.intercept.host_memory import HostMemory
 from zeroer.intercept.shared import share_of
@@ -68,6 +69,7 @@ class InterceptSession:
         self.host.rename_owner(self.owner)
         self.cuda_api = CudaApi(self)
         self.triton = TritonLaunches(self)
+        self.driver = DriverCopies(self)  # copies through cuda-bindings and ctypes
         self.helpers = self.helper_threads_class(self) if self.helper_threads_class is not None else None
         self.memory: SimDeviceMemory | None = None
         self.sim_ops: Any = None
@@ -151,13 +153,19 @@ class InterceptSession:
                     scope.enter_context(self.cuda_ops)
                 for mode in self.modes():
                     scope.enter_context(mode)
-                yield
+                try:
+                    yield
+                except BaseException as error:
+                    if self.driver.kept is not None and error is not self.driver.kept:
+                        raise self.driver.kept from error  # what the code's error followed from
+                    raise
                 if self.helpers is not None:
                     self.helpers.settle()
                 self.boundary("the end of the call")
         finally:
             self._depth -= 1
             self.call, self.ids = "the harness", ()
+            self.driver.kept = None
 
     def route_custom(self, model: Any, args: tuple, kwargs: dict, real: Any) -> Any:
         """A modelled call no dispatch saw (a pybind function, a torch op on host tensors only)."""
@@ -181,6 +189,11 @@ class InterceptSession:
         :mod:`zeroer.intercept.helper_threads`)."""
         return self.cuda_api.patch_tables() + (self.helpers.patches() if self.helpers is not None else [])
 
+    def cannot_follow(self, error: BaseException) -> bool:
+        """What the code did that the harness cannot follow (``error`` says it): whether it was
+        reported and the code may go on (a program session's line); else the harness raises it."""
+        return False
+
     def query_event(self, event: Any) -> bool:
         """The code's ``Event.query()`` (a program session lets a polled event complete)."""
         return self.rt.query_event(event)
@@ -200,6 +213,7 @@ class InterceptSession:
 
     def boundary(self, what: str) -> None:
         """The zeroer reached ``what``: check the pinned bytes pending reads will see."""
+        self.driver.raise_kept()
         self.host.check(f"the host code of {self.call} between {self._last} and {what}")
         self._last = what
 
