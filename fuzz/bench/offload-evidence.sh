@@ -6,7 +6,10 @@
 #    controlled mode, its race-free twin clean);
 # 2. the detection table: every example under fuzz (controlled and free-running), the stress loop
 #    and PyTorch's CUDA sanitizer, 2 seeds, 60 s each at most;
-# 3. the race-free examples free-running until 20,000 steps each.
+# 3. the race-free examples free-running until 20,000 steps each;
+# 4. the GPU cases of the engines' idioms under the fuzzer's interception (timing events, priorities,
+#    raw stream handles, copy threads, cuda-bindings imported: tests/test_engine_idioms.py,
+#    tests/test_helper_threads.py, tests/test_sim_conformance.py).
 # Each stage has its own time limit, so the whole ends within 8 minutes whatever happens; a stage
 # cut off says "exit 124" in its log. The results go into OUTDIR/offload-evidence.tar.gz.
 set -u
@@ -20,8 +23,10 @@ timeout 60 $py -m pytest tests/test_offload.py -k "cuda" -q -p no:cacheprovider 
 timeout 240 $py -m fuzz.bench.offload --backend cuda --seeds 2 --budget 60 -j "${WORKERS:-8}" \
   --json "$out/h200-offload-$month.json" > "$out/detect.txt" 2> "$out/detect-progress.txt"
 echo "exit $?" >> "$out/detect.txt"
-timeout 150 $py -m fuzz.bench.offload --backend cuda --steps-clean 20000 --budget 30 -j 4 \
+timeout 120 $py -m fuzz.bench.offload --backend cuda --steps-clean 20000 --budget 30 -j 4 \
   --json "$out/h200-offload-soak-$month.json" > "$out/soak.txt" 2> "$out/soak-progress.txt"
 echo "exit $?" >> "$out/soak.txt"
+timeout 45 $py -m pytest tests/test_engine_idioms.py tests/test_helper_threads.py tests/test_sim_conformance.py \
+  -k "cuda" -q -p no:cacheprovider --tb=short -rfE > "$out/idiom-tests.txt" 2>&1; echo "exit $?" >> "$out/idiom-tests.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 tar -czf "$out/offload-evidence.tar.gz" -C "$out" --exclude offload-evidence.tar.gz .

@@ -3,6 +3,7 @@
 # an H200, from the repository root:
 #   bash sanitizer/bench/evidence.sh OUTDIR          # the table, the overhead, the GPU tests
 #   bash sanitizer/bench/evidence.sh OUTDIR suite    # this project's own test suite under --kvz-sanitize
+#   bash sanitizer/bench/evidence.sh OUTDIR engines  # the engine-style unit tests and the engines' idioms
 # (WORKERS and SUITE_SECONDS change the suite's xdist workers, 12, and its time limit, 470 s.)
 # Part one: every benchmark program (the engine-like programs, the corpus of the engines' own races
 # with its --sleep ground truth, the campaigns' zeroers) under PyTorch's sanitizer and ours, judged by
@@ -15,6 +16,18 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 month=$(date +%Y-%m)
 export PYTHONUNBUFFERED=1
+if [ "${2:-}" = engines ]; then
+  # tests/engine_style/ under the sanitizer observing the GPU: race-free (0 races) and with the
+  # planted race (reported); then the idioms' GPU cases in both tools.
+  for planted in 0 1; do
+    ENGINE_STYLE_PLANTED_RACE=$planted timeout 120 $py -m pytest tests/engine_style -q -p no:cacheprovider -p no:randomly \
+      --kvz-sanitize > "$out/engine-style-planted-$planted.txt" 2>&1
+    echo "exit $?" >> "$out/engine-style-planted-$planted.txt"
+  done
+  timeout 120 $py -m pytest tests/test_engine_idioms.py -k "cuda" -q -p no:cacheprovider --tb=short -rfE \
+    > "$out/idiom-tests.txt" 2>&1; echo "exit $?" >> "$out/idiom-tests.txt"
+  exit 0
+fi
 if [ "${2:-}" = suite ]; then
   timeout "${SUITE_SECONDS:-470}" $py -m pytest tests -n "${WORKERS:-12}" -q -p no:cacheprovider --tb=line -rf --durations=30 \
     --kvz-sanitize --kvz-sanitize-partial \
