@@ -709,3 +709,19 @@ def test_a_warmup_replaced_by_a_partial_of_a_bound_method_is_called_as_written()
     bound = LoadedZeroer("probe", factory, check_factory(factory, "probe")).build(cache, rt)
     bound.warmup(cache.spec.num_blocks)
     assert calls == [64]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_record_stream_of_a_pinned_host_tensor_is_refused_as_on_cuda(backend):
+    # aten::record_stream has a CUDA kernel only; torch's caching host allocator learns of a pinned
+    # block's copies from copy_ itself (LMCache #4830 could not have been fixed with record_stream)
+    def body(cache):
+        pinned = torch.empty(4, pin_memory=True)
+        try:
+            pinned.record_stream(torch.cuda.Stream())
+        except NotImplementedError as error:
+            return str(error)
+        return None
+
+    said, _ = in_a_zeroer(body, backend)
+    assert said is not None and said.startswith("Could not run 'aten::record_stream' with arguments from the 'CPU' backend")

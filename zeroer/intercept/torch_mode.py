@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from zeroer.intercept import host_reads
-from zeroer.intercept.errors import forward, simulator_gap, unroutable
+from zeroer.intercept.errors import InterceptError, forward, raise_as_cuda, simulator_gap, unroutable
 from zeroer.intercept.sim_tensor import SimCudaTensor, cloak, uncloak
 
 _HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
@@ -160,6 +160,8 @@ class InterceptMode(TorchFunctionMode):
             # A Python binding that asks for a CUDA device guard, which a CPU-only torch lacks:
             # run it on the cloaked twins (same memory, same router; sim_tensor's docstring).
             return tree_map(uncloak, forward(func, *_cloaked(args), **_cloaked(kwargs)))
+        except InterceptError:
+            raise  # what the harness cannot follow (a custom op with no model), said as it is
         except Exception as error:
             if not _raises_on_plain_tensors(func, args, kwargs, type(error)):
                 raise simulator_gap(_name(func), error) from error
@@ -288,8 +290,12 @@ class InterceptMode(TorchFunctionMode):
         runtime_stream = self.session.cuda_api.stream_of(stream)
         self.session.boundary("Tensor.record_stream")
         if self.sim:
-            if isinstance(tensor, SimCudaTensor):
-                self.session.memory.record_stream(tensor._alloc, runtime_stream)
+            if not isinstance(tensor, SimCudaTensor):
+                # aten::record_stream has a CUDA kernel only: a host tensor, pinned or not, is refused
+                # on a GPU too (torch's caching host allocator learns of copies from copy_ itself)
+                raise_as_cuda(NotImplementedError(
+                    "Could not run 'aten::record_stream' with arguments from the 'CPU' backend."))
+            self.session.memory.record_stream(tensor._alloc, runtime_stream)
             return
         self.session.cuda_ops.record_stream(tensor, runtime_stream)
         # torch's own record_stream comes back through __torch_function__, which looks the method
