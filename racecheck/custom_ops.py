@@ -189,10 +189,9 @@ def is_custom(func: Any) -> bool:
 
 
 def missing_model(name: str) -> str:
-    """What to say of a custom op with no model: its name and how to add one."""
-    return (f"custom op {name} has no effect model, so what it reads and writes is unknown (its schema "
-            f"need not say); add one with racecheck.custom_ops.effect_model({name!r}, schema=...) "
-            f"(docs/sanitizer.md, 'Custom ops')")
+    """Why a custom op with no model cannot be followed, and how to add one."""
+    return (f"no effect model says what it reads and writes (its schema need not say); add one with "
+            f"racecheck.custom_ops.effect_model({name!r}, schema=...) (docs/sanitizer.md, 'Custom ops')")
 
 
 def models() -> list[EffectModel]:
@@ -255,6 +254,9 @@ def route(model: EffectModel, args: tuple, kwargs: dict, real: Callable[..., Any
         return _ROUTERS[-1](model, args, kwargs, real)
     if real is not None:
         return real(*args, **kwargs)
+    if torch.cuda.is_available():  # its addresses may be device memory, which a CPU copy must not touch
+        raise RuntimeError(f"{model.name}: its extension is not installed, and kvzero's reference "
+                           f"implementation runs on CPU memory only (the simulator's)")
     if model.reference is None:
         raise RuntimeError(f"{model.name} has no implementation here (its extension is absent)")
     return model.reference(*model.bind(args, kwargs, _torch_op_overload(model)))

@@ -42,6 +42,7 @@ class FakeCuda:
 
     def __init__(self) -> None:
         self._device: set[int] = set()
+        self._sizes: dict[int, int] = {}  # storage address -> bytes, of the tensors made device memory
         self._pinned: set[int] = set()
         self._local = threading.local()
         self._ids = itertools.count(0x1000)
@@ -50,7 +51,12 @@ class FakeCuda:
     # -- memory --------------------------------------------------------------------------------------
     def device(self, tensor: torch.Tensor) -> torch.Tensor:
         self._device.add(tensor.untyped_storage().data_ptr())
+        self._sizes[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
+
+    def allocation_at(self, address: int, size: int) -> int | None:
+        """The device tensor's storage holding ``[address, address + size)`` (a raw access)."""
+        return next((b for b, n in self._sizes.items() if b <= address and address + size <= b + n), None)
 
     def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` is pinned memory, allocated here (as ``pin_memory=True`` is, to the observer)."""

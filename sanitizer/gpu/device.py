@@ -50,6 +50,17 @@ class CudaDevice:
     def adopt(self, tensor: torch.Tensor) -> None:
         """``tensor`` is the fresh output of a device op (only a stand-in needs to be told)."""
 
+    def allocation_at(self, address: int, size: int) -> int | None:
+        """The first byte of the caching allocator's live block holding ``[address, address + size)``
+        (a custom op's raw access, :mod:`sanitizer.gpu.custom`), or None."""
+        for segment in torch.cuda.memory_snapshot():
+            start = int(segment["address"])
+            for block in segment.get("blocks", ()):
+                begin, start = start, start + int(block["size"])
+                if block.get("state") == "active_allocated" and begin <= address and address + size <= start:
+                    return begin
+        return None
+
     def private_stream(self) -> Any:
         """A stream of the sanitizer's own, for reading an index tensor once its writer is done."""
         return torch.cuda.Stream()

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from racecheck.custom_ops import is_custom
 from racecheck.ops import aliased_returns, kind, op_name
+from sanitizer.gpu import custom
 from sanitizer.dynamo_guard import GUARD
 from sanitizer.gpu.copies import copy
 from sanitizer.host_ops import pinned_access, tensors_of, written_tensors
@@ -86,6 +88,8 @@ class Handler:
 
     @forwarding
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if is_custom(func):  # an extension's op: its effect model says what it touches (sanitizer.gpu.custom)
+            return custom.on_op(self, func, args, kwargs)
         tensors = tensors_of(args, kwargs)
         device = self.device
         on_device: list[torch.Tensor] = []

@@ -101,6 +101,7 @@ class Observer(HostWatch):
         self._unpatch = patches.install(self)
         self._unschedule = schedules.subscribe(self._schedule_started, self._schedule_ended)
         self.activate_host_hooks()
+        self._custom = _custom_ops(self)  # pybind functions with effect models (sanitizer.gpu.custom)
         self._exit_mode = dispatch.enter(self)
         self.mark_set_up()
         self._started = True
@@ -117,6 +118,7 @@ class Observer(HostWatch):
                 _RUNNING.remove(self)
             self._started = False
             self._exit_mode()
+            self._custom.close()
             self.deactivate_host_hooks()
             self._unschedule()
             self._unpatch()
@@ -347,6 +349,20 @@ class Observer(HostWatch):
         if address is not None:
             return self._device_sites.get(address)
         return super().allocated_at(hazard)
+
+
+def _custom_ops(obs: Observer) -> Any:
+    """Custom ops' models routed to ``obs`` while it runs; the scope to close at its stop."""
+    import contextlib
+
+    from racecheck import custom_ops
+    from sanitizer.gpu import custom
+
+    custom_ops.define_references()
+    scope = contextlib.ExitStack()
+    scope.enter_context(custom_ops.routing(custom.router(obs)))
+    scope.enter_context(custom_ops.extension_modules())
+    return scope
 
 
 _RUNNING: list[Any] = [None]  # the observers started and not stopped, innermost last

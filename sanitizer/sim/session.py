@@ -137,6 +137,21 @@ class ProgramSession(InterceptSession):
         self.unfollowed.append(f"kvz-sanitize could not follow a call at {caller_site().short}: {error}")
         return True
 
+    def unmodelled_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A custom op with no effect model: one line (the run is partial); it runs at once on the
+        simulator's memory, as a synchronising op, none of its accesses checked."""
+        from torch.utils._pytree import tree_map
+
+        from racecheck.custom_ops import missing_model, op_name
+
+        name = op_name(func)
+        self.unfollowed.append(f"kvz-sanitize cannot follow custom op {name} ({missing_model(name)}) "
+                               f"at {caller_site().short}")
+        inner = tree_map(lambda v: v._inner if isinstance(v, SimCudaTensor) else v, (args, kwargs))
+        box: list[Any] = []
+        self.run_now(lambda: box.append(func(*inner[0], **inner[1])), name=name)
+        return box[0]
+
     def _pinned_reused(self, tensor: torch.Tensor, origin: str) -> None:
         """The caching host allocator handed ``tensor``'s bytes out again: a host write of them, checked
         against the device work still pending on the block's last tenant (LMCache #4830)."""

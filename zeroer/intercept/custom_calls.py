@@ -36,7 +36,7 @@ MODEL_FIX = "or run the engine where its extension is installed (a GPU, --backen
 
 def unmodelled(name: str) -> InterceptError:
     """The harness error for custom op ``name`` with no effect model."""
-    return InterceptError(missing_model(name))
+    return InterceptError(f"custom op {name}: {missing_model(name)}")
 
 
 class Touch:

@@ -1,0 +1,142 @@
+"""Custom ops on a GPU: what an extension's op reads and writes, from its effect model.
+
+An op of a C++ extension (``torch.ops._C_cache_ops.swap_blocks``, ``torch.ops.sgl_kernel.
+transfer_kv_all_layer``) reaches the dispatch mode like any aten op, but its schema need not say
+what it touches; a pybind function (``lmcache.c_ops.multi_layer_block_kv_transfer``) reaches no
+mode at all, so while the observer runs it is wrapped (:func:`racecheck.custom_ops.extension_modules`).
+Either way the op's model (:mod:`racecheck.custom_ops`) says the byte runs it reads and writes,
+each resolved to the device allocation or pinned region it falls in and stamped on the current
+stream. The values a model needs (indices, tables of layer addresses) are read where the host
+holds them, or where the program staged them to the device (:mod:`sanitizer.gpu.indices`); where
+they are not known, a note says the op's accesses are not checked (a miss, never a false race).
+
+A custom op with no model is one line (the run is partial): kvz-sanitize cannot say what it touches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from racecheck.custom_ops import EffectModel, ValueUnknown, host_values, missing_model, model_for, op_name
+from racecheck.ranges import merge
+from sanitizer.sites import Site, caller_site
+from zeroer.intercept.sim_tensor import SimCudaTensor
+from zeroer.origin import forwarding
+
+
+@forwarding
+def on_op(handler: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """A ``torch.ops`` op outside torch's namespaces, seen by the dispatch mode."""
+    if any(isinstance(v, SimCudaTensor) for v in (*args, *kwargs.values())):
+        return func(*args, **kwargs)  # kvzero's simulator at work
+    obs = handler.obs
+    model = model_for(func)
+    site = caller_site()
+    if model is None:
+        from sanitizer.gpu.observer import Unfollowed
+
+        name = op_name(func)
+        with obs.lock:
+            obs.unfollowed.append(Unfollowed(f"custom op {name} ({missing_model(name)})", site))
+        return func(*args, **kwargs)
+    return call(obs, model, model.bind(args, kwargs, func), lambda: func(*args, **kwargs), site)
+
+
+def router(obs: Any) -> Any:
+    """The observer's router for modelled calls no mode sees (pybind functions)."""
+
+    def route(model: EffectModel, args: tuple, kwargs: dict, real: Any) -> Any:
+        if obs.paused:
+            return _run(model, args, kwargs, real)
+        return call(obs, model, model.bind(args, kwargs), lambda: _run(model, args, kwargs, real), caller_site())
+
+    return route
+
+
+def _run(model: EffectModel, args: tuple, kwargs: dict, real: Any) -> Any:
+    if real is not None:
+        return real(*args, **kwargs)
+    from racecheck.custom_ops import route
+
+    with _no_router():
+        return route(model, args, kwargs)
+
+
+class _no_router:
+    def __enter__(self) -> None:
+        from racecheck import custom_ops
+
+        self.saved, custom_ops._ROUTERS[:] = list(custom_ops._ROUTERS), []
+
+    def __exit__(self, *exc: object) -> None:
+        from racecheck import custom_ops
+
+        custom_ops._ROUTERS[:] = self.saved
+
+
+def call(obs: Any, model: EffectModel, given: list[Any], run: Any, site: Site) -> Any:
+    """Stamp the op on the current stream with what its model says it touches, then run it."""
+    device = obs.device
+    tensors = [v for v in given if isinstance(v, torch.Tensor)]
+    on_device = [t for t in tensors if device.is_device(t)]
+    with obs.lock:
+        obs.boundary(site)
+        index = device.device_index(on_device[0] if on_device else None)
+        stamp = obs.enqueue(model.name.replace("::", ".").rpartition(".")[2], device.current_stream(index), site)
+        declare(obs, model, given, tensors, stamp, site)
+    result = run()
+    with obs.lock:
+        obs.collect()
+    return result
+
+
+def declare(obs: Any, model: EffectModel, given: list[Any], tensors: list[torch.Tensor], stamp: Any, site: Site) -> None:
+    device = obs.device
+
+    def values(tensor: torch.Tensor) -> list[int]:
+        if not device.is_device(tensor):
+            return host_values(tensor)
+        known = obs.indices.values(tensor)
+        if known is None:
+            raise ValueUnknown("device memory the program did not stage")
+        return known
+
+    try:
+        fx = model.declare(given, values)
+    except ValueUnknown:
+        obs.notes.append(f"kvz-sanitize could not tell what {model.name} at {site} touches (its effect model "
+                         f"needs values held in device memory that the host never staged); its accesses are not checked")
+        return
+    storages: dict[int, int] = {}
+    host_args: list[tuple[int, int]] = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if device.is_device(tensor):
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif obs.pinned_region(tensor) is None:  # read by the host at the call (a mapping, a table)
+            host_args.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    hb = obs.hb
+    for runs, write in ((fx.reads, False), (fx.writes, True)):
+        for lo, hi in merge(runs):
+            if any(start <= lo and hi <= end for start, end in host_args):
+                continue
+            region = obs.pinned.regions.find(lo)
+            if region is not None and hi <= region.end:
+                (hb.copy_writes_host if write else hb.copy_reads_host)(region.key, stamp, [(lo, hi)])
+                hb.device_access(region.key, stamp, write=write, ranges=[(lo, hi)])
+                continue
+            base = next((b for b, n in storages.items() if b <= lo and hi <= b + n), None)
+            if base is None:
+                finder = getattr(device, "allocation_at", None)
+                base = finder(lo, hi - lo) if finder is not None else None
+            if base is None:
+                obs.notes.append(f"kvz-sanitize could not place the {hi - lo} bytes at 0x{lo:x} that {model.name} at "
+                                 f"{site} {'writes' if write else 'reads'} (no allocation it knows holds them); "
+                                 f"that access is not checked")
+                continue
+            obs.device_access_at(base, [(lo, hi)], stamp, write=write)
+
+
+__all__ = ["call", "on_op", "router"]

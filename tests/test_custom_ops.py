@@ -1,0 +1,273 @@
+"""Custom ops by their effect models (racecheck/custom_ops.py, racecheck/engine_ops.py) in both tools.
+
+For each shipped model: its reference implementation moves the bytes a plain-torch computation
+says; run on a side stream, it beside a read of the bytes it reads is no race, and beside a read of
+the bytes it writes is one (the sanitizer on the simulator; the GPU observer through the CUDA
+stand-in for the ops whose values the host holds). A custom op with no model is a harness error in
+the fuzzer and one line in the sanitizer; a model a user registers is followed.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fake_cuda import FakeCuda
+from racecheck import custom_ops
+from racecheck.engine_ops import GPUKVFormat, PageBufferShapeDesc, TransferDirection
+from sanitizer.sim.session import simulate
+from zeroer.intercept.errors import InterceptError
+
+custom_ops.define_references()
+
+
+def _swap_blocks(dev, pinned):
+    src = dev(torch.arange(32, dtype=torch.float32).reshape(8, 4))
+    dst = dev(torch.zeros(8, 4))
+    mapping = torch.tensor([[1, 3], [5, 0]])
+
+    def expected(s, d):
+        d = d.clone()
+        d[3], d[0] = s[1], s[5]
+        return d
+
+    return types.SimpleNamespace(read=src, written=dst, expected=lambda: expected(src.cpu(), torch.zeros(8, 4)),
+                                 call=lambda: torch.ops._C_cache_ops.swap_blocks(src, dst, 16, mapping))
+
+
+def _swap_blocks_batch(dev, pinned):
+    src = dev(torch.arange(32, dtype=torch.float32).reshape(8, 4))
+    dst = pinned(torch.zeros(8, 4))
+    src_ptrs = torch.tensor([src[2].data_ptr(), src[6].data_ptr()], dtype=torch.uint64)
+    dst_ptrs = torch.tensor([dst[0].data_ptr(), dst[1].data_ptr()], dtype=torch.uint64)
+    sizes = torch.tensor([16, 16])
+
+    def expected():
+        out = torch.zeros(8, 4)
+        out[0], out[1] = src.cpu()[2], src.cpu()[6]
+        return out
+
+    return types.SimpleNamespace(read=src, written=dst, expected=expected,
+                                 call=lambda: torch.ops._C_cache_ops.swap_blocks_batch(src_ptrs, dst_ptrs, sizes))
+
+
+def _kv(dev, n=6, width=8, base=0.0):
+    return dev(torch.arange(n * width, dtype=torch.float32).reshape(n, width) + base)
+
+
+def _moved(src, pairs, n=6, width=8):
+    out = torch.zeros(n, width)
+    for s, d in pairs:
+        out[d] = src.cpu()[s]
+    return out
+
+
+def _per_layer(dev, pinned):
+    src_k, src_v, dst_k, dst_v = _kv(dev), _kv(dev, base=100), dev(torch.zeros(6, 8)), dev(torch.zeros(6, 8))
+    si, di = dev(torch.tensor([1, 4])), dev(torch.tensor([0, 5]))
+    return types.SimpleNamespace(
+        read=src_k, written=dst_k, expected=lambda: _moved(src_k, [(1, 0), (4, 5)]),
+        call=lambda: torch.ops.sgl_kernel.transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, si, di, 32, 2, 1))
+
+
+def _per_layer_mla(dev, pinned):
+    src, dst = _kv(dev), dev(torch.zeros(6, 8))
+    si, di = dev(torch.tensor([2, -1, 3])), dev(torch.tensor([1, 4, 0]))
+    return types.SimpleNamespace(
+        read=src, written=dst, expected=lambda: _moved(src, [(2, 1), (3, 0)]),
+        call=lambda: torch.ops.sgl_kernel.transfer_kv_per_layer_mla(src, dst, si, di, 32, 2, 1))
+
+
+def _all_layer(dev, pinned):  # HiCache's load: host pool (pinned) to the device's layers
+    src_k = [_kv(pinned, base=10 * i) for i in range(2)]
+    src_v = [_kv(pinned, base=100 + 10 * i) for i in range(2)]
+    dst_k = [dev(torch.zeros(6, 8)) for _ in range(2)]
+    dst_v = [dev(torch.zeros(6, 8)) for _ in range(2)]
+
+    def table(tensors):
+        return dev(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64))
+
+    tables = [table(t) for t in (src_k, dst_k, src_v, dst_v)]
+    si, di = dev(torch.tensor([1, 4])), dev(torch.tensor([0, 5]))
+    return types.SimpleNamespace(
+        read=src_k[1], written=dst_k[1], expected=lambda: _moved(src_k[1], [(1, 0), (4, 5)]),
+        call=lambda: torch.ops.sgl_kernel.transfer_kv_all_layer(*tables, si, di, 32, 2, 2, 1))
+
+
+def _lmcache(dev, pinned):
+    nl, nb, bs, nh, hs = 2, 4, 2, 1, 4
+    chunk = 2 * bs
+    layers = [dev(torch.zeros(2, nb, bs, nh, hs)) for _ in range(nl)]
+    obj = pinned(torch.arange(2 * nl * chunk * nh * hs, dtype=torch.float32).reshape(2, nl, chunk, nh * hs))
+    table = dev(torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64))
+    block_ids = dev(torch.tensor([3, 1]))
+    desc = PageBufferShapeDesc()
+    desc.kv_size, desc.nl, desc.nb, desc.bs, desc.nh, desc.hs, desc.element_size = 2, nl, nb, bs, nh, hs, 4
+
+    def expected():  # layer 1 after the load: blocks 3 and 1 from the object's token rows 0-1 and 2-3
+        out = torch.zeros(2, nb, bs, nh, hs)
+        for j, block in enumerate([3, 1]):
+            out[:, block] = obj[:, 1, j * bs:(j + 1) * bs].reshape(2, bs, nh, hs)
+        return out
+
+    def call():
+        import lmcache.c_ops as ops  # the engine's own import: the stand-in where LMCache is absent
+
+        ops.multi_layer_block_kv_transfer(table, [obj.data_ptr()], block_ids, torch.device("cuda"),
+                                          ops.TransferDirection.H2D, desc, chunk, ops.GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, 0)
+
+    return types.SimpleNamespace(read=obj, written=layers[1], expected=expected, call=call)
+
+
+CASES = {"swap_blocks": _swap_blocks, "swap_blocks_batch": _swap_blocks_batch,
+         "transfer_kv_per_layer": _per_layer, "transfer_kv_per_layer_mla": _per_layer_mla,
+         "transfer_kv_all_layer": _all_layer, "multi_layer_block_kv_transfer": _lmcache}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_reference_moves_the_bytes_a_plain_torch_copy_moves(name):
+    case = CASES[name](lambda t: t, lambda t: t)
+    with custom_ops.extension_modules():
+        case.call()
+    assert torch.equal(case.written, case.expected())
+
+
+def _program(name: str, beside: str) -> dict:
+    """The op on a side stream, the main stream reading its source or its destination meanwhile."""
+    out: dict = {}
+
+    def main() -> None:
+        case = CASES[name](lambda t: t.to("cuda"), lambda t: t.pin_memory())
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            case.call()
+        getattr(case, beside).sum()  # a read of the same bytes, ordered with nothing
+        torch.cuda.synchronize()
+        out["moved"] = torch.equal(case.written.cpu(), case.expected())
+
+    out["races"], out["error"], _, out["unfollowed"] = simulate(main)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_modelled_op_reading_beside_a_read_is_no_race_and_writing_is_one(name):
+    reading = _program(name, "read")
+    assert reading["error"] is None and reading["races"] == [] and reading["moved"]
+    writing = _program(name, "written")
+    assert writing["error"] is None and writing["moved"]
+    assert {r.kind for r in writing["races"]} in ({"unordered-device-access"}, {"host-read-vs-pending-copy"})
+    assert name in str(writing["races"][0])
+
+
+# -- an op of the user's own ---------------------------------------------------------------------------
+
+_LIB = torch.library.Library("kvz_test", "FRAGMENT")
+_LIB.define("scatter_rows(Tensor src, Tensor dst, Tensor rows) -> ()")  # like the engines': no (a!)
+
+
+def _scatter_rows(src, dst, rows):
+    dst.index_copy_(0, rows, src)
+
+
+_LIB.impl("scatter_rows", _scatter_rows, "CPU")
+
+
+def _user_program(beside: str):
+    def main() -> None:
+        src, dst = torch.ones(2, 4, device="cuda"), torch.zeros(8, 4, device="cuda")
+        rows = torch.tensor([6, 2], device="cuda")
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.ops.kvz_test.scatter_rows(src, dst, rows)
+        (src[1] if beside == "read" else dst[2]).sum()
+        torch.cuda.synchronize()
+
+    return simulate(main)
+
+
+def test_a_custom_op_with_no_model_is_one_line_in_the_sanitizer_and_the_run_goes_on():
+    races, error, _, unfollowed = _user_program("written")
+    assert error is None and races == []
+    assert len(unfollowed) == 1
+    assert unfollowed[0].startswith("kvz-sanitize cannot follow custom op kvz_test::scatter_rows (no effect model")
+    assert "effect_model('kvz_test::scatter_rows'" in unfollowed[0]
+
+
+def test_a_custom_op_with_no_model_is_a_harness_error_in_the_fuzzer():
+    from zeroer.intercept.session import InterceptSession
+    from zeroer.runtime import make_runtime
+
+    session = InterceptSession(make_runtime("sim"), "mine")
+    with pytest.raises(InterceptError, match=r"^custom op kvz_test::scatter_rows: no effect model says what it "
+                                             r"reads and writes .*effect_model\('kvz_test::scatter_rows'"):
+        with session.running("zero_block_ids", [0]):
+            dst = torch.zeros(8, 4, device="cuda")
+            torch.ops.kvz_test.scatter_rows(torch.ones(2, 4, device="cuda"), dst, torch.tensor([6, 2], device="cuda"))
+
+
+@pytest.fixture
+def user_model():
+    def effects(fx, src, dst, rows):
+        fx.read(src)
+        fx.read(rows)
+        fx.write_rows(dst, 0, fx.values(rows))
+
+    custom_ops.register(custom_ops.EffectModel("kvz_test::scatter_rows", effects, reference=_scatter_rows))
+    yield
+    custom_ops.unregister("kvz_test::scatter_rows")
+
+
+def test_a_model_the_user_registers_is_followed(user_model):
+    races, error, _, unfollowed = _user_program("written")
+    assert error is None and unfollowed == []
+    assert [r.kind for r in races] == ["unordered-device-access"] and "scatter_rows" in str(races[0])
+    races, error, _, unfollowed = _user_program("read")
+    assert error is None and unfollowed == [] and races == []
+
+
+# -- the GPU observer, through the CUDA stand-in ----------------------------------------------------------
+
+def _observe(body):
+    from sanitizer.gpu.observer import Observer
+
+    cuda = FakeCuda()
+    obs = Observer(device=cuda)
+    cuda.obs = obs
+    obs.start()
+    try:
+        body(cuda)
+    finally:
+        races = obs.stop()
+    return races, [u.message() for u in obs.take_unfollowed()], obs.take_notes()
+
+
+@pytest.mark.parametrize("name", ["swap_blocks", "swap_blocks_batch"])
+def test_the_gpu_observer_follows_a_modelled_op(name):
+    def body(beside):
+        def run(cuda):
+            case = CASES[name](cuda.device, cuda.pinned)
+            side = cuda.new_stream()
+            with cuda.stream(side):
+                case.call()
+            getattr(case, beside).sum()
+
+        return run
+
+    races, unfollowed, _ = _observe(body("read"))
+    assert races == [] and unfollowed == []
+    races, unfollowed, _ = _observe(body("written"))
+    assert unfollowed == [] and {r.kind for r in races} in ({"unordered-device-access"}, {"host-read-vs-pending-copy"})
+
+
+def test_the_gpu_observer_says_a_custom_op_with_no_model_in_one_line():
+    def body(cuda):
+        src, dst = cuda.device(torch.ones(2, 4)), cuda.device(torch.zeros(8, 4))
+        torch.ops.kvz_test.scatter_rows(src, dst, torch.tensor([6, 2]))
+
+    races, unfollowed, _ = _observe(body)
+    assert races == [] and len(unfollowed) == 1
+    assert unfollowed[0].startswith("kvz-sanitize cannot follow custom op kvz_test::scatter_rows (no effect model")
