@@ -43,6 +43,8 @@ from triton.runtime import interpreter as triton_interpreter
 from triton.runtime.jit import JITFunction
 
 from zeroer.intercept.errors import SimulatorGap, forward, unroutable
+from zeroer.intercept.kernel_accesses import Touched, declare
+from zeroer.intercept.sim_graphs import CapturedOp
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from racecheck.gate import is_gate_kernel
 from racecheck.hb import Hazard
@@ -53,11 +55,12 @@ from zeroer.triton_cpu import interpreted, kernel_error, nested_calls_interprete
 class _AddressCheck:
     """Every load and store of an interpreted kernel, checked against the memory that exists."""
 
-    def __init__(self, session: Any, kernel: str) -> None:
+    def __init__(self, session: Any, kernel: str, touched: Touched | None = None) -> None:
         self.session = session
         self.kernel = kernel
+        self.touched = touched  # where every load and store lands, when the launch declares them so
 
-    def _bad(self, ptrs: Any, mask: Any) -> tuple[int, int] | None:
+    def _bad(self, ptrs: Any, mask: Any, *, write: bool) -> tuple[int, int] | None:
         addresses = np.asarray(ptrs.data, dtype=np.uint64).reshape(-1)
         on = np.asarray(mask.data, dtype=bool).reshape(-1) if mask is not None else np.ones(addresses.shape, bool)
         if not on.any():
@@ -67,6 +70,8 @@ class _AddressCheck:
         wanted = addresses[on]
         slot = np.searchsorted(starts, wanted, side="right").astype(np.int64) - 1
         inside = (slot >= 0) & (wanted + np.uint64(width) <= ends[np.maximum(slot, 0)]) & (wanted >= starts[np.maximum(slot, 0)])
+        if self.touched is not None:  # an illegal access is skipped: it touches nothing
+            self.touched.add(wanted[inside], width, write=write)
         if inside.all():
             return None
         first = int(np.flatnonzero(~inside)[0])
@@ -91,14 +96,14 @@ class _AddressCheck:
         check = self
 
         def masked_store(ptrs: Any, value: Any, mask: Any, *rest: Any) -> Any:
-            bad = check._bad(ptrs, mask)
+            bad = check._bad(ptrs, mask, write=True)
             if bad is not None:
                 check.report("stores", bad)
                 return None
             return store(ptrs, value, mask, *rest)
 
         def masked_load(ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
-            bad = check._bad(ptrs, mask)
+            bad = check._bad(ptrs, mask, write=False)
             if bad is not None:
                 check.report("loads", bad)
                 mask = triton_interpreter.TensorHandle(np.zeros_like(np.asarray(mask.data), dtype=bool), mask.dtype)
@@ -167,10 +172,17 @@ class TritonLaunches:
                       for value in bound.arguments.values()]
             launch_grid = grid(dict(bound.arguments)) if callable(grid) else grid
             launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
-            check = _AddressCheck(session, name)
+            touched = Touched()
+            check = _AddressCheck(session, name, touched)
             kernel = interpreted(jit.fn)
+            space = session.rt._block_space  # which cache "block N" means, as the launch is queued
+            # What the launch declares from its arguments; the rest of what it touched is declared
+            # once it has run, from its actual loads and stores (zeroer.intercept.kernel_accesses).
+            declared = {getattr(k, "key", k) for k in reads + writes} | {region.key for region, _, _ in pinned}
+            at: list[Any] = []  # the stamp it runs as (a replay of a captured graph: that replay's)
 
             def run() -> None:
+                touched.clear()
                 with check.installed():
                     try:
                         kernel[launch_grid](*values)
@@ -183,8 +195,15 @@ class TritonLaunches:
                         if raised_by_interpreter(cause):
                             raise interpreter_gap(name, cause) from error
                         raise cause from None
+                if at and not isinstance(at[0], CapturedOp):
+                    declare(session, at[0], touched, space, skip=declared)
 
-            stamp = session.enqueue(run, name=name, reads=reads, writes=writes, cache_written=True)
+            # A zeroer's session has no block map: its kernel writes the blocks of its zero call.
+            stamp = session.enqueue(run, name=name, reads=reads, writes=writes,
+                                    cache_written=session.block_map is None)
+            at.append(stamp)
+            if isinstance(stamp, CapturedOp):  # each replay declares what it touched then
+                stamp.declare_rows = lambda replayed: at.__setitem__(0, replayed)
             result = None
         else:
             if warmup:

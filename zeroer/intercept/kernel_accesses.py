@@ -1,0 +1,103 @@
+"""The bytes a Triton kernel read and wrote, resolved to what they fall in and declared as they were.
+
+A kernel that loads its addresses from a table (vLLM's CPU offloading handler: ``src =
+tl.load(src_ptrs + i).to(tl.pointer_type(...))``, then loads through ``src`` and stores through
+``dst``) touches memory no argument names. Its source cannot say which: the table's values do. On
+the simulator the interpreter runs the kernel, so its actual loads and stores are known once it
+has run (:class:`Touched`, filled by :class:`~zeroer.intercept.triton_launch._AddressCheck`). Each
+run of addresses is resolved to what it falls in and declared to the happens-before checker with
+the launch's stamp, reads and writes apart (``late``: as an indexed op's rows are):
+
+* a KV-cache block, as the caller's own accesses name it (``("block", cache, id)``, through the
+  session's :class:`~zeroer.cache.block_map.CacheBlockMap`); a zeroer's session has none and
+  declares the blocks of its zero call instead, as before;
+* pinned host memory (a host pool slot, a staging buffer): a queued read or write of those bytes,
+  as a non-blocking copy's;
+* any other simulated device memory, by its bytes.
+
+Until then, the vLLM handler's store kernel was declared as writing the blocks of its call, and
+its race-free form was flagged (``triton _swap_blocks_kernel ... (store) writes [block 1]``) while
+the kernel only reads the device block.
+
+Example::
+
+    touched = Touched()
+    ...                                    # the kernel runs; _AddressCheck calls touched.add(...)
+    declare(session, stamp, touched, space, skip_keys=set())
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from racecheck.ranges import Runs, clip
+from zeroer.intercept.sim_memory import Block
+
+
+class Touched:
+    """The addresses one run of a kernel loaded from and stored to, as merged byte runs."""
+
+    def __init__(self) -> None:
+        self._parts: dict[bool, list[tuple[np.ndarray, int]]] = {False: [], True: []}
+
+    def clear(self) -> None:
+        """Forget what an earlier run touched (a captured launch replayed)."""
+        self._parts = {False: [], True: []}
+
+    def add(self, addresses: np.ndarray, width: int, *, write: bool) -> None:
+        """``addresses``: the first byte of each word accessed, ``width`` bytes each."""
+        if addresses.size:
+            self._parts[write].append((np.unique(addresses.astype(np.int64)), width))
+
+    def runs(self, *, write: bool) -> Runs:
+        parts = self._parts[write]
+        if not parts:
+            return []
+        starts = np.concatenate([a for a, _ in parts])
+        ends = np.concatenate([a + w for a, w in parts])
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], np.maximum.accumulate(ends[order])
+        # a new run wherever a word starts past every byte before it
+        new = np.ones(starts.shape, bool)
+        new[1:] = starts[1:] > ends[:-1]
+        firsts = np.flatnonzero(new)
+        lasts = np.append(firsts[1:] - 1, starts.size - 1)
+        return [(int(starts[f]), int(ends[l])) for f, l in zip(firsts, lasts)]
+
+
+def declare(session: Any, stamp: Any, touched: Touched, space: Any, *, skip: set) -> None:
+    """Declare what ``touched`` holds for the op ``stamp`` (see the module docstring). ``skip``:
+    keys of memory the launch declared already from its arguments (a table it read)."""
+    hb = session.rt.hb
+    ranges = session.address_ranges()
+    for write in (False, True):
+        runs = touched.runs(write=write)
+        if not runs:
+            continue
+        blocks: set[int] = set()
+        for start, end, owner in ranges:
+            mine = clip(runs, start, end)
+            if not mine:
+                continue
+            if isinstance(owner, Block) and owner.cache_tensor is not None:
+                # The KV cache, argument or not, by the logical blocks the caller's accesses use; a
+                # zeroer's session has no map and declared the blocks of its zero call at launch.
+                if session.block_map is not None:
+                    blocks.update(session.block_map.of_runs(mine))
+                continue
+            key = getattr(owner, "key", None)
+            if key in skip:
+                continue
+            if isinstance(owner, Block):
+                hb.device_access(key, stamp, write=write, ranges=mine, late=True)
+            else:  # pinned host memory, read or written by the GPU when the kernel runs
+                if write:
+                    hb.copy_writes_host(key, stamp, mine)
+                    session.host.pending.drop(owner, mine)
+                else:
+                    hb.copy_reads_host(key, stamp, mine)
+                hb.device_access(key, stamp, write=write, ranges=mine, late=True)
+        for block in sorted(blocks):
+            hb.device_access(("block", space, block), stamp, write=write, late=True)
