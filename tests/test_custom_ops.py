@@ -93,6 +93,7 @@ def _all_layer(dev, pinned):  # HiCache's load: host pool (pinned) to the device
     si, di = dev(torch.tensor([1, 4])), dev(torch.tensor([0, 5]))
     return types.SimpleNamespace(
         read=src_k[1], written=dst_k[1], expected=lambda: _moved(src_k[1], [(1, 0), (4, 5)]),
+        keep=(src_k, src_v, dst_k, dst_v),  # the tables hold only their addresses
         call=lambda: torch.ops.sgl_kernel.transfer_kv_all_layer(*tables, si, di, 32, 2, 2, 1))
 
 
