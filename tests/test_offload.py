@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -326,3 +327,65 @@ def test_a_copy_between_the_device_and_pinned_memory_is_not_a_host_op() -> None:
     assert seen == []
     mode._host_op(torch.Tensor.copy_, (pinned, torch.ones(4)), {})  # host to host: a write of the pinned bytes
     assert seen == ["write", "read"]
+
+
+# -- vLLM's handler shape: transfer_async(job_id, (src, dst)), the direction told by the spec's class --
+class GPUSpec:
+    def __init__(self, block_ids):
+        self.block_ids = np.asarray(block_ids, dtype=np.int64)
+
+
+class CPUSpec(GPUSpec):
+    pass
+
+
+class ClassRoutedHandler:
+    """Routes by ``isinstance`` as vLLM's CpuGpuOffloadingHandler does (transfer_async only)."""
+
+    def __init__(self, cache, host_pool) -> None:
+        self.inner = engine_offloaders.CpuOffloadHandler(cache, host_pool)
+
+    def transfer_async(self, job_id, spec):
+        src, dst = spec
+        if isinstance(src, CPUSpec):
+            self.inner.load(job_id, src.block_ids.tolist(), dst.block_ids.tolist())
+        else:
+            self.inner.store(job_id, src.block_ids.tolist(), dst.block_ids.tolist())
+        return True
+
+    def get_finished(self):
+        return self.inner.get_finished()
+
+    def wait(self, job_ids):
+        self.inner.wait(job_ids)
+
+
+def class_routed(cache, host_pool, runtime=None):
+    return ClassRoutedHandler(cache, host_pool)
+
+
+def test_a_handler_routing_by_its_spec_classes_gets_its_own_classes_when_it_declares_them(tmp_path: Path) -> None:
+    source = tmp_path / "routed.py"
+    source.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_offload import CPUSpec, GPUSpec, class_routed\n"
+        "from zeroer.offload import OffloaderCapabilities\n"
+        "def make(cache, host_pool, runtime=None):\n"
+        "    return class_routed(cache, host_pool)\n"
+        "make.capabilities = OffloaderCapabilities(transfer_specs=(GPUSpec, CPUSpec))\n"
+        "def undeclared(cache, host_pool, runtime=None):\n"
+        "    return class_routed(cache, host_pool)\n")
+    ops = [{"op": "start"}, {"op": "allocate", "n": 2}, {"op": "write", "block": 1}, {"op": "store", "block": 1},
+           {"op": "poll", "sync": 1}, {"op": "free", "block": 1}, {"op": "load", "slot": 1}, {"op": "poll", "sync": 1}]
+    assert run_ops(EpisodeConfig(offloader=f"{source}:make"), ops) == []
+    # without the declaration every job is taken for a store: the load's block is never written
+    assert run_ops(EpisodeConfig(offloader=f"{source}:undeclared"), ops)
+
+
+def test_transfer_specs_must_be_a_pair_of_callables() -> None:
+    from zeroer.offload import OffloaderCapabilities, OffloaderSpecError
+
+    with pytest.raises(OffloaderSpecError, match=r"^OffloaderCapabilities\(transfer_specs=\('GPU', 'CPU'\)\): pass "
+                                                 r"\(gpu_spec, cpu_spec\), two classes or functions"):
+        OffloaderCapabilities(transfer_specs=("GPU", "CPU"))

@@ -66,6 +66,11 @@ class OffloaderCapabilities(Declared):
     * ``geometries``: the KV-cache presets it supports (None: every one).
     * ``host_memory``: the host pools it works with: ``"pinned"`` (allocated page-locked) and
       ``"registered"`` (registered with ``cudaHostRegister``); both by default.
+    * ``transfer_specs``: for vLLM's handler shape, ``(gpu_spec, cpu_spec)``, each called with a
+      side's block ids (a list of ints) to make the spec ``transfer_async`` receives. vLLM's
+      handlers tell a store from a load by the spec's class (``isinstance(src, CPULoadStoreSpec)``),
+      so such a handler declares its own classes, e.g. ``(GPULoadStoreSpec, CPULoadStoreSpec)``;
+      without them it gets specs with ``block_ids`` and ``medium()`` only.
 
     An offloader is plain torch (and Triton) code, run under interception on every backend.
     """
@@ -74,9 +79,15 @@ class OffloaderCapabilities(Declared):
     cuda_modes: tuple[str, ...] = ALL_CUDA_MODES
     geometries: tuple[str, ...] | None = None
     host_memory: tuple[str, ...] = HOST_MEMORY
+    transfer_specs: tuple[Callable[[list[int]], Any], Callable[[list[int]], Any]] | None = None
 
     def __post_init__(self) -> None:
         self._tuples(("backends", "cuda_modes", "geometries", "host_memory"), OffloaderSpecError)
+        specs = self.transfer_specs
+        if specs is not None and not (isinstance(specs, tuple) and len(specs) == 2 and all(map(callable, specs))):
+            raise OffloaderSpecError(
+                f"OffloaderCapabilities(transfer_specs={specs!r}): pass (gpu_spec, cpu_spec), two classes or "
+                f"functions that make a transfer side from its block ids, e.g. (GPULoadStoreSpec, CPULoadStoreSpec)")
         for name, allowed in (("backends", ALL_BACKENDS), ("cuda_modes", ALL_CUDA_MODES), ("host_memory", HOST_MEMORY)):
             check_subset(name, getattr(self, name), allowed, "OffloaderCapabilities", OffloaderSpecError)
         check_geometries(self.geometries, "OffloaderCapabilities", OffloaderSpecError)
@@ -147,11 +158,13 @@ class BoundOffloader:
         self.spec = spec
         self.capabilities = capabilities
         if vllm_shape:
+            gpu, cpu = capabilities.transfer_specs or (lambda ids: BlockIds("GPU", ids), lambda ids: BlockIds("CPU", ids))
+
             def store(job_id: int, block_ids: list[int], slot_ids: list[int]) -> None:
-                transfer(job_id, (BlockIds("GPU", block_ids), BlockIds("CPU", slot_ids)))
+                transfer(job_id, (gpu(list(block_ids)), cpu(list(slot_ids))))
 
             def load(job_id: int, slot_ids: list[int], block_ids: list[int]) -> None:
-                transfer(job_id, (BlockIds("CPU", slot_ids), BlockIds("GPU", block_ids)))
+                transfer(job_id, (cpu(list(slot_ids)), gpu(list(block_ids))))
 
             self.store, self.load = store, load
         else:
