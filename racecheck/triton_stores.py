@@ -107,3 +107,84 @@ def _pointer_names(expression: ast.AST) -> set[str]:
             names.add(node.id)
         stack.extend(ast.iter_child_nodes(node))
     return names
+
+
+@functools.lru_cache(maxsize=None)
+def address_tables(fn: Any) -> tuple[frozenset[str], bool]:
+    """The parameters the kernel ``fn`` loads addresses, sizes or bounds from, and whether any
+    value that steers it is loaded through a loaded address (a table of tables).
+
+    A parameter is a table when a value loaded through it reaches the pointer of a load or a
+    store, a ``mask=``, a loop's range or a ``while``/``if`` test: vLLM's ``_swap_blocks_kernel``
+    loads ``src``/``dst`` from ``src_addrs``/``dst_addrs`` and its bound from ``sizes``, all three
+    tables. What the kernel then touches follows from the tables' values (a kernel that goes
+    through no table touches only its arguments' memory). Unreadable source: no tables, not deeper.
+
+    Example::
+
+        address_tables(_swap_blocks_kernel.fn)   # (frozenset({'src_addrs', 'dst_addrs', 'sizes'}), False)
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset(), False
+    func = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)), None)
+    if func is None:
+        return frozenset(), False
+    params = {a.arg for a in func.args.args if not _is_constexpr(a.annotation)}
+    # A name's tokens: "p:P" (its value is built from parameter P itself), "l:P" (loaded through a
+    # pointer built from P), "deep" (loaded through a loaded pointer).
+    steering: set[str] = set()
+
+    def tokens(expression: ast.AST, env: dict[str, set[str]]) -> set[str]:
+        if isinstance(expression, ast.Call) and isinstance(expression.func, ast.Attribute) \
+                and expression.func.attr == "load":
+            pointer = expression.args[0] if expression.args else next(
+                (k.value for k in expression.keywords if k.arg == "pointer"), None)
+            inner = tokens(pointer, env) if pointer is not None else set()
+            loaded = {f"l:{t[2:]}" for t in inner if t.startswith("p:")}
+            return loaded | ({"deep"} if any(t.startswith("l:") or t == "deep" for t in inner) else set())
+        if isinstance(expression, ast.Name):
+            return set(env.get(expression.id, {f"p:{expression.id}"} if expression.id in params else set()))
+        found: set[str] = set()
+        for child in ast.iter_child_nodes(expression):
+            found |= tokens(child, env)
+        return found
+
+    def sink(expression: ast.AST | None, env: dict[str, set[str]]) -> None:
+        if expression is not None:
+            steering.update(t for t in tokens(expression, env) if not t.startswith("p:"))
+
+    def sinks(node: ast.AST, env: dict[str, set[str]]) -> None:
+        for call in ast.walk(node):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in _STORES | {"load"}:
+                sink(call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "pointer"), None), env)
+                sink(next((k.value for k in call.keywords if k.arg == "mask"), None), env)
+
+    def walk(statements: list[ast.stmt], env: dict[str, set[str]]) -> None:
+        for statement in statements:
+            if isinstance(statement, (ast.For, ast.While, ast.If)):
+                steer = statement.iter if isinstance(statement, ast.For) else statement.test
+                sinks(steer, env)
+                sink(steer, env)
+                if isinstance(statement, ast.For):
+                    for name in (n.id for n in ast.walk(statement.target) if isinstance(n, ast.Name)):
+                        env[name] = env.get(name, set()) | tokens(statement.iter, env)
+                for _ in range(2):  # a loop's later iterations see its body's assignments
+                    walk(statement.body, env)
+                walk(statement.orelse, env)
+                continue
+            if isinstance(statement, (ast.With, ast.Try)):
+                for block in ("body", "orelse", "finalbody"):
+                    walk(getattr(statement, block, []), env)
+                continue
+            sinks(statement, env)
+            if isinstance(statement, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and statement.value is not None:
+                targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+                value = tokens(statement.value, env)
+                for target in targets:
+                    for name in (n.id for n in ast.walk(target) if isinstance(n, ast.Name)):
+                        env[name] = env.get(name, set()) | value  # flow-insensitive: never fewer tables
+
+    walk(func.body, {})
+    return frozenset(t[2:] for t in steering if t.startswith("l:")) & frozenset(params), "deep" in steering

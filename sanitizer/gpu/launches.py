@@ -6,22 +6,27 @@ tensor argument is read (or written, when the kernel's source stores through it:
 :func:`racecheck.triton_stores.stored_params`) over the bytes of its view; a pinned host tensor
 argument is read by the GPU when the kernel runs (zero-copy), as a non-blocking copy reads it, so
 it gets a snapshot and, in force mode, a gate; one the kernel stores into is written as a
-device-to-host copy writes it (the host may read it once it has seen the kernel end). Kernels that
-write through raw addresses (a table of ``data_ptr()`` values, as vLLM's zeroer does) write memory
-no argument names: those writes are not seen (docs/sanitizer.md). The gate kernel of force mode and of kvzero's harness is the
+device-to-host copy writes it (the host may read it once it has seen the kernel end). A kernel that
+goes through raw addresses loaded from a table (vLLM's CPU offloading handler's
+``_swap_blocks_kernel``) touches what the table's values, as the program staged them, lead it to;
+a table the host never staged is one line and the run partial (:func:`_through_tables`). The gate kernel of force mode and of kvzero's harness is the
 sanitizer's own and never checked.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from racecheck.gate import is_gate_kernel
-from racecheck.triton_stores import stored_params
+from racecheck.custom_ops import host_values
+from racecheck.triton_stores import address_tables, stored_params
 from sanitizer.sites import caller_site
+from zeroer.intercept.kernel_accesses import trace_through_tables
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
 
@@ -37,7 +42,7 @@ def patch(obs: Any, patch_fn: Callable[..., None], active: Callable[[], bool]) -
         def launch(jit: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
             if not warmup and active() and not is_gate_kernel(jit):
                 with obs.lock:
-                    on_launch(obs, jit, args, kwargs)
+                    on_launch(obs, jit, args, kwargs, grid)
             return run(jit, *args, grid=grid, warmup=warmup, **kwargs)
 
         return launch
@@ -45,7 +50,7 @@ def patch(obs: Any, patch_fn: Callable[..., None], active: Callable[[], bool]) -
     patch_fn(JITFunction, "run", wrap)
 
 
-def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict) -> None:
+def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any = None) -> None:
     """A Triton launch about to be issued by the calling thread (called under the observer's lock)."""
     names = list(getattr(jit, "arg_names", []))
     bound = dict(zip(names, args))
@@ -63,8 +68,14 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict) -> None:
     site = caller_site()
     obs.boundary(site)
     what = f"Triton kernel {getattr(jit, '__name__', 'kernel')}"
+    from sanitizer.gpu.observer import Unfollowed
+
+    tables = [n for n in address_tables(jit.fn)[0] if isinstance(bound.get(n), torch.Tensor)]
     record = obs.graphs.capturing()
     if record is not None:
+        if tables:  # a replay's tables may hold other values: not followed
+            obs.unfollowed.append(Unfollowed(f"{what}'s argument {tables[0]!r} (an address table) inside a CUDA "
+                                             f"graph capture", site))
         record.triton(what, site, [(v, n in stored) for n, v in on_device], pinned)
         return
     forcing = obs.forcing
@@ -80,7 +91,57 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict) -> None:
             obs.queued_write(region, tensor, stamp, held)
         else:
             obs.queued_read(region, tensor, stamp, held)
+    if tables:
+        _through_tables(obs, jit, args, kwargs, grid, tables, stamp, site, what)
     obs.collect()
+
+
+def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, tables: list[str], stamp: Any,
+                    site: Any, what: str) -> None:
+    """What a kernel that loads its addresses from tables (vLLM's ``_swap_blocks_kernel``) touches
+    through them: the tables' values as the program staged them from the host
+    (:mod:`sanitizer.gpu.indices`), the kernel traced under the interpreter on them
+    (:func:`zeroer.intercept.kernel_accesses.trace_through_tables`), each run placed in the pinned
+    region or device allocation it falls in. A table whose values the host never staged, or a run
+    no allocation holds, is one line: the run is partial, never a silent pass."""
+    from sanitizer.gpu.observer import Unfollowed
+
+    device = obs.device
+    signature = inspect.signature(jit.fn)
+    bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    known: dict[str, np.ndarray] = {}
+    _, deeper = address_tables(jit.fn)
+    for name in sorted(tables):
+        tensor = arguments[name]
+        values = obs.indices.values(tensor) if device.is_device(tensor) else host_values(tensor)
+        if values is None or deeper:
+            why = ("a table loaded through another table" if deeper else
+                   "device memory whose values the program did not stage from the host")
+            obs.unfollowed.append(Unfollowed(f"{what}'s argument {name!r} (an address table the kernel goes "
+                                             f"through, in {why})", site))
+            return
+        known[name] = np.asarray(values, dtype=np.int64)
+    launch_grid = grid(arguments) if callable(grid) else grid
+    launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
+    touched = trace_through_tables(jit.fn, launch_grid, arguments, known, device.is_device)
+    hb = obs.hb
+    for write in (False, True):
+        for lo, hi in touched.runs(write=write):
+            region = obs.pinned.regions.find(lo)
+            if region is not None and hi <= region.end:
+                (hb.copy_writes_host if write else hb.copy_reads_host)(region.key, stamp, [(lo, hi)])
+                hb.device_access(region.key, stamp, write=write, ranges=[(lo, hi)])
+                continue
+            finder = getattr(device, "allocation_at", None)
+            base = finder(lo, hi - lo) if finder is not None else None
+            if base is None:
+                obs.unfollowed.append(Unfollowed(
+                    f"{what}: the {hi - lo} bytes at 0x{lo:x} it {'writes' if write else 'reads'} through a table "
+                    f"(no allocation or pinned region the sanitizer knows holds them)", site))
+                continue
+            obs.device_access_at(base, [(lo, hi)], stamp, write=write)
 
 
 __all__ = ["on_launch", "patch"]

@@ -101,3 +101,83 @@ def declare(session: Any, stamp: Any, touched: Touched, space: Any, *, skip: set
                 hb.device_access(key, stamp, write=write, ranges=mine, late=True)
         for block in sorted(blocks):
             hb.device_access(("block", space, block), stamp, write=write, late=True)
+
+
+class TableUnresolved(Exception):
+    """A table a kernel goes through whose values the host cannot know (``param`` names it)."""
+
+    def __init__(self, kernel: str, param: str, why: str) -> None:
+        super().__init__(f"{kernel}: argument {param!r} {why}")
+        self.kernel, self.param, self.why = kernel, param, why
+
+
+def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables: dict[str, np.ndarray],
+                         is_device: Any) -> Touched:
+    """On a GPU: the bytes a kernel will touch through its tables, known before it runs from the
+    values the host staged into them (``tables``: parameter -> values).
+
+    The kernel runs under Triton's interpreter on the host, every device argument a host stand-in
+    (a table its values, any other zeros: what the kernel reads there steers nothing, which
+    :func:`racecheck.triton_stores.address_tables` made sure of). A load or store that lands
+    outside the stand-ins went through a table: it is recorded and skipped (a load yields
+    ``other``), so no device byte is read and nothing is written."""
+    import torch
+    from triton.runtime import interpreter as triton_interpreter
+
+    from zeroer.triton_cpu import interpreted, nested_calls_interpreted
+
+    values, spans = [], []
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor) and is_device(value):
+            with torch._C.DisableTorchFunction():
+                if name in tables:
+                    value = torch.from_numpy(np.ascontiguousarray(tables[name])).to(value.dtype).reshape(value.shape)
+                else:
+                    value = torch.zeros(value.shape, dtype=value.dtype)
+                spans.append((value.data_ptr(), value.data_ptr() + max(1, value.numel() * value.element_size())))
+        elif isinstance(value, torch.Tensor):  # pinned host memory the kernel reads as it is
+            with torch._C.DisableTorchFunction():
+                value = value.clone()
+                spans.append((value.data_ptr(), value.data_ptr() + max(1, value.numel() * value.element_size())))
+        values.append(value)
+    touched = Touched()
+    builder = triton_interpreter.interpreter_builder
+    store, load = builder.create_masked_store, builder.create_masked_load
+
+    def foreign(ptrs: Any, mask: Any, write: bool) -> Any:
+        addresses = np.asarray(ptrs.data, dtype=np.uint64).reshape(-1)
+        shape = np.asarray(ptrs.data).shape
+        on = np.asarray(mask.data, dtype=bool).reshape(-1) if mask is not None else np.ones(addresses.shape, bool)
+        inside = np.zeros(addresses.shape, bool)
+        for lo, hi in spans:
+            inside |= (addresses >= np.uint64(lo)) & (addresses < np.uint64(hi))
+        width = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        touched.add(addresses[on & ~inside], width, write=write)
+        return (on & inside).reshape(shape)
+
+    def masked_store(ptrs: Any, value: Any, mask: Any, *rest: Any) -> Any:
+        return store(ptrs, value, _handle(foreign(ptrs, mask, True), mask), *rest)
+
+    def masked_load(ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
+        return load(ptrs, _handle(foreign(ptrs, mask, False), mask), other, *rest)
+
+    builder.create_masked_store, builder.create_masked_load = masked_store, masked_load
+    try:
+        with nested_calls_interpreted():
+            interpreted(fn)[grid](*values)
+    finally:
+        builder.create_masked_store, builder.create_masked_load = store, load
+    return touched
+
+
+def _handle(kept: Any, mask: Any) -> Any:
+    """``kept`` (a boolean array) as the interpreter's mask handle."""
+    from triton.runtime import interpreter as triton_interpreter
+
+    data = np.asarray(getattr(kept, "data", kept), dtype=bool)
+    dtype = mask.dtype if mask is not None else None
+    if dtype is None:
+        import triton.language as tl
+
+        dtype = tl.int1
+    return triton_interpreter.TensorHandle(data, dtype)

@@ -48,7 +48,7 @@ from zeroer.intercept.sim_graphs import CapturedOp
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from racecheck.gate import is_gate_kernel
 from racecheck.hb import Hazard
-from racecheck.triton_stores import stored_params
+from racecheck.triton_stores import address_tables, stored_params
 from zeroer.triton_cpu import interpreted, kernel_error, nested_calls_interpreted, raised_by_interpreter
 
 
@@ -208,6 +208,15 @@ class TritonLaunches:
         else:
             if warmup:
                 return self.original(jit, *args, grid=grid, warmup=True, **kwargs)
+            tables = sorted(n for n in address_tables(jit.fn)[0] if isinstance(bound.arguments.get(n), torch.Tensor))
+            if tables and session.block_map is not None:
+                # What a kernel touches through a device table (vLLM's _swap_blocks_kernel) is known
+                # only from the table's values, which the harness does not follow on CUDA yet:
+                # declaring the blocks of the call flags a store that only reads them, so it is refused.
+                raise unroutable(f"{name}: argument {tables[0]!r}",
+                                 "it is a table of addresses the kernel loads and goes through, which the harness "
+                                 "follows on the simulator only",
+                                 "fuzz this offloader on the simulator (--backend sim)")
             box: list[Any] = []
 
             def issue() -> None:
