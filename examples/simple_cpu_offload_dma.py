@@ -219,10 +219,14 @@ def engine_loop(racy: bool) -> list[float]:
             wait.record(compute)
         backend.launch_copy(step, [step], [step], True, wait)
     finished: set[int] = set()
-    while len(finished) < STEPS:
+    for _ in range(100_000):  # the scheduler polls each step; a store that never lands is an error
         for job_id, event in list(backend.events):
             if event.query():
                 finished.add(job_id)
+        if len(finished) == STEPS or not backend.thread.is_alive():
+            break
+    if len(finished) < STEPS:
+        raise RuntimeError(f"stores {sorted(set(range(STEPS)) - finished)} never finished")
     backend.shutdown()
     return [float(pool[step, 0]) for step in range(STEPS)]
 

@@ -149,10 +149,11 @@ def _refused(body):
 
 
 REFUSED = [
-    (lambda z: ctypes.CDLL("libcudart.so"),
-     "ctypes.CDLL('libcudart.so') inside an intercepted zeroer: raw CUDA calls (cudaMemcpyAsync, kernel launches) "
-     "bypass torch, so the harness can neither simulate nor gate them; run this zeroer on a GPU in the free-running "
-     "mode instead (pytest fuzz --zeroer SPEC --backend cuda --cuda-mode free), where its calls run as they are"),
+    (lambda z: ctypes.CDLL("libcudart.so").cudaLaunchKernel,
+     "ctypes.CDLL('libcudart.so').cudaLaunchKernel: the harness follows cuMemcpyBatchAsync, cuMemcpyAsync and "
+     "cudaMemcpyAsync of the CUDA libraries, and no other raw CUDA call (it can neither simulate nor gate it); run this "
+     "zeroer on a GPU in the free-running mode instead (pytest fuzz --zeroer SPEC --backend cuda --cuda-mode free), "
+     "where its calls run as they are"),
     (lambda z: __import__("cupy"),
      "importing 'cupy' inside an intercepted zeroer: its CUDA calls bypass torch, so the harness can neither "
      "simulate nor gate them; run this zeroer on a GPU in the free-running mode instead (pytest fuzz --zeroer SPEC "
@@ -163,8 +164,8 @@ REFUSED = [
     (lambda z: torch.cuda.Event(interprocess=True),
      "torch.cuda.Event(enable_timing=False, interprocess=True): an interprocess event is waited on by another "
      "process, which the harness cannot follow; create the event with interprocess=False"),
-    (lambda z: _driver().cuMemcpyAsync(0, 0, 16, 0),
-     "cuda.bindings.driver.cuMemcpyAsync: a CUDA call made around torch moves or orders device work the harness can "
+    (lambda z: _driver().cuMemsetD8Async(0, 0, 16, 0),
+     "cuda.bindings.driver.cuMemsetD8Async: a CUDA call made around torch moves or orders device work the harness can "
      "neither simulate nor gate; run this zeroer on a GPU in the free-running mode instead (pytest fuzz --zeroer SPEC "
      "--backend cuda --cuda-mode free), where its calls run as they are"),
 ]
@@ -189,7 +190,7 @@ def bindings_loaded(monkeypatch):
     except ImportError:
         package, bindings, module = (types.ModuleType(n) for n in ("cuda", "cuda.bindings", "cuda.bindings.driver"))
         package.bindings, bindings.driver = bindings, module
-        module.cuMemcpyAsync = lambda *args: (0,)
+        module.cuMemcpyAsync = module.cuMemsetD8Async = lambda *args: (0,)
         module.cuDeviceGetCount = lambda: (0, 1)
         for name, value in (("cuda", package), ("cuda.bindings", bindings), ("cuda.bindings.driver", module)):
             monkeypatch.setitem(sys.modules, name, value)

@@ -139,7 +139,8 @@ def _refusal(module: str, name: str) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _entry_points(module_name: str, module: Any) -> tuple[str, ...]:
-    return tuple(n for n in dir(module) if n.startswith(BINDING_PREFIXES))
+    # functions only: the bindings' enums and structs (cudaMemcpyKind, CUmemcpyAttributes) stay as they are
+    return tuple(n for n in dir(module) if n.startswith(BINDING_PREFIXES) and not isinstance(getattr(module, n), type))
 
 
 @contextlib.contextmanager
