@@ -15,7 +15,11 @@ Each wrapper hands the program's call on unchanged; all are put back by the func
   kernel runs, as a non-blocking copy reads it;
 * ``torch.cuda.CUDAGraph.capture_begin``, ``capture_end`` and ``replay``: :mod:`sanitizer.gpu.graphs`;
 * ``torch.cuda.cudart().cudaHostRegister`` / ``cudaHostUnregister``: registered memory is pinned
-  memory outside the caching allocator (SGLang's host KV pool).
+  memory outside the caching allocator (SGLang's host KV pool);
+* the entry points of NVIDIA's ``cuda-bindings`` that move or order device work
+  (``cuMemcpyAsync``, ``cudaMemcpyAsync``, ``cuGetProcAddress``, ...): the observer does not follow
+  their bytes on a GPU, so each call site is one "cannot follow" line and the run is partial, never
+  a silent ``no race`` (vLLM's SimpleCPUOffload copies with ``cuMemcpyBatchAsync``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from sanitizer import numpy_views
 from sanitizer.gpu import trace
 from sanitizer.sites import caller_site
+from zeroer.intercept.unroutable import binding_entry_points
 from zeroer.origin import forwarding
 
 
@@ -123,6 +128,7 @@ def install(obs: Any) -> Callable[[], None]:
     launches.patch(obs, patch, active)
     _patch_graphs(obs, patch, active)
     _patch_cudart(obs, patch, active)
+    _patch_bindings(obs, patch, active)
 
     def undo() -> None:
         for owner, name, original in reversed(saved):
@@ -215,3 +221,34 @@ def _patch_cudart(obs: Any, patch: Callable[..., None], active: Callable[[], boo
 
     patch(runtime, "cudaHostRegister", register)
     patch(runtime, "cudaHostUnregister", unregister)
+
+
+def _patch_bindings(obs: Any, patch: Callable[..., None], active: Callable[[], bool]) -> None:
+    """Each call of a device-work entry point of cuda-bindings: one line where it was made."""
+    from sanitizer.gpu.observer import Unfollowed  # the observer imports this module
+
+    seen: set[tuple[str, str]] = set()
+
+    def unfollowed(module_name: str, name: str) -> Callable[[Any], Any]:
+        what = (f"{module_name}.{name} (the calls through the pointer it returns move bytes no hook sees)"
+                if name == "cuGetProcAddress" else f"{module_name}.{name} (a copy or launch around torch: "
+                                                   f"the bytes it moves are not checked)")
+
+        def make(original: Any) -> Any:
+            @forwarding
+            @functools.wraps(original)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if active():
+                    site = caller_site()
+                    with obs.lock:
+                        if (what, str(site)) not in seen:
+                            seen.add((what, str(site)))
+                            obs.unfollowed.append(Unfollowed(what, site))
+                return original(*args, **kwargs)
+
+            return call
+
+        return make
+
+    for module_name, module, name in binding_entry_points():
+        patch(module, name, unfollowed(module_name, name))

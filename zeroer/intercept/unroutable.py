@@ -143,6 +143,13 @@ def _entry_points(module_name: str, module: Any) -> tuple[str, ...]:
     return tuple(n for n in dir(module) if n.startswith(BINDING_PREFIXES) and not isinstance(getattr(module, n), type))
 
 
+def binding_entry_points() -> list[tuple[str, Any, str]]:
+    """(module name, module, function name) of every entry point of :data:`BINDING_PREFIXES` in the
+    binding modules loaded now: what moves or orders device work around torch."""
+    return [(module_name, module, name) for module_name in BINDING_MODULES
+            if (module := sys.modules.get(module_name)) is not None for name in _entry_points(module_name, module)]
+
+
 @contextlib.contextmanager
 def _bindings_refused(session: Any) -> Iterator[None]:
     """Inside, :data:`BINDING_PREFIXES` of every loaded binding module are followed
@@ -157,15 +164,11 @@ def _bindings_refused(session: Any) -> Iterator[None]:
             with contextlib.suppress(ImportError):
                 importlib.import_module(module_name)
     try:
-        for module_name in BINDING_MODULES:
-            module = sys.modules.get(module_name)
-            if module is None:
-                continue
-            for name in _entry_points(module_name, module):
-                value = getattr(module, name)
-                saved.append((module, name, value))
-                followed = session.driver.binding(module, module_name, name, value)
-                setattr(module, name, followed if followed is not None else _refusal(module_name, name))
+        for module_name, module, name in binding_entry_points():
+            value = getattr(module, name)
+            saved.append((module, name, value))
+            followed = session.driver.binding(module, module_name, name, value)
+            setattr(module, name, followed if followed is not None else _refusal(module_name, name))
         yield
     finally:
         for module, name, value in reversed(saved):
