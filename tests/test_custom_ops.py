@@ -16,7 +16,7 @@ import torch
 
 from fake_cuda import FakeCuda
 from racecheck import custom_ops
-from racecheck.engine_ops import GPUKVFormat, PageBufferShapeDesc, TransferDirection
+from racecheck.engine_ops import PageBufferShapeDesc
 from sanitizer.sim.session import simulate
 from zeroer.intercept.errors import InterceptError
 

@@ -20,7 +20,7 @@ import pytest
 from sanitizer.bench import engine_loop
 from sanitizer.bench.corpus import CORPUS
 from sanitizer.bench.corpus import load as load_corpus
-from sanitizer.bench.programs import (BY_NAME, DEVICE_ACCESS, HOST_READ, HOST_WRITE, PROGRAMS, REUSE, ZEROERS,
+from sanitizer.bench.programs import (DEVICE_ACCESS, HOST_READ, HOST_WRITE, PROGRAMS, REUSE, ZEROERS,
                                       Program, load, marked_lines, race_lines, source, zeroer_spec)
 from sanitizer.bench.verdict import CLEAN, FOUND, judge
 from sanitizer.runner import sanitize

@@ -171,4 +171,4 @@ def test_the_sanitizer_reports_the_racy_engine_loop_at_both_lines_and_not_the_fi
     marks = _marks()
     assert "[unordered-device-access]" in out, out
     assert f"at {OFFLOADER}:{marks['later']} (main)" in out, out
-    assert f"triton _swap_blocks_kernel on stream" in out and f"at {OFFLOADER}:{marks['queued']} (transfer)" in out, out
+    assert "triton _swap_blocks_kernel on stream" in out and f"at {OFFLOADER}:{marks['queued']} (transfer)" in out, out

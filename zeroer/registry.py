@@ -235,8 +235,3 @@ def load_offloader(spec: str) -> LoadedOffloader:
     if factory is None:
         raise OffloaderSpecError(f"offloader {spec!r}: {target!r} has no attribute {attr!r}")
     return LoadedOffloader(spec, factory, check_offloader_factory(factory, spec))
-
-
-def resolve_factory(spec: str) -> ZeroerFactory:
-    """The factory ``spec`` names, checked (see :func:`load_zeroer`)."""
-    return load_zeroer(spec).factory

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from zeroer.intercept import host_reads
-from zeroer.intercept.errors import InterceptError, forward, raise_as_cuda, simulator_gap, unroutable
+from zeroer.intercept.errors import InterceptError, forward, raise_as_cuda, simulator_gap
 from zeroer.intercept.sim_tensor import SimCudaTensor, cloak, uncloak
 
 _HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
@@ -339,12 +339,6 @@ class InterceptMode(TorchFunctionMode):
         if isinstance(args[0], SimCudaTensor):
             return args[0]._inner.data_ptr()
         return forward(func, *args, **kwargs)
-
-
-def refuse_unroutable(what: str) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        raise unroutable(what, "the harness cannot route it")
-    return call
 
 
 def _plain(value: Any) -> Any:

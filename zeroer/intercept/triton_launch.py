@@ -38,7 +38,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-import triton
 from triton.runtime import interpreter as triton_interpreter
 from triton.runtime.jit import JITFunction
 
@@ -238,7 +237,3 @@ def interpreter_gap(kernel: str, error: BaseException) -> SimulatorGap:
         f"simulator runs kernels under it, a GPU compiles them: run this zeroer on a GPU (--backend cuda), and "
         f"report the kernel to kvzero-fuzz if it runs there"
     )
-
-
-def interpreter_available() -> bool:
-    return triton is not None
