@@ -27,11 +27,13 @@ from sanitizer.gpu.forcing import HOLD_LIMIT_S
 from sanitizer.races import distinct
 from sanitizer.runner import BACKENDS, Outcome, prepare, sanitize
 
-PROG = "python -m sanitizer"
+# What the user typed: the console script, or the module form (its --help and messages say the same).
+PROG = "kvzero-sanitize" if os.path.basename(sys.argv[0]) == "kvzero-sanitize" else "python -m sanitizer"
 
 
 def parser() -> ArgumentParser:
-    p = ArgumentParser(prog=PROG, description="Run a Python program under the pinned-staging race sanitizer.")
+    p = ArgumentParser(prog=PROG, description="Run a Python program under the race sanitizer for GPU memory traffic "
+                                                   "(pinned memory, streams, threads, CUDA graphs).")
     p.add_argument("--force", action="store_true",
                    help="hold queued copies to and from pinned memory until the host next synchronises, so a race "
                         "also shows as wrong values (on the simulator every run already does: accepted, changes nothing)")
