@@ -9,7 +9,8 @@ them. One stream per direction, two timing events per transfer (``elapsed_time``
 an end event polled by ``get_finished``. The tools see the kernel's table-driven loads and stores
 as exactly the bytes they read and write (zeroer/intercept/kernel_accesses.py).
 
-Racy twins (one wait missing; the race's two lines are marked ``# race: queued`` / ``# race: later``):
+Racy twins (one wait missing; each marks its race's two lines ``# race[FACTORY]: queued`` on the compute
+stream's write, queued first, and ``# race[FACTORY]: later`` on the transfer kernel that may overtake it):
 
 =================  ======================================================================  =========
 factory            what it does                                                            verdict
@@ -103,7 +104,7 @@ class SwapHandler:
             start.record(self.stream)
             tables = tuple(torch.from_numpy(a).to("cuda", non_blocking=True) for a in (src_addrs, dst_addrs, sizes))
             n = int(sizes.size)
-            _swap_blocks_kernel[(min(n, NUM_PROGRAMS),)](*tables, n, BYTES_PER_CHUNK=BYTES_PER_CHUNK)  # race: queued
+            _swap_blocks_kernel[(min(n, NUM_PROGRAMS),)](*tables, n, BYTES_PER_CHUNK=BYTES_PER_CHUNK)  # race[racy_store]: later race[racy_load]: later
             end.record(self.stream)
         self.jobs.append((job_id, start, end, tables))  # the tables live until their kernel ran
 
@@ -183,11 +184,11 @@ def main(variant: str = "make") -> None:
     kv = torch.zeros((2, blocks * rows, words), dtype=torch.float32, device="cuda")
     host = torch.zeros((2, blocks * rows, words), dtype=torch.float32, pin_memory=True)
     handler = CpuGpuOffloadHandler(_pieces(kv, True), _pieces(host, True), rows, **waits)
-    kv[:, 0:rows].fill_(1.0)  # race: later
+    kv[:, 0:rows].fill_(1.0)  # race[racy_store]: queued
     handler.store(1, [0], [0])
     handler.wait({1})
     kv[:, 0:rows].fill_(2.0)  # the block is reused once its store has finished
-    kv[:, rows:2 * rows].fill_(3.0)  # block 1's last tenant, before the load overwrites it
+    kv[:, rows:2 * rows].fill_(3.0)  # block 1's last tenant, before the load overwrites it; race[racy_load]: queued
     handler.load(2, [0], [1])
     handler.wait({2})
     torch.cuda.synchronize()

@@ -41,15 +41,22 @@ def judge(program: Program, races: list[dict[str, Any]]) -> str:
     """The verdict on ``races`` (as ``Race.to_json`` gives them) for ``program`` (module docstring)."""
     if not program.racy:
         return FALSE_ALARM if races else CLEAN
+    marks = {which: (source(program), line) for which, line in race_lines(program).items()} if races else {}
+    return judge_lines(program.hazard, marks, races)
+
+
+def judge_lines(hazard: str, marks: dict[str, tuple[Path, int]], races: list[dict[str, Any]]) -> str:
+    """The verdict on ``races`` for a racy program whose race is of kind ``hazard`` at ``marks``
+    (``{"queued": (file, line), "later": (file, line)}``; a unit test may mark its queued line in the
+    test and its later one in the code under test): the rule of :func:`judge`, for programs outside
+    the benchmark's own collections."""
     if not races:
         return MISSED
-    kinds = [r for r in races if r["kind"] == program.hazard]
+    kinds = [r for r in races if r["kind"] == hazard]
     if not kinds:
         return WRONG_KIND
-    path = source(program)
-    lines = race_lines(program)
     for race in kinds:
-        if _at(_site(race["queued"]), path, lines["queued"]) and _at(_site(race["later"]), path, lines["later"]):
+        if _at(_site(race["queued"]), *marks["queued"]) and _at(_site(race["later"]), *marks["later"]):
             return FOUND
     return WRONG_LINES
 

@@ -1,0 +1,363 @@
+"""The engines' transfer code in its real shapes, racy and fixed, judged by the fuzzer, our sanitizer and PyTorch's.
+
+Each pair is one upstream race and its fix, written again in the shape of the engine's own code
+(the same calls, made the same way: numpy address tables read by a Triton kernel, a driver copy
+resolved through ``cuda.bindings`` and called with ctypes from a copy thread, SGLang's HiCache
+controller and host pool, LMCache's pinned temporaries). Every side of a pair is judged three ways,
+each in a fresh process, as a user runs the tool:
+
+* ``fuzz``: ``pytest fuzz --offloader FILE:factory --backend sim --geometry tiny --host-memory
+  pinned``: both shards of its one campaign; a racy side is found when the run finds it (the
+  table says in how many of its campaigns) with a shrunk trace of at most :data:`MAX_TRACE_OPS`
+  ops; a fixed side is clean when no campaign finds anything; a harness or resource error is
+  neither;
+* ``sanitizer``: ``python -m sanitizer --backend sim --json F -- python LOOP``, the plain engine
+  loop (or unit test) of the same code: a racy side is found when a race of the upstream kind is
+  reported (``kind``), and ``lines`` says whether it sits on the two lines the program marks
+  (:func:`sanitizer.bench.verdict.judge_lines`); a fixed side must report nothing;
+* ``torch``: the loop under ``TORCH_CUDA_SANITIZER=1``, on a GPU only (here: ``needs a GPU``).
+
+Run it (about 4 minutes on 2 cores)::
+
+    python -m sanitizer.bench.engine_shapes --json docs/data/sim-engine-shapes-2026-12.json
+    python -m sanitizer.bench.engine_shapes --only vllm-handler-stores-46278 --tools sanitizer
+
+Exit status (:mod:`fuzz.cli`): 0 when every racy side is found by every tool run (the sanitizer by
+kind) and every fixed side is clean, with no harness error; 1 otherwise; 2 for a bad command line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fuzz.atomic_file import write_json_atomically
+from fuzz.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, run_main
+from fuzz.environment import environment
+from sanitizer.bench.programs import DEVICE_ACCESS, HOST_WRITE, marked_lines
+from sanitizer.bench.verdict import judge_lines
+
+PROG = "python -m sanitizer.bench.engine_shapes"
+ROOT = Path(__file__).resolve().parents[2]
+MAX_TRACE_OPS = 6
+GEOMETRY = "tiny"
+TIMEOUT_S = 300
+TOOLS = ("fuzz", "sanitizer", "torch")
+CSAN_MARK = "CSAN detected a possible data race"
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a pair: the factory the fuzzer drives, the loop the sanitizers run, their environment."""
+
+    factory: str  # FILE.py:factory, relative to the checkout
+    loop: tuple[str, ...]  # what follows ``python``, or with ``pytest`` a file of tests
+    env: dict[str, str] = field(default_factory=dict)
+    pytest: bool = False  # the loop is a pytest file, run under ``--kvz-sanitize --kvz-sanitize-backend sim``
+    marks: tuple[str, ...] = ()  # the file(s) marking a racy side's two lines, each ``FILE`` or ``FILE:factory``
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    upstream: str  # the race and its fix
+    kind: str  # what the sanitizer must report for the racy side
+    racy: Side
+    fixed: Side
+    shape: str  # whose code shape the sides follow
+    gaps: str = ""  # forms the pair lacks in the engine's real shape
+
+
+_SWAP = "tests/triton_swap_offload.py"
+_DMA = "examples/simple_cpu_offload_dma.py"
+_STYLE = "tests/engine_style/factories.py"
+_UNIT_CPU_GPU = "tests/engine_style/test_cpu_gpu.py"
+_PLANTED, _UNPLANTED = {"ENGINE_STYLE_PLANTED_RACE": "1"}, {"ENGINE_STYLE_PLANTED_RACE": "0"}
+
+PAIRS: tuple[Pair, ...] = (
+    Pair("vllm-simple-offload-46278", "vLLM #46278 (stores) in SimpleCPUOffload", DEVICE_ACCESS,
+         Side(f"{_DMA}:dma_store_without_compute_event", (_DMA, "--racy"), marks=(f"{_DMA}:dma",)),
+         Side(f"{_DMA}:dma_store_after_compute_event", (_DMA,)),
+         "cuMemcpyBatchAsync via cuGetProcAddress + ctypes, copy thread on a SimpleQueue",
+         "no unit-test form"),
+    Pair("vllm-handler-stores-46278", "vLLM #46278 (stores) in the CPU offloading handler", DEVICE_ACCESS,
+         Side(f"{_SWAP}:racy_store", (_SWAP, "racy_store"), marks=(f"{_SWAP}:racy_store",)),
+         Side(f"{_SWAP}:make", (_SWAP, "make")),
+         "int64 address tables from data_ptr() read by a Triton swap kernel, stream and timing-event pools",
+         "unit-test form: the next row (the engine-style handler, copy_ per block)"),
+    Pair("vllm-handler-stores-46278-unit", "vLLM #46278 (stores), the handler of the engine-style unit tests",
+         DEVICE_ACCESS,
+         Side(f"{_STYLE}:cpu_gpu_handler", (_UNIT_CPU_GPU,), _PLANTED, pytest=True,
+              marks=(_UNIT_CPU_GPU, "tests/engine_style/cpu_gpu_offload.py")),
+         Side(f"{_STYLE}:cpu_gpu_handler", (_UNIT_CPU_GPU,), _UNPLANTED, pytest=True),
+         "transfer_async / get_finished / wait over spec classes, copy_ per block; vLLM's unit tests",
+         "no engine loop: the sanitizer runs the handler's unit tests (pytest --kvz-sanitize)"),
+    Pair("vllm-handler-loads-47282", "vLLM #47282 (loads) in the CPU offloading handler", DEVICE_ACCESS,
+         Side(f"{_SWAP}:racy_load", (_SWAP, "racy_load"), marks=(f"{_SWAP}:racy_load",)),
+         Side(f"{_SWAP}:make", (_SWAP, "make")),
+         "as the stores row", "no unit-test form"),
+    Pair("sglang-hicache-36738", "SGLang #36738 (load not after the forward stream)", DEVICE_ACCESS,
+         Side("examples/engine_offloaders.py:load_unfenced",
+              ("sanitizer/bench/corpus/sglang_36738_load_unfenced.py", "--steps", "6"),
+              marks=("sanitizer/bench/corpus/sglang_36738_load_unfenced.py",)),
+         Side("examples/engine_offloaders.py:load_waits_forward",
+              ("sanitizer/bench/corpus/sglang_36738_load_waits_forward.py", "--steps", "6")),
+         "simplified plain torch (no HiCache controller twin)",
+         "the HiCache-shaped controller has no #36738 twin: factory and loop are plain-torch stand-ins"),
+    Pair("sglang-hicache-27444", "SGLang #27444 (ack before finish, host pages recycled mid-load)", HOST_WRITE,
+         Side(f"{_STYLE}:hicache_controller", ("tests/engine_style/test_hicache_controller.py",), _PLANTED,
+              marks=("tests/engine_style/hicache_controller.py",)),
+         Side(f"{_STYLE}:hicache_controller", ("tests/engine_style/test_hicache_controller.py",), _UNPLANTED),
+         "HiCacheController write/load/start_loading/loading_check over a host pool's pages",
+         "no engine loop: the sanitizer runs the controller's unit tests"),
+    Pair("lmcache-4830", "LMCache #4830 (pinned temporaries freed under a copy kernel)", HOST_WRITE,
+         Side("examples/engine_offloaders.py:staging_freed_on_return",
+              ("examples/lmcache_4830_pinned_temporaries.py",),
+              marks=("examples/lmcache_4830_pinned_temporaries.py",)),
+         Side("examples/engine_offloaders.py:staging_freed_after_event",
+              ("examples/lmcache_4830_pinned_temporaries.py", "--fixed")),
+         "scatter_cpu_to_paged_kv: chunk.pin_memory() temporaries read by a raw-pointer kernel",
+         "no factory in LMCache's shape: the fuzzer drives the plain-torch stand-in"),
+)
+BY_NAME = {pair.name: pair for pair in PAIRS}
+
+
+def _env(side: Side) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(side.env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run(command: list[str], env: dict[str, str]) -> tuple[int | None, str, float]:
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        status, text = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired:
+        status, text = None, f"timed out after {TIMEOUT_S} s"
+    return status, text, round(time.perf_counter() - started, 1)
+
+
+def fuzz(side: Side, racy: bool, scratch: Path) -> dict[str, Any]:
+    """Both shards of the factory's one campaign (``GEOMETRY``, pinned host pool) on the simulator."""
+    summary = scratch / "summary.json"
+    status, text, seconds = _run([sys.executable, "-m", "pytest", "fuzz", "--offloader", side.factory,
+                                  "--backend", "sim", "--geometry", GEOMETRY, "--host-memory", "pinned",
+                                  "--fuzz-summary", str(summary), "--repro-dir", str(scratch / "traces"),
+                                  "-p", "no:randomly", "-p", "no:cacheprovider", "-q"], _env(side))
+    row: dict[str, Any] = {"exit": status, "seconds": seconds}
+    if not summary.exists():
+        return {**row, "verdict": "error", "error": (text.strip().splitlines() or ["no summary"])[-1]}
+    data = json.loads(summary.read_text())
+    campaigns = data["campaigns"]
+    shrunk = [c for c in campaigns if c["found"] and c.get("shrink")]
+    row.update({
+        "campaigns": len(campaigns), "found": sum(c["found"] for c in campaigns),
+        "harness_errors": data["totals"]["harness_errors"], "resource_errors": data["totals"]["resource_errors"],
+        "not_run": data["totals"]["not_run"], "steps": data["totals"]["steps"],
+        "trace_ops": max((c["trace_ops"] for c in campaigns if c["found"] and c["trace_ops"] is not None), default=None),
+        "replays": sum(c["shrink"].get("replays") or 0 for c in shrunk),
+        "first_finding_s": min((c["first_finding_s"] for c in campaigns if c["first_finding_s"] is not None), default=None),
+        "findings": sorted({f for c in campaigns for f in c["findings"][:1]}),
+    })
+    broken = row["harness_errors"] or row["resource_errors"] or row["not_run"] or not campaigns
+    if broken:
+        row["verdict"] = "error"
+    elif racy:
+        row["verdict"] = "found" if row["found"] and row["trace_ops"] is not None and row["trace_ops"] <= MAX_TRACE_OPS \
+            else "long trace" if row["found"] else "missed"
+    else:
+        row["verdict"] = "clean" if row["found"] == 0 else "false alarm"
+    return row
+
+
+def sanitizer(side: Side, racy: bool, kind: str, scratch: Path) -> dict[str, Any]:
+    """Our sanitizer on the side's loop, on the simulator: the kind, and the marked lines where there are some."""
+    report = scratch / "races.json"
+    if side.pytest:
+        command = [sys.executable, "-m", "pytest", side.loop[0], "--kvz-sanitize", "--kvz-sanitize-backend", "sim",
+                   "-p", "no:randomly", "-p", "no:cacheprovider", "-q"]
+    else:
+        command = [sys.executable, "-m", "sanitizer", "--backend", "sim", "--json", str(report), "--",
+                   sys.executable, *side.loop]
+    status, text, seconds = _run(command, _env(side))
+    row: dict[str, Any] = {"exit": status, "seconds": seconds}
+    if side.pytest:
+        if "kvz-sanitize (simulator)" not in text:
+            return {**row, "verdict": "error", "error": (text.strip().splitlines() or ["no summary"])[-1]}
+        races, data = plugin_races(text), {}
+    elif report.exists():
+        data = json.loads(report.read_text())
+        races = data["races"]
+    else:
+        return {**row, "verdict": "error", "error": (text.strip().splitlines() or ["no report"])[-1]}
+    row["kinds"] = sorted({r["kind"] for r in races})
+    row["sites"] = sorted({f"{_site(r['queued'])} / {_site(r['later'])}" for r in races})[:4]
+    row["unfollowed"] = data.get("unfollowed") or []
+    row["program_error"] = data.get("program_error")
+    if not racy:
+        row["verdict"] = "false alarm" if races else "clean"
+        return row
+    row["verdict"] = "found" if kind in row["kinds"] else "wrong kind" if races else "missed"
+    if side.marks and races:
+        row["lines"] = judge_lines(kind, _marks(side.marks), races)
+    return row
+
+
+def _marks(files: tuple[str, ...]) -> dict[str, tuple[Path, int]]:
+    """``{"queued": (file, line), "later": (file, line)}`` from the files marking a race (one, or a
+    unit test marking its queued line and the code under test its later one)."""
+    found: dict[str, tuple[Path, int]] = {}
+    for spec in files:
+        path, _, factory = spec.partition(":")
+        for which, line in _marked(ROOT / path, factory or None).items():
+            found[which] = (ROOT / path, line)
+    return found
+
+
+def _marked(path: Path, factory: str | None) -> dict[str, int]:
+    try:
+        return marked_lines(path, factory)
+    except ValueError:  # a file marking one of the two lines only
+        text = path.read_text().splitlines()
+        return {which: number for number, line in enumerate(text, start=1) for which in ("queued", "later")
+                if line.rstrip().endswith(f"# race: {which}")}
+
+
+_REPORT = re.compile(r"^kvz-sanitize: .*\[([a-z-]+)\]\n(?:  (?!queued:).*\n)*"
+                     r"  queued: .*, at (\S+):(\d+) \(.*\n  then: .*, at (\S+):(\d+) \(", re.M)
+
+
+def plugin_races(text: str) -> list[dict[str, Any]]:
+    """The races of ``pytest --kvz-sanitize``'s report (each test's section), in ``Race.to_json``'s shape."""
+    return [{"kind": kind, "queued": {"site": {"file": qf, "line": int(ql)}}, "later": {"site": {"file": lf, "line": int(ll)}}}
+            for kind, qf, ql, lf, ll in _REPORT.findall(text)]
+
+
+def _site(access: dict[str, Any]) -> str:
+    site = access.get("site")
+    return f"{Path(site['file']).name}:{site['line']}" if site else "?"
+
+
+def torch_sanitizer(side: Side, racy: bool) -> dict[str, Any]:
+    """PyTorch's CUDA sanitizer on the loop: a report is a finding (it names no lines to check)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"verdict": "needs a GPU"}
+    if not side.loop:
+        return {"verdict": "not run"}
+    status, text, seconds = _run([sys.executable, *side.loop], {**_env(side), "TORCH_CUDA_SANITIZER": "1"})
+    seen = CSAN_MARK in text
+    return {"exit": status, "seconds": seconds,
+            "verdict": ("found" if seen else "missed") if racy else ("false alarm" if seen else "clean")}
+
+
+def judge_side(pair: Pair, racy: bool, tool: str) -> dict[str, Any]:
+    side = pair.racy if racy else pair.fixed
+    with tempfile.TemporaryDirectory(prefix="kvz-engine-shapes-") as scratch:
+        if tool == "fuzz":
+            row = fuzz(side, racy, Path(scratch))
+        elif tool == "sanitizer":
+            row = sanitizer(side, racy, pair.kind, Path(scratch))
+        else:
+            row = torch_sanitizer(side, racy)
+    return {"pair": pair.name, "side": "racy" if racy else "fixed", "tool": tool, **row}
+
+
+def met(row: dict[str, Any]) -> bool:
+    """Whether a row meets its target (``needs a GPU`` and ``not run`` are gaps, not misses)."""
+    if row["verdict"] in ("needs a GPU", "not run"):
+        return True
+    return row["verdict"] == ("found" if row["side"] == "racy" else "clean")
+
+
+def table(rows: list[dict[str, Any]], pairs: list[Pair], tools: tuple[str, ...]) -> str:
+    by = {(r["pair"], r["side"], r["tool"]): r for r in rows}
+    lines = ["| pair | upstream | " + " | ".join(f"{t} racy / fixed" for t in tools) + " |",
+             "|" + " --- |" * (2 + len(tools))]
+    for pair in pairs:
+        cells = []
+        for tool in tools:
+            racy, fixed = by.get((pair.name, "racy", tool)), by.get((pair.name, "fixed", tool))
+            cells.append(f"{_cell(racy)} / {_cell(fixed)}")
+        lines.append(f"| `{pair.name}` | {pair.upstream} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "-"
+    text = row["verdict"]
+    if row["tool"] == "fuzz" and row.get("trace_ops") is not None:
+        text += f" ({row['found']}/{row['campaigns']}, {row['trace_ops']} ops)"
+    if row.get("lines"):
+        text += f", lines: {row['lines']}"
+    return text
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--only", help="comma-separated pair names (default: all)")
+    p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, of {', '.join(TOOLS)}")
+    p.add_argument("-j", "--jobs", type=int, default=2, help="runs at once (default 2)")
+    p.add_argument("--json", help="write the rows, the command, the commit and the environment here")
+    return p
+
+
+def _commit() -> str | None:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() or None
+
+
+def _main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    out = check_output("--json", args.json)
+    names = args.only.split(",") if args.only else list(BY_NAME)
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise UsageError(f"--only {unknown[0]!r} is not a pair; pairs: {', '.join(BY_NAME)}")
+    tools = tuple(args.tools.split(","))
+    if any(t not in TOOLS for t in tools):
+        raise UsageError(f"--tools {args.tools!r}: each must be one of {', '.join(TOOLS)}")
+    if args.jobs < 1:
+        raise UsageError(f"-j {args.jobs} must be a positive number of runs at once")
+    pairs = [BY_NAME[n] for n in names]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(judge_side, pair, racy, tool) for pair in pairs for racy in (True, False) for tool in tools]
+        rows = [future.result() for future in futures]
+    print(table(rows, pairs, tools))
+    if out is not None:
+        write_json_atomically(out, {
+            "command": " ".join([PROG, *argv]), "commit": _commit(), "date": datetime.date.today().isoformat(),
+            "environment": environment(), "seconds": round(time.perf_counter() - started, 1),
+            "pairs": [{"name": p.name, "upstream": p.upstream, "kind": p.kind, "shape": p.shape, "gaps": p.gaps,
+                       "racy": {"factory": p.racy.factory, "loop": list(p.racy.loop), "env": p.racy.env},
+                       "fixed": {"factory": p.fixed.factory, "loop": list(p.fixed.loop), "env": p.fixed.env}}
+                      for p in pairs],
+            "rows": rows,
+        })
+    for row in rows:
+        if not met(row):
+            print(f"{row['pair']} {row['side']} under {row['tool']}: {row['verdict']} {row.get('error', '')}".rstrip())
+    return CLEAN if all(met(r) for r in rows) else FINDING
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(_main, argv, PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

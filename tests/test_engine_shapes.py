@@ -1,0 +1,68 @@
+"""The engines' transfer code in its real shapes (sanitizer/bench/engine_shapes.py), on the simulator.
+
+Each racy side is found by the sanitizer with its upstream kind and each fixed side is clean; the
+fuzzer finds the SimpleCPUOffload race with a trace of at most 6 ops and no harness error, and its
+fix is clean in both campaigns. The rest of the fuzzer's column (about 4 minutes on 2 cores) is the
+benchmark's own run: ``python -m sanitizer.bench.engine_shapes`` (docs/engine-shapes.md). The
+unit-test sides run under ``pytest --kvz-sanitize`` in tests/test_engine_style.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sanitizer.bench.engine_shapes import BY_NAME, MAX_TRACE_OPS, PAIRS, judge_side, plugin_races
+
+LOOPS = sorted(pair.name for pair in PAIRS if not pair.racy.pytest and pair.name != "sglang-hicache-27444")
+FUZZED = ["vllm-simple-offload-46278"]
+# The program marks its race the other way round: "queued" on the driver copy, "later" on the
+# compute stream's write, which the compute stream queued first (the report's queued side).
+REVERSED_MARKS = {"vllm-simple-offload-46278"}
+
+
+@pytest.mark.parametrize("name", LOOPS)
+def test_the_sanitizer_finds_each_racy_engine_loop_with_its_upstream_kind_at_its_marked_lines(name: str) -> None:
+    row = judge_side(BY_NAME[name], racy=True, tool="sanitizer")
+    assert row["verdict"] == "found", row
+    assert BY_NAME[name].kind in row["kinds"], row
+    # verdict.py's rule on the program's two marked lines; a reversed pair of marks reads as wrong lines
+    assert row.get("lines") == ("wrong lines" if name in REVERSED_MARKS else "found"), row
+
+
+@pytest.mark.parametrize("name", LOOPS)
+def test_the_sanitizer_reports_nothing_on_each_fixed_engine_loop(name: str) -> None:
+    row = judge_side(BY_NAME[name], racy=False, tool="sanitizer")
+    assert row["verdict"] == "clean", row
+    assert row["unfollowed"] == [], row
+
+
+@pytest.mark.parametrize("name", FUZZED)
+def test_the_fuzzer_finds_the_racy_factory_in_a_short_trace_with_no_harness_error(name: str) -> None:
+    row = judge_side(BY_NAME[name], racy=True, tool="fuzz")
+    assert row["harness_errors"] == row["resource_errors"] == 0, row
+    assert row["verdict"] == "found", row
+    assert row["trace_ops"] <= MAX_TRACE_OPS, row
+
+
+@pytest.mark.parametrize("name", FUZZED)
+def test_the_fuzzer_finds_nothing_in_any_campaign_of_the_fixed_factory(name: str) -> None:
+    row = judge_side(BY_NAME[name], racy=False, tool="fuzz")
+    assert row["harness_errors"] == row["resource_errors"] == 0, row
+    assert (row["verdict"], row["found"], row["campaigns"]) == ("clean", 0, 2), row
+
+
+def test_pytorchs_sanitizer_is_recorded_as_needing_a_gpu_where_there_is_none() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: PyTorch's sanitizer runs")
+    assert judge_side(PAIRS[0], racy=True, tool="torch") == {
+        "pair": PAIRS[0].name, "side": "racy", "tool": "torch", "verdict": "needs a GPU"}
+
+
+def test_the_plugins_report_is_read_back_as_races_with_both_sites() -> None:
+    text = ("kvz-sanitize: device memory accessed from two streams with no event between them [unordered-device-access]\n"
+            "  memory:  device block d1 (torch.rand in t.py::test), allocated outside the sanitizer's view\n"
+            "  queued:  torch.rand on the default stream, at tests/a.py:69 (test_transfer)\n"
+            "  then:    copy_ (d2h) on stream 1 (created at b.py:1), at tests/b.py:153 (transfer_async)\n")
+    assert plugin_races(text) == [{"kind": "unordered-device-access", "queued": {"site": {"file": "tests/a.py", "line": 69}},
+                                   "later": {"site": {"file": "tests/b.py", "line": 153}}}]
