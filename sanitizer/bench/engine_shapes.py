@@ -321,6 +321,14 @@ def _commit() -> str | None:
     return done.stdout.strip() or None
 
 
+def _uncommitted(pairs: list[Pair]) -> list[str]:
+    """The files of ``pairs`` that differ from the commit (the run judged the working tree)."""
+    files = sorted({s.split(":")[0] for p in pairs for side in (p.racy, p.fixed)
+                    for s in (side.factory, *side.loop[:1], *side.marks) if s.endswith(".py") or ".py:" in s})
+    done = subprocess.run(["git", "status", "--porcelain", "--", *files], cwd=ROOT, capture_output=True, text=True)
+    return [line[3:] for line in done.stdout.splitlines()]
+
+
 def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     out = check_output("--json", args.json)
@@ -341,7 +349,7 @@ def _main(argv: list[str]) -> int:
     print(table(rows, pairs, tools))
     if out is not None:
         write_json_atomically(out, {
-            "command": " ".join([PROG, *argv]), "commit": _commit(), "date": datetime.date.today().isoformat(),
+            "command": " ".join([PROG, *argv]), "commit": _commit(), "uncommitted": _uncommitted(pairs), "date": datetime.date.today().isoformat(),
             "environment": environment(), "seconds": round(time.perf_counter() - started, 1),
             "pairs": [{"name": p.name, "upstream": p.upstream, "kind": p.kind, "shape": p.shape, "gaps": p.gaps,
                        "racy": {"factory": p.racy.factory, "loop": list(p.racy.loop), "env": p.racy.env},
