@@ -9,9 +9,12 @@ unit-test sides run under ``pytest --kvz-sanitize`` in tests/test_engine_style.p
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from sanitizer.bench.engine_shapes import BY_NAME, MAX_TRACE_OPS, PAIRS, judge_side, plugin_races
+from fuzz.cli import USAGE
+from sanitizer.bench.engine_shapes import BY_NAME, MAX_TRACE_OPS, PAIRS, judge_side, main, plugin_races
 
 LOOPS = sorted(pair.name for pair in PAIRS if not pair.racy.pytest and pair.name != "sglang-hicache-27444")
 FUZZED = ["vllm-simple-offload-46278"]
@@ -66,3 +69,13 @@ def test_the_plugins_report_is_read_back_as_races_with_both_sites() -> None:
             "  then:    copy_ (d2h) on stream 1 (created at b.py:1), at tests/b.py:153 (transfer_async)\n")
     assert plugin_races(text) == [{"kind": "unordered-device-access", "queued": {"site": {"file": "tests/a.py", "line": 69}},
                                    "later": {"site": {"file": "tests/b.py", "line": 153}}}]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--only", "nope"], r"^error: --only 'nope' is not a pair; pairs: vllm-simple-offload-46278, "),
+    (["--tools", "gpu"], r"^error: --tools 'gpu': each must be one of fuzz, sanitizer, torch$"),
+    (["-j", "0"], r"^error: -j 0 must be a positive number of runs at once$"),
+])
+def test_a_bad_command_line_is_one_line_naming_the_value_and_exit_status_2(argv, message, capsys) -> None:
+    assert main(argv) == USAGE
+    assert re.search(message, capsys.readouterr().err.strip(), re.M)
