@@ -157,8 +157,10 @@ def test_the_fuzzer_passes_the_vllm_shaped_handler_and_finds_its_racy_twin(facto
 
 
 def _marks() -> dict[str, int]:
-    lines = (ROOT / OFFLOADER).read_text().splitlines()
-    return {m.group(1): n for n, line in enumerate(lines, 1) if (m := re.search(r"# race: (queued|later)$", line))}
+    """``race[racy_store]: queued`` on the compute stream's write, ``...: later`` on the kernel that overtakes it."""
+    from sanitizer.bench.programs import marked_lines
+
+    return marked_lines(ROOT / OFFLOADER, "racy_store")
 
 
 @pytest.mark.parametrize("variant", ["make", "racy_store"])
@@ -170,5 +172,5 @@ def test_the_sanitizer_reports_the_racy_engine_loop_at_both_lines_and_not_the_fi
         return
     marks = _marks()
     assert "[unordered-device-access]" in out, out
-    assert f"at {OFFLOADER}:{marks['later']} (main)" in out, out
-    assert "triton _swap_blocks_kernel on stream" in out and f"at {OFFLOADER}:{marks['queued']} (transfer)" in out, out
+    assert f"at {OFFLOADER}:{marks['queued']} (main)" in out, out
+    assert "triton _swap_blocks_kernel on stream" in out and f"at {OFFLOADER}:{marks['later']} (transfer)" in out, out
