@@ -98,7 +98,7 @@ def copy_blocks(src_ids: list[int], dst_ids: list[int], params: BatchParams) -> 
     src_all = (params.src_bases[:, None] + src[starts][None, :] * params.bpb[:, None]).ravel()
     dst_all = (params.dst_bases[:, None] + dst[starts][None, :] * params.bpb[:, None]).ravel()
     sizes = (params.bpb[:, None] * lengths[None, :]).ravel()
-    err = fn(dst_all.ctypes.data, src_all.ctypes.data, sizes.ctypes.data, len(sizes),  # race[dma]: queued
+    err = fn(dst_all.ctypes.data, src_all.ctypes.data, sizes.ctypes.data, len(sizes),  # race[dma]: later
              ctypes.addressof(params.attrs), ctypes.byref(params.attrs_idx), 1, ctypes.byref(params.fail_idx),
              params.stream_handle)
     if err != 0:
@@ -212,7 +212,7 @@ def engine_loop(racy: bool) -> list[float]:
     compute.wait_stream(torch.cuda.current_stream())  # the cache's zeros were queued on the default stream
     for step in range(STEPS):
         with torch.cuda.stream(compute):
-            kv[step].fill_(step + 1.0)  # race[dma]: later
+            kv[step].fill_(step + 1.0)  # race[dma]: queued
         wait = None
         if not racy:
             wait = torch.Event()

@@ -72,7 +72,7 @@ def test_the_sanitizer_reports_the_racy_engine_loop_at_both_lines():
     assert error is None and unfollowed == [] and notes == []
     assert races and {race.kind for race in races} == {"unordered-device-access"}
     lines = {(race.queued.site.line, race.later.site.line) for race in races}
-    assert lines == {(_line("race[dma]: later"), _line("race[dma]: queued"))}
+    assert lines == {(_line("race[dma]: queued"), _line("race[dma]: later"))}
 
 
 def test_the_sanitizer_finds_nothing_in_the_fixed_engine_loop_and_its_values_are_right():
