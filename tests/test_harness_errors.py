@@ -232,3 +232,17 @@ def test_a_gpu_fault_is_a_resource_error_and_the_processs_later_cuda_campaigns_s
     assert not later.found and later.harness_error is None
     assert later.resource_error.startswith("this process's GPU was lost to an earlier fault (CUDA error: an illegal "
                                            "memory access was encountered in warmup)"), later.resource_error
+
+
+def test_one_harness_error_met_by_many_campaigns_is_one_line_of_the_summary():
+    records = [{"campaign": f"mine.py:make-{g}-sim-shard{n}", "found": False, "expect": "clean", "examples": 1,
+                "steps": 1, "seconds": 0.1, "harness_error": "harness error at step 1 in the offloader's warmup: X"}
+               for g in ("tiny", "ratio2") for n in (0, 1)]
+    records.append({**records[0], "campaign": "other.py:make-tiny-sim-shard0", "harness_error": "another one"})
+    text, data = render_summary(records, "quick")
+    assert data["totals"]["harness_errors"] == 5
+    lines = [line for line in text.splitlines() if "HARNESS ERROR" in line]
+    assert lines == [
+        "  4 campaigns (mine.py:make-ratio2-sim-shard0, mine.py:make-ratio2-sim-shard1, mine.py:make-tiny-sim-shard0, "
+        "mine.py:make-tiny-sim-shard1): HARNESS ERROR, not judged: harness error at step 1 in the offloader's warmup: X",
+        "  other.py:make-tiny-sim-shard0: HARNESS ERROR, not judged: another one"]

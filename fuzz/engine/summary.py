@@ -140,13 +140,17 @@ def render_summary(records: list[dict], profile: str, *, selected: list[str] | N
                      f"shrunk) -> {s['trace']}")
     for campaign in crashed:
         lines.append(f"  {campaign}: CRASHED (its worker died; see the failure above for the saved trace)")
+    errors: dict[tuple[str, str], list[str]] = {}  # one line per error, however many campaigns met it
     for r in records:
         if r.get("resource_error"):
-            lines.append(f"  {r['campaign']}: RESOURCE ERROR, not judged: {r['resource_error']}")
+            errors.setdefault(("RESOURCE ERROR", r["resource_error"]), []).append(r["campaign"])
         elif r.get("harness_error"):
-            lines.append(f"  {r['campaign']}: HARNESS ERROR, not judged: {r['harness_error']}")
+            errors.setdefault(("HARNESS ERROR", r["harness_error"]), []).append(r["campaign"])
         elif not r["found"] and r["expect"] == "finds":
             lines.append(f"  {r['campaign']}: MISSED a known race in {r['examples']} examples")
+    for (kind, message), campaigns in errors.items():
+        where = campaigns[0] if len(campaigns) == 1 else f"{len(campaigns)} campaigns ({', '.join(campaigns)})"
+        lines.append(f"  {where}: {kind}, not judged: {message}")
     by_id = {r["campaign"]: r for r in records}
     for number, bug in enumerate(bugs, 1):
         lines += bug_block(bug, by_id, number, len(bugs))
