@@ -150,6 +150,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config._fuzz_options = fuzz_options(config)
     except (pytest.UsageError, ZeroerError) as error:
         _usage_exit(config, error)
+    if not hasattr(config, "workerinput"):
+        try:
+            _check_something_runs(config._fuzz_options)
+        except pytest.UsageError as error:
+            _usage_exit(config, error)
     config._fuzz_run = _Run(config)
     config.pluginmanager.register(config._fuzz_run, "fuzz-run")
     config._fuzz_bugs = _bug_registry(config)
@@ -199,6 +204,18 @@ def _size_gpu_workers(config: pytest.Config) -> None:
         return
     config.option.numprocesses = plan.chosen
     print(f"fuzz: {plan.describe()}", file=sys.stderr)
+
+
+def _check_something_runs(options: FuzzOptions) -> None:
+    """A component named on the command line whose every campaign its own declaration skips (an
+    offloader declaring other geometries than ``--geometry``) would test nothing and pass: a usage error."""
+    if options.offloader is None and options.zeroer is None:
+        return
+    pairs = _campaigns(options)
+    if pairs and all(skipped for _, skipped in pairs):
+        reasons = "; ".join(sorted({skipped for _, skipped in pairs if skipped}))
+        raise pytest.UsageError(f"nothing to fuzz: every campaign is skipped ({reasons}); choose what it declares "
+                                f"with --geometry and --host-memory, or drop them")
 
 
 def _campaigns(options: FuzzOptions) -> list[tuple[Campaign, str | None]]:

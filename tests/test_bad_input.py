@@ -311,6 +311,10 @@ ROWS: list[Row] = [
     Row("pytest fuzz --offloader examples/engine_offloaders.py:load_waits_forward --zeroer per_call", 2, "Exit: error: "
         "--offloader 'examples/engine_offloaders.py:load_waits_forward' and --zeroer 'per_call': fuzz one component per "
         "run; run pytest twice, once with each"),
+    Row("pytest fuzz --offloader tests/engine_style/factories.py:hicache_controller --geometry packed", 2,
+        "Exit: error: nothing to fuzz: every campaign is skipped (tests/engine_style/factories.py:hicache_controller "
+        "declares OffloaderCapabilities(geometries=(ratio2, tiny)), not packed); choose what it declares with --geometry "
+        "and --host-memory, or drop them"),
     Row("pytest fuzz --host-memory registered", 2, "Exit: error: --host-memory 'registered' needs --offloader: it chooses "
         "the host pool an offloader stores into, e.g. --offloader my_offloader.py:factory --host-memory registered"),
     Row("pytest fuzz --offloader examples/engine_offloaders.py:load_waits_forward --host-memory paged", 2, "Exit: error: "
