@@ -126,7 +126,7 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
     lines += [
         "",
         "Run it from the repository root. Exit status: 1 when the bug shows, 0 when it does not, 2 for a",
-        "bad option or a zeroer that cannot run here, 3 for a bug of kvzero-fuzz (one line on stderr;",
+        f"bad option or {'an offloader' if offload else 'a zeroer'} that cannot run here, 3 for a bug of kvzero-fuzz (one line on stderr;",
         "--debug adds the traceback).",
         f"    {run}                              # the CPU simulator",
         f"    {run} --backend cuda --repeat 20   # a GPU: gates force the recorded schedule",
@@ -146,7 +146,8 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised  # noqa: E402",
         "",
         "# -- the episode, as found " + "-" * 70,
-        f"ZEROER = {config.zeroer!r}",
+        f"ZEROER = {config.zeroer!r}" + ("  # the caller's own zeroer, which allocates the blocks the offloader moves"
+                                         if offload else ""),
         f"GEOMETRY = {config.geometry!r}",
         f"BACKEND = {config.backend!r}  # sim or cuda; --backend overrides",
         f"MODE = {config.mode!r}  # cuda only: controlled (gates enforce the schedule) or free",

@@ -389,3 +389,26 @@ def test_transfer_specs_must_be_a_pair_of_callables() -> None:
     with pytest.raises(OffloaderSpecError, match=r"^OffloaderCapabilities\(transfer_specs=\('GPU', 'CPU'\)\): pass "
                                                  r"\(gpu_spec, cpu_spec\), two classes or functions"):
         OffloaderCapabilities(transfer_specs=("GPU", "CPU"))
+
+
+class RaisesOnItsFirstStore(ClassRoutedHandler):
+    def transfer_async(self, job_id, spec):
+        if job_id >= 2 and not isinstance(spec[0], CPUSpec):
+            raise ValueError("no room in the CPU pool")
+        return super().transfer_async(job_id, spec)
+
+
+def test_a_transfer_async_offloaders_exception_names_the_call_it_has(tmp_path: Path) -> None:
+    source = tmp_path / "raises.py"
+    source.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_offload import CPUSpec, GPUSpec, RaisesOnItsFirstStore\n"
+        "from zeroer.offload import OffloaderCapabilities\n"
+        "def make(cache, host_pool, runtime=None):\n"
+        "    return RaisesOnItsFirstStore(cache, host_pool)\n"
+        "make.capabilities = OffloaderCapabilities(transfer_specs=(GPUSpec, CPUSpec))\n")
+    found = run_ops(EpisodeConfig(offloader=f"{source}:make"),
+                    [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}])
+    assert found and found[0].message.startswith(
+        "offloader raised at step 3 in transfer_async(2, (GPU[1], CPU[1])): ValueError: no room in the CPU pool")

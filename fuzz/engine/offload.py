@@ -116,10 +116,10 @@ class OffloadSide:
         with rt.block_space(0):
             with self._call("warmup"):
                 self.offloader.warmup()
-            with self._call("store(0, [0], [0]) (the warm-up)"):
+            with self._call(self.offloader.spelled("store", WARMUP_JOBS[0], [0], [0]) + " (the warm-up)"):
                 self.offloader.store(WARMUP_JOBS[0], [0], [0])
             episode._device_work(rt.synchronize)
-            with self._call("load(1, [0], [0]) (the warm-up)"):
+            with self._call(self.offloader.spelled("load", WARMUP_JOBS[1], [0], [0]) + " (the warm-up)"):
                 self.offloader.load(WARMUP_JOBS[1], [0], [0])
             episode._device_work(rt.synchronize)
             with self._call("get_finished() (the warm-up)"):
@@ -141,7 +141,7 @@ class OffloadSide:
         shadow.state = "storing"
         shadow.history.append(episode._note(f"store job {job.id}: block {block} on stream {stream}"))
         with episode.rt.use_stream(episode._stream(stream)), episode.rt.annotate(f"step {episode.step} store"), \
-                episode.rt.block_space(group.index), self._call(f"store({job.id}, [{block}], [{slot}])"):
+                episode.rt.block_space(group.index), self._call(self.offloader.spelled("store", job.id, [block], [slot])):
             self.offloader.store(job.id, [block], [slot])
         group.shadow.blocks[block].history.append(episode._note(f"store job {job.id} into slot {slot} on stream {stream}"))
         return slot
@@ -168,7 +168,7 @@ class OffloadSide:
         block_shadow.expect = shadow.expect
         block_shadow.history.append(episode._note(f"load job {job.id} from slot {slot} on stream {stream}"))
         with episode.rt.use_stream(episode._stream(stream)), episode.rt.annotate(f"step {episode.step} load"), \
-                episode.rt.block_space(group.index), self._call(f"load({job.id}, [{slot}], [{block}])"):
+                episode.rt.block_space(group.index), self._call(self.offloader.spelled("load", job.id, [block], [slot])):
             self.offloader.load(job.id, [slot], [block])
         return block
 

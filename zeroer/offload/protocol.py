@@ -157,6 +157,7 @@ class BoundOffloader:
         self.offloader = offloader
         self.spec = spec
         self.capabilities = capabilities
+        self.vllm_shape = vllm_shape
         if vllm_shape:
             gpu, cpu = capabilities.transfer_specs or (lambda ids: BlockIds("GPU", ids), lambda ids: BlockIds("CPU", ids))
 
@@ -173,6 +174,17 @@ class BoundOffloader:
         self._get_finished: Callable[[], Any] = offloader.get_finished  # type: ignore[attr-defined]
         self._warmup, self._close, self._wait = (optional_hook(offloader, name, spec, "offloader", OffloaderSpecError)
                                                  for name in ("warmup", "close", "wait"))
+
+    def spelled(self, direction: str, job_id: int, block_ids: list[int], slot_ids: list[int]) -> str:
+        """A store or load as the offloader's own code is called, for messages: ``store(3, [1], [0])``,
+        or vLLM's ``transfer_async(3, (GPU[1], CPU[0]))``."""
+        if self.vllm_shape:
+            gpu, cpu = f"GPU{list(block_ids)}", f"CPU{list(slot_ids)}"
+            src, dst = (gpu, cpu) if direction == "store" else (cpu, gpu)
+            return f"transfer_async({job_id}, ({src}, {dst}))"
+        if direction == "store":
+            return f"store({job_id}, {list(block_ids)}, {list(slot_ids)})"
+        return f"load({job_id}, {list(slot_ids)}, {list(block_ids)})"
 
     @property
     def waits(self) -> bool:
