@@ -102,6 +102,12 @@ class _Hooked:
         _HOOKED.busy = False
 
 
+def unwatched() -> _Hooked:
+    """Inside, the calling thread's primitives are not hooked: the tool's own work (a scheduler
+    letting the simulated device run while every thread waits) is not the program's."""
+    return _Hooked()
+
+
 class HandOffs:
     """What each hand-off object carries: the join of the clocks of the threads that released it."""
 

@@ -10,9 +10,10 @@ test, and the threads that code starts) run one at a time, as coroutines would:
   ``Event.wait``, ``Thread.join``, ``Future.result``, ``Condition.wait``, ``time.sleep``:
   :mod:`racecheck.thread_hooks`); it then hands the turn on with the condition it waits for;
 * the next member is the first, in round-robin order after the one handing on, whose condition
-  holds; when none holds, the first one in a timed wait times out (time passes only when nothing
-  else can run: ``on_idle`` is told, so a simulator can let device work progress); when none is
-  in a timed wait either, every member waits for another: :class:`TurnDeadlock`;
+  holds; when none holds, time passes: a virtual clock moves to the earliest deadline of a timed
+  wait (``sleep(0.001)`` before ``wait(timeout=60)``), that wait times out, and ``on_idle`` is
+  told, so a simulator can let device work progress; when no wait is timed either, every member
+  waits for another: :class:`TurnDeadlock`;
 * the caller's thread leaves only after :meth:`settle`: every helper has run until it waits.
 
 Which member runs is a function of the members' conditions alone, so a run replays exactly.
@@ -45,12 +46,12 @@ class TurnsClosed(SystemExit):
 
 
 class _Member:
-    __slots__ = ("thread", "index", "condition", "timed", "timed_out", "done", "name")
+    __slots__ = ("thread", "index", "condition", "deadline", "timed_out", "done", "name")
 
     def __init__(self, thread: Any, index: int, name: str) -> None:
         self.thread, self.index, self.name = thread, index, name
         self.condition: Callable[[], bool] | None = None  # None: runnable
-        self.timed = False
+        self.deadline: float | None = None  # a timed wait: when it times out, on the virtual clock
         self.timed_out = False
         self.done = False
 
@@ -65,6 +66,7 @@ class Turns:
         self._holder: _Member | None = None
         self._caller: _Member | None = None
         self._closed = False
+        self.now = 0.0  # the virtual clock of timed waits, in seconds
         self.deadlock: str | None = None
         self.on_idle = on_idle
 
@@ -137,10 +139,11 @@ class Turns:
                 raise RuntimeError("wait_until() outside a turn")  # the hooks ask holding() first
             if condition():
                 return True
-            member.condition, member.timed, member.timed_out = condition, timeout is not None, False
+            member.condition, member.timed_out = condition, False
+            member.deadline = self.now + max(0.0, float(timeout)) if timeout is not None else None
             self._hand_on(member)
             self._park(member)
-            member.condition = None
+            member.condition, member.deadline = None, None
             if member is self._caller and self.deadlock is not None:
                 said, self.deadlock = self.deadlock, None
                 raise TurnDeadlock(f"deadlock: every thread waits for another, none with a timeout ({said}); "
@@ -169,8 +172,10 @@ class Turns:
         rotated = order[start:] + order[:start]  # round robin: ``member`` itself comes last
         chosen = next((m for m in rotated if self._can_run(m)), None)
         if chosen is None:
-            chosen = next((m for m in rotated if m.timed and m.condition is not None), None)
-            if chosen is not None:
+            timed = [m for m in rotated if m.deadline is not None and m.condition is not None]
+            if timed:
+                chosen = min(timed, key=lambda m: m.deadline)  # the earliest; ties in round-robin order
+                self.now = max(self.now, chosen.deadline)
                 chosen.timed_out = True
                 if self.on_idle is not None:
                     self.on_idle()

@@ -184,3 +184,30 @@ def test_an_offloader_whose_wait_can_never_end_is_its_finding_not_a_hang(tmp_pat
     ops = [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}, {"op": "wait", "slot": 1}]
     found = run_ops(EpisodeConfig(offloader=f"{source}:make"), ops)
     assert found and "deadlock: every thread waits for another" in str(found[0])
+
+
+def test_a_helper_polling_an_event_with_sleeps_sees_the_device_get_there(tmp_path: Path):
+    # SGLang's controller threads poll their finish events; on the simulator the device moves only
+    # when every thread waits and one waits for a while (racecheck.turns: on_idle)
+    source = tmp_path / "poller.py"
+    source.write_text(
+        "import sys, threading, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "import torch\n"
+        "from engine_offloaders import CopyThreadOffloader\n"
+        "class Polls(CopyThreadOffloader):\n"
+        "    def wait(self, job_ids):\n"
+        "        done = threading.Event()\n"
+        "        def poll():\n"
+        "            for _ in range(1000):\n"
+        "                if all(end.query() for job, _, end in self.in_flight if job in job_ids):\n"
+        "                    done.set()\n"
+        "                    return\n"
+        "                time.sleep(0.001)\n"
+        "        threading.Thread(target=poll, daemon=True).start()\n"
+        "        if not done.wait(timeout=60):\n"
+        "            raise TimeoutError('the poller never saw the copies complete')\n"
+        "def make(cache, host_pool, runtime=None):\n"
+        "    return Polls(cache, host_pool)\n")
+    ops = [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}, {"op": "wait", "slot": 1}]
+    assert run_ops(EpisodeConfig(offloader=f"{source}:make"), ops) == []
