@@ -46,10 +46,10 @@ class TurnsClosed(SystemExit):
 
 
 class _Member:
-    __slots__ = ("thread", "index", "condition", "deadline", "timed_out", "done", "name")
+    __slots__ = ("thread", "condition", "deadline", "timed_out", "done", "name")
 
-    def __init__(self, thread: Any, index: int, name: str) -> None:
-        self.thread, self.index, self.name = thread, index, name
+    def __init__(self, thread: Any, name: str) -> None:
+        self.thread, self.name = thread, name
         self.condition: Callable[[], bool] | None = None  # None: runnable
         self.deadline: float | None = None  # a timed wait: when it times out, on the virtual clock
         self.timed_out = False
@@ -87,7 +87,7 @@ class Turns:
         """The caller's thread takes the turn (no helper runs while the caller is outside)."""
         with self._lock:
             if self._caller is None:
-                self._caller = _Member(threading.current_thread(), -1, "the caller")
+                self._caller = _Member(threading.current_thread(), "the caller")
             self._caller.condition = None
             self._by_ident[threading.get_ident()] = self._caller
             self._holder = self._caller
@@ -105,7 +105,7 @@ class Turns:
     def add(self, thread: Any, name: str) -> _Member:
         """A thread the holder is starting: runnable, it runs when the turn comes to it."""
         with self._lock:
-            member = _Member(thread, len(self._members), name)
+            member = _Member(thread, name)
             self._members.append(member)
             return member
 
@@ -150,10 +150,16 @@ class Turns:
                                    f"the code would hang here")
             return not member.timed_out
 
-    def done(self, thread: Any) -> bool | None:
-        """Whether a helper's target has ended (None: not a member): what ``join`` waits for."""
-        member = self.helper(thread)
-        return None if member is None else member.done
+    def wait_turn(self, obj: Any, condition: Callable[[], bool], timeout: float | None) -> bool | None:
+        """What a blocking primitive on ``obj`` asks (:mod:`racecheck.thread_hooks`): None when the
+        calling thread does not hold the turn (it blocks as usual), else :meth:`wait_until`. A join
+        of a helper waits for its target to end, not its OS thread, which may linger a moment."""
+        if not self.holding():
+            return None
+        member = self.helper(obj) if isinstance(obj, threading.Thread) else None
+        if member is not None:
+            condition = lambda: member.done  # noqa: E731
+        return self.wait_until(condition, timeout)
 
     # -- the choice ----------------------------------------------------------------------------------
     @staticmethod

@@ -30,11 +30,7 @@ class _Watch:
         return self.turns.holding()
 
     def wait_turn(self, obj, condition, timeout):
-        if not self.turns.holding():
-            return None
-        if isinstance(obj, threading.Thread) and self.turns.done(obj) is not None:
-            return self.turns.wait_until(lambda: bool(self.turns.done(obj)), timeout)
-        return self.turns.wait_until(condition, timeout)
+        return self.turns.wait_turn(obj, condition, timeout)
 
     def thread_starting(self, thread):
         return self.turns.add(thread, thread.name) if self.turns.holding() else None

@@ -360,22 +360,24 @@ class ClassRoutedHandler:
         self.inner.wait(job_ids)
 
 
-def class_routed(cache, host_pool, runtime=None):
-    return ClassRoutedHandler(cache, host_pool)
-
-
-def test_a_handler_routing_by_its_spec_classes_gets_its_own_classes_when_it_declares_them(tmp_path: Path) -> None:
-    source = tmp_path / "routed.py"
+def _declaring_factory(tmp_path: Path, handler: str) -> Path:
+    """A factory file ``make`` building ``handler`` (a class of this module), declaring its spec classes."""
+    source = tmp_path / f"{handler}.py"
     source.write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_offload import CPUSpec, GPUSpec, class_routed\n"
+        f"from test_offload import CPUSpec, GPUSpec, {handler}\n"
         "from zeroer.offload import OffloaderCapabilities\n"
         "def make(cache, host_pool, runtime=None):\n"
-        "    return class_routed(cache, host_pool)\n"
-        "make.capabilities = OffloaderCapabilities(transfer_specs=(GPUSpec, CPUSpec))\n"
-        "def undeclared(cache, host_pool, runtime=None):\n"
-        "    return class_routed(cache, host_pool)\n")
+        f"    return {handler}(cache, host_pool)\n"
+        "make.capabilities = OffloaderCapabilities(transfer_specs=(GPUSpec, CPUSpec))\n")
+    return source
+
+
+def test_a_handler_routing_by_its_spec_classes_gets_its_own_classes_when_it_declares_them(tmp_path: Path) -> None:
+    source = _declaring_factory(tmp_path, "ClassRoutedHandler")
+    source.write_text(source.read_text() + "def undeclared(cache, host_pool, runtime=None):\n"
+                                           "    return ClassRoutedHandler(cache, host_pool)\n")
     ops = [{"op": "start"}, {"op": "allocate", "n": 2}, {"op": "write", "block": 1}, {"op": "store", "block": 1},
            {"op": "poll", "sync": 1}, {"op": "free", "block": 1}, {"op": "load", "slot": 1}, {"op": "poll", "sync": 1}]
     assert run_ops(EpisodeConfig(offloader=f"{source}:make"), ops) == []
@@ -399,15 +401,7 @@ class RaisesOnItsFirstStore(ClassRoutedHandler):
 
 
 def test_a_transfer_async_offloaders_exception_names_the_call_it_has(tmp_path: Path) -> None:
-    source = tmp_path / "raises.py"
-    source.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_offload import CPUSpec, GPUSpec, RaisesOnItsFirstStore\n"
-        "from zeroer.offload import OffloaderCapabilities\n"
-        "def make(cache, host_pool, runtime=None):\n"
-        "    return RaisesOnItsFirstStore(cache, host_pool)\n"
-        "make.capabilities = OffloaderCapabilities(transfer_specs=(GPUSpec, CPUSpec))\n")
+    source = _declaring_factory(tmp_path, "RaisesOnItsFirstStore")
     found = run_ops(EpisodeConfig(offloader=f"{source}:make"),
                     [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}])
     assert found and found[0].message.startswith(

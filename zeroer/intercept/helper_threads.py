@@ -74,13 +74,8 @@ class HelperThreads:
         return self.turns.holding()
 
     def wait_turn(self, obj: Any, condition: Callable[[], bool], timeout: float | None) -> bool | None:
-        if not self.turns.holding():
-            return None
-        if isinstance(obj, threading.Thread) and self.turns.done(obj) is not None:
-            # a helper: its target ended (its OS thread may linger a moment longer)
-            condition = lambda: bool(self.turns.done(obj))  # noqa: E731
         try:
-            return self.turns.wait_until(condition, timeout)
+            return self.turns.wait_turn(obj, condition, timeout)
         except TurnDeadlock as deadlock:
             # The code's own wait can never end: its hang, raised at its call (zeroer.origin)
             raise_as_cuda(TurnDeadlock(str(deadlock)))
