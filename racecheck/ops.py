@@ -159,18 +159,58 @@ _INDEX_LIST = {op: write for op, write in ((o, False) for o in _ops("index.Tenso
 _INDEX_LIST.update({op: True for op in _ops("index_put_.default", "_index_put_impl_.default")})
 
 
+class OpInfo:
+    """What an overload's schema says, asked once per overload (the hot path of both tools asks it
+    for every op; an OpOverload's ``__hash__`` is Python code, so the answers are looked up by id)."""
+
+    __slots__ = ("func", "kind", "name", "written", "aliased", "fresh", "indexed", "index_list", "custom",
+                 "positional")
+
+    def __init__(self, func: Any) -> None:
+        from racecheck.custom_ops import is_custom
+
+        self.func = func  # held: the id stays this overload's
+        self.custom = is_custom(func)
+        schema = getattr(func, "_schema", None)
+        self.kind = kind(func) if schema is not None and not self.custom else "queued"
+        self.name = op_name(func)
+        self.written: tuple[int, ...] = tuple(written_args(func)) if schema is not None else ()
+        self.aliased: tuple[int | None, ...] = tuple(aliased_returns(func)) if schema is not None else ()
+        # Positions of the returns that are new memory; None: every return (no return aliases an argument).
+        fresh = [i for i, a in enumerate(self.aliased) if a is None]
+        self.fresh: tuple[int, ...] | None = None if len(fresh) == len(self.aliased) else tuple(fresh)
+        self.indexed = _INDEXED.get(func)
+        self.index_list = _INDEX_LIST.get(func)
+        # The schema's argument names past each count of positional arguments (keyword arguments by position).
+        self.positional = tuple(a.name for a in schema.arguments) if schema is not None else ()
+
+
+_INFO: dict[int, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    """The cached :class:`OpInfo` of ``func``."""
+    info = _INFO.get(id(func))
+    if info is None or info.func is not func:
+        info = _INFO[id(func)] = OpInfo(func)
+    return info
+
+
 NUMPY_INTEGERS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
                   torch.uint8: np.uint8}  # integer index dtypes whose values can be read as numpy
 
 
 def args_by_position(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     """``func``'s arguments by position, those passed by keyword included (None where absent)."""
-    return list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+    if not kwargs:
+        names = op_info(func).positional
+        return list(args) + [None] * (len(names) - len(args)) if len(names) > len(args) else list(args)
+    return list(args) + [kwargs.get(name) for name in op_info(func).positional[len(args):]]
 
 
 def _one_index(func: Any, args: tuple, kwargs: dict) -> tuple[int, Any, bool] | None:
     """For ``aten.index`` and ``index_put_`` indexing one dim by one tensor: (dim, index, writes)."""
-    writes = _INDEX_LIST.get(func)
+    writes = op_info(func).index_list
     if writes is None:
         return None
     named = [(d, i) for d, i in enumerate(args_by_position(func, args, kwargs)[1] or ()) if i is not None]
@@ -199,7 +239,10 @@ def indexed_rows(func: Any, args: tuple, kwargs: dict) -> tuple[int, int, torch.
     (position of the indexed tensor, the dim, the index tensor, whether it writes). None for any
     other op, and for indexing this cannot reduce to rows of one dim (several index tensors,
     boolean masks)."""
-    spec = _INDEXED.get(func)
+    info = op_info(func)
+    spec = info.indexed
+    if spec is None and info.index_list is None:
+        return None  # the common case: no index tensor names rows
     if spec is not None:
         given = args_by_position(func, args, kwargs)
         target, dim_at, index_at, writes = spec

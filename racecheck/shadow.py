@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 from racecheck.clocks import OpStamp, ordered
 
@@ -32,10 +31,15 @@ Ranges = list[tuple[int, int]] | None  # [start, end) byte runs; None: the whole
 WHOLE = (0, 1 << 64)
 
 
-@dataclass(frozen=True)
 class _State:
-    last_write: OpStamp | None
-    reads: tuple[OpStamp, ...]  # the latest read per thread since the last write
+    """The last write and the latest read per thread since it, of some bytes (never changed once made:
+    segments share states, and a new access makes a new one)."""
+
+    __slots__ = ("last_write", "reads")
+
+    def __init__(self, last_write: OpStamp | None, reads: tuple[OpStamp, ...]) -> None:
+        self.last_write = last_write
+        self.reads = reads  # the latest read per thread since the last write
 
 
 _EMPTY = _State(None, ())
@@ -51,7 +55,10 @@ def _after(state: _State, stamp: OpStamp, write: bool) -> _State:
     if write:
         if last is not None and ordered(stamp, last.vc) and stamp is not last:
             return state  # a write declared late that happens before the last one: it changes nothing
-        return _State(stamp, tuple(r for r in state.reads if ordered(stamp, r.vc) and r is not stamp))
+        reads = state.reads
+        if not reads:
+            return _State(stamp, ())
+        return _State(stamp, tuple(r for r in reads if ordered(stamp, r.vc) and r is not stamp))
     if last is not None and ordered(stamp, last.vc):
         return state  # a read declared late (or the writing op's own read) that the last write follows
     reads = []
@@ -112,30 +119,51 @@ class RangeShadow:
         memo: dict[int, tuple[_State, _State]] = {}  # id(old state) -> (old, new): old kept alive, ids stay unique
         interned: dict[tuple, _State] = {}  # equal new states as one object, so that segments merge again
         for start, end in (WHOLE,) if ranges is None else ranges:
-            if end <= start:
-                continue
-            first = self._split(start)
-            last = self._split(end) if end < WHOLE[1] else len(self.starts)
-            for i in range(first, last):
-                state = self.states[i]
-                lo = self.starts[i]
-                hi = self.starts[i + 1] if i + 1 < len(self.starts) else end
-                prior = state.last_write
-                if prior is not None and _unordered(prior, stamp) and id(prior) not in found:
-                    found[id(prior)] = (prior, "writes", lo, hi)
-                if write:
-                    for read in state.reads:
-                        if _unordered(read, stamp) and id(read) not in found:
-                            found[id(read)] = (read, "reads", lo, hi)
-                entry = memo.get(id(state))
-                if entry is None:
-                    new = _after(state, stamp, write)
-                    key = (id(new.last_write), tuple(id(r) for r in new.reads))
-                    new = interned.setdefault(key, new)
-                    entry = memo[id(state)] = (state, new)
-                self.states[i] = entry[1]
-            self._merge(max(first - 1, 0), min(last + 1, len(self.starts)))
-        return list(found.values())
+            if start < end:
+                self._access_run(start, end, stamp, write, found, memo, interned)
+        return list(found.values()) if found else []
+
+    def _access_run(self, start: int, end: int, stamp: OpStamp, write: bool,
+                    found: dict[int, tuple[OpStamp, str, int, int]], memo: dict[int, tuple[_State, _State]],
+                    interned: dict[tuple, _State]) -> None:
+        """:meth:`access` for one run ``[start, end)``: its segments are replaced at once (split at the
+        run's edges, one new segment per distinct new state), then merged with their neighbours."""
+        starts, states = self.starts, self.states
+        count = len(starts)
+        first = bisect.bisect_right(starts, start) - 1
+        stop = bisect.bisect_left(starts, end, first + 1)  # the segments first..stop-1 meet the run
+        new_starts: list[int] = []
+        new_states: list[_State] = []
+        if starts[first] < start:  # the first segment's part before the run keeps its state
+            new_starts.append(starts[first])
+            new_states.append(states[first])
+        for i in range(first, stop):
+            state = states[i]
+            lo = start if i == first else starts[i]
+            hi = starts[i + 1] if i + 1 < stop else end
+            prior = state.last_write
+            if prior is not None and id(prior) not in found and _unordered(prior, stamp):
+                found[id(prior)] = (prior, "writes", lo, hi)
+            if write:
+                for read in state.reads:
+                    if id(read) not in found and _unordered(read, stamp):
+                        found[id(read)] = (read, "reads", lo, hi)
+            entry = memo.get(id(state))
+            if entry is None:
+                new = _after(state, stamp, write)
+                new = interned.setdefault((id(new.last_write), tuple(map(id, new.reads))), new)
+                memo[id(state)] = (state, new)
+            else:
+                new = entry[1]
+            if not new_states or new_states[-1] is not new:
+                new_starts.append(lo)
+                new_states.append(new)
+        if end < WHOLE[1] and (stop == count or end < starts[stop]):  # the last segment's part after the run
+            new_starts.append(end)
+            new_states.append(states[stop - 1])
+        starts[first:stop] = new_starts
+        states[first:stop] = new_states
+        self._merge(first, first + len(new_starts) + 1)
 
     def _merge(self, lo: int, hi: int) -> None:
         """Merge neighbouring segments of ``[lo, hi)`` that share their state."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from racecheck.ops import NUMPY_INTEGERS, SET_STORAGE, args_by_position, indexed_rows, kind, masked_rows, op_name, written_args
+from racecheck.ops import NUMPY_INTEGERS, SET_STORAGE, args_by_position, indexed_rows, kind, masked_rows, op_info, op_name
 from racecheck.ranges import row_runs
 from sanitizer.sites import Site, caller_site
 
@@ -103,7 +103,7 @@ def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place (its schema's ``(a!)`` arguments)."""
-    positions = written_args(func)
+    positions = op_info(func).written
     if not positions:
         return []
     positional = args_by_position(func, args, kwargs)

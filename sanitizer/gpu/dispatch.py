@@ -30,12 +30,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from racecheck.custom_ops import is_custom
-from racecheck.ops import aliased_returns, kind, op_name
+from racecheck.ops import op_info, op_name
 from sanitizer.gpu import custom
 from sanitizer.dynamo_guard import GUARD
 from sanitizer.gpu.copies import copy
-from sanitizer.host_ops import pinned_access, tensors_of, written_tensors
+from sanitizer.host_ops import pinned_access, written_tensors
 from sanitizer.sites import Site, caller_site
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
@@ -88,22 +87,32 @@ class Handler:
 
     @forwarding
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if is_custom(func):  # an extension's op: its effect model says what it touches (sanitizer.gpu.custom)
+        info = op_info(func)
+        if info.custom:  # an extension's op: its effect model says what it touches (sanitizer.gpu.custom)
             return custom.on_op(self, func, args, kwargs)
-        tensors = tensors_of(args, kwargs)
         device = self.device
+        is_device = device.is_device
+        tensors: list[torch.Tensor] = []
         on_device: list[torch.Tensor] = []
-        for tensor in tensors:
-            if isinstance(tensor, SimCudaTensor):
-                return func(*args, **kwargs)  # kvzero's simulator at work (its "cuda" is CPU memory)
-            if device.is_device(tensor):
-                on_device.append(tensor)
-        target = kwargs.get("device")
-        to_device = target is not None and _is_cuda(target)
-        if not on_device and not to_device:
-            return self.host_op(func, args, kwargs, tensors)
-        what = kind(func)
-        if what in ("view", "alloc"):
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(value, torch.Tensor):
+                found = (value,)
+            elif isinstance(value, (list, tuple)):
+                found = tuple(v for v in value if isinstance(v, torch.Tensor))
+            else:
+                continue
+            for tensor in found:
+                if isinstance(tensor, SimCudaTensor):
+                    return func(*args, **kwargs)  # kvzero's simulator at work (its "cuda" is CPU memory)
+                tensors.append(tensor)
+                if is_device(tensor):
+                    on_device.append(tensor)
+        if not on_device:
+            target = kwargs.get("device") if kwargs else None
+            if target is None or not _is_cuda(target):
+                return self.host_op(func, args, kwargs, tensors)
+        what = info.kind
+        if what == "view" or what == "alloc":
             return func(*args, **kwargs)
         obs = self.obs
         site = caller_site()
@@ -112,21 +121,21 @@ class Handler:
             # A copy compares the snapshots every time (one it queues must not be taken for the reader
             # of a host write made before it), and so does an op the host waits for (after it, the host
             # has seen the copies complete): a quick boundary may leave a window open.
-            obs.boundary(site, quick=what not in ("copy", "to_copy", "blocking") and func is not _SCALAR)
+            obs.boundary(site, quick=what != "copy" and what != "to_copy" and what != "blocking" and func is not _SCALAR)
             record = obs.graphs.capturing()
             if record is not None:
                 return record.op(self, func, args, kwargs, what, on_device, site)
             if func is _RECORD_STREAM:
                 obs.stream_recorded(args[0])
                 return func(*args, **kwargs)
-            if what in ("copy", "to_copy"):
+            if what == "copy" or what == "to_copy":
                 return copy(self, func, args, kwargs, what, site, index)
             blocking = what == "blocking" or func is _SCALAR
             if blocking:
                 obs.release_forced(site)  # the host waits for the stream here: forced holds open first
             stream = device.current_stream(index)
-            stamp = obs.enqueue(op_name(func), stream, site)
-            written = written_tensors(func, args, kwargs)
+            stamp = obs.enqueue(info.name, stream, site)
+            written = written_tensors(func, args, kwargs) if info.written else ()
             obs.indices.declare(func, args, kwargs, stamp, on_device, written)
         result = func(*args, **kwargs)
         with obs.lock:
@@ -177,10 +186,16 @@ def _is_cuda(device: Any) -> bool:
 
 def fresh_outputs(func: Any, result: Any, device: Any, on_device: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The device tensors ``func`` returned that alias none of its arguments (new memory it wrote)."""
-    aliased = aliased_returns(func)
-    outputs = result if isinstance(result, (tuple, list)) else (result,)
-    fresh = [o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)
-             and (i >= len(aliased) or aliased[i] is None)]
+    if isinstance(result, torch.Tensor):  # the common case: one return
+        aliased = op_info(func).aliased
+        if aliased and aliased[0] is not None:
+            return []
+        fresh = [result]
+    else:
+        aliased = op_info(func).aliased
+        outputs = result if isinstance(result, (tuple, list)) else (result,)
+        fresh = [o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)
+                 and (i >= len(aliased) or aliased[i] is None)]
     if on_device:
         for out in fresh:
             device.adopt(out)
