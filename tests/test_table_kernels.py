@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from sanitizer.sim.session import run_simulated
 ROOT = Path(__file__).resolve().parents[1]
 OFFLOADER = "tests/triton_swap_offload.py"
 ROWS, WORDS = 2, 16  # rows per block, float32 words per row
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_the_swap_kernels_tables_are_read_from_its_source():
@@ -174,3 +176,93 @@ def test_the_sanitizer_reports_the_racy_engine_loop_at_both_lines_and_not_the_fi
     assert "[unordered-device-access]" in out, out
     assert f"at {OFFLOADER}:{marks['queued']} (main)" in out, out
     assert "triton _swap_blocks_kernel on stream" in out and f"at {OFFLOADER}:{marks['later']} (transfer)" in out, out
+
+
+# -- the fuzzer on CUDA: the tables from their host source ------------------------------------------------
+
+def _cuda_session(places: list) -> SimpleNamespace:
+    """What through_tables_on_cuda asks of a session: its staged values, and where a run lands."""
+    from zeroer.intercept.staged_values import StagedValues
+
+    def place(address: int, size: int, call: str, role: str) -> tuple:
+        places.append((address, address + size, role))
+        return SimpleNamespace(kind="device", owner=None, start=address, end=address + size)
+
+    return SimpleNamespace(cuda_ops=SimpleNamespace(staged=StagedValues()), driver=SimpleNamespace(place=place))
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_on_cuda_the_fuzzer_places_what_the_kernel_touches_through_the_tables_the_host_staged(direction):
+    from zeroer.intercept.kernel_accesses import through_tables_on_cuda
+
+    kv = torch.ones((4 * ROWS, WORDS), dtype=torch.float32)  # "device" memory, to the stand-in
+    host = torch.zeros((4 * ROWS, WORDS), dtype=torch.float32)
+    src, dst = (kv, host) if direction == "store" else (host, kv)
+    places: list = []
+    session = _cuda_session(places)
+    tables = [torch.zeros(ROWS, dtype=torch.int64) for _ in range(3)]  # the device tables
+    for table, values in zip(tables, _tables(src, 1, dst, 2)):
+        session.cuda_ops.staged.record(table, torch.from_numpy(values))  # as CudaOps records an H2D copy
+    device = {t.data_ptr() for t in tables}
+    arguments = {"src_addrs": tables[0], "dst_addrs": tables[1], "sizes": tables[2], "n_jobs": ROWS,
+                 "BYTES_PER_CHUNK": 64}
+    found = through_tables_on_cuda(session, "triton _swap_blocks_kernel", swap._swap_blocks_kernel.fn, arguments,
+                                   (2,), ["dst_addrs", "sizes", "src_addrs"], lambda t: t.data_ptr() in device)
+    row = WORDS * 4
+    assert [(p.start, p.end, write) for p, write in found] == [
+        (src.data_ptr() + ROWS * row, src.data_ptr() + 2 * ROWS * row, False),  # block 1 of the source, read
+        (dst.data_ptr() + 2 * ROWS * row, dst.data_ptr() + 3 * ROWS * row, True),  # block 2 of the destination
+    ]
+    assert kv.eq(1).all() and host.eq(0).all()  # traced, not run: no byte moved
+    assert [role for _, _, role in places] == ["source", "destination"]
+
+
+@pytest.mark.parametrize("how", ["never staged", "written since"])
+def test_on_cuda_a_table_whose_values_are_not_known_is_a_harness_error_that_names_it(how):
+    from zeroer.intercept.errors import InterceptError
+    from zeroer.intercept.kernel_accesses import through_tables_on_cuda
+
+    kv = torch.ones((4 * ROWS, WORDS), dtype=torch.float32)
+    session = _cuda_session([])
+    tables = [torch.zeros(ROWS, dtype=torch.int64) for _ in range(3)]
+    for table, values in zip(tables, _tables(kv, 1, kv, 2)):
+        if how == "written since" or table is not tables[1]:
+            session.cuda_ops.staged.record(table, torch.from_numpy(values))
+    if how == "written since":
+        session.cuda_ops.staged.written(tables[1].untyped_storage().data_ptr())  # a device op wrote dst_addrs
+    device = {t.data_ptr() for t in tables}
+    arguments = {"src_addrs": tables[0], "dst_addrs": tables[1], "sizes": tables[2], "n_jobs": ROWS,
+                 "BYTES_PER_CHUNK": 64}
+    with pytest.raises(InterceptError, match=r"^triton _swap_blocks_kernel: argument 'dst_addrs': it is a table of addresses .* did not stage"):
+        through_tables_on_cuda(session, "triton _swap_blocks_kernel", swap._swap_blocks_kernel.fn, arguments, (2,),
+                               ["dst_addrs", "sizes", "src_addrs"], lambda t: t.data_ptr() in device)
+
+
+def test_staged_values_are_the_copys_and_a_copy_over_part_of_them_forgets_the_earlier_one():
+    from zeroer.intercept.staged_values import StagedValues
+
+    staged = StagedValues()
+    device = torch.zeros(8, dtype=torch.int64)
+    staged.record(device, torch.arange(8))
+    assert staged.values(device[4:8]).tolist() == [4, 5, 6, 7]
+    assert staged.values(device.view(torch.int32)) is None  # the same bytes read as another dtype
+    staged.record(device[2:4], torch.tensor([70, 80]))
+    assert staged.values(device[2:4]).tolist() == [70, 80]
+    assert staged.values(device[4:8]) is None  # the earlier copy overlapped: forgotten, never half-known
+    other = torch.zeros(4)
+    staged.record(other, torch.arange(4.0))  # not integers: not a table
+    assert staged.values(other) is None
+    staged.written(device.untyped_storage().data_ptr())
+    assert staged.values(device[2:4]) is None
+
+
+@CUDA
+@pytest.mark.parametrize(("factory", "clean"), [("make", True), ("racy_store", False), ("racy_load", False)])
+def test_on_a_gpu_the_fuzzer_follows_the_handlers_tables_passes_it_and_finds_its_racy_twins(factory, clean):
+    done = _run("-m", "pytest", "fuzz", "--offloader", f"{OFFLOADER}:{factory}", "--backend", "cuda",
+                "--geometry", "tiny", "--host-memory", "pinned", "-p", "no:randomly", "-q")
+    out = done.stdout + done.stderr
+    assert "harness error" not in out.lower(), out
+    assert done.returncode == (0 if clean else 1), out
+    if not clean:
+        assert "triton _swap_blocks_kernel" in out, out

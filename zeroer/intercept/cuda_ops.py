@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroer.intercept.errors import forward, unroutable
 from zeroer.intercept.session import CacheAccess
+from zeroer.intercept.staged_values import StagedValues
 from racecheck.custom_ops import is_custom, model_for
 from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
@@ -51,6 +52,9 @@ class CudaOps(TorchDispatchMode):
         # Storages record_stream tied to another stream: one caching allocator serves every zeroer
         # of the runtime, so the set is the runtime's (zeroer.intercept.shared).
         self._recorded: set[int] = session.share.recorded
+        # Integers the host staged into device memory: the tables a Triton kernel loads its addresses
+        # from (zeroer.intercept.staged_values; zeroer.intercept.kernel_accesses.through_tables_on_cuda).
+        self.staged = StagedValues()
 
     def note_cache(self, storages: list[int]) -> None:
         self._cache_storages = set(storages)
@@ -77,6 +81,7 @@ class CudaOps(TorchDispatchMode):
         """Tensors torch just allocated: an address record_stream had tied elsewhere starts anew."""
         for tensor in tensors:
             address = tensor.untyped_storage().data_ptr()
+            self.staged.written(address)  # new memory: nothing staged there any more
             if address in self._recorded:
                 self._recorded.discard(address)
                 self.session.rt.hb.forget(("cudamem", address))
@@ -221,6 +226,8 @@ class CudaOps(TorchDispatchMode):
         result = box[0]
         if dst is None and isinstance(result, torch.Tensor) and result.is_cuda:
             self._fresh([result])
+        if device_dst and not device_src:  # the values a table kernel may go through later
+            self.staged.record(dst if dst is not None else result, src)
         if dst is None and pin and how != "d2h-async" and isinstance(result, torch.Tensor) and not result.is_cuda:
             self.session.host.register(result, "pinned result of .to()")
         return result

@@ -170,6 +170,47 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
     return touched
 
 
+def through_tables_on_cuda(session: Any, name: str, fn: Any, arguments: dict[str, Any], grid: Any,
+                           tables: list[str], is_device: Any = None) -> list[tuple[Any, bool]]:
+    """On CUDA, in a fuzzed session: the memory a kernel that loads its addresses from ``tables``
+    will touch, as (place, writes) pairs (:meth:`zeroer.intercept.driver_copies.DriverCopies.place`:
+    device memory, the KV cache's bytes, or pinned host memory), from the values the host staged
+    into the tables (:mod:`zeroer.intercept.staged_values`), the kernel traced on them under the
+    interpreter (:func:`trace_through_tables`). A table whose values are not known, or a table of
+    tables, cannot be followed: a harness error that names it (never a guess). ``is_device``: which
+    arguments are device memory (CUDA tensors; a test's stand-in says otherwise)."""
+    import torch
+
+    from racecheck.triton_stores import address_tables
+    from zeroer.intercept.errors import unroutable
+
+    _, deeper = address_tables(fn)
+    known: dict[str, np.ndarray] = {}
+    for param in sorted(tables):
+        values = None if deeper else session.cuda_ops.staged.values(arguments[param])
+        if values is None:
+            why = ("a table loaded through another table" if deeper else
+                   "device memory whose values the host did not stage with a copy made while the tool runs, "
+                   "or that a device op wrote since")
+            raise unroutable(f"{name}: argument {param!r}",
+                             f"it is a table of addresses the kernel loads and goes through, in {why}, so what the "
+                             f"kernel touches cannot be known before it runs",
+                             "build the table on the host and copy it to the device (torch.from_numpy(t).to('cuda')) "
+                             "while the tool runs, or fuzz on the simulator (--backend sim), which follows the "
+                             "kernel's actual loads and stores")
+        known[param] = np.asarray(values)
+    launch_grid = grid(dict(arguments)) if callable(grid) else grid
+    launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
+    touched = trace_through_tables(fn, launch_grid, dict(arguments), known,
+                                   is_device or (lambda t: isinstance(t, torch.Tensor) and t.is_cuda))
+    places = []
+    for write in (False, True):
+        for lo, hi in touched.runs(write=write):
+            role = "destination" if write else "source"
+            places.append((session.driver.place(lo, hi - lo, f"{name} through a table", role), write))
+    return places
+
+
 def _handle(kept: Any, mask: Any) -> Any:
     """``kept`` (a boolean array) as the interpreter's mask handle."""
     from triton.runtime import interpreter as triton_interpreter

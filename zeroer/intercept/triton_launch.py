@@ -42,7 +42,7 @@ from triton.runtime import interpreter as triton_interpreter
 from triton.runtime.jit import JITFunction
 
 from zeroer.intercept.errors import SimulatorGap, forward, unroutable
-from zeroer.intercept.kernel_accesses import Touched, declare
+from zeroer.intercept.kernel_accesses import Touched, declare, through_tables_on_cuda
 from zeroer.intercept.sim_graphs import CapturedOp
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from racecheck.gate import is_gate_kernel
@@ -208,21 +208,27 @@ class TritonLaunches:
             if warmup:
                 return self.original(jit, *args, grid=grid, warmup=True, **kwargs)
             tables = sorted(n for n in address_tables(jit.fn)[0] if isinstance(bound.arguments.get(n), torch.Tensor))
+            cache_written: Any = True  # a zeroer's session: its kernel writes the blocks of its zero call
+            through: list[tuple[Any, bool]] = []
             if tables and session.block_map is not None:
-                # What a kernel touches through a device table (vLLM's _swap_blocks_kernel) is known
-                # only from the table's values, which the harness does not follow on CUDA yet:
-                # declaring the blocks of the call flags a store that only reads them, so it is refused.
-                raise unroutable(f"{name}: argument {tables[0]!r}",
-                                 "it is a table of addresses the kernel loads and goes through, which the harness "
-                                 "follows on the simulator only",
-                                 "fuzz this offloader on the simulator (--backend sim)")
+                # What a kernel touches through a device table (vLLM's _swap_blocks_kernel) follows from
+                # the values the host staged into the table: traced before the launch, declared as
+                # the copy those bytes make would be (zeroer.intercept.kernel_accesses).
+                through = through_tables_on_cuda(session, name, jit.fn, dict(bound.arguments), grid, tables)
+                device_reads = [(p.owner, p.start, p.end) for p, write in through if p.kind == "device" and not write]
+                device_writes = [(p.owner, p.start, p.end) for p, write in through if p.kind == "device" and write]
+                more_reads, more_writes, cache_written = session.driver.accesses(device_reads, device_writes)
+                reads, writes = reads + more_reads, writes + more_writes
             box: list[Any] = []
 
             def issue() -> None:
                 box.append(forward(self.original, jit, *args, grid=grid, warmup=False, **kwargs))
 
-            stamp = session.enqueue(issue, name=name, reads=reads, writes=writes, cache_written=True)
+            stamp = session.enqueue(issue, name=name, reads=reads, writes=writes, cache_written=cache_written)
             result = box[0] if box else None
+            for place, stored in through:  # pinned host memory the kernel reaches through a table
+                if place.kind == "pinned":
+                    pinned.append((place.owner, place.view(), stored))
         for buffer, view, stored in pinned:
             if stored:  # the kernel writes this pinned memory, as a device-to-host copy would
                 session.host.note_device_write(buffer, view, stamp)
