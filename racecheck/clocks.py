@@ -36,7 +36,7 @@ from dataclasses import dataclass
 HOST = 0  # index of the first host thread in every vector clock
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per op a checker stamps: no __dict__ each
 class OpStamp:
     """Where an enqueued operation sits in happens-before order."""
 
