@@ -31,8 +31,8 @@ import json
 import sys
 from pathlib import Path
 
-from fuzz.atomic_file import write_json_atomically, write_text_atomically
-from fuzz.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
+from racecheck.atomic_file import write_json_atomically, write_text_atomically
+from racecheck.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
 from fuzz.engine.summary import harness_status, render_summary
 from fuzz.reports import junit_xml, markdown
 
@@ -112,7 +112,7 @@ def verdict(summary: dict) -> int:
     harness = harness_status(summary["campaigns"])
     if harness:
         return harness
-    return USAGE if summary["totals"].get("resource_errors") else CLEAN  # GPU out of memory: no verdict (fuzz.engine.resources)
+    return USAGE if summary["totals"].get("resource_errors") else CLEAN  # GPU out of memory: no verdict (racecheck.resources)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from zeroer.errors import ZeroerError
 from zeroer.offload import HOST_MEMORY
 from zeroer.registry import load_offloader, load_zeroer, zeroer_names
 
-from fuzz.cli import UsageError, check_output
+from racecheck.cli import UsageError, check_output
 from fuzz.engine.campaigns import PROFILES, Profile
 from fuzz.engine.database import parse_database_spec
 from fuzz.engine.journal import JOURNAL_MODES
@@ -199,7 +199,7 @@ def check_writable(flag: str, path: Path, what: str) -> Path:
     """A directory the run will write into, checked before any campaign runs (a finding must not
     be lost to a typo found at the end)."""
     try:
-        return check_output(flag, path, what)  # the commands' check (fuzz/cli.py), as pytest's error
+        return check_output(flag, path, what)  # the commands' check (racecheck/cli.py), as pytest's error
     except UsageError as error:
         raise pytest.UsageError(str(error)) from None
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz import interrupts
+from racecheck import interrupts
 
 # Now, before the imports below (torch alone takes seconds), rather than in pytest_configure. Python's
 # own SIGINT handler raises KeyboardInterrupt wherever the main thread is, and when that is a
@@ -45,7 +45,7 @@ from fuzz.engine.known_bugs import KnownBugs  # noqa: E402
 from fuzz.engine.summary import harness_status, is_unexpected, render_summary, write_summary  # noqa: E402
 from fuzz.engine.trace import read_trace  # noqa: E402
 from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker  # noqa: E402
-from fuzz.cli import USAGE as USAGE_EXIT  # noqa: E402
+from racecheck.cli import USAGE as USAGE_EXIT  # noqa: E402
 from zeroer.errors import ZeroerError  # noqa: E402
 from racecheck.gate import request_hardware_queues  # noqa: E402
 
@@ -400,7 +400,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.INTERRUPTED
     # No verdict where something stood in the way and nothing else went wrong: the harness could
     # not follow or run the zeroer (fuzz.engine.harness_error: 3, or 2 where the user can act),
-    # the GPU ran out of memory (fuzz.engine.resources: 2, run fewer workers); never 1, which
+    # the GPU ran out of memory (racecheck.resources: 2, run fewer workers); never 1, which
     # would say the fuzzer found something.
     if not any(map(is_unexpected, run.results)) and not run.crashed and not interrupted:
         statuses = [harness_status(run.results) or 0] + [USAGE_EXIT for r in run.results if r.get("resource_error")]

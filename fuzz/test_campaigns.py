@@ -12,7 +12,7 @@ import pytest
 from fuzz.engine.campaigns import Campaign, CampaignResult, run_campaign
 from fuzz.engine.database import example_database
 from fuzz.engine.harness_error import HarnessError, harness_error
-from fuzz.engine.resources import ResourceExhausted, raise_if_out_of_memory
+from racecheck.resources import ResourceExhausted, raise_if_out_of_memory
 from fuzz.engine.summary import result_record
 from fuzz.timeline import write_timeline
 
@@ -37,7 +37,7 @@ def test_campaign(campaign: Campaign, fuzz_options_fixture, fuzz_cuda_device, fu
     if result.trace_path is not None:
         record["timeline"] = _timeline(result.trace_path)
     record_property("fuzz", json.dumps(record))
-    if result.resource_error:  # neither a finding nor clean (fuzz.engine.resources)
+    if result.resource_error:  # neither a finding nor clean (racecheck.resources)
         pytest.fail(f"resource error, not judged: {result.resource_error}", pytrace=False)
     if result.harness_error:  # neither a finding nor clean (fuzz.engine.harness_error)
         debug = f"\n{result.harness_details}" if options.debug and result.harness_details else ""

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_json_atomically, write_text_atomically
+from racecheck.atomic_file import write_json_atomically, write_text_atomically
 from fuzz.engine.episode import Episode, ZeroerRaised
 from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.ops import FIELDS

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.cli import UsageError
+from racecheck.cli import UsageError
 from fuzz.engine.episode import CALLER_FAULTS, MAX_ZEROERS, EpisodeConfig
 from fuzz.engine.ops import OpError, check_op
 from fuzz.engine.trace import TRACE_VERSION

@@ -15,7 +15,7 @@ stream, ordered after what by which host thread), so the answers live here once:
 * :mod:`.schedules`: runtimes that order streams on a schedule no torch hook shows (the fuzz
   harness's gated CUDA runtime), announced so that an observer can step aside.
 
-It imports nothing of this project but :mod:`zeroer.errors`.
+It imports nothing of this project; its errors are its own (:mod:`racecheck.errors`).
 """
 
 __distribution__ = "kvzero-fuzz"  # checked by kvzero_fuzz.shadowing

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from racecheck.custom_ops import EffectModel, Effects, host_values, memmove, register
+from racecheck.effects import EffectModel, Effects, host_values, memmove, register
 
 Copies = list[tuple[int, int, int]]  # (source address, destination address, bytes)
 Values = Callable[[torch.Tensor], list[int]]

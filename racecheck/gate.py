@@ -57,7 +57,7 @@ from typing import Literal
 
 import torch
 
-from zeroer.errors import DeadlockError, RuntimeUsageError
+from racecheck.errors import DeadlockError, RuntimeUsageError
 from racecheck import real_cuda
 
 try:  # triton is optional: the simulator and every CPU test must import this module without it

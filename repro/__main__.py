@@ -8,7 +8,7 @@
 * ``regenerate CAMPAIGN --seed N [--profile P]`` or ``regenerate --summary FILE`` reruns a
   campaign with a seed from a summary and writes the same shrunk trace again.
 
-Exit status (:mod:`fuzz.cli`): 0 clean or not reproduced, 1 reproduced or found, 2 bad input (a
+Exit status (:mod:`racecheck.cli`): 0 clean or not reproduced, 1 reproduced or found, 2 bad input (a
 missing or malformed file, an unknown campaign: one line on stderr naming the value and the fix),
 3 a bug in this tool; ``--debug`` adds the traceback. Replaying runs nothing from a trace but its
 ops; the only code it imports is the zeroer factory the trace names.
@@ -21,8 +21,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from fuzz.atomic_file import write_text_atomically
-from fuzz.cli import ArgumentParser, UsageError, check_output, run_main
+from racecheck.atomic_file import write_text_atomically
+from racecheck.cli import ArgumentParser, UsageError, check_output, run_main
 from fuzz.engine.episode import EpisodeConfig
 from fuzz.trace import TraceError, load_trace
 from repro.export import check_output_name, render_script
@@ -156,7 +156,7 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The exit status (:mod:`fuzz.cli`): 0 clean, 1 reproduced or found, 2 bad input, 3 a bug."""
+    """The exit status (:mod:`racecheck.cli`): 0 clean, 1 reproduced or found, 2 bad input, 3 a bug."""
     return run_main(_command, argv, PROG)
 
 

@@ -4,7 +4,7 @@ The script is nanoGPT-shaped (STYLE.md, "repro scripts"): a docstring with where
 from and the exact commands, a block of constants, then one straight line per op, in order, each
 an op record handed to :class:`fuzz.engine.episode.Episode` (the executor the fuzzer and the replayer
 use, so the script cannot drift from them). No Hypothesis. It keeps the exit-status convention of
-every command here (:mod:`fuzz.cli`, through :func:`fuzz.cli.run_main`): 1 when the bug shows, 0
+every command here (:mod:`racecheck.cli`, through :func:`racecheck.cli.run_main`): 1 when the bug shows, 0
 when it does not, 2 for a bad option or a zeroer that cannot run here, 3 for a bug of kvzero-fuzz,
 each error one line on stderr and never a traceback (``--debug`` adds it), so that a script that
 crashed can never pass for one that reproduced. It takes ``--backend``, ``--mode``, ``--repeat``
@@ -27,7 +27,7 @@ import keyword
 import re
 from pathlib import Path
 
-from fuzz.environment import describe
+from racecheck.environment import describe
 from fuzz.engine.episode import Episode
 from fuzz.trace import Trace
 

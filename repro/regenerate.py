@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuzz.cli import UsageError
+from racecheck.cli import UsageError
 from fuzz.engine.campaigns import PROFILES, Campaign, CampaignResult, default_campaigns, offload_campaigns, run_campaign
 
 

@@ -1,7 +1,7 @@
 """``python -m sanitizer [options] -- python my_script.py [args]``: sanitize a program.
 
 The program runs in this process, under the sanitizer (``python -m MODULE`` works too), and then
-every distinct race is printed once, with how often it happened. Exit status (fuzz/cli.py): 0 no
+every distinct race is printed once, with how often it happened. Exit status (racecheck/cli.py): 0 no
 race, 1 a race, 2 a usage error, a program that failed with no race, or something the sanitizer
 cannot follow, 3 a bug of the sanitizer. Interrupted (Ctrl-C, SIGTERM), it prints the races seen
 so far and exits 1, or exits 130 when it had seen none; ``--json`` is written only by a whole run.
@@ -20,9 +20,9 @@ import runpy
 import sys
 from pathlib import Path
 
-import fuzz.interrupts as interrupts
-from fuzz.atomic_file import write_json_atomically
-from fuzz.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
+import racecheck.interrupts as interrupts
+from racecheck.atomic_file import write_json_atomically
+from racecheck.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
 from sanitizer.gpu.forcing import HOLD_LIMIT_S
 from sanitizer.races import distinct
 from sanitizer.runner import BACKENDS, Outcome, prepare, sanitize

@@ -47,7 +47,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Register the sanitizer for this run when it asks for it."""
-    from fuzz.cli import USAGE, UsageError
+    from racecheck.cli import USAGE, UsageError
 
     try:
         _configure(config)
@@ -56,7 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _configure(config: pytest.Config) -> None:
-    from fuzz.cli import UsageError
+    from racecheck.cli import UsageError
 
     asked = config.getoption("kvz_sanitize", False) or config.getoption("kvz_sanitize_force", False)
     backend = config.getoption("kvz_sanitize_backend", None)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fuzz.cli import UsageError
+from racecheck.cli import UsageError
 from sanitizer.races import Access, Race
 
 BACKENDS = ("auto", "cuda", "sim")

@@ -43,7 +43,7 @@ class RaisingZeroer:
 
 class OutOfMemoryZeroer:
     """A zeroer whose call hits CUDA's out-of-memory error (what too many workers on one GPU
-    get): a resource error, exit status 2, never a finding (fuzz.engine.resources)."""
+    get): a resource error, exit status 2, never a finding (racecheck.resources)."""
 
     def __init__(self, cache, runtime) -> None:
         self.cache = cache

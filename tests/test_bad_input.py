@@ -1,6 +1,6 @@
 """Every bad input of every command: its exit status and its one line, as docs/bad-input.md lists them.
 
-The convention (fuzz/cli.py): 0 clean, 1 a finding, 2 a usage or input error (ONE line naming the
+The convention (racecheck/cli.py): 0 clean, 1 a finding, 2 a usage or input error (ONE line naming the
 value and the fix, no traceback), 3 a bug in the tool. Each row of :data:`ROWS` is one test and
 one line of the table in docs/bad-input.md; :func:`test_the_table_lists_every_row` keeps the two
 in step, and ``python tests/test_bad_input.py`` prints the table to paste there.
@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from fuzz.cli import ArgumentParser, run_main
+from racecheck.cli import ArgumentParser, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = "repro/cases/ring_overrun.json"  # the trace the trace rows edit
@@ -538,7 +538,7 @@ def pytest_server():
     log.close()
 
 
-# -- fuzz/cli.py itself ---------------------------------------------------------------------------------------
+# -- racecheck/cli.py itself ---------------------------------------------------------------------------------------
 
 def _boom(argv: list[str]) -> int:
     raise KeyError("planted")

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from fuzz.cli import USAGE
+from racecheck.cli import USAGE
 from sanitizer.bench.engine_shapes import BY_NAME, MAX_TRACE_OPS, PAIRS, judge_side, main, plugin_races
 
 LOOPS = sorted(pair.name for pair in PAIRS if not pair.racy.pytest and pair.name != "sglang-hicache-27444")

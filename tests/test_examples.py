@@ -104,7 +104,7 @@ def test_each_example_is_judged_rightly_where_it_declares_it_runs(spec, verdict,
     if resource_error and resource_error.startswith("the GPU faulted") and verdict == "racy":
         # The forced schedule ran the kernel before its ids were copied: it read uninitialised
         # memory as ids and faulted (seen on the H200 with side_stream_copy_event_on_caller).
-        # The race's own consequence, but no verdict the tool can claim (fuzz.engine.resources).
+        # The race's own consequence, but no verdict the tool can claim (racecheck.resources).
         pytest.xfail(resource_error)
     assert not resource_error, resource_error
     assert found == (verdict == "racy")

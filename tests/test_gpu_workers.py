@@ -8,7 +8,7 @@ import torch
 
 from fuzz.bench.detect.report import judge, summarize
 from fuzz.engine.gpu_workers import CONTEXT_BYTES, GIB, plan_workers, worker_bytes
-from fuzz.engine.resources import ResourceExhausted, is_out_of_memory, raise_if_out_of_memory
+from racecheck.resources import ResourceExhausted, is_out_of_memory, raise_if_out_of_memory
 from zeroer.cache.geometries import geometry
 
 

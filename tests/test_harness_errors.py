@@ -217,7 +217,7 @@ def test_an_attribute_the_documented_cache_lacks_is_the_users_to_fix_and_a_stand
 
 
 def test_a_gpu_fault_is_a_resource_error_and_the_processs_later_cuda_campaigns_stop_at_once(tmp_path, monkeypatch):
-    from fuzz.engine import resources
+    from racecheck import resources
 
     monkeypatch.setattr(resources, "_LOST", [])
     result = _run("FaultsTheGpu", tmp_path)

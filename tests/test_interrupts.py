@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz import interrupts
+from racecheck import interrupts
 from fuzz.engine.campaigns import default_campaigns
 from fuzz.engine.summary import render_summary
 from fuzz.trace import load_trace
@@ -803,7 +803,7 @@ DROPPED_IN_A_CALLBACK = """
 import os, signal, sys, weakref
 if sys.argv[1] == "plugin":
     import fuzz.plugin
-from fuzz import interrupts
+from racecheck import interrupts
 
 class Held:
     pass
@@ -835,7 +835,7 @@ def test_a_sigint_python_drops_still_marks_the_run_interrupted_once_the_plugin_i
 BROKEN_BY_THE_SIGNAL = """
 import pytest
 
-from fuzz import interrupts
+from racecheck import interrupts
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -19,7 +19,7 @@ import pytest
 from fuzz.engine.campaigns import PROFILES, run_campaign
 from fuzz.engine.episode import EpisodeConfig
 from fuzz.engine.harness_error import HarnessError
-from fuzz.engine.resources import ResourceExhausted
+from racecheck.resources import ResourceExhausted
 from fuzz.engine.trace import write_trace
 from fuzz.trace import load_trace
 from repro.__main__ import main
@@ -208,7 +208,7 @@ def test_regenerate_explains_bad_input_and_exits_2(args, message, capsys):
 def test_a_finding_saved_after_ctrl_c_does_not_wait_for_the_gpu_probe(tmp_path, monkeypatch):
     """On a busy GPU the probe (CUDA's initialisation, nvidia-smi) took seconds after the signal;
     the trace saved on the way out records the versions and says the GPU was not probed."""
-    from fuzz import environment as probe
+    from racecheck import environment as probe
     from fuzz.engine.campaigns import Campaign, _save_interrupted
     from fuzz.engine.oracle import Finding
     from fuzz.engine.violation import ZeroerViolation

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from fuzz import interrupts
+from racecheck import interrupts
 from fuzz.engine import minimize as minimize_module
 from fuzz.engine.campaigns import PROFILES, Campaign, default_campaigns, run_campaign
 from fuzz.engine.episode import EpisodeConfig, run_ops

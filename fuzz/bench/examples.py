@@ -14,7 +14,7 @@ A file of plain torch zeroers (``examples/engine_zeroers.py``: written the way v
 
 The targets, each reported beside its number: a race-free factory has no finding, a racy one is
 found in every campaign, every shrunk trace is at most :data:`MAX_TRACE_OPS` ops, and every replay
-shows it; nothing is a harness or resource error. Exit status (:mod:`fuzz.cli`): 0 when every
+shows it; nothing is a harness or resource error. Exit status (:mod:`racecheck.cli`): 0 when every
 target is met, 1 when one is missed, 2 for bad arguments (one line naming the value), 3 for a
 harness error or a bug in this tool.
 
@@ -41,12 +41,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_json_atomically
+from racecheck.atomic_file import write_json_atomically
 from fuzz.bench.speed import machine
-from fuzz.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive, run_main
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive, run_main
 from fuzz.engine.campaigns import PROFILES, Campaign, default_campaigns, run_campaign
 from fuzz.engine.episode import count_shown
-from fuzz.engine.resources import ResourceExhausted
+from racecheck.resources import ResourceExhausted
 from fuzz.engine.summary import harness_status, not_judged, result_record
 from fuzz.trace import load_trace
 from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES
@@ -161,7 +161,7 @@ def run_jobs(jobs: Iterable[Job], workers: int, follow_up: Callable[[dict], list
             yield record
     else:
         context = multiprocessing.get_context("spawn")  # a forked torch can hang in its thread pools
-        # On cuda each job gets a process of its own: a GPU fault (fuzz.engine.resources.DeviceFault)
+        # On cuda each job gets a process of its own: a GPU fault (racecheck.resources.DeviceFault)
         # leaves a process's CUDA context unusable, and must not take the jobs after it down too.
         fresh = {"max_tasks_per_child": 1} if device is not None else {}
         with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,

@@ -14,7 +14,7 @@ Run it::
     python -m fuzz.bench.intercept --backend cuda --mode controlled --json h200-intercept-cost-$(date +%Y-%m).json
     python -m fuzz.bench.intercept --quick        # CI: a tiny run, that it still works
 
-Exit status (:mod:`fuzz.cli`) 0, 2 for a bad command line (one line naming the value), 3 for a bug
+Exit status (:mod:`racecheck.cli`) 0, 2 for a bad command line (one line naming the value), 3 for a bug
 in this tool (a race-free design with a finding is one); the goal is reported, not judged.
 """
 
@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_json_atomically
-from fuzz.cli import CLEAN, ArgumentParser, check_output, run_main
+from racecheck.atomic_file import write_json_atomically
+from racecheck.cli import CLEAN, ArgumentParser, check_output, run_main
 from fuzz.bench.stats import median
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig
-from fuzz.environment import describe, environment
+from racecheck.environment import describe, environment
 from zeroer.cache.geometries import GEOMETRIES as PRESETS
 
 PAIRS = (("examples/engine_zeroers.py:fresh_pinned_per_call", "examples/runtime_zeroer.py:RuntimePerCall"),)
@@ -80,7 +80,7 @@ def run(backend: str, mode: str, geometries: tuple[str, ...], rounds: int, examp
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The exit status (:mod:`fuzz.cli`; see the module docstring)."""
+    """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
     return run_main(_main, argv, PROG)
 
 

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_json_atomically
+from racecheck.atomic_file import write_json_atomically
 from fuzz.bench.detect.run import FUZZ, Job, run_jobs
-from fuzz.cli import ArgumentParser, UsageError, check_output, run_main
+from racecheck.cli import ArgumentParser, UsageError, check_output, run_main
 from fuzz.engine.episode import EpisodeConfig
-from fuzz.environment import environment
+from racecheck.environment import environment
 
 PROG = "python -m fuzz.bench.offload"
 DEFAULT_FILE = "examples/engine_offloaders.py"  # relative to the working directory: run from the checkout

@@ -18,7 +18,7 @@ Run it (CPU only; the ``ci`` profile and seeds 1..10 by default)::
     python -m fuzz.bench.selfcheck --geometry tiny             # the self-checks on tiny
     python -m fuzz.bench.selfcheck -k ring_overrun,no-free-fence --seeds 20 --json out.json
 
-The exit status (:mod:`fuzz.cli`) is 1 when a self-check missed on any seed, 2 for bad arguments
+The exit status (:mod:`racecheck.cli`) is 1 when a self-check missed on any seed, 2 for bad arguments
 (one line naming the value), 3 for a bug in this tool, 0 otherwise.
 """
 
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_json_atomically
-from fuzz.cli import CLEAN, FINDING, ArgumentParser, check_output, positive, run_main
+from racecheck.atomic_file import write_json_atomically
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output, positive, run_main
 from fuzz.bench.speed import machine
 from fuzz.engine.campaigns import FINDS_BUDGET_FACTOR, PROFILES, Campaign, default_campaigns, run_campaign
 
@@ -120,7 +120,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The exit status (:mod:`fuzz.cli`; see the module docstring)."""
+    """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
     return run_main(_main, argv, PROG)
 
 

@@ -12,7 +12,7 @@ Two measurements, both through :func:`fuzz.engine.campaigns.run_campaign`, the c
 
 Staged designs use the torch kernel on the simulator (as the sim campaigns do) and their default
 kernel on cuda. Each result is set beside its target (:data:`TARGETS`); missing one makes no
-difference to the exit status (:mod:`fuzz.cli`), which is 0 unless the command line is bad (2, one
+difference to the exit status (:mod:`racecheck.cli`), which is 0 unless the command line is bad (2, one
 line naming the value) or the script itself fails (3). Traces of findings go
 to a temporary directory, never to ``repro/failures``, and no example database is used.
 
@@ -40,9 +40,9 @@ from typing import Any
 import hypothesis
 import torch
 
-from fuzz.atomic_file import write_json_atomically
+from racecheck.atomic_file import write_json_atomically
 from fuzz.bench.stats import spread
-from fuzz.cli import ArgumentParser, check_output, run_main
+from racecheck.cli import ArgumentParser, check_output, run_main
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig
 
@@ -305,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The exit status (:mod:`fuzz.cli`; see the module docstring)."""
+    """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
     return run_main(_main, argv, PROG)
 
 

@@ -44,12 +44,12 @@ from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.journal import Journal
 from fuzz.engine.known_bugs import KnownBug, KnownBugs, SameBug
 from fuzz.engine.machine import BudgetSpent, CampaignStats, ShrinkBoundReached, machine_for
-from fuzz.engine.resources import ResourceExhausted
+from racecheck.resources import ResourceExhausted
 from fuzz.engine.shrink import ShrinkPlan, plan_for, shrink_bound, shrink_finding
 from fuzz.engine.trace import write_trace
 from fuzz.engine.violation import ZeroerViolation
-from fuzz.interrupts import interrupted
-from fuzz.environment import environment
+from racecheck.interrupts import interrupted
+from racecheck.environment import environment
 from zeroer.cache.geometries import geometry_names
 from zeroer.designs import StagedZeroer
 from zeroer.offload import HOST_MEMORY
@@ -374,7 +374,7 @@ def run_campaign(
         pass  # the clock ran out with nothing found
     except SameBug as same:  # another campaign of the run has shrunk this bug: not a second time
         result.violation, result.same_as = same.violation, same.known
-    except ResourceExhausted as error:  # no verdict either way (fuzz.engine.resources)
+    except ResourceExhausted as error:  # no verdict either way (racecheck.resources)
         result.resource_error = str(error)
     except HarnessError as error:  # no verdict either way (fuzz.engine.harness_error)
         result.harness_error, result.harness_status, result.harness_details = error.message, error.status, error.details
@@ -393,7 +393,7 @@ def run_campaign(
             # The signal's KeyboardInterrupt landed inside Hypothesis's own bookkeeping, which
             # then failed on its own (seen once in CI: a bare AssertionError from its stateful
             # runner, SIGTERM 0.74 s into a run of a race-free zeroer). After Ctrl-C nothing is
-            # a verdict (fuzz.interrupts): an interruption, never a failed campaign.
+            # a verdict (racecheck.interrupts): an interruption, never a failed campaign.
             interruption = KeyboardInterrupt("the run was interrupted")
             _save_interrupted(interruption, stats.smallest, repro_dir, run_seed, campaign)
             raise interruption from error

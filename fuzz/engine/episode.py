@@ -44,11 +44,12 @@ import numpy as np
 import torch
 
 from fuzz.engine.cache_pool import CachePool
+from fuzz.engine.component import OFFLOADER_CALL
 from fuzz.engine.harness_error import factory_error, harness_error, raise_if_harness
 from fuzz.engine.ops import OPS, check_op
 from fuzz.engine.oracle import Finding, Shadow, all_rows_match
-from fuzz.engine.resources import raise_if_gpu_lost, raise_if_resource
-from fuzz.interrupts import interrupted
+from racecheck.resources import raise_if_gpu_lost, raise_if_resource
+from racecheck.interrupts import interrupted
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import CacheSpec, KVCache, build_cache
 from zeroer.errors import ZeroerError
@@ -59,7 +60,6 @@ from zeroer.runtime import Event, make_runtime
 
 CALLER_FAULTS = ("no-free-fence", "no-zero-wait")
 MAX_ZEROERS = 4
-OFFLOADER_CALL = "the offloader's "  # how an offloader's call is named (fuzz.engine.offload)
 _HARNESS_OPS = ("write#", "read#", "poison#", "record#", "wait#", "hold#", "delay(")  # the caller's own ops
 
 __all__ = ["CALLER_FAULTS", "OPS", "CachePool", "Episode", "EpisodeConfig", "ZeroerRaised", "run_ops"]
@@ -197,14 +197,14 @@ class Episode:
         self.findings: list[Finding] = []
         self.in_flight = 1
         self._steps_queued: deque[Event] = deque()
-        self._owners = 0
+        self.owners = 0
         self._hazards_seen = 0
         self.fresh_findings: list[Finding] = []  # value findings made during an op (an offloader's poll)
         self.offload: Any = None
         self.in_op = False  # an op is running: an interruption now leaves the episode unjudgeable
         self.finished = False
         for group in self.groups:
-            with self._factory_call("zeroer", self.loaded.spec, "(cache, runtime)"):
+            with self.factory_call("zeroer", self.loaded.spec, "(cache, runtime)"):
                 group.zeroer = self.loaded.build(group.cache, self.rt, **kernel_options(config.zeroer, config.kernel))
         if config.offloader is not None:
             from fuzz.engine.offload import OffloadSide  # an offload campaign only
@@ -241,7 +241,7 @@ class Episode:
     def step(self) -> int:
         return len(self.trace)
 
-    def _stream(self, index: int):
+    def stream_of(self, index: int):
         if not 0 <= index < len(self.streams):
             raise ValueError(f"stream {index} does not exist; this episode has {len(self.streams)} (valid: 0..{len(self.streams) - 1})")
         return self.streams[index]
@@ -251,26 +251,26 @@ class Episode:
             raise ValueError(f"cache {index} does not exist; this episode has {len(self.groups)} (valid: 0..{len(self.groups) - 1})")
         return self.groups[index]
 
-    def _note(self, text: str) -> str:
+    def note(self, text: str) -> str:
         return f"step {self.step} {text}"
 
-    def _zeroer_call(self, group: CacheGroup, what: str) -> "_ZeroerCall":
+    def component_call(self, group: CacheGroup, what: str) -> "_ZeroerCall":
         return _ZeroerCall(self, group, what)
 
-    def _factory_call(self, component: str, spec: str, signature: str) -> "_FactoryCall":
+    def factory_call(self, component: str, spec: str, signature: str) -> "_FactoryCall":
         return _FactoryCall(self, component, spec, signature)
 
-    def _order_before(self, group: CacheGroup, block: int, stream: int, skip_kinds: tuple[str, ...] = ()) -> None:
+    def order_before(self, group: CacheGroup, block: int, stream: int, skip_kinds: tuple[str, ...] = ()) -> None:
         last = group.last.get(block)
         if last is not None and last.stream != stream and last.kind not in skip_kinds:
-            self.rt.wait_event(last.event, stream=self._stream(stream))
+            self.rt.wait_event(last.event, stream=self.stream_of(stream))
 
     def _accessed(self, group: CacheGroup, blocks: list[int], stream: int, kind: str) -> None:
-        event = self.rt.record_event(stream=self._stream(stream))
+        event = self.rt.record_event(stream=self.stream_of(stream))
         for block in blocks:
             group.last[block] = _Access(stream, event, kind)
 
-    def _device_work(self, fn: Any, *args: Any) -> Any:
+    def device_work(self, fn: Any, *args: Any) -> Any:
         """Run a runtime call that may execute queued device work. An op of the zeroer's that
         raises there (the runtime notes which op it was) is the zeroer's finding; one of the
         harness's own is an internal error."""
@@ -300,13 +300,13 @@ class Episode:
                     group.cache.fill_pages([0], 0)  # the write/poison kernel
                     for words in group.cache.block_words(0):
                         words.clone()  # the read kernel
-                    with self._zeroer_call(group, "warmup"):
+                    with self.component_call(group, "warmup"):
                         group.zeroer.warmup(group.cache.spec.num_blocks)
             if self.offload is not None:  # the harness's own zeroer is not under test: drain it first
-                self._device_work(self.rt.synchronize)
+                self.device_work(self.rt.synchronize)
                 self.offload.warmup()
         if self.config.warmup_sync and self.offload is None:  # not the stricter caller (docs/contract.md)
-            self._device_work(self.rt.synchronize)
+            self.device_work(self.rt.synchronize)
         self._settle_outside_work()
 
     def _new_cache(self, spec: CacheSpec) -> KVCache:
@@ -335,11 +335,11 @@ class Episode:
         ids = [group.free.popleft() for _ in range(n)]
         skip = ("poison", "zero", "write", "read") if self.config.caller_fault == "no-free-fence" else ()
         for block in ids:
-            self._order_before(group, block, stream, skip)  # caller promise (a)
-        self._owners += 1
+            self.order_before(group, block, stream, skip)  # caller promise (a)
+        self.owners += 1
         handed = _container(ids, ids_as)
-        with self.rt.use_stream(self._stream(stream)), self.rt.annotate(f"step {self.step} allocate_blocks"), \
-                self.rt.block_space(group.index), self._zeroer_call(group, f"zero_block_ids({ids})"):
+        with self.rt.use_stream(self.stream_of(stream)), self.rt.annotate(f"step {self.step} allocate_blocks"), \
+                self.rt.block_space(group.index), self.component_call(group, f"zero_block_ids({ids})"):
             group.zeroer.zero_block_ids(handed)
         # The list is the caller's again (promise 3): reuse it for something else, or let it go.
         if then == "scribble":
@@ -348,13 +348,13 @@ class Episode:
         elif then == "drop":
             del handed
         many = len(self.groups) > 1
-        note = self._note(f"allocate_blocks: {group.label(many)}zero_block_ids({ids}) on stream {stream}")
+        note = self.note(f"allocate_blocks: {group.label(many)}zero_block_ids({ids}) on stream {stream}")
         for block in ids:
-            group.shadow.zeroed(block, self._owners, note)
+            group.shadow.zeroed(block, self.owners, note)
         self._accessed(group, ids, stream, "zero")
         return ids
 
-    def _check_live(self, group: CacheGroup, block: int, what: str) -> None:
+    def check_live(self, group: CacheGroup, block: int, what: str) -> None:
         if not isinstance(block, int) or not 0 <= block < len(group.shadow.blocks):
             raise ValueError(f"{what} block {block!r}: cache {group.index} has blocks 0..{len(group.shadow.blocks) - 1}")
         if group.shadow.blocks[block].state != "live":
@@ -367,24 +367,24 @@ class Episode:
 
     def _op_write(self, block: int, stream: int = 0, cache: int = 0) -> None:
         group = self._group(cache)
-        self._check_live(group, block, "write")
+        self.check_live(group, block, "write")
         self._check_not_offloading(block, "write")
         skip = ("zero",) if self.config.caller_fault == "no-zero-wait" else ()
-        self._order_before(group, block, stream, skip)  # caller promise (b)
-        value = group.shadow.written(block, self._note(f"write_block on stream {stream}"))
+        self.order_before(group, block, stream, skip)  # caller promise (b)
+        value = group.shadow.written(block, self.note(f"write_block on stream {stream}"))
         pages = group.cache
         with self.rt.annotate(f"step {self.step} write_block"), self.rt.block_space(group.index):
-            self.rt.launch(lambda: pages.fill_pages([block], value), name="write", stream=self._stream(stream), blocks_written=[block])
+            self.rt.launch(lambda: pages.fill_pages([block], value), name="write", stream=self.stream_of(stream), blocks_written=[block])
         self._accessed(group, [block], stream, "write")
 
     def _op_read(self, block: int, stream: int = 0, cache: int = 0) -> None:
         group = self._group(cache)
-        self._check_live(group, block, "read")
+        self.check_live(group, block, "read")
         skip = ("zero",) if self.config.caller_fault == "no-zero-wait" else ()
-        self._order_before(group, block, stream, skip)
-        self._read_capture(group, block, stream, where=f"step {self.step} read_block on stream {stream}")
+        self.order_before(group, block, stream, skip)
+        self.read_capture(group, block, stream, where=f"step {self.step} read_block on stream {stream}")
 
-    def _read_capture(self, group: CacheGroup, block: int, stream: int, where: str, kind: str | None = None) -> None:
+    def read_capture(self, group: CacheGroup, block: int, stream: int, where: str, kind: str | None = None) -> None:
         """Read ``block`` on ``stream`` (the caller has ordered it) and keep what it saw for the verdict."""
         shadow = group.shadow.blocks[block]
         capture = _Capture(block, shadow.expect, where, list(shadow.history), kind=kind)
@@ -394,40 +394,40 @@ class Episode:
             capture.data = [words.clone() for words in pages.block_words(block)]
 
         with self.rt.annotate(f"step {self.step} read_block"), self.rt.block_space(group.index):
-            self.rt.launch(read, name="read", stream=self._stream(stream), blocks_read=[block])
+            self.rt.launch(read, name="read", stream=self.stream_of(stream), blocks_read=[block])
         group.captures.append(capture)
         self._accessed(group, [block], stream, "read")
 
     def _op_free(self, block: int, cache: int = 0) -> None:
         group = self._group(cache)
-        self._check_live(group, block, "free")
+        self.check_live(group, block, "free")
         self._check_not_offloading(block, "free")
         last = group.last[block]
-        group.shadow.freed(block, self._note("free_block, then poisoned"))
+        group.shadow.freed(block, self.note("free_block, then poisoned"))
         pages = group.cache
         # The page's next tenant (fp32 Mamba state) leaves NaN bytes behind; ordered after the
         # block's last access on that access's stream.
         with self.rt.annotate(f"step {self.step} free_block"), self.rt.block_space(group.index):
-            self.rt.launch(lambda: pages.poison([block]), name="poison", stream=self._stream(last.stream), blocks_written=[block])
+            self.rt.launch(lambda: pages.poison([block]), name="poison", stream=self.stream_of(last.stream), blocks_written=[block])
         self._accessed(group, [block], last.stream, "poison")
         group.free.append(block)
 
     def _op_advance(self, stream: int, ops: int = 1) -> int:
-        return self._device_work(self.rt.advance, self._stream(stream), ops)
+        return self.device_work(self.rt.advance, self.stream_of(stream), ops)
 
     def _op_delay(self, stream: int, amount: int = 1) -> None:
-        self.rt.delay(self._stream(stream), amount)
+        self.rt.delay(self.stream_of(stream), amount)
 
     def _op_end_step(self) -> None:
         self._steps_queued.append(self.rt.record_event(stream=self.streams[0]))
         while len(self._steps_queued) > self.in_flight:
-            self._device_work(self.rt.synchronize_event, self._steps_queued.popleft())
+            self.device_work(self.rt.synchronize_event, self._steps_queued.popleft())
 
     def _op_sync_stream(self, stream: int) -> None:
-        self._device_work(self.rt.synchronize_stream, self._stream(stream))
+        self.device_work(self.rt.synchronize_stream, self.stream_of(stream))
 
     def _op_sync_device(self) -> None:
-        self._device_work(self.rt.synchronize)
+        self.device_work(self.rt.synchronize)
 
     # -- offload ops (fuzz.engine.offload) -------------------------------------------------------
     def _offload_side(self, op: str) -> Any:
@@ -436,11 +436,11 @@ class Episode:
         return self.offload
 
     def _op_store(self, block: int, stream: int = 0) -> int:
-        self._stream(stream)  # checked before anything changes
+        self.stream_of(stream)  # checked before anything changes
         return self._offload_side("store").store(block, stream)
 
     def _op_load(self, slot: int, stream: int = 0, oldest: int = 0) -> int:
-        self._stream(stream)
+        self.stream_of(stream)
         return self._offload_side("load").load(slot, stream, bool(oldest))
 
     def _op_evict(self, slot: int) -> None:
@@ -452,7 +452,7 @@ class Episode:
     def _op_poll(self, sync: int = 0) -> list[int]:
         side = self._offload_side("poll")
         if sync:  # the caller waits for the whole device first
-            self._device_work(self.rt.synchronize)
+            self.device_work(self.rt.synchronize)
         return side.poll()
 
     def _op_reallocate(self, cache: int = 0) -> None:
@@ -468,7 +468,7 @@ class Episode:
                 f"reallocate: zeroer {self.config.zeroer!r} does not declare "
                 f"Capabilities(follows_reallocation=True)"
             )
-        self._device_work(self.rt.synchronize)
+        self.device_work(self.rt.synchronize)
         fresh = self._new_cache(group.cache.spec)
         for new, old in zip(fresh.raws, group.cache.raws):
             new.copy_(old)
@@ -508,7 +508,7 @@ class Episode:
         if self.finished:
             return self.findings
         self.finished = True
-        self._device_work(self.rt.synchronize)
+        self.device_work(self.rt.synchronize)
         self.new_hazard_findings()
         if self.offload is not None:
             self.offload.finish()
@@ -531,7 +531,7 @@ class Episode:
                 self.offload.close()
             for group in self.groups:
                 if group.zeroer is not None:
-                    with self._zeroer_call(group, "close"):
+                    with self.component_call(group, "close"):
                         group.zeroer.close()
         finally:
             self.rt.close()

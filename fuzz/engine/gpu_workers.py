@@ -5,7 +5,7 @@ holds a CUDA context and, for ``zoo.int32_offset_4gib``, caches of 5 GiB (twice,
 with two zeroers). So the parallelism of a cuda run is sized here from what a worker needs (its
 largest cache, how many caches an episode holds) and what each GPU has free, and the run says
 what it chose. An out-of-memory error that still happens is a resource error
-(:mod:`fuzz.engine.resources`), never a verdict.
+(:mod:`racecheck.resources`), never a verdict.
 
 Example::
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import traceback
 
-from fuzz.engine.resources import raise_if_device_fault
+from racecheck.cli import register_exit_status
+from racecheck.resources import raise_if_device_fault
 from zeroer.origin import HARNESS_BUG, USER_FIXABLE, blame
 
 __all__ = ["HARNESS_BUG", "USER_FIXABLE", "HarnessError", "factory_error", "harness_error", "raise_if_harness"]
@@ -50,6 +51,11 @@ class HarnessError(BaseException):
         self.details = details
 
 
+# A command that meets one ends with its own line and status (racecheck.cli's convention); --debug
+# prints the traceback it carries (the one of the error it stands for).
+register_exit_status(HarnessError, lambda error, prog: (error.status, f"{prog}: {error.message}", error.details))
+
+
 def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
@@ -60,7 +66,7 @@ def harness_error(error: BaseException, during: str, *, step: int | None = None,
 
     ``where`` is the zeroer's ``file:line (code)`` the call came from, when there is one;
     ``status`` by default 2 for a refusal that names its fix (``user_fixable``), else 3. A CUDA
-    fault is neither: it raises :class:`~fuzz.engine.resources.DeviceFault` instead, whose code
+    fault is neither: it raises :class:`~racecheck.resources.DeviceFault` instead, whose code
     it surfaced in says nothing about whose it is (the error is reported at a later CUDA call)."""
     raise_if_device_fault(error, during)
     if status is None:

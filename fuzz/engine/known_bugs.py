@@ -15,7 +15,7 @@ small JSON file per signature, named by the signature's key:
 * **registering**: a campaign that shrank a finding registers it only once its trace file is
   written, with that trace's path, for the signature of its first failing example and that of
   its shrunk trace (Hypothesis took the one to the other, so both are this bug). Each file is
-  written whole or not at all (:mod:`fuzz.atomic_file`); an entry that names a trace still on disk
+  written whole or not at all (:mod:`racecheck.atomic_file`); an entry that names a trace still on disk
   is kept, so the first campaign to finish stays the owner;
 * **looking up**: every failing example of every campaign is looked up
   (:meth:`KnownBugs.check`, from ``ZeroerMachine._fail``). A hit raises :class:`SameBug`, an
@@ -42,7 +42,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fuzz.atomic_file import write_json_atomically
+from racecheck.atomic_file import write_json_atomically
 from fuzz.engine.bugs import same_bug_message
 from fuzz.engine.signature import Signature, violation_signature
 from fuzz.engine.violation import ZeroerViolation

@@ -47,9 +47,9 @@ from fuzz.engine.journal import Journal
 from fuzz.engine.known_bugs import KnownBugs
 from fuzz.engine.ops import IDS_AS, THEN
 from fuzz.engine.oracle import Finding
-from fuzz.engine.resources import raise_if_resource
+from racecheck.resources import raise_if_resource
 from fuzz.engine.violation import ZeroerViolation
-from fuzz.interrupts import interrupted
+from racecheck.interrupts import interrupted
 
 # Every simulator campaign's examples share one pool of KV caches (fuzz.engine.cache_pool says
 # why that is safe); building a fresh cache was the largest part of starting an example.
@@ -73,7 +73,7 @@ class ShrinkBoundReached(KeyboardInterrupt):
     passes through Hypothesis at once, as :class:`BudgetSpent` does, and
     :func:`~fuzz.engine.campaigns.run_campaign` reports the smallest program so far
     (:attr:`CampaignStats.smallest`) as the finding, marked cut off. A real Ctrl-C is a plain
-    KeyboardInterrupt (and :func:`~fuzz.interrupts.interrupted` is set), never this class."""
+    KeyboardInterrupt (and :func:`~racecheck.interrupts.interrupted` is set), never this class."""
 
 
 @dataclass
@@ -183,7 +183,7 @@ class ZeroerMachine(RuleBasedStateMachine):
     def _fail(self, findings: list[Finding], trace: list[dict]) -> None:
         if self.episode is not None:
             self.episode.abandon()
-        if interrupted():  # a verdict reached after Ctrl-C is not trusted (fuzz.interrupts)
+        if interrupted():  # a verdict reached after Ctrl-C is not trusted (racecheck.interrupts)
             raise KeyboardInterrupt("the run was interrupted")
         violation = ZeroerViolation(findings, trace, self.config)
         if self.stats is not None:
@@ -239,7 +239,7 @@ class ZeroerMachine(RuleBasedStateMachine):
         if then != "keep":
             op["then"] = then
         ids = self._apply(**op)
-        return multiple(*(BlockRef(b, group.index, self.episode._owners) for b in ids))
+        return multiple(*(BlockRef(b, group.index, self.episode.owners) for b in ids))
 
     def _usable(self, block: BlockRef, *, reading: bool = False) -> bool:
         """Whether the caller may touch ``block`` now: an offload job on it keeps it from the caller
@@ -374,7 +374,7 @@ class OffloadMachine(ZeroerMachine):
             if self.episode.offload.slots[chosen].state != "stored" or not self.episode.groups[0].free:
                 return multiple()  # not reported even then: the end of the episode judges it
         block = self._apply(op="load", slot=chosen, stream=self._n_streams(stream), **({"oldest": 1} if oldest else {}))
-        return BlockRef(block, 0, self.episode._owners)
+        return BlockRef(block, 0, self.episode.owners)
 
     @precondition(lambda self: self._enabled("evict_slot") and bool(self._slots(evictable=True)))
     @rule(slot=st.integers(0, 7))

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fuzz.engine.oracle import Finding, Shadow
 from zeroer.cache.geometries import geometry
@@ -53,10 +53,8 @@ from zeroer.cache.layout import POISON_WORD
 from zeroer.offload import build_host_pool
 from zeroer.registry import load_offloader
 
-from fuzz.engine.episode import OFFLOADER_CALL
+from fuzz.engine.component import OFFLOADER_CALL, CallerCore
 
-if TYPE_CHECKING:
-    from fuzz.engine.episode import Episode
 
 WARMUP_JOBS = (0, 1)  # the warm-up's store and load of block 0 / slot 0; the caller's jobs start at 2
 
@@ -82,7 +80,7 @@ class SlotShadow:
 class OffloadSide:
     """See the module docstring: built by :class:`~fuzz.engine.episode.Episode` when its config names an offloader."""
 
-    def __init__(self, episode: "Episode") -> None:
+    def __init__(self, episode: CallerCore) -> None:
         config = episode.config
         self.episode = episode
         self.loaded = load_offloader(config.offloader)
@@ -96,7 +94,7 @@ class OffloadSide:
         self.next_job = WARMUP_JOBS[-1] + 1
         self.offloader: Any = None
         group = episode.groups[0]
-        with episode.rt.block_space(group.index), episode._factory_call("offloader", self.spec, "(cache, host_pool, runtime)"):
+        with episode.rt.block_space(group.index), episode.factory_call("offloader", self.spec, "(cache, host_pool, runtime)"):
             self.offloader = self.loaded.build(group.cache, self.pool, episode.rt)
 
     # -- labels ---------------------------------------------------------------------------------------
@@ -105,7 +103,7 @@ class OffloadSide:
         return self.loaded.spec
 
     def _call(self, what: str) -> Any:
-        return self.episode._zeroer_call(self.episode.groups[0], OFFLOADER_CALL + what)
+        return self.episode.component_call(self.episode.groups[0], OFFLOADER_CALL + what)
 
     # -- warm-up --------------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -118,10 +116,10 @@ class OffloadSide:
                 self.offloader.warmup()
             with self._call(self.offloader.spelled("store", WARMUP_JOBS[0], [0], [0]) + " (the warm-up)"):
                 self.offloader.store(WARMUP_JOBS[0], [0], [0])
-            episode._device_work(rt.synchronize)
+            episode.device_work(rt.synchronize)
             with self._call(self.offloader.spelled("load", WARMUP_JOBS[1], [0], [0]) + " (the warm-up)"):
                 self.offloader.load(WARMUP_JOBS[1], [0], [0])
-            episode._device_work(rt.synchronize)
+            episode.device_work(rt.synchronize)
             with self._call("get_finished() (the warm-up)"):
                 self.offloader.get_finished()  # warm-up jobs: whatever it says of them is ignored
 
@@ -129,21 +127,21 @@ class OffloadSide:
     def store(self, block: int, stream: int) -> int:
         episode = self.episode
         group = episode.groups[0]
-        episode._check_live(group, block, "store")
+        episode.check_live(group, block, "store")
         if block in self.busy:
             raise ValueError(f"store block {block}: it is under job {self.busy[block]}, not yet reported finished")
         if not self.free_slots:
             raise ValueError("store: no host slot is free (evict one first)")
         slot = self.free_slots.popleft()
-        episode._order_before(group, block, stream)  # its writes are ordered before the caller's stream
+        episode.order_before(group, block, stream)  # its writes are ordered before the caller's stream
         job = self._new_job("store", block, slot, group.shadow.blocks[block].expect)
         shadow = self.slots[slot]
         shadow.state = "storing"
-        shadow.history.append(episode._note(f"store job {job.id}: block {block} on stream {stream}"))
-        with episode.rt.use_stream(episode._stream(stream)), episode.rt.annotate(f"step {episode.step} store"), \
+        shadow.history.append(episode.note(f"store job {job.id}: block {block} on stream {stream}"))
+        with episode.rt.use_stream(episode.stream_of(stream)), episode.rt.annotate(f"step {episode.step} store"), \
                 episode.rt.block_space(group.index), self._call(self.offloader.spelled("store", job.id, [block], [slot])):
             self.offloader.store(job.id, [block], [slot])
-        group.shadow.blocks[block].history.append(episode._note(f"store job {job.id} into slot {slot} on stream {stream}"))
+        group.shadow.blocks[block].history.append(episode.note(f"store job {job.id} into slot {slot} on stream {stream}"))
         return slot
 
     def load(self, slot: int, stream: int, oldest: bool = False) -> int:
@@ -157,17 +155,17 @@ class OffloadSide:
         # Which free block is the caller's choice: the one freed last (a block whose last tenant may
         # still be queued: the default, so shrinking keeps to it), or the queue's head.
         block = group.free.popleft() if oldest else group.free.pop()
-        episode._order_before(group, block, stream)  # promise (a): its last tenant is ordered before
+        episode.order_before(group, block, stream)  # promise (a): its last tenant is ordered before
         group.last.pop(block, None)
-        episode._owners += 1
+        episode.owners += 1
         job = self._new_job("load", block, slot, shadow.expect)
         shadow.loads += 1
-        shadow.history.append(episode._note(f"load job {job.id} into block {block} on stream {stream}"))
+        shadow.history.append(episode.note(f"load job {job.id} into block {block} on stream {stream}"))
         block_shadow = group.shadow.blocks[block]
-        block_shadow.state, block_shadow.owner, block_shadow.generation = "loading", episode._owners, 0
+        block_shadow.state, block_shadow.owner, block_shadow.generation = "loading", episode.owners, 0
         block_shadow.expect = shadow.expect
-        block_shadow.history.append(episode._note(f"load job {job.id} from slot {slot} on stream {stream}"))
-        with episode.rt.use_stream(episode._stream(stream)), episode.rt.annotate(f"step {episode.step} load"), \
+        block_shadow.history.append(episode.note(f"load job {job.id} from slot {slot} on stream {stream}"))
+        with episode.rt.use_stream(episode.stream_of(stream)), episode.rt.annotate(f"step {episode.step} load"), \
                 episode.rt.block_space(group.index), self._call(self.offloader.spelled("load", job.id, [block], [slot])):
             self.offloader.load(job.id, [slot], [block])
         return block
@@ -184,7 +182,7 @@ class OffloadSide:
             self.offloader.host_access(pool.pages(seg)[slot], label, write=True)
         pool.poison([slot])
         shadow.state, shadow.expect = "free", POISON_WORD
-        shadow.history.append(episode._note("evict, then overwritten on the host"))
+        shadow.history.append(episode.note("evict, then overwritten on the host"))
         self.free_slots.append(slot)
 
     def wait_for(self, slot: int) -> list[int]:
@@ -197,7 +195,7 @@ class OffloadSide:
             with episode.rt.block_space(0), self._call(f"wait({sorted(pending)})"):
                 self.offloader.wait(pending)
         elif pending:
-            episode._device_work(episode.rt.synchronize)
+            episode.device_work(episode.rt.synchronize)
         return self.poll()
 
     def poll(self) -> list[int]:
@@ -237,7 +235,7 @@ class OffloadSide:
             self.offloader.host_access(view, label, write=False)
             observed.append(view.clone())
         shadow.state, shadow.expect = "stored", job.word
-        shadow.history.append(episode._note(f"store job {job.id} reported finished"))
+        shadow.history.append(episode.note(f"store job {job.id} reported finished"))
         finding = Shadow.verify(job.slot, job.word, observed, f"step {episode.step} (store job {job.id} reported finished)",
                                  shadow.history, kind="transfer not done", noun="host slot")
         if finding is not None:
@@ -251,9 +249,9 @@ class OffloadSide:
         slot.loads -= 1
         block = group.shadow.blocks[job.block]
         block.state = "live"
-        block.history.append(episode._note(f"load job {job.id} reported finished"))
+        block.history.append(episode.note(f"load job {job.id} reported finished"))
         # The caller uses the block at once on its main stream (the host has seen the job finish).
-        episode._read_capture(group, job.block, 0, kind="wrong bytes loaded",
+        episode.read_capture(group, job.block, 0, kind="wrong bytes loaded",
                               where=f"step {episode.step} poll: load job {job.id} reported finished, block read on stream 0")
 
     # -- the end --------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from hypothesis.database import ExampleDatabase
 
-from fuzz.atomic_file import write_json_atomically
+from racecheck.atomic_file import write_json_atomically
 
 OPS = ("save", "delete", "move")
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fuzz.atomic_file import write_json_atomically
+from racecheck.atomic_file import write_json_atomically
 from fuzz.engine.bugs import distinct_bugs
 from fuzz.engine.signature import violation_signature
 
@@ -75,7 +75,7 @@ def shrink_note(shrink: dict | None) -> str:
 
 def not_judged(record: dict) -> bool:
     """A campaign that reached no verdict: the GPU ran out of memory, or the harness could not
-    follow or run the zeroer (fuzz.engine.resources, fuzz.engine.harness_error)."""
+    follow or run the zeroer (racecheck.resources, fuzz.engine.harness_error)."""
     return bool(record.get("resource_error") or record.get("harness_error"))
 
 

@@ -5,7 +5,7 @@ geometry, backend), the Hypothesis seed of the run that found it, every op in or
 choices and delays included), the findings, and the machine it was found on (GPU, driver, torch,
 triton). The file name is a stable content hash of the config and ops, so the same finding from
 two workers lands in one file, and concurrent writers never clobber each other (temp file +
-rename, :mod:`fuzz.atomic_file`). Format: docs/trace-format.md.
+rename, :mod:`racecheck.atomic_file`). Format: docs/trace-format.md.
 
 The format is the engine's: what it holds are the engine's ops, config and findings, and the
 engine is what writes it (a campaign's finding, :mod:`fuzz.engine.campaigns`; the in-flight
@@ -28,10 +28,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_json_atomically
+from racecheck.atomic_file import write_json_atomically
 from fuzz.engine.episode import EpisodeConfig
 from fuzz.engine.oracle import Finding
-from fuzz.environment import environment
+from racecheck.environment import environment
 
 TRACE_VERSION = 1
 

@@ -25,7 +25,7 @@ Run it (one command, on an H200 a minute or two)::
     python -m sanitizer.bench.compare --json h200-sanitizer-compare-$(date +%Y-%m).json -j 10
     python -m sanitizer.bench.compare --backend sim
 
-Exit status (:mod:`fuzz.cli`): 0 when our sanitizer found every planted race with no false alarm in
+Exit status (:mod:`racecheck.cli`): 0 when our sanitizer found every planted race with no false alarm in
 every mode it ran, 1 otherwise, 2 for a bad command line, 3 for a bug in this tool.
 """
 
@@ -42,9 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_json_atomically
-from fuzz.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, run_main
-from fuzz.environment import environment
+from racecheck.atomic_file import write_json_atomically
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, run_main
+from racecheck.environment import environment
 from sanitizer.bench.corpus import CORPUS
 from sanitizer.bench.programs import PROGRAMS, ZEROERS, Program, script
 from sanitizer.bench.verdict import CLEAN as JUDGED_CLEAN

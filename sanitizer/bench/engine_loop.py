@@ -23,7 +23,7 @@ import random
 
 import torch
 
-from fuzz.cli import ArgumentParser
+from racecheck.cli import ArgumentParser
 from zeroer.cache.geometries import geometry, geometry_names
 from zeroer.cache.layout import build_cache
 from zeroer.protocol import ZeroerSpecError

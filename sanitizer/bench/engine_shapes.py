@@ -22,7 +22,7 @@ Run it (about 4 minutes on 2 cores)::
     python -m sanitizer.bench.engine_shapes --json docs/data/sim-engine-shapes-2026-12.json
     python -m sanitizer.bench.engine_shapes --only vllm-handler-stores-46278 --tools sanitizer
 
-Exit status (:mod:`fuzz.cli`): 0 when every racy side is found by every tool run (the sanitizer by
+Exit status (:mod:`racecheck.cli`): 0 when every racy side is found by every tool run (the sanitizer by
 kind) and every fixed side is clean, with no harness error; 1 otherwise; 2 for a bad command line.
 """
 
@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_json_atomically
-from fuzz.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, run_main
-from fuzz.environment import environment
+from racecheck.atomic_file import write_json_atomically
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, run_main
+from racecheck.environment import environment
 from sanitizer.bench.programs import DEVICE_ACCESS, HOST_WRITE, marked_lines
 from sanitizer.bench.verdict import judge_lines
 

@@ -27,10 +27,10 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_json_atomically
+from racecheck.atomic_file import write_json_atomically
 from statistics import median
-from fuzz.cli import CLEAN, ArgumentParser, UsageError, check_output, run_main
-from fuzz.environment import environment
+from racecheck.cli import CLEAN, ArgumentParser, UsageError, check_output, run_main
+from racecheck.environment import environment
 
 SUITES = Path(__file__).with_name("suites")
 GOALS = {"gpu_bound": 1.5, "launch_bound": 1.5}  # wall time (issue 30)

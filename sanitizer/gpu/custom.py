@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from racecheck.custom_ops import EffectModel, ValueUnknown, host_values, missing_model, model_for, op_name
+from racecheck.custom_ops import EffectModel, ValueUnknown, host_values, missing_model, model_for, op_name, route, unrouted
 from racecheck.ranges import merge
 from sanitizer.sites import Site, caller_site
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
+from sanitizer.gpu.unfollowed import Unfollowed
 
 
 @forwarding
@@ -35,8 +36,6 @@ def on_op(handler: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     model = model_for(func)
     site = caller_site()
     if model is None:
-        from sanitizer.gpu.observer import Unfollowed
-
         name = op_name(func)
         with obs.lock:
             obs.unfollowed.append(Unfollowed(f"custom op {name} ({missing_model(name)})", site))
@@ -58,22 +57,8 @@ def router(obs: Any) -> Any:
 def _run(model: EffectModel, args: tuple, kwargs: dict, real: Any) -> Any:
     if real is not None:
         return real(*args, **kwargs)
-    from racecheck.custom_ops import route
-
-    with _no_router():
+    with unrouted():
         return route(model, args, kwargs)
-
-
-class _no_router:
-    def __enter__(self) -> None:
-        from racecheck import custom_ops
-
-        self.saved, custom_ops._ROUTERS[:] = list(custom_ops._ROUTERS), []
-
-    def __exit__(self, *exc: object) -> None:
-        from racecheck import custom_ops
-
-        custom_ops._ROUTERS[:] = self.saved
 
 
 def call(obs: Any, model: EffectModel, given: list[Any], run: Any, site: Site) -> Any:

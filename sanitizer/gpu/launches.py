@@ -29,6 +29,7 @@ from sanitizer.sites import caller_site
 from zeroer.intercept.kernel_accesses import trace_through_tables
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
+from sanitizer.gpu.unfollowed import Unfollowed
 
 
 def patch(obs: Any, patch_fn: Callable[..., None], active: Callable[[], bool]) -> None:
@@ -68,8 +69,6 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any = None) -
     site = caller_site()
     obs.boundary(site)
     what = f"Triton kernel {getattr(jit, '__name__', 'kernel')}"
-    from sanitizer.gpu.observer import Unfollowed
-
     tables = [n for n in address_tables(jit.fn)[0] if isinstance(bound.get(n), torch.Tensor)]
     record = obs.graphs.capturing()
     if record is not None:
@@ -104,8 +103,6 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
     (:func:`zeroer.intercept.kernel_accesses.trace_through_tables`), each run placed in the pinned
     region or device allocation it falls in. A table whose values the host never staged, or a run
     no allocation holds, is one line: the run is partial, never a silent pass."""
-    from sanitizer.gpu.observer import Unfollowed
-
     device = obs.device
     signature = inspect.signature(jit.fn)
     bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})

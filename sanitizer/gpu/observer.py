@@ -39,22 +39,13 @@ from racecheck.pinned import PinnedWatch, Region, Snapshot
 from racecheck.ranges import byte_runs
 from racecheck.threads import HostThreads
 from sanitizer.gpu.device import CudaDevice
+from sanitizer.gpu.unfollowed import Unfollowed
 from sanitizer.races import Access, Label, Race
 from sanitizer.sites import Site, caller_site
 from sanitizer.watch import HostWatch
 
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 GC_THRESHOLD = 20_000  # allocations between young collections while an observer runs (Python's default: 700)
-
-
-class Unfollowed:
-    """Something the program did that the sanitizer cannot follow, and where."""
-
-    def __init__(self, what: str, site: Site) -> None:
-        self.what, self.site = what, site
-
-    def message(self) -> str:
-        return f"kvz-sanitize cannot follow {self.what} at {self.site}"
 
 
 class Observer(HostWatch):

@@ -35,6 +35,7 @@ from sanitizer.gpu import trace
 from sanitizer.sites import caller_site
 from zeroer.intercept.unroutable import binding_entry_points
 from zeroer.origin import forwarding
+from sanitizer.gpu.unfollowed import Unfollowed
 
 
 def install(obs: Any) -> Callable[[], None]:
@@ -225,8 +226,6 @@ def _patch_cudart(obs: Any, patch: Callable[..., None], active: Callable[[], boo
 
 def _patch_bindings(obs: Any, patch: Callable[..., None], active: Callable[[], bool]) -> None:
     """Each call of a device-work entry point of cuda-bindings: one line where it was made."""
-    from sanitizer.gpu.observer import Unfollowed  # the observer imports this module
-
     seen: set[tuple[str, str]] = set()
 
     def unfollowed(module_name: str, name: str) -> Callable[[Any], Any]:

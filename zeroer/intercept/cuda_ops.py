@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from zeroer.intercept.errors import forward, unroutable
-from zeroer.intercept.session import CacheAccess
+from zeroer.intercept.cache_access import CacheAccess
 from zeroer.intercept.staged_values import StagedValues
 from racecheck.custom_ops import is_custom, model_for
 from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, written_args

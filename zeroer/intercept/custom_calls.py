@@ -29,7 +29,7 @@ from racecheck.custom_ops import EffectModel, ValueUnknown, host_values, missing
 from racecheck.hb import OpStamp
 from racecheck.ranges import merge
 from zeroer.intercept.errors import InterceptError, forward, unroutable
-from zeroer.intercept.session import CacheAccess
+from zeroer.intercept.cache_access import CacheAccess
 
 MODEL_FIX = "or run the engine where its extension is installed (a GPU, --backend cuda --cuda-mode free)"
 

@@ -373,9 +373,9 @@ class DriverCopies:
     def accesses(self, read: list[tuple[Any, int, int]], written: list[tuple[Any, int, int]]) -> tuple[list, list, Any]:
         """(reads, writes, the cache) as ``Runtime.launch`` takes them, as a ``copy_`` of those bytes
         declares them (:meth:`zeroer.intercept.sim_ops.SimOps._accesses`): device memory by its runs; the
-        KV cache's bytes as a :class:`~zeroer.intercept.session.CacheAccess` for an offloader, as "the
+        KV cache's bytes as a :class:`~zeroer.intercept.cache_access.CacheAccess` for an offloader, as "the
         cache is written" for a zeroer."""
-        from zeroer.intercept.session import CacheAccess
+        from zeroer.intercept.cache_access import CacheAccess
         from zeroer.intercept.sim_ops import Span
 
         def spans(places: list[tuple[Any, int, int]]) -> list[Any]:

@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from zeroer.intercept.cuda_api import CudaApi, patched
+from zeroer.intercept.cache_access import CacheAccess
 from zeroer.intercept.driver_copies import DriverCopies
 from zeroer.intercept.helper_threads import HelperThreads
 from zeroer.intercept.host_memory import HostMemory
@@ -288,20 +289,6 @@ class InterceptSession:
 
 
 LABELLED_WITH_IDS = ("zero_block_ids", "store", "load")
-
-
-class CacheAccess:
-    """The KV-cache bytes one op of an offloader reads and writes, as byte runs; the session turns
-    them into logical blocks (:class:`~zeroer.cache.block_map.CacheBlockMap`). ``rows_unknown``: it
-    writes cache rows chosen by device values, taken to be the blocks of the call in progress."""
-
-    __slots__ = ("read", "written", "rows_unknown")
-
-    def __init__(self, read: list[tuple[int, int]], written: list[tuple[int, int]], rows_unknown: bool = False) -> None:
-        self.read, self.written, self.rows_unknown = read, written, rows_unknown
-
-    def __bool__(self) -> bool:  # what a zeroer's "the cache is written" flag means
-        return bool(self.written) or self.rows_unknown
 
 
 class _Key:

@@ -25,7 +25,7 @@ from zeroer.intercept.errors import forward, unroutable
 from racecheck.custom_ops import is_custom, model_for
 from racecheck.ops import SET_STORAGE, aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, op_name, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
-from zeroer.intercept.session import CacheAccess
+from zeroer.intercept.cache_access import CacheAccess
 from zeroer.intercept.sim_graphs import CapturedOp
 from zeroer.intercept.sim_memory import Allocation, Block
 from zeroer.intercept.sim_tensor import SimCudaTensor, uncloak

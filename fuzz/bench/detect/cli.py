@@ -9,7 +9,7 @@ Per entry it reports whether it was found, the seconds and examples to the first
 and the path of its repro trace; then the detection rate against its target (every zoo entry on
 every seed, median within 60 s) and the false positives.
 
-Exit status (:mod:`fuzz.cli`): 0 when the ``fuzz`` method found every zoo entry on every seed and
+Exit status (:mod:`racecheck.cli`): 0 when the ``fuzz`` method found every zoo entry on every seed and
 nothing on the race-free implementations; 1 otherwise (a missed entry, a false positive, a method
 that raised); 2 for a bad command line (one line naming the value); 3 for a bug in this tool.
 Baselines are reported, never judged.
@@ -46,8 +46,8 @@ from typing import Any, Iterator
 from zeroer.cache.geometries import GEOMETRIES
 from zeroer.registry import RACE_FREE, ZOO, default_geometry, load_zeroer
 
-from fuzz.atomic_file import write_json_atomically
-from fuzz.cli import ArgumentParser, UsageError, check_output, run_main
+from racecheck.atomic_file import write_json_atomically
+from racecheck.cli import ArgumentParser, UsageError, check_output, run_main
 from fuzz.engine.campaigns import SIM_GEOMETRIES, default_campaigns
 from fuzz.bench.detect.report import TARGET_CLEAN_STEPS, judge, plot, render_soak, render_summary, render_table, summarize
 from fuzz.bench.detect.baselines import METHODS
@@ -310,7 +310,7 @@ def run_detection(args: DetectArgs, argv: list[str]) -> dict[str, Any]:
 
 def _rerun_out_of_memory(jobs: list[Job], records: list[dict], workers: int) -> list[dict]:
     """Jobs that ran the GPU out of memory beside other workers run again, one at a time; what
-    still runs out of memory stays a resource error (fuzz.engine.resources)."""
+    still runs out of memory stays a resource error (racecheck.resources)."""
     key = lambda r: (r["method"], r["entry"], r["seed"], r.get("profile"), r["geometry"])  # noqa: E731
     failed = {key(r) for r in records if r.get("resource_error")}
     if not failed or workers <= 1:
@@ -386,7 +386,7 @@ def plot_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The exit status (:mod:`fuzz.cli`; see the module docstring)."""
+    """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
     return run_main(_main, argv, PROG)
 
 

@@ -27,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_bytes_atomically
+from racecheck.atomic_file import write_bytes_atomically
 from fuzz.bench.detect.outcome import QUICK
 from fuzz.bench.stats import spread
 
@@ -141,7 +141,7 @@ def judge(rows: list[dict], skipped: list[dict]) -> dict[str, Any]:
         "first_finding_s": TARGET_FIRST_FINDING_S,
         "met": bool(fuzz) and not failed and fuzz["within_target_s"] == fuzz["zoo_entries"],
     }
-    # A resource error (the GPU out of memory, fuzz.engine.resources) decides nothing either way:
+    # A resource error (the GPU out of memory, racecheck.resources) decides nothing either way:
     # status 2, run with fewer workers, unless something else already failed.
     resources = bool(fuzz and fuzz["resource_errors"])
     summary["exit_status"] = 1 if failed else (2 if resources else 0)

@@ -33,7 +33,7 @@ from fuzz.bench.detect.outcome import QUICK, DetectionOutcome
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig, count_shown
 from fuzz.engine.harness_error import HarnessError
-from fuzz.engine.resources import ResourceExhausted, is_out_of_memory
+from racecheck.resources import ResourceExhausted, is_out_of_memory
 
 Method = Callable[[EpisodeConfig, float, int], DetectionOutcome]
 
@@ -60,7 +60,7 @@ class FuzzMethod:
 
 def _outcome(result: Any, *, replay: bool) -> DetectionOutcome:
     """A campaign's result as a detection outcome; ``replay``: measure its repro rate too."""
-    if result.resource_error:  # the GPU ran out of memory: no verdict (fuzz.engine.resources)
+    if result.resource_error:  # the GPU ran out of memory: no verdict (racecheck.resources)
         return DetectionOutcome(False, None, None, result.steps, None, None, "resource error",
                                 error=result.resource_error, resource_error=True)
     if result.harness_error:  # the harness could not run the zeroer: no verdict, an error (fuzz.engine.harness_error)

@@ -5,7 +5,7 @@ targets need: launch baselines, the Llama-like bandwidth sweep, host time per ca
 launch-configuration sweep and the other caches. The JSON file is rewritten after every section,
 so it exists whatever happens later.
 
-Exit status (:mod:`fuzz.cli`): 0 when every row was measured, 1 when a row failed (its error is in
+Exit status (:mod:`racecheck.cli`): 0 when every row was measured, 1 when a row failed (its error is in
 the table and the JSON), 2 for a bad command line (one line naming the value), 3 for a bug in this
 tool; ``plot`` exits 2 for a file it cannot draw or without matplotlib.
 """
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from zeroer.registry import BUILTINS, DIRECT, RACE_FREE, RACY
-from fuzz.atomic_file import write_json_atomically
-from fuzz.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive, run_main
+from racecheck.atomic_file import write_json_atomically
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive, run_main
 from fuzz.bench.kernel import measure, report
 from fuzz.bench.kernel.caches import NAMES, bench_cache
 from fuzz.bench.kernel.measure import HOST_CACHE, Context
@@ -255,7 +255,7 @@ def plot_main(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (1 when a row failed, 2 for bad arguments; :mod:`fuzz.cli`)."""
+    """Entry point; returns the exit status (1 when a row failed, 2 for bad arguments; :mod:`racecheck.cli`)."""
     return run_main(_main, argv, PROG)
 
 

@@ -18,7 +18,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from fuzz.atomic_file import write_bytes_atomically
+from racecheck.atomic_file import write_bytes_atomically
 
 BANDWIDTH_PNG = "zeroer-bandwidth.png"
 HOST_PNG = "zeroer-host-per-call.png"

@@ -25,7 +25,7 @@ few blocks; its ratios are not figures)::
 
     python -m fuzz.bench.kernel.scatter --quick
 
-The exit status (:mod:`fuzz.cli`) is 1 when the segment-fastest grid left a page unzeroed, 2 for
+The exit status (:mod:`racecheck.cli`) is 1 when the segment-fastest grid left a page unzeroed, 2 for
 bad arguments (one line naming the value), 3 for a bug in this tool.
 The H200 figures and what they mean: docs/performance.md, "What limits it".
 """
@@ -46,8 +46,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from fuzz.atomic_file import write_json_atomically
-from fuzz.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
+from racecheck.atomic_file import write_json_atomically
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
 from fuzz.bench.kernel.caches import BENCH_BLOCKS, QUICK_BLOCKS, _llama, bytes_per_block
 from fuzz.bench.kernel.cli import _int_list
 from fuzz.bench.kernel.measure import pick_ids

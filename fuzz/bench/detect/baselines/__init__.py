@@ -15,7 +15,7 @@ From the command line, mostly for debugging::
     PYTHONPATH=. python -m fuzz.bench.detect.baselines stress --zeroer single_buffer --kernel torch --budget 5 --seed 1
     python -m fuzz.bench.detect.baselines sanitizer --zeroer single_buffer --backend cuda --budget 30
 
-It prints the outcome and exits (:mod:`fuzz.cli`) 1 when the method found something, 0 when not,
+It prints the outcome and exits (:mod:`racecheck.cli`) 1 when the method found something, 0 when not,
 2 for a bad command line, 3 for a bug in this tool.
 
 Example::
@@ -36,7 +36,7 @@ from fuzz.bench.detect.baselines.handwritten import handwritten
 from fuzz.bench.detect.baselines.sanitizer import child_main, sanitizer
 from fuzz.bench.detect.baselines.stress import DEFAULT_REPRO_DIR, BaselineUsageError, check_budget, stress
 from fuzz.bench.detect.outcome import DetectionOutcome
-from fuzz.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
 from fuzz.engine.episode import EpisodeConfig
 from zeroer.cache.geometries import geometry
 from zeroer.designs.common import KERNELS
@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The exit status (:mod:`fuzz.cli`): 1 when the method found something, 0 when not."""
+    """The exit status (:mod:`racecheck.cli`): 1 when the method found something, 0 when not."""
     return run_main(_main, argv, PROG)
 
 

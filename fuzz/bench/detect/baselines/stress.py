@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from fuzz.bench.detect.outcome import DetectionOutcome
-from fuzz.cli import UsageError, one_line  # noqa: F401 - one_line: re-exported to the other baselines
+from racecheck.cli import UsageError, one_line  # noqa: F401 - one_line: re-exported to the other baselines
 from fuzz.engine.episode import Episode, EpisodeConfig
 from fuzz.engine.oracle import Finding
 from fuzz.engine.trace import write_trace

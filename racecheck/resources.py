@@ -51,7 +51,7 @@ _OOM_TEXT = ("out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAlloca
 def is_out_of_memory(error: BaseException) -> bool:
     """Is ``error`` (or an error it was raised from) the GPU running out of memory (or already
     the :class:`ResourceExhausted` that says so)?"""
-    import torch  # here, not at import: commands that only catch ResourceExhausted need no torch (fuzz.cli)
+    import torch  # here, not at import: commands that only catch ResourceExhausted need no torch (racecheck.cli)
 
     seen = 0
     while error is not None and seen < 8:
