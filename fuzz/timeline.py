@@ -204,7 +204,7 @@ def _finding_place(message: str, replay: _Replay) -> tuple[int, int]:
         for run in replay.runs:
             if run.stream == stream and run.queued_by == index and run.op.label.startswith("read#"):
                 return stream_tid(stream), run.tick * TICK_US + HALF
-    step = re.search(r"(?:hazard|zeroer raised) at step (\d+)", message)
+    step = re.search(r"(?:hazard|zeroer raised|offloader raised) at step (\d+)", message)
     crash = re.search(r"(?:while running|replay stopped at) op (\d+)", message)
     index = int(step[1]) - 1 if step else int(crash[1]) if crash else None
     hosts = {h.index: h for h in replay.hosts}

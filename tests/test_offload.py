@@ -21,6 +21,7 @@ from fuzz.engine.campaigns import PROFILES, Campaign, offload_campaigns, run_cam
 from fuzz.engine.episode import Episode, EpisodeConfig, run_ops
 from fuzz.engine.handles import concrete, symbolic
 from fuzz.engine.harness_error import HarnessError
+from fuzz.engine.signature import finding_signature
 from zeroer.cache.block_map import CacheBlockMap
 from zeroer.cache.geometries import geometry, geometry_names
 from zeroer.cache.layout import build_cache
@@ -406,3 +407,6 @@ def test_a_transfer_async_offloaders_exception_names_the_call_it_has(tmp_path: P
                     [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}])
     assert found and found[0].message.startswith(
         "offloader raised at step 3 in transfer_async(2, (GPU[1], CPU[1])): ValueError: no room in the CPU pool")
+    assert found[0].kind == "offloader raised"  # filed under its component, as docs/offload-contract.md lists it
+    signature = finding_signature(found[0], zeroer=f"{source}:make", geometry="tiny")
+    assert signature.site.startswith("transfer_async raised ValueError"), signature

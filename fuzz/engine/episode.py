@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fuzz.engine.free_queue import FreeQueue
 from fuzz.engine.cache_pool import CachePool
 from fuzz.engine.component import OFFLOADER_CALL
 from fuzz.engine.harness_error import factory_error, harness_error, raise_if_harness
@@ -140,7 +141,7 @@ class CacheGroup:
         self.zeroer: BoundZeroer | None = None
         num_blocks = cache.spec.num_blocks
         self.shadow = Shadow(num_blocks)
-        self.free: deque[int] = deque(range(1, num_blocks))  # FIFO, like vLLM's free block queue
+        self.free: FreeQueue = FreeQueue(num_blocks)  # FIFO, like vLLM's free block queue
         self.last: dict[int, _Access] = {}
         self.captures: list[_Capture] = []
         self.retired: list[KVCache] = []  # what reallocations replaced, recycled at close()
@@ -671,7 +672,7 @@ def _raised_finding(episode: Episode, what: str, error: BaseException) -> Findin
     message = f"{who} raised at step {episode.step} in {what.removeprefix(OFFLOADER_CALL)}: {type(error).__name__}: {error}"
     # Where in the zeroer's code it came from: what makes two raises the same bug (fuzz.engine.signature).
     where = blame(error).where or ""
-    finding = Finding("zeroer raised", None, message, episode.config.caller_fault is not None, details, where)
+    finding = Finding(f"{who} raised", None, message, episode.config.caller_fault is not None, details, where)
     episode.findings.append(finding)
     return finding
 

@@ -35,8 +35,9 @@ Example::
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, replace
+
+from fuzz.engine.free_queue import FreeQueue
 
 Handle = tuple[int, int]  # (the allocation's index in the original trace, the block's position in it)
 
@@ -57,11 +58,11 @@ class _Queues:
 
     def __init__(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks
-        self._free: dict[int, deque[int]] = {}
+        self._free: dict[int, FreeQueue] = {}
 
-    def of(self, cache: int) -> deque[int]:
+    def of(self, cache: int) -> FreeQueue:
         if cache not in self._free:
-            self._free[cache] = deque(range(1, self._num_blocks))
+            self._free[cache] = FreeQueue(self._num_blocks)
         return self._free[cache]
 
 
@@ -72,7 +73,7 @@ def symbolic(ops: list[dict], num_blocks: int) -> list[Ref]:
     """
     queues = _Queues(num_blocks)
     owner: dict[tuple[int, int], Handle] = {}  # (cache, block) -> handle, for live blocks
-    slots: deque[int] = deque(range(1, num_blocks))  # the host pool's free slots (fuzz.engine.offload)
+    slots = FreeQueue(num_blocks)  # the host pool's free slots (fuzz.engine.offload)
     slot_owner: dict[int, int] = {}  # slot -> the index of the store that took it
     refs = []
     for index, op in enumerate(ops):
@@ -114,7 +115,7 @@ def concrete(refs: list[Ref], num_blocks: int) -> list[dict] | None:
     blocks than are free (not a valid program)."""
     queues = _Queues(num_blocks)
     placed: dict[Handle, tuple[int, int]] = {}  # handle -> (cache, block)
-    slots: deque[int] = deque(range(1, num_blocks))
+    slots = FreeQueue(num_blocks)
     placed_slots: dict[int, int] = {}  # the index of a kept store -> the slot it takes now
     ops = []
     for ref in refs:

@@ -43,7 +43,6 @@ Example::
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +53,7 @@ from zeroer.offload import build_host_pool
 from zeroer.registry import load_offloader
 
 from fuzz.engine.component import OFFLOADER_CALL, CallerCore
+from fuzz.engine.free_queue import FreeQueue
 
 
 WARMUP_JOBS = (0, 1)  # the warm-up's store and load of block 0 / slot 0; the caller's jobs start at 2
@@ -87,7 +87,7 @@ class OffloadSide:
         self.pool = build_host_pool(geometry(config.geometry), memory=config.host_memory)
         self.slots = [SlotShadow() for _ in range(self.pool.num_slots)]
         self.slots[0] = SlotShadow(state="warm-up", history=["the warm-up stored the null block 0 here"])
-        self.free_slots: deque[int] = deque(range(1, self.pool.num_slots))
+        self.free_slots = FreeQueue(self.pool.num_slots)
         self.jobs: dict[int, Job] = {}
         self.reported: set[int] = set()
         self.busy: dict[int, int] = {}  # device block -> the job it is under

@@ -55,6 +55,7 @@ from fuzz.engine.violation import ZeroerViolation  # standard library only: repo
 
 VALUE_KINDS = ("non-zero after zeroing", "clobbered", "stray write",
                "wrong bytes loaded", "transfer not done", "slot clobbered")  # the last three: an offloader's
+RAISED_KINDS = ("zeroer raised", "offloader raised")  # the code under test raised (its call, its queued op)
 CALLER_STREAM = re.compile(r"stream '(?:main|s\d+)'")  # fuzz.engine.episode names the caller's streams so
 
 
@@ -103,7 +104,7 @@ def finding_signature(finding: Any, *, zeroer: str, geometry: str, caller_fault:
     kind, message, where = (_field(finding, name) for name in ("kind", "message", "where"))
     label = zeroer_label(zeroer)
     text = message.replace(zeroer, label) if zeroer != label else message
-    if kind == "zeroer raised":
+    if kind in RAISED_KINDS:
         site = _raised_site(text, where)
     elif kind in VALUE_KINDS:
         return Signature(kind, label, _value_site(text), caller_fault, geometry)
@@ -181,7 +182,7 @@ def _value_site(message: str) -> str:
 
 
 def _raised_site(message: str, where: str) -> str:
-    raised = re.match(r"zeroer raised at step \d+ in (?:cache \d+: )?(?P<what>.+?): (?P<type>[A-Za-z_]\w*): ",
+    raised = re.match(r"(?:zeroer|offloader) raised at step \d+ in (?:cache \d+: )?(?P<what>.+?): (?P<type>[A-Za-z_]\w*): ",
                       message + ": ")
     if raised is None:
         return _normalise(message)
