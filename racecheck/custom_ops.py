@@ -39,4 +39,5 @@ from racecheck.effects import (EffectModel, Effects, ValueUnknown, define_refere
                                op_name, register, route, routing, unregister, unrouted)
 
 __all__ = ["EffectModel", "Effects", "ValueUnknown", "define_references", "effect_model", "extension_modules", "host_values",
-           "is_custom", "missing_model", "model_for", "models", "register", "route", "routing", "unregister", "unrouted"]
+           "is_custom", "missing_model", "model_for", "models", "op_name", "register", "route", "routing", "unregister",
+           "unrouted"]

@@ -37,7 +37,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from racecheck.clocks import HOST, Clocks, OpStamp, ordered
 from racecheck.shadow import RangeShadow, Ranges, overlaps
@@ -62,6 +62,7 @@ class Hazard:
     first: str  # the earlier op's label
     second: str  # the later access's label
     message: str
+    key: Key | None = field(default=None, compare=False)  # the memory, as the checker keys it (("cudamem", address), ...)
 
     def __str__(self) -> str:
         return self.message
@@ -228,7 +229,7 @@ class HappensBefore:
         if assumed:
             text = (f"{text}; another host thread saw the copy complete first, and a hand-off the checker "
                     f"does not follow may order it")
-        return Hazard(kind, resource, stamp.label, label, text)
+        return Hazard(kind, resource, stamp.label, label, text, key)
 
     # -- device memory ----------------------------------------------------------------------------
     def device_access(self, key: Key, stamp: OpStamp, *, write: bool, ranges: Ranges = None, late: bool = False) -> None:
@@ -249,6 +250,6 @@ class HappensBefore:
             if not late and self.clocks.several_hosts and ordered(first, self.clocks.union):
                 self.notes.append(Hazard(DEVICE, resource, first.label, second.label,
                                          f"{text}; another host thread saw the first access complete, and a "
-                                         f"hand-off the checker does not follow may order them"))
+                                         f"hand-off the checker does not follow may order them", key))
             else:
-                self.hazards.append(Hazard(DEVICE, resource, first.label, second.label, text))
+                self.hazards.append(Hazard(DEVICE, resource, first.label, second.label, text, key))

@@ -27,6 +27,7 @@ from racecheck.ranges import Runs, clip
 from racecheck.threads import HostThreads
 from sanitizer import numpy_views
 from racecheck import thread_hooks
+from sanitizer.host_ops import pinned_access
 from sanitizer.races import Access, Label, Race
 from sanitizer.sites import Site, caller_site
 
@@ -113,6 +114,32 @@ class HostWatch:
             self.boundary(site)
             self._numpy_at[region.id] = site
         return region
+
+    # -- the host hooks both backends call (the GPU's patches, the simulator's modes) ----------------
+    def numpy_taken(self, tensor: torch.Tensor, array: Any, site: Site) -> Any:
+        """``tensor.numpy()`` returned ``array`` at ``site``: a pinned tensor's view is watched (its
+        writes are host writes), any other's is handed back as it is."""
+        with self.lock:
+            if self.note_numpy(tensor, site) is not None:
+                return numpy_views.watched(array)
+        return array
+
+    def tolist_read(self, tensor: torch.Tensor, site: Site) -> None:
+        """``tensor.tolist()`` at ``site``: a host read of its bytes, if they are pinned."""
+        if not self.pinned.regions:
+            return
+        with self.lock:
+            self.boundary(site)
+            self.host_access(tensor, write=False, what="host read (.tolist() of the pinned buffer)", site=site)
+
+    def host_op(self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
+        """An aten op on host tensors: its reads and writes of pinned memory are host accesses,
+        checked against the copies pending on those bytes (:mod:`sanitizer.host_ops`); then it runs."""
+        site = pinned_access(self, func, args, kwargs, tensors)
+        result = func(*args, **kwargs)
+        if site is not None:
+            self.last_site = site
+        return result
 
     def region_of(self, tensor: torch.Tensor) -> Region | None:
         """The pinned region ``tensor`` lives in (a backend may also find memory pinned before it started)."""
@@ -232,7 +259,7 @@ class HostWatch:
 
     def allocated_at(self, hazard: Hazard) -> Site | None:
         for region in self.pinned.regions.regions():
-            if region.name == hazard.resource:
+            if region.key == hazard.key:
                 return region.site
         return None
 

@@ -113,7 +113,7 @@ def test_what_a_built_offloader_raises_on_valid_input_is_still_its_finding(tmp_p
     path = _write(tmp_path, "my_offloader.py", OFFLOADER)
     config = EpisodeConfig(zeroer="reference", offloader=f"{path}:store_raises", geometry="tiny")
     [finding] = run_ops(config, [START, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}])
-    assert finding.kind == "zeroer raised"
+    assert finding.kind == "offloader raised"
     assert re.match(r"offloader raised at step 3 in store\(\d+, \[1\], \[\d+\]\): RuntimeError: planted: cannot store "
                     r"\[1\]$", finding.message), finding.message
 

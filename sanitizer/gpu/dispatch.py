@@ -34,7 +34,7 @@ from racecheck.ops import op_info, op_name
 from sanitizer.gpu import custom
 from sanitizer.dynamo_guard import GUARD
 from sanitizer.gpu.copies import copy
-from sanitizer.host_ops import pinned_access, written_tensors
+from sanitizer.host_ops import written_tensors
 from sanitizer.sites import Site, caller_site
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
@@ -161,11 +161,7 @@ class Handler:
             return result
         if not obs.pinned.regions or not tensors:
             return func(*args, **kwargs)
-        site = pinned_access(obs, func, args, kwargs, tensors)
-        result = func(*args, **kwargs)
-        if site is not None:
-            obs.last_site = site
-        return result
+        return obs.host_op(func, args, kwargs, tensors)
 
 
 # -- what an op touches --------------------------------------------------------------------------------

@@ -337,7 +337,7 @@ class Observer(HostWatch):
     def kind_of(self, hazard: Any) -> str:
         if hazard.kind != "unordered-device-access":
             return hazard.kind
-        address = _address_of(hazard.resource)
+        address = _address_of(hazard)
         first, second = hazard.first, hazard.second
         if address is None or not isinstance(first, Label) or not isinstance(second, Label):
             return hazard.kind
@@ -345,7 +345,7 @@ class Observer(HostWatch):
         return "reuse-without-record-stream" if reused else hazard.kind
 
     def allocated_at(self, hazard: Any) -> Site | None:
-        address = _address_of(hazard.resource)
+        address = _address_of(hazard)
         if address is not None:
             return self._device_sites.get(address)
         return super().allocated_at(hazard)
@@ -382,11 +382,7 @@ class _OwnWork:
         self._obs._own.busy -= 1
 
 
-def _address_of(resource: str) -> int | None:
-    marker = "device memory at 0x"
-    if not resource.startswith(marker):
-        return None
-    try:
-        return int(resource[len(marker):].split()[0], 16)
-    except ValueError:
-        return None
+def _address_of(hazard: Any) -> int | None:
+    """The device allocation a hazard is on (its key is ``("cudamem", address)``), else None."""
+    key = hazard.key
+    return key[1] if isinstance(key, tuple) and len(key) == 2 and key[0] == "cudamem" else None

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from sanitizer import numpy_views
 from sanitizer.gpu import trace
 from sanitizer.sites import caller_site
 from zeroer.intercept.unroutable import binding_entry_points
@@ -101,9 +100,7 @@ def install(obs: Any) -> Callable[[], None]:
         def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             array = original(tensor, *args, **kwargs)
             if active() and tensor.device.type == "cpu":
-                with obs.lock:
-                    if obs.note_numpy(tensor, caller_site()) is not None:
-                        return numpy_views.watched(array)
+                return obs.numpy_taken(tensor, array, caller_site())
             return array
 
         return call
@@ -113,10 +110,7 @@ def install(obs: Any) -> Callable[[], None]:
         @functools.wraps(original)
         def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if active() and tensor.device.type == "cpu" and obs.pinned.regions:
-                with obs.lock:
-                    site = caller_site()
-                    obs.boundary(site)
-                    obs.host_access(tensor, write=False, what="host read (.tolist() of the pinned buffer)", site=site)
+                obs.tolist_read(tensor, caller_site())
             return original(tensor, *args, **kwargs)
 
         return call

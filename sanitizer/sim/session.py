@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -40,10 +39,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from racecheck.hb import Hazard, OpStamp
 from racecheck.pinned import Region
-from sanitizer import numpy_views
 from sanitizer.dynamo_guard import GUARD
-from sanitizer.host_ops import pinned_access, tensors_of
-from sanitizer.races import HANDED_OUT_AGAIN, Access, Race
+from sanitizer.host_ops import tensors_of
+from sanitizer.races import HANDED_OUT_AGAIN, Access, Label, Race
 from sanitizer.sites import Site, also_skip, caller_site
 from sanitizer.watch import HostWatch
 from zeroer.intercept.host_memory import HostMemory
@@ -54,7 +52,6 @@ from zeroer.intercept.torch_mode import InterceptMode
 from zeroer.origin import forwarding
 from zeroer.runtime import make_runtime
 
-_BLOCK = re.compile(r"^device block d(\d+)\b")
 
 
 class ProgramHostMemory(HostMemory):
@@ -96,8 +93,6 @@ class ProgramSession(InterceptSession):
         self.watch = SimWatch(self)
         self.host.on_reuse = self._pinned_reused
         self.lock = self.watch.lock
-        self.ops: dict[str, Access] = {}
-        self.generations: dict[str, dict[int, int]] = {}  # op label -> {block id: its generation}
         self._stream_sites: dict[int, Site] = {}
         self.mode = ProgramMode(self)
         self._polls: set[tuple] = set()  # what a query of the program found not done (query_event)
@@ -118,14 +113,20 @@ class ProgramSession(InterceptSession):
 
     def enqueue(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False) -> OpStamp:
-        site = caller_site()
-        stamp = super().enqueue(fn, name=name, reads=reads, writes=writes, cache_written=cache_written)
-        if isinstance(stamp, OpStamp):
-            self.ops[stamp.label] = Access(name, self._stream(), site)
+        access = Access(name, self._stream(), caller_site())
+        # The op's label carries what a report says of it, and the generations of the blocks it
+        # touches (a reuse is told from a race by them): it lives as long as something checks
+        # against the op, and no table of every op ever run grows with the program.
+        with self.lock:  # one op at a time has its label made (the program's threads share the runtime)
+            self.rt.labels = lambda text: Label.of(text, access)
+            try:
+                stamp = super().enqueue(fn, name=name, reads=reads, writes=writes, cache_written=cache_written)
+            finally:
+                self.rt.labels = str
+        if isinstance(stamp, OpStamp) and isinstance(stamp.label, Label):
             touched = (getattr(item, "block", item) for item in (*reads, *writes))
-            blocks = {block.id: block.generation for block in touched if hasattr(block, "generation")}
-            if blocks:
-                self.generations[stamp.label] = blocks
+            stamp.label.generations.update(
+                (block.id, block.generation) for block in touched if hasattr(block, "generation"))
         return stamp
 
     def boundary(self, what: str) -> None:
@@ -266,17 +267,13 @@ class ProgramMode(InterceptMode):
         array = self._numpy(func, args, kwargs)
         tensor = args[0]
         if isinstance(tensor, torch.Tensor) and not isinstance(tensor, SimCudaTensor) and func is torch.Tensor.numpy:
-            if self.session.watch.note_numpy(tensor, caller_site()) is not None:
-                return numpy_views.watched(array)
+            return self.session.watch.numpy_taken(tensor, array, caller_site())
         return array
 
     def _pinned_tolist(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensor = args[0]
         if isinstance(tensor, torch.Tensor) and not isinstance(tensor, SimCudaTensor):
-            site = caller_site()
-            watch = self.session.watch
-            watch.boundary(site)
-            watch.host_access(tensor, write=False, what="host read (.tolist() of the pinned buffer)", site=site)
+            self.session.watch.tolist_read(tensor, caller_site())
         return self._tolist(func, args, kwargs)
 
 
@@ -304,11 +301,7 @@ class HostOps(TorchDispatchMode):
         tensors = tensors_of(args, kwargs)
         if not tensors or any(isinstance(t, SimCudaTensor) for t in tensors):
             return func(*args, **kwargs)
-        site = pinned_access(session.watch, func, args, kwargs, tensors)
-        result = func(*args, **kwargs)
-        if site is not None:
-            session.watch.last_site = site
-        return result
+        return session.watch.host_op(func, args, kwargs, tensors)
 
 
 GUARD.add(HostOps)
@@ -322,14 +315,14 @@ class SimWatch(HostWatch):
         self.session = session
 
     def access_of(self, label: str) -> Access | None:
-        return getattr(label, "access", None) or self.session.ops.get(label)
+        return getattr(label, "access", None)
 
     def kind_of(self, hazard: Hazard) -> str:
-        match = _BLOCK.match(hazard.resource)
-        if hazard.kind == "unordered-device-access" and match:
-            block = int(match.group(1))
-            first = self.session.generations.get(hazard.first, {}).get(block)
-            second = self.session.generations.get(hazard.second, {}).get(block)
+        key = hazard.key
+        if hazard.kind == "unordered-device-access" and isinstance(key, tuple) and key[:1] == ("simdev",):
+            block = key[1]
+            first = getattr(hazard.first, "generations", {}).get(block)
+            second = getattr(hazard.second, "generations", {}).get(block)
             if first is not None and second is not None and first != second:
                 return "reuse-without-record-stream"
         return hazard.kind

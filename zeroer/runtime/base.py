@@ -233,6 +233,9 @@ class Runtime(ABC):
         self.hb = HappensBefore() if self.checked else _NoHappensBefore()
         self.streams: list[Stream] = []
         self._op_ids = itertools.count(1)
+        # What an op's label is made of its text: a str here; a tool may hand back a str subclass that
+        # carries what its reports say of the op (the sanitizer's Label), which lives as long as the label.
+        self.labels: Callable[[str], str] = str
         self._event_ids = itertools.count(1)
         self._buffer_ids = itertools.count(1)
         self._origin: list[str] = []
@@ -267,7 +270,7 @@ class Runtime(ABC):
             label += f" on stream '{stream.name}'"
         if self._origin:
             label += f" ({self._origin[-1]})"
-        return label
+        return self.labels(label)
 
     def block_space(self, index: int) -> contextlib.AbstractContextManager[None]:
         """Inside, the KV-cache blocks that :meth:`launch` declares are those of cache ``index``
