@@ -1,7 +1,9 @@
-"""The machine a finding was made on: GPU, driver, torch, triton, Python, Hypothesis.
+"""The machine a finding was made on: GPU, driver, torch, triton, Python, Hypothesis, and the code.
 
 Recorded in every trace (``environment``) and printed by every exported repro script, because a
-race that shows on one driver or Triton version and not on another is still a lead.
+race that shows on one driver or Triton version and not on another is still a lead; and in every
+benchmark's data file, where ``commit`` says which code a figure was measured on (the checkout's
+commit, ``+changes`` when its tracked files differ from it; None outside a git checkout).
 
 Example::
 
@@ -14,6 +16,7 @@ import functools
 import platform
 import shutil
 import subprocess
+from pathlib import Path
 
 import torch
 
@@ -41,7 +44,8 @@ def environment(probe: bool = True) -> dict[str, str | None]:
     marked not probed. What a trace saved after Ctrl-C records, so the run stops promptly."""
     if probe or _environment.cache_info().currsize:
         return dict(_environment())
-    return {**_versions(), "gpu": None, "driver": None, "gpu_probed": False}
+    return {**_versions(), "gpu": None, "driver": None, "gpu_probed": False,
+            "commit": _commit() if _commit.cache_info().currsize else None}
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,6 +56,7 @@ def _environment() -> dict[str, str | None]:
         "gpu": torch.cuda.get_device_name() if cuda else None,
         "driver": _driver_version() if cuda else None,
         **_versions(),
+        "commit": _commit(),
     }
 
 
@@ -76,6 +81,22 @@ def _versions() -> dict[str, str | None]:
         "hypothesis": hypothesis_version,
         "platform": platform.platform(),
     }
+
+
+@functools.lru_cache(maxsize=1)
+def _commit() -> str | None:
+    """This code's commit, with ``+changes`` when tracked files were changed since (None: no git checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}+changes" if changed else head or None
 
 
 def describe(env: dict[str, str | None] | None) -> str:

@@ -11,8 +11,7 @@ from racecheck.clocks import HOST, Clocks, OpStamp, ordered
 
 def test_a_new_clock_space_has_only_the_host_thread_knowing_nothing():
     clocks = Clocks()
-    assert HOST == 0
-    assert clocks.names == ["host"]
+    assert clocks.names[HOST] == "host" and clocks.names == ["host"]
     assert clocks.hosts == [HOST]
     assert clocks.vc(HOST) == [0]
     assert clocks.union == [0]
