@@ -369,3 +369,17 @@ def test_a_triton_kernel_storing_into_pinned_memory_is_a_pending_write_of_it(tmp
     if status:
         assert "[host-read-vs-pending-copy]" in done.stdout and "triton_store.py:17" in done.stdout
         assert "triton_store.py:20" in done.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--steps", "0"], r"^error: --steps 0 --rounds 3: give at least 1 of each$"),
+    (["--json", "."], r"^error: --json '\.' is a directory; give a file path"),
+])
+def test_the_op_cost_benchmark_refuses_bad_input_in_one_line(args: list[str], message: str) -> None:
+    import re
+
+    done = subprocess.run([sys.executable, "-m", "sanitizer.bench.op_cost", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(message, lines[0]), done.stderr
