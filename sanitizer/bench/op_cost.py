@@ -1,7 +1,7 @@
 """Where the sanitizer's per-op time goes: one launch-bound loop, plain and observed, in one process.
 
-The loop is the step of ``sanitizer/bench/suites/launch_bound.py`` (a pinned staging copy, an
-index_add, a few pointwise ops, a reduction on a side stream, two stream waits): every op passes
+The loop is the step of ``sanitizer/bench/suites/launch_bound.py`` (``step``: a pinned staging copy,
+an index_add, a few pointwise ops, a reduction on a side stream, two stream waits): every op passes
 the dispatch mode, the trace callbacks and the checker. Rounds alternate plain and observed runs
 of the same steps; the result is microseconds per aten op (the ops of one step counted once by a
 dispatch mode that only counts) for each, their ratio, and with ``--profile`` the functions the
@@ -27,32 +27,19 @@ from racecheck.cli import CLEAN, ArgumentParser, UsageError, check_output, run_m
 from racecheck.environment import environment
 
 
-def _step(state: Any, ids: Any, ones: Any, side: Any, step: int) -> None:
-    import torch
-
-    staged = torch.tensor(list(range(step % 7, step % 7 + 16)), dtype=torch.int64).pin_memory()
-    ids.copy_(staged, non_blocking=True)
-    state.index_add_(0, ids, ones)
-    state.mul_(0.5).add_(1.0)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        total = state.sum()
-    torch.cuda.current_stream().wait_stream(side)
-    state.sub_(total * 0)
-
-
 def run_steps(steps: int) -> float:
     """Seconds for ``steps`` steps, the device drained at the end."""
     import torch
 
+    from sanitizer.bench.suites.launch_bound import step
+
     state = torch.zeros(64, device="cuda")
     ids = torch.empty(16, dtype=torch.int64, device="cuda")
-    ones = torch.ones(16, device="cuda")
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
     started = time.perf_counter()
-    for step in range(steps):
-        _step(state, ids, ones, side, step)
+    for index in range(steps):
+        step(state, ids, side, index)
     torch.cuda.synchronize()
     return time.perf_counter() - started
 
