@@ -47,6 +47,9 @@ class CallerCore(Protocol):
     def device_work(self, fn: Any, *args: Any) -> Any:
         """Run a runtime call that may execute queued device work of the code under test."""
 
+    def hand_out(self, group: Any, stream: int, *, oldest: bool = False) -> int:
+        """A free block for the component to fill on ``stream``, its last tenant ordered before it."""
+
     def check_live(self, group: Any, block: int, what: str) -> None:
         """Raise the caller's usage error unless ``block`` is allocated and live."""
 

@@ -355,6 +355,18 @@ class Episode:
         self._accessed(group, ids, stream, "zero")
         return ids
 
+    def hand_out(self, group: CacheGroup, stream: int, *, oldest: bool = False) -> int:
+        """A free block of ``group`` for a component to fill on ``stream`` (an offloader's load): the one
+        freed last, or with ``oldest`` the queue's head; its last tenant is ordered before ``stream``
+        (caller promise (a)) and it gets a new owner tag (:attr:`owners`)."""
+        if not group.free:
+            raise ValueError("no device block is free")
+        block = group.free.popleft() if oldest else group.free.pop()
+        self.order_before(group, block, stream)
+        group.last.pop(block, None)
+        self.owners += 1
+        return block
+
     def check_live(self, group: CacheGroup, block: int, what: str) -> None:
         if not isinstance(block, int) or not 0 <= block < len(group.shadow.blocks):
             raise ValueError(f"{what} block {block!r}: cache {group.index} has blocks 0..{len(group.shadow.blocks) - 1}")

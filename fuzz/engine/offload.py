@@ -141,7 +141,7 @@ class OffloadSide:
         with episode.rt.use_stream(episode.stream_of(stream)), episode.rt.annotate(f"step {episode.step} store"), \
                 episode.rt.block_space(group.index), self._call(self.offloader.spelled("store", job.id, [block], [slot])):
             self.offloader.store(job.id, [block], [slot])
-        group.shadow.blocks[block].history.append(episode.note(f"store job {job.id} into slot {slot} on stream {stream}"))
+        group.shadow.noted(block, episode.note(f"store job {job.id} into slot {slot} on stream {stream}"))
         return slot
 
     def load(self, slot: int, stream: int, oldest: bool = False) -> int:
@@ -154,17 +154,12 @@ class OffloadSide:
             raise ValueError("load: no device block is free")
         # Which free block is the caller's choice: the one freed last (a block whose last tenant may
         # still be queued: the default, so shrinking keeps to it), or the queue's head.
-        block = group.free.popleft() if oldest else group.free.pop()
-        episode.order_before(group, block, stream)  # promise (a): its last tenant is ordered before
-        group.last.pop(block, None)
-        episode.owners += 1
+        block = episode.hand_out(group, stream, oldest=oldest)  # promise (a): its last tenant is ordered before
         job = self._new_job("load", block, slot, shadow.expect)
         shadow.loads += 1
         shadow.history.append(episode.note(f"load job {job.id} into block {block} on stream {stream}"))
-        block_shadow = group.shadow.blocks[block]
-        block_shadow.state, block_shadow.owner, block_shadow.generation = "loading", episode.owners, 0
-        block_shadow.expect = shadow.expect
-        block_shadow.history.append(episode.note(f"load job {job.id} from slot {slot} on stream {stream}"))
+        group.shadow.loading(block, episode.owners, shadow.expect,
+                             episode.note(f"load job {job.id} from slot {slot} on stream {stream}"))
         with episode.rt.use_stream(episode.stream_of(stream)), episode.rt.annotate(f"step {episode.step} load"), \
                 episode.rt.block_space(group.index), self._call(self.offloader.spelled("load", job.id, [block], [slot])):
             self.offloader.load(job.id, [slot], [block])
@@ -247,9 +242,7 @@ class OffloadSide:
         self.busy.pop(job.block, None)
         slot = self.slots[job.slot]
         slot.loads -= 1
-        block = group.shadow.blocks[job.block]
-        block.state = "live"
-        block.history.append(episode.note(f"load job {job.id} reported finished"))
+        group.shadow.loaded(job.block, episode.note(f"load job {job.id} reported finished"))
         # The caller uses the block at once on its main stream (the host has seen the job finish).
         episode.read_capture(group, job.block, 0, kind="wrong bytes loaded",
                               where=f"step {episode.step} poll: load job {job.id} reported finished, block read on stream 0")

@@ -112,6 +112,22 @@ class Shadow:
         shadow.history.append(note)
         return shadow.expect
 
+    def loading(self, block: int, owner: int, expect: int, note: str) -> None:
+        """A component fills ``block`` with ``expect`` (an offloader's load), not to be used before it reports."""
+        shadow = self.blocks[block]
+        shadow.state, shadow.expect, shadow.owner, shadow.generation = "loading", expect, owner, 0
+        shadow.history.append(note)
+
+    def loaded(self, block: int, note: str) -> None:
+        """The load into ``block`` was reported finished: the caller's to use."""
+        shadow = self.blocks[block]
+        shadow.state = "live"
+        shadow.history.append(note)
+
+    def noted(self, block: int, note: str) -> None:
+        """Something the code under test did with ``block``, for its history (a store out of it)."""
+        self.blocks[block].history.append(note)
+
     def freed(self, block: int, note: str) -> None:
         shadow = self.blocks[block]
         shadow.state, shadow.expect = "free", POISON_WORD
