@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The sanitizer's GPU evidence (docs/sanitizer.md, "Results"): two commands, each under 8 minutes on
 # an H200, from the repository root:
-#   bash sanitizer/bench/evidence.sh OUTDIR          # the table, the overhead, the GPU tests
+#   bash sanitizer/bench/evidence.sh OUTDIR          # the table, the overhead, the per-op profile, the GPU tests
 #   bash sanitizer/bench/evidence.sh OUTDIR suite    # this project's own test suite under --kvz-sanitize
 #   bash sanitizer/bench/evidence.sh OUTDIR engines  # the engine-style unit tests and the engines' idioms
 # (WORKERS and SUITE_SECONDS change the suite's xdist workers, 12, and its time limit, 470 s.)
@@ -41,5 +41,7 @@ timeout 200 $py -m sanitizer.bench.compare -j 16 --steps 8 --json "$out/h200-san
   > "$out/compare.txt" 2>&1; echo "exit $?" >> "$out/compare.txt"
 timeout 200 $py -m sanitizer.bench.overhead --rounds 3 --json "$out/h200-sanitizer-overhead-$month.json" \
   > "$out/overhead.txt" 2>&1; echo "exit $?" >> "$out/overhead.txt"
+timeout 90 $py -m sanitizer.bench.op_cost --steps 2000 --rounds 3 --json "$out/h200-sanitizer-op-cost-$month.json" \
+  --profile "$out/op-cost-profile.txt" > "$out/op-cost.txt" 2>&1; echo "exit $?" >> "$out/op-cost.txt"
 timeout 110 $py -m pytest tests/test_sanitizer_gpu.py tests/test_sanitizer_observer.py -k "not each_program" \
   -q -p no:cacheprovider -n 6 --tb=short -rfE > "$out/gpu-tests.txt" 2>&1; echo "exit $?" >> "$out/gpu-tests.txt"
