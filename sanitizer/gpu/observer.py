@@ -67,7 +67,7 @@ class Observer(HostWatch):
         self._generation: dict[int, int] = {}  # device address -> how many times it was handed out
         self._recorded: set[int] = set()  # device addresses record_stream tied to another stream
         self._device_sites: dict[int, Site] = {}  # device address -> where it was last handed out
-        self._named: set[int] = set()
+        self._named: dict[int, tuple[str, int]] = {}  # device address -> its checker key, once named
         self._accesses: dict[tuple, Access] = {}
         self._ops = 0
         self._started = False
@@ -201,10 +201,11 @@ class Observer(HostWatch):
         label = stamp.label
         if isinstance(label, Label):
             label.generations[address] = self._generation.get(address, 0)
-        if address not in self._named:
-            self._named.add(address)
-            self.hb.name_resource(("cudamem", address), f"device memory at 0x{address:x}")
-        self.hb.device_access(("cudamem", address), stamp, write=write, ranges=ranges, late=late)
+        key = self._named.get(address)
+        if key is None:  # one key per allocation, made once (an op touches a few of them)
+            key = self._named[address] = ("cudamem", address)
+            self.hb.name_resource(key, f"device memory at 0x{address:x}")
+        self.hb.device_access(key, stamp, write=write, ranges=ranges, late=late)
         if write:
             self.indices.written(address, ranges)
 
