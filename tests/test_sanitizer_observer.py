@@ -535,3 +535,21 @@ def test_a_copy_through_cuda_bindings_on_a_gpu_is_one_line_and_the_run_partial_n
     assert "test_sanitizer_observer.py:" in lines[0]
     assert "cuGetProcAddress (the calls through the pointer it returns move bytes no hook sees)" in lines[1]
     assert driver.cuMemcpyAsync.__name__ == "<lambda>"  # put back
+
+
+def test_the_collectors_threshold_is_raised_while_any_observer_runs_and_put_back_after_the_last():
+    import gc
+
+    from sanitizer.gpu.observer import GC_THRESHOLD, _collector_relaxed
+
+    before = gc.get_threshold()
+    try:
+        _collector_relaxed(True)  # the first observer starts
+        _collector_relaxed(True)  # a second one, inside it
+        assert gc.get_threshold()[0] == max(before[0], GC_THRESHOLD)
+        _collector_relaxed(True)  # the first stops while the second still runs (out of order)
+        assert gc.get_threshold()[0] == max(before[0], GC_THRESHOLD)
+        _collector_relaxed(False)  # the last one stops
+        assert gc.get_threshold() == before
+    finally:
+        gc.set_threshold(*before)

@@ -88,12 +88,6 @@ class Observer(HostWatch):
     def start(self) -> None:
         from sanitizer.gpu import dispatch, patches, trace
 
-        # The checker keeps a stamp, a label and shadow state per op; the cyclic collector would walk
-        # all of it every few hundred allocations (a sixth of the per-op cost of a launch-bound test
-        # on the CUDA stand-in). Its first threshold is raised while the observer runs, and put back.
-        self._thresholds = gc.get_threshold()
-        gc.set_threshold(max(self._thresholds[0], GC_THRESHOLD), *self._thresholds[1:])
-
         # torch imports its compiler stack on the first op through a Python dispatch mode unless the
         # mode opts out (dispatch.Ops does); nothing here needs torch._dynamo.
         trace.install(self)
@@ -105,6 +99,7 @@ class Observer(HostWatch):
         self.mark_set_up()
         self._started = True
         _RUNNING.append(self)
+        _collector_relaxed(True)
 
     def stop(self) -> list[Race]:
         """Stop observing; the races seen (a final host check and the forced releases first)."""
@@ -116,7 +111,7 @@ class Observer(HostWatch):
             if self in _RUNNING:
                 _RUNNING.remove(self)
             self._started = False
-            gc.set_threshold(*self._thresholds)
+            _collector_relaxed(len(_RUNNING) > 1)  # put back once no observer runs, in whatever order they stop
             self._exit_mode()
             self._custom.close()
             self.deactivate_host_hooks()
@@ -367,6 +362,20 @@ def _custom_ops(obs: Observer) -> Any:
 
 
 _RUNNING: list[Any] = [None]  # the observers started and not stopped, innermost last
+_SAVED_THRESHOLDS: list[tuple[int, ...]] = []  # the collector's thresholds before the first observer ran
+
+
+def _collector_relaxed(relaxed: bool) -> None:
+    """While any observer runs, the cyclic collector's first threshold is raised: the checker keeps a
+    stamp, a label and shadow state per op, and the collector walked all of it every few hundred
+    allocations (a sixth of the per-op cost of a launch-bound test on the CUDA stand-in). Put back
+    as it was once the last observer has stopped."""
+    if relaxed and not _SAVED_THRESHOLDS:
+        _SAVED_THRESHOLDS.append(gc.get_threshold())
+        saved = _SAVED_THRESHOLDS[0]
+        gc.set_threshold(max(saved[0], GC_THRESHOLD), *saved[1:])
+    elif not relaxed and _SAVED_THRESHOLDS:
+        gc.set_threshold(*_SAVED_THRESHOLDS.pop())
 
 
 class _OwnWork:

@@ -134,7 +134,11 @@ class CudaOps(TorchDispatchMode):
             model = model_for(func)
             if model is None:
                 return self.session.unmodelled_op(func, args, kwargs)
-            return self.session.custom.cuda(model, func, args, kwargs)
+            result = self.session.custom.cuda(model, func, args, kwargs)
+            for out in tree_flatten(result)[0]:  # what it returns is memory nothing was staged into
+                if isinstance(out, torch.Tensor) and out.is_cuda:
+                    self.staged.written(out.untyped_storage().data_ptr())
+            return result
         tensors = _cuda_tensors(args, kwargs)
         device = kwargs.get("device")
         on_device = bool(tensors) or (device is not None and torch.device(device).type == "cuda")
