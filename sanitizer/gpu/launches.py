@@ -19,14 +19,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from racecheck.gate import is_gate_kernel
 from racecheck.custom_ops import host_values
 from racecheck.triton_stores import address_tables, stored_params
 from sanitizer.sites import caller_site
-from zeroer.intercept.kernel_accesses import trace_through_tables
+from zeroer.intercept.kernel_accesses import TableUnresolved, trace_tables
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
 from sanitizer.gpu.unfollowed import Unfollowed
@@ -100,7 +99,7 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
     """What a kernel that loads its addresses from tables (vLLM's ``_swap_blocks_kernel``) touches
     through them: the tables' values as the program staged them from the host
     (:mod:`sanitizer.gpu.indices`), the kernel traced under the interpreter on them
-    (:func:`zeroer.intercept.kernel_accesses.trace_through_tables`), each run placed in the pinned
+    (:func:`zeroer.intercept.kernel_accesses.trace_tables`), each run placed in the pinned
     region or device allocation it falls in. A table whose values the host never staged, or a run
     no allocation holds, is one line: the run is partial, never a silent pass."""
     device = obs.device
@@ -108,21 +107,18 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
     bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
     bound.apply_defaults()
     arguments = dict(bound.arguments)
-    known: dict[str, np.ndarray] = {}
-    _, deeper = address_tables(jit.fn)
-    for name in sorted(tables):
-        tensor = arguments[name]
-        values = obs.indices.values(tensor) if device.is_device(tensor) else host_values(tensor)
-        if values is None or deeper:
-            why = ("a table loaded through another table" if deeper else
-                   "device memory whose values the program did not stage from the host")
-            obs.unfollowed.append(Unfollowed(f"{what}'s argument {name!r} (an address table the kernel goes "
-                                             f"through, in {why})", site))
-            return
-        known[name] = np.asarray(values, dtype=np.int64)
-    launch_grid = grid(arguments) if callable(grid) else grid
-    launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
-    touched = trace_through_tables(jit.fn, launch_grid, arguments, known, device.is_device)
+
+    def values_of(tensor: Any) -> Any:
+        return obs.indices.values(tensor) if device.is_device(tensor) else host_values(tensor)
+
+    try:
+        touched = trace_tables(jit.fn, grid, arguments, tables, values_of, device.is_device)
+    except TableUnresolved as unknown:
+        why = ("a table loaded through another table" if unknown.deeper else
+               "device memory whose values the program did not stage from the host")
+        obs.unfollowed.append(Unfollowed(f"{what}'s argument {unknown.param!r} (an address table the kernel goes "
+                                         f"through, in {why})", site))
+        return
     hb = obs.hb
     for write in (False, True):
         for lo, hi in touched.runs(write=write):

@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -103,14 +104,6 @@ def declare(session: Any, stamp: Any, touched: Touched, space: Any, *, skip: set
             hb.device_access(("block", space, block), stamp, write=write, late=True)
 
 
-class TableUnresolved(Exception):
-    """A table a kernel goes through whose values the host cannot know (``param`` names it)."""
-
-    def __init__(self, kernel: str, param: str, why: str) -> None:
-        super().__init__(f"{kernel}: argument {param!r} {why}")
-        self.kernel, self.param, self.why = kernel, param, why
-
-
 def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables: dict[str, np.ndarray],
                          is_device: Any) -> Touched:
     """On a GPU: the bytes a kernel will touch through its tables, known before it runs from the
@@ -170,6 +163,35 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
     return touched
 
 
+class TableUnresolved(Exception):
+    """A table a kernel goes through whose values cannot be known before it runs (``param`` names
+    it; ``deeper``: it is loaded through another table)."""
+
+    def __init__(self, param: str, deeper: bool) -> None:
+        super().__init__(f"argument {param!r}")
+        self.param, self.deeper = param, deeper
+
+
+def trace_tables(fn: Any, grid: Any, arguments: dict[str, Any], tables: list[str],
+                 values_of: Callable[[Any], Any], is_device: Callable[[Any], bool]) -> Touched:
+    """Before a launch on a GPU: what kernel ``fn`` will touch through ``tables`` (its parameters that
+    hold addresses), traced on their values (``values_of(tensor)``: what the host put there, or None
+    when unknown) by :func:`trace_through_tables`. Raises :class:`TableUnresolved` for the first table
+    whose values are unknown, or for any when a table is loaded through another table."""
+    from racecheck.triton_stores import address_tables
+
+    _, deeper = address_tables(fn)
+    known: dict[str, np.ndarray] = {}
+    for param in sorted(tables):
+        values = None if deeper else values_of(arguments[param])
+        if values is None:
+            raise TableUnresolved(param, deeper)
+        known[param] = np.asarray(values)
+    launch_grid = grid(dict(arguments)) if callable(grid) else grid
+    launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
+    return trace_through_tables(fn, launch_grid, dict(arguments), known, is_device)
+
+
 def through_tables_on_cuda(session: Any, name: str, fn: Any, arguments: dict[str, Any], grid: Any,
                            tables: list[str], is_device: Any = None) -> list[tuple[Any, bool]]:
     """On CUDA, in a fuzzed session: the memory a kernel that loads its addresses from ``tables``
@@ -181,28 +203,21 @@ def through_tables_on_cuda(session: Any, name: str, fn: Any, arguments: dict[str
     arguments are device memory (CUDA tensors; a test's stand-in says otherwise)."""
     import torch
 
-    from racecheck.triton_stores import address_tables
     from zeroer.intercept.errors import unroutable
 
-    _, deeper = address_tables(fn)
-    known: dict[str, np.ndarray] = {}
-    for param in sorted(tables):
-        values = None if deeper else session.cuda_ops.staged.values(arguments[param])
-        if values is None:
-            why = ("a table loaded through another table" if deeper else
-                   "device memory whose values the host did not stage with a copy made while the tool runs, "
-                   "or that a device op wrote since")
-            raise unroutable(f"{name}: argument {param!r}",
-                             f"it is a table of addresses the kernel loads and goes through, in {why}, so what the "
-                             f"kernel touches cannot be known before it runs",
-                             "build the table on the host and copy it to the device (torch.from_numpy(t).to('cuda')) "
-                             "while the tool runs, or fuzz on the simulator (--backend sim), which follows the "
-                             "kernel's actual loads and stores")
-        known[param] = np.asarray(values)
-    launch_grid = grid(dict(arguments)) if callable(grid) else grid
-    launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
-    touched = trace_through_tables(fn, launch_grid, dict(arguments), known,
-                                   is_device or (lambda t: isinstance(t, torch.Tensor) and t.is_cuda))
+    try:
+        touched = trace_tables(fn, grid, arguments, tables, session.cuda_ops.staged.values,
+                               is_device or (lambda t: isinstance(t, torch.Tensor) and t.is_cuda))
+    except TableUnresolved as unknown:
+        why = ("a table loaded through another table" if unknown.deeper else
+               "device memory whose values the host did not stage with a copy made while the tool runs, "
+               "or that a device op wrote since")
+        raise unroutable(f"{name}: argument {unknown.param!r}",
+                         f"it is a table of addresses the kernel loads and goes through, in {why}, so what the "
+                         f"kernel touches cannot be known before it runs",
+                         "build the table on the host and copy it to the device (torch.from_numpy(t).to('cuda')) "
+                         "while the tool runs, or fuzz on the simulator (--backend sim), which follows the "
+                         "kernel's actual loads and stores") from None
     places = []
     for write in (False, True):
         for lo, hi in touched.runs(write=write):
