@@ -1,12 +1,14 @@
 """A Triton kernel the installed Triton's interpreter cannot run is the simulator's gap, never a finding.
 
 The simulator runs a zeroer's Triton kernels under Triton's interpreter (zeroer/triton_cpu.py,
-zeroer/intercept/triton_launch.py). Triton 3.6's interpreter fails on a loop bound loaded from
+zeroer/intercept/triton_launch.py). Triton 3.6's interpreter failed on a loop bound loaded from
 memory (``words = tl.load(sizes + job); for start in range(0, words, BLOCK)``) with ``TypeError:
 only 0-dimensional arrays can be converted to Python scalars``: its ``tl.tensor.__index__`` calls
-``int()`` on a one-element array, where Triton 3.9's squeezes it first. That Triton is not
-installed here, so :func:`triton_3_6_index` plants its ``__index__`` in the interpreter's module,
-where the real one raised. Then:
+``int()`` on a one-element array, where Triton 3.9's squeezes it first. The interpreter is run with
+a loaded scalar's index in hand (:func:`zeroer.triton_cpu.nested_calls_interpreted`), so that
+kernel runs on both; :func:`triton_3_6_index` plants Triton 3.6's own patch in the interpreter's
+module to show it is overridden. :func:`interpreter_gap` plants a gap that remains, raised from
+the interpreter's module as a real one is. Then:
 
 * on the simulator the launch is a harness error (the interpreter's, recognised by where it was
   raised), never a finding; a genuine error of the kernel's own code (an ``IndexError`` in its
@@ -88,19 +90,44 @@ looped = _single_pinned_buffer(_zero_pages_looped)
 indexing_past_a_tuple = _single_pinned_buffer(_zero_pages_indexing_past_a_tuple)
 
 
-def triton_3_6_index(monkeypatch, when=lambda: True) -> None:
-    """Triton 3.6's ``tl.tensor.__index__`` (no squeeze) while ``when()``, planted in the
-    interpreter's module as the real one is, so that it raises from there."""
+def triton_3_6_index(monkeypatch) -> None:
+    """Triton 3.6's ``tl.tensor.__index__`` (no squeeze), planted in the interpreter's module as the
+    real one was."""
     namespace = vars(triton_interpreter)
     patch_tensor = namespace["_patch_lang_tensor"]
     source = ("def _patch_lang_tensor_3_6(tensor, scope):\n"
               "    _kvz_patch_tensor(tensor, scope)\n"
-              "    if _kvz_when():\n"
-              "        scope.set_attr(tensor, '__index__', lambda self: int(self.handle.data))\n")
+              "    scope.set_attr(tensor, '__index__', lambda self: int(self.handle.data))\n")
     monkeypatch.setitem(namespace, "_kvz_patch_tensor", patch_tensor)
-    monkeypatch.setitem(namespace, "_kvz_when", when)
     exec(compile(source, triton_interpreter.__file__, "exec"), namespace)
     monkeypatch.setattr(triton_interpreter, "_patch_lang_tensor", namespace.pop("_patch_lang_tensor_3_6"))
+
+
+def interpreter_gap(monkeypatch, when=lambda: True) -> None:
+    """While ``when()``, an interpreter that cannot take a loaded scalar as an index: the index
+    :mod:`zeroer.triton_cpu` gives the interpreter, replaced by one compiled in the interpreter's
+    module that calls ``int()`` on the one-element array, so it raises from there as a gap of the
+    interpreter does."""
+    import zeroer.triton_cpu as triton_cpu
+
+    namespace = vars(triton_interpreter)
+    source = ("def _kvz_index_3_6(self):\n"
+              "    return int(self.handle.data) if _kvz_when() else _kvz_index(self)\n")
+    monkeypatch.setitem(namespace, "_kvz_when", when)
+    monkeypatch.setitem(namespace, "_kvz_index", triton_cpu._scalar_index)
+    exec(compile(source, triton_interpreter.__file__, "exec"), namespace)
+    monkeypatch.setattr(triton_cpu, "_scalar_index", namespace.pop("_kvz_index_3_6"))
+
+
+def interpreted_alone(kernel) -> torch.Tensor:
+    """``kernel`` zeroing 100 int32 words of one page, under Triton's interpreter as it is."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    page = torch.ones(128, dtype=torch.int32)
+    tables = (torch.tensor([page.data_ptr()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+              torch.tensor([100], dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    InterpretedFunction(kernel.fn)[(1, 1)](*tables, BLOCK=64)
+    return page
 
 
 def test_the_looped_kernel_runs_under_this_triton_and_its_race_shows():
@@ -108,8 +135,16 @@ def test_the_looped_kernel_runs_under_this_triton_and_its_race_shows():
     assert finding.kind == "hazard"
 
 
-def test_a_kernel_the_interpreter_cannot_run_is_a_harness_error_on_the_simulator_never_a_finding(monkeypatch):
+def test_the_looped_kernel_runs_under_triton_3_6s_index_too(monkeypatch):
     triton_3_6_index(monkeypatch)
+    with pytest.raises(triton.runtime.errors.InterpreterError, match="only 0-dimensional arrays"):
+        interpreted_alone(_zero_pages_looped)  # what Triton 3.6 does on its own
+    [finding] = run_ops(EpisodeConfig(zeroer=f"{SPEC}:looped"), TWO_CALLS)[:1]
+    assert finding.kind == "hazard"
+
+
+def test_a_kernel_the_interpreter_cannot_run_is_a_harness_error_on_the_simulator_never_a_finding(monkeypatch):
+    interpreter_gap(monkeypatch)
     with pytest.raises(HarnessError) as raised:
         run_ops(EpisodeConfig(zeroer=f"{SPEC}:looped"), TWO_CALLS)
     assert re.match(r"harness error at step \d+ in the zeroer's .*, not a finding: SimulatorGap: Triton's interpreter "
@@ -138,7 +173,7 @@ def test_a_finding_the_simulators_interpreter_cannot_replay_is_shrunk_on_the_cam
             shrinking.pop()
 
     monkeypatch.setattr(shrink_module, "_shrink_on_simulator", shrink_on_simulator)
-    triton_3_6_index(monkeypatch, when=lambda: bool(shrinking))
+    interpreter_gap(monkeypatch, when=lambda: bool(shrinking))
     config = EpisodeConfig(zeroer=f"{SPEC}:looped", geometry="tiny")
     confirmed = []
     plan = ShrinkPlan(shrink_on=dataclasses.replace(config, streams=config.streams),
@@ -161,7 +196,7 @@ def test_the_timeline_of_a_cuda_finding_the_interpreter_cannot_replay_draws_what
     from fuzz.timeline import build_timeline
     from fuzz.trace import load_trace
 
-    triton_3_6_index(monkeypatch)
+    interpreter_gap(monkeypatch)
     trace = write_trace(tmp_path, EpisodeConfig(zeroer=f"{SPEC}:looped"), TWO_CALLS, [], seed=1)
     timeline = build_timeline(load_trace(trace))
     assert re.match(r"replay stopped at op 0 \(start\(in_flight=1\)\): harness error at step 1 in the zeroer's queued op "

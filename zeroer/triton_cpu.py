@@ -30,6 +30,7 @@ import functools
 import sys
 from typing import Any, Iterator
 
+import numpy as np
 import triton.language as tl
 from triton.language import core as tl_core
 from triton.runtime import interpreter as triton_interpreter
@@ -52,10 +53,9 @@ def kernel_error(error: BaseException) -> BaseException:
 def raised_by_interpreter(error: BaseException) -> bool:
     """Whether Triton's interpreter itself raised ``error``: from the raise outwards, past numpy and
     the standard library, the first frame is the interpreter's module. Then the interpreter could
-    not run the kernel, which says nothing of the kernel: Triton 3.6's takes a loaded scalar as a
-    loop bound (``words = tl.load(sizes + job) // 8; for start in range(0, words, BLOCK)``) through
-    ``int()`` of a one-element array, ``TypeError: only 0-dimensional arrays can be converted to
-    Python scalars``, where Triton 3.9's and every GPU build run it. An error of the kernel's own
+    not run the kernel, which says nothing of the kernel: an op or an operand the installed Triton's
+    interpreter does not take, where a GPU build compiles it (Triton 3.6's loaded loop bound was one,
+    until :func:`nested_calls_interpreted` took it in hand). An error of the kernel's own
     code (its frame is the innermost), or of a ``triton.language`` function it misused, is not.
     ``error`` is read under the interpreter's wrapping (:func:`kernel_error`)."""
     frames = []
@@ -89,17 +89,39 @@ def _language_modules() -> Any:
     return (tl, tl_core)
 
 
+def _scalar_index(self: Any) -> int:
+    # A loaded scalar's handle holds a one-element array; Triton 3.6 took it as an index with
+    # int(array), which NumPy 2 refuses for ndim > 0. Triton 3.9's interpreter squeezes it first.
+    return int(np.asarray(self.handle.data).squeeze())
+
+
+def _index_patched(patch_lang_tensor: Any) -> Any:
+    """Triton's own language patch of ``tl.tensor`` (``patch_lang_tensor``), then a loaded scalar's ``__index__``."""
+    def patch(tensor: Any, scope: Any) -> None:
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: _scalar_index(self))
+    return patch
+
+
 @contextlib.contextmanager
 def nested_calls_interpreted() -> Iterator[None]:
-    """Inside, a ``@triton.jit`` function called from an interpreted kernel is interpreted too."""
+    """Inside, a ``@triton.jit`` function called from an interpreted kernel is interpreted too, and
+    a scalar loaded from memory is a loop bound or an index on every Triton we support: Triton 3.6's
+    interpreter fails at ``words = tl.load(sizes + job); for start in range(0, words, BLOCK)``
+    (``TypeError: only 0-dimensional arrays can be converted to Python scalars`` under NumPy 2),
+    which Triton 3.9's interpreter and every GPU build run."""
     call = JITFunction.__call__
     JITFunction.__call__ = _interpret_call  # type: ignore[method-assign]
+    # Every language patch made inside (a launch's own too) takes a loaded scalar as an index.
+    patch_lang_tensor = triton_interpreter._patch_lang_tensor
+    triton_interpreter._patch_lang_tensor = _index_patched(patch_lang_tensor)
     # Patched first and restored last: a launch's own patch of its kernel's language nests inside.
     language = triton_interpreter._patch_lang(_language_modules)
     try:
         yield
     finally:
         language.restore()
+        triton_interpreter._patch_lang_tensor = patch_lang_tensor
         JITFunction.__call__ = call  # type: ignore[method-assign]
 
 
