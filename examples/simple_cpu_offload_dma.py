@@ -116,6 +116,7 @@ class DmaCopyBackend:
         self.load_params = BatchParams(cpu, gpu, self.load_stream, CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
         self.events: list[tuple[int, torch.Event]] = []
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._copy_loop, name="dma-copy", daemon=True)
         self.thread.start()
 
@@ -123,6 +124,13 @@ class DmaCopyBackend:
         self.jobs.put((job_id, src, dst, is_store, wait_event))
 
     def _copy_loop(self) -> None:
+        try:
+            self._copy_jobs()
+        except BaseException as error:  # the scheduler names it, as an engine's worker reports its failure
+            self.error = error
+            raise
+
+    def _copy_jobs(self) -> None:
         while True:
             item = self.jobs.get()
             if item is None:
@@ -226,7 +234,8 @@ def engine_loop(racy: bool) -> list[float]:
         if len(finished) == STEPS or not backend.thread.is_alive():
             break
     if len(finished) < STEPS:
-        raise RuntimeError(f"stores {sorted(set(range(STEPS)) - finished)} never finished")
+        raise RuntimeError(f"stores {sorted(set(range(STEPS)) - finished)} never finished"
+                           + (f": the copy thread failed: {backend.error!r}" if backend.error is not None else ""))
     backend.shutdown()
     return [float(pool[step, 0]) for step in range(STEPS)]
 

@@ -200,9 +200,40 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, t
 
 
 def memmove(dst: int, src: int, nbytes: int) -> None:
-    """Copy ``nbytes`` between CPU addresses (a reference implementation's raw copy)."""
+    """Copy ``nbytes`` between CPU addresses (a reference implementation's raw copy). An address in
+    device memory that PyTorch's CUDA allocator holds is refused before a byte moves."""
     if nbytes > 0:
+        on_host([(src, nbytes), (dst, nbytes)])
         ctypes.memmove(int(dst), int(src), int(nbytes))
+
+
+def on_host(runs: Sequence[tuple[int, int]]) -> None:
+    """Raise unless every ``(address, bytes)`` run is outside the device memory PyTorch's CUDA
+    allocator holds: a reference implementation checks all its copies before it moves a byte."""
+    device = device_runs()
+    for address, nbytes in runs if device else ():
+        if any(lo < int(address) + int(nbytes) and int(address) < hi for lo, hi in device):
+            raise RuntimeError(f"address {int(address):#x} ({int(nbytes)} bytes) is device memory: kvzero's "
+                               f"reference implementations copy CPU memory only; install the op's extension "
+                               f"to run it on a GPU")
+
+
+def device_runs() -> Runs:
+    """The device memory PyTorch's CUDA allocator holds now, as (start, end) runs: none where CUDA
+    was never initialised in this process, and none in a CPU build of torch (where the simulator's
+    device memory is CPU memory)."""
+    if not hasattr(torch._C, "_cuda_memorySnapshot") or not torch.cuda.is_initialized():
+        return []
+    return [(int(segment["address"]), int(segment["address"]) + int(segment["total_size"]))
+            for segment in torch.cuda.memory_snapshot()]
+
+
+def _device_tensors(values: Any) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _device_tensors(value)
 
 
 # -- routing: who handles a modelled call while a tool runs ----------------------------------------
@@ -239,9 +270,13 @@ def route(model: EffectModel, args: tuple, kwargs: dict, real: Callable[..., Any
         return _ROUTERS[-1](model, args, kwargs, real)
     if real is not None:
         return real(*args, **kwargs)
-    if torch.cuda.is_available():  # its addresses may be device memory, which a CPU copy must not touch
+    # A GPU machine without the engine's extension: the reference copies CPU memory only, and a
+    # raw address is checked against device memory as it is copied (memmove).
+    device = next(_device_tensors([*args, *kwargs.values()]), None)
+    if device is not None:
         raise RuntimeError(f"{model.name}: its extension is not installed, and kvzero's reference "
-                           f"implementation runs on CPU memory only (the simulator's)")
+                           f"implementation runs on CPU memory only (the simulator's), not on a {device.device} "
+                           f"tensor: install the extension, or run it under a tool")
     if model.reference is None:
         raise RuntimeError(f"{model.name} has no implementation here (its extension is absent)")
     return model.reference(*model.bind(args, kwargs, _torch_op_overload(model)))
@@ -371,5 +406,6 @@ def _routed(model: EffectModel, real: Callable[..., Any] | None) -> Callable[...
     return call
 
 
-__all__ = ["EffectModel", "Effects", "ValueUnknown", "define_references", "effect_model", "extension_modules", "host_values",
-           "is_custom", "missing_model", "model_for", "models", "register", "route", "routing", "unregister", "unrouted"]
+__all__ = ["EffectModel", "Effects", "ValueUnknown", "define_references", "device_runs", "effect_model", "extension_modules",
+           "host_values", "is_custom", "memmove", "missing_model", "model_for", "models", "on_host", "register", "route",
+           "routing", "unregister", "unrouted"]

@@ -135,6 +135,32 @@ def test_the_reference_moves_the_bytes_a_plain_torch_copy_moves(name):
     assert torch.equal(case.written, case.expected())
 
 
+def test_without_its_extension_on_a_gpu_machine_the_reference_refuses_device_memory_and_moves_nothing(monkeypatch):
+    from racecheck import effects
+
+    case = CASES["swap_blocks_batch"](lambda t: t, lambda t: t)
+    before = case.written.clone()
+    # The destination's bytes held by PyTorch's CUDA allocator, as on a GPU with that memory on it:
+    start = case.written.data_ptr()
+    monkeypatch.setattr(effects, "device_runs", lambda: [(start + 16, start + 32)])
+    with pytest.raises(RuntimeError, match=rf"address {start + 16:#x} \(16 bytes\) is device memory: kvzero's "
+                                           r"reference implementations copy CPU memory only"):
+        case.call()
+    assert torch.equal(case.written, before)  # the first copy, to CPU memory, did not move either
+    monkeypatch.setattr(effects, "device_runs", lambda: [])
+    case.call()
+    assert torch.equal(case.written, case.expected())
+
+
+def test_without_its_extension_the_reference_refuses_a_device_tensor_argument():
+    src, dst = torch.ones(2, 4, device="meta"), torch.zeros(8, 4)
+    with pytest.raises(RuntimeError, match=r"_C_cache_ops::swap_blocks: its extension is not installed, and kvzero's "
+                                           r"reference implementation runs on CPU memory only \(the simulator's\), "
+                                           r"not on a meta tensor: install the extension, or run it under a tool"):
+        custom_ops.route(custom_ops.model_for(torch.ops._C_cache_ops.swap_blocks.default), (src, dst, 16, torch.tensor([[0, 1]])), {})
+    assert not dst.any()
+
+
 def _program(name: str, beside: str) -> dict:
     """The op on a side stream, the main stream reading its source or its destination meanwhile."""
     out: dict = {}
