@@ -119,5 +119,10 @@ class Clocks:
         return tuple(self._vc[host])
 
     @property
+    def stamped(self) -> int:
+        """How many ops have been stamped so far (an op's ``seq`` is its number among them)."""
+        return self._seq
+
+    @property
     def several_hosts(self) -> bool:
         return len(self.hosts) > 1

@@ -213,14 +213,23 @@ def _engine_offset(fmt: int, kv: int, block: int, layer: int, d: Any) -> tuple[i
     raise ValueError(f"kvzero has no model of LMCache's KV format {fmt!r} (known: {[f.name for f in GPUKVFormat]})")
 
 
+def _ints(values: Values, given: Any) -> list[int]:
+    """A tensor's integers, or a list's: ints as they are, tensors by their addresses."""
+    if isinstance(given, torch.Tensor):
+        return values(given)
+    return [item.data_ptr() if isinstance(item, torch.Tensor) else int(item) for item in given]
+
+
 def _lmcache_copies(values: Values, paged_buffer_ptrs_tensor: torch.Tensor, lmcache_objects_ptrs: list[int],
                     block_ids: torch.Tensor, device: Any, direction: Any, shape_desc: Any, lmcache_chunk_size: int,
                     engine_kv_format: Any, skip_prefix_n_blocks: int | None = 0) -> Copies:
     skip_prefix_n_blocks = skip_prefix_n_blocks or 0
     d, fmt = shape_desc, int(engine_kv_format)
-    table = values(paged_buffer_ptrs_tensor)
-    blocks = values(block_ids)
-    objects = [int(p) for p in lmcache_objects_ptrs]
+    # The binding takes tensors and a list of addresses; LMCache's Python callers also pass a list of
+    # layer tensors, a list of block ids and a list of object tensors.
+    table = _ints(values, paged_buffer_ptrs_tensor)
+    blocks = _ints(values, block_ids)
+    objects = [p.data_ptr() if isinstance(p, torch.Tensor) else int(p) for p in lmcache_objects_ptrs]
     per_object = len(blocks) // len(objects)
     per_token = d.nh * d.hs
     nbytes = d.bs * per_token * d.element_size
@@ -245,6 +254,7 @@ _LMCACHE_PARAMS = ("paged_buffer_ptrs_tensor", "lmcache_objects_ptrs", "block_id
 
 
 _model("lmcache.c_ops.multi_layer_block_kv_transfer", None, _lmcache_copies,
-       lambda table, objects, block_ids, *_: [table, block_ids], params=_LMCACHE_PARAMS,
+       lambda table, objects, block_ids, *_: [t for t in (table, block_ids) if isinstance(t, torch.Tensor)],
+       params=_LMCACHE_PARAMS,
        attributes={"TransferDirection": TransferDirection, "GPUKVFormat": GPUKVFormat, "EngineKVFormat": GPUKVFormat,
                    "PageBufferShapeDesc": PageBufferShapeDesc})

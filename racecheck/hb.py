@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from racecheck.clocks import HOST, Clocks, OpStamp, ordered
@@ -46,6 +47,7 @@ __all__ = ["HOST", "HappensBefore", "Hazard", "Key", "OpStamp", "Ranges"]
 
 Key = tuple  # ("host", id) / ("dev", id) / ("block", cache, id) / ("cudamem", address) ...
 MAX_PENDING_PER_KEY = 256  # pending copies kept per host buffer; the oldest are dropped (a miss, never a false race)
+MAX_HOST_LOG_PER_KEY = 64  # host accesses kept per host buffer for copies declared as they run (the oldest dropped: a miss)
 
 HOST_WRITE = "host-write-vs-pending-copy"
 HOST_READ = "host-read-vs-pending-copy"
@@ -74,6 +76,18 @@ class _Pending:
     ranges: Ranges
 
 
+@dataclass(frozen=True, slots=True)
+class _HostAccess:
+    """A host thread's access to host memory, kept for an op whose accesses are declared as it runs."""
+
+    kind: str  # HOST_WRITE or HOST_READ
+    label: str
+    vc: tuple[int, ...]  # the host thread's clock then
+    after: int  # ops stamped before it: an op stamped later was enqueued after it
+    ranges: Ranges
+    union: tuple[int, ...] | None  # what some host thread had seen then, where there are several
+
+
 class HappensBefore:
     """Vector-clock bookkeeping for one process or runtime (see the module docstring)."""
 
@@ -82,6 +96,7 @@ class HappensBefore:
         self._shadows: dict[Key, RangeShadow] = {}
         self._host_readers: dict[Key, list[_Pending]] = {}  # queued copies that read host memory
         self._host_writers: dict[Key, list[_Pending]] = {}  # queued copies that write host memory
+        self._host_log: dict[Key, deque[_HostAccess]] = {}  # recent host accesses (late_host_access)
         self._resource_names: dict[Key, str] = {}
         self.hazards: list[Hazard] = []
         self.notes: list[Hazard] = []
@@ -156,6 +171,7 @@ class HappensBefore:
         self._shadows.pop(key, None)
         self._host_readers.pop(key, None)
         self._host_writers.pop(key, None)
+        self._host_log.pop(key, None)
 
     # -- host memory -----------------------------------------------------------------------------
     def copy_reads_host(self, key: Key, stamp: OpStamp, ranges: Ranges = None) -> None:
@@ -182,12 +198,38 @@ class HappensBefore:
     def host_write(self, key: Key, label: str, host: int = HOST, ranges: Ranges = None) -> None:
         """Host thread ``host`` writes ``ranges`` of host memory ``key`` now: every queued copy that
         reads or writes those bytes and that the thread has not seen complete is a hazard."""
+        self._log_host(HOST_WRITE, key, label, host, ranges)
         self._host_access(HOST_WRITE, key, label, host, ranges, (self._host_readers, self._host_writers))
 
     def host_read(self, key: Key, label: str, host: int = HOST, ranges: Ranges = None) -> None:
         """Host thread ``host`` reads ``ranges`` of host memory ``key`` now: every queued copy that
         writes those bytes and that the thread has not seen complete is a hazard."""
+        self._log_host(HOST_READ, key, label, host, ranges)
         self._host_access(HOST_READ, key, label, host, ranges, (self._host_writers,))
+
+    def _log_host(self, kind: str, key: Key, label: str, host: int, ranges: Ranges) -> None:
+        log = self._host_log.get(key)
+        if log is None:
+            log = self._host_log[key] = deque(maxlen=MAX_HOST_LOG_PER_KEY)
+        clocks = self.clocks
+        log.append(_HostAccess(kind, label, tuple(clocks.vc(host)), clocks.stamped, ranges,
+                               tuple(clocks.union) if clocks.several_hosts else None))
+
+    def late_host_access(self, key: Key, stamp: OpStamp, *, write: bool, ranges: Ranges = None) -> None:
+        """Queued op ``stamp`` reads or writes ``ranges`` of host memory ``key``, known only as it
+        runs (its addresses come from device values: a table kernel, a custom op's index tensors).
+        Every host access made since it was enqueued, by a thread that had not seen it complete, is
+        checked as if the op had been pending then (LMCache #4830: the next ``pin_memory()`` rewrote
+        a temporary the copy still read); from now on the bytes are pending like any copy's."""
+        for access in self._host_log.get(key, ()):
+            if access.after < stamp.seq or ordered(stamp, access.vc) or not overlaps(access.ranges, ranges):
+                continue  # before the enqueue, after the host saw it complete, or other bytes
+            if access.kind == HOST_READ and not write:
+                continue  # a read beside a read
+            hazard = self._host_hazard(access.kind, key, stamp, access.label, write,
+                                       assumed=access.union is not None and ordered(stamp, access.union))
+            (self.notes if access.union is not None and ordered(stamp, access.union) else self.hazards).append(hazard)
+        (self.copy_writes_host if write else self.copy_reads_host)(key, stamp, ranges)
 
     def _host_access(self, kind: str, key: Key, label: str, host: int, ranges: Ranges,
                      tables: tuple[dict[Key, list[_Pending]], ...]) -> None:

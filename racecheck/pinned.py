@@ -121,6 +121,14 @@ class PinnedMemory:
     def regions(self) -> list[Region]:
         return list(self._regions)
 
+    def frozen(self) -> "PinnedMemory":
+        """These regions as they are now, unchanged by later allocations: what an op queued now
+        reads, where its addresses are resolved only as it runs (the allocator may have handed the
+        bytes to a new tensor by then)."""
+        copy = PinnedMemory(self._ids)
+        copy._starts, copy._regions = list(self._starts), list(self._regions)
+        return copy
+
     def __len__(self) -> int:
         return len(self._regions)
 

@@ -26,12 +26,15 @@ from types import CodeType, FrameType
 import numpy
 import torch
 
+import racecheck
+
 _SANITIZER = str(Path(__file__).resolve().parent) + os.sep
 # The benchmark's programs live inside the package but are programs, not the sanitizer's plumbing.
 _PROGRAMS = _SANITIZER + "bench" + os.sep
+# racecheck's frames too: a custom op's call reaches the tool through its router (racecheck.effects).
 _LIBRARIES = tuple(
     str(Path(module.__file__).resolve().parent) + os.sep
-    for module in (torch, contextlib, threading, numpy)
+    for module in (torch, contextlib, threading, numpy, racecheck)
     if getattr(module, "__file__", None)
 ) + (_SANITIZER,)
 

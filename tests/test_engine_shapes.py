@@ -1,8 +1,9 @@
 """The engines' transfer code in its real shapes (sanitizer/bench/engine_shapes.py), on the simulator.
 
 Each racy side is found by the sanitizer with its upstream kind and each fixed side is clean; the
-fuzzer finds the SimpleCPUOffload race with a trace of at most 6 ops and no harness error, and its
-fix is clean in both campaigns. The rest of the fuzzer's column (about 4 minutes on 2 cores) is the
+fuzzer finds the SimpleCPUOffload race and LMCache #4830 (through ``lmcache.c_ops``, its reference
+standing in) with a trace of at most 6 ops and no harness error, and each fix is clean in both
+campaigns. The rest of the fuzzer's column (about 4 minutes on 2 cores) is the
 benchmark's own run: ``python -m sanitizer.bench.engine_shapes`` (docs/engine-shapes.md). The
 unit-test sides run under ``pytest --kvz-sanitize`` in tests/test_engine_style.py.
 """
@@ -17,7 +18,7 @@ from racecheck.cli import USAGE
 from sanitizer.bench.engine_shapes import BY_NAME, MAX_TRACE_OPS, PAIRS, judge_side, main, plugin_races
 
 LOOPS = sorted(pair.name for pair in PAIRS if not pair.racy.pytest and pair.name != "sglang-hicache-27444")
-FUZZED = ["vllm-simple-offload-46278"]
+FUZZED = ["lmcache-4830", "vllm-simple-offload-46278"]
 # The program marks its race the other way round: "queued" on the driver copy, "later" on the
 # compute stream's write, which the compute stream queued first (the report's queued side).
 REVERSED_MARKS: set[str] = set()  # pairs whose two marks read the wrong way round (none now)

@@ -520,3 +520,58 @@ def test_a_named_resource_keeps_its_name():
     hb = HappensBefore()
     hb.name_resource(("block", "kv", 3), "the third block")
     assert hb.name(("block", "kv", 3)) == "the third block"
+
+
+# -- an op whose host accesses are known only as it runs (late_host_access) ---------------------------
+
+def _late_case(host_access, *, before_enqueue: bool = False, observed: bool = False, op_writes: bool = False):
+    """An op queued on a stream, a host access of BUF's bytes [0, 8) (before or after the enqueue,
+    with or without the host having seen the op complete), then the op's accesses declared as it runs."""
+    hb, (s,) = checker("side")
+    if before_enqueue:
+        host_access(hb)
+    op = hb.enqueue(s, "kernel#1")
+    if observed:
+        hb.host_observes_stream(s)
+    if not before_enqueue:
+        host_access(hb)
+    hb.late_host_access(BUF, op, write=op_writes, ranges=[(0, 8)])
+    return hb
+
+
+def _write(hb, ranges=((0, 8),)):
+    hb.host_write(BUF, "pin_memory", ranges=list(ranges))
+
+
+def _read(hb):
+    hb.host_read(BUF, "host read", ranges=[(0, 8)])
+
+
+def test_a_host_write_after_the_enqueue_of_an_op_that_reads_the_bytes_as_it_runs_is_a_hazard():
+    hb = _late_case(_write)
+    (hazard,) = hb.hazards
+    assert (hazard.kind, hazard.first, hazard.second) == (HOST_WRITE, "kernel#1", "pin_memory")
+    assert "may not have read it yet" in hazard.message
+
+
+def test_a_host_write_before_the_enqueue_or_after_the_host_saw_the_op_complete_is_none():
+    assert _late_case(_write, before_enqueue=True).hazards == []
+    assert _late_case(_write, observed=True).hazards == []
+
+
+def test_a_host_write_of_other_bytes_or_a_read_beside_a_reading_op_is_none():
+    assert _late_case(lambda hb: _write(hb, [(8, 16)])).hazards == []
+    assert _late_case(_read).hazards == []
+
+
+def test_a_host_read_of_bytes_an_op_writes_as_it_runs_is_a_hazard():
+    (hazard,) = _late_case(_read, op_writes=True).hazards
+    assert hazard.kind == HOST_READ and "may not have written it yet" in hazard.message
+
+
+def test_after_its_late_declaration_the_op_is_pending_like_any_copy():
+    hb = _late_case(lambda hb: None)
+    assert hb.hazards == []
+    _write(hb)
+    (hazard,) = hb.hazards
+    assert (hazard.kind, hazard.first) == (HOST_WRITE, "kernel#1")

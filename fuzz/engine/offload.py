@@ -107,8 +107,9 @@ class OffloadSide:
 
     # -- warm-up --------------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """The offloader's own warm-up, then one store and one load of the null block 0 through slot
-        0 (every copy and kernel it uses compiled and loaded before any gated work), then drained."""
+        """The offloader's own warm-up, then one store of the null block 0 into slot 0, reported
+        once the device is idle, and its load back (every copy and kernel it uses compiled and
+        loaded before any gated work), then drained."""
         episode = self.episode
         rt = episode.rt
         with rt.block_space(0):
@@ -117,6 +118,10 @@ class OffloadSide:
             with self._call(self.offloader.spelled("store", WARMUP_JOBS[0], [0], [0]) + " (the warm-up)"):
                 self.offloader.store(WARMUP_JOBS[0], [0], [0])
             episode.device_work(rt.synchronize)
+            # The store reported before its slot is loaded (caller promise c): an offloader may put
+            # a store's bytes in the slot only as it reports the job (LMCache's objects are).
+            with self._call("get_finished() (the warm-up)"):
+                self.offloader.get_finished()
             with self._call(self.offloader.spelled("load", WARMUP_JOBS[1], [0], [0]) + " (the warm-up)"):
                 self.offloader.load(WARMUP_JOBS[1], [0], [0])
             episode.device_work(rt.synchronize)

@@ -79,6 +79,7 @@ class Pair:
 
 
 _SWAP = "tests/triton_swap_offload.py"
+_LMC = "examples/lmcache_transfer_context.py"
 _DMA = "examples/simple_cpu_offload_dma.py"
 _STYLE = "tests/engine_style/factories.py"
 _UNIT_CPU_GPU = "tests/engine_style/test_cpu_gpu.py"
@@ -120,14 +121,12 @@ PAIRS: tuple[Pair, ...] = (
          Side(f"{_STYLE}:hicache_controller", ("tests/engine_style/test_hicache_controller.py",), _UNPLANTED),
          "HiCacheController write/load/start_loading/loading_check over a host pool's pages",
          "no engine loop: the sanitizer runs the controller's unit tests"),
-    Pair("lmcache-4830", "LMCache #4830 (pinned temporaries freed under a copy kernel)", HOST_WRITE,
-         Side("examples/engine_offloaders.py:staging_freed_on_return",
-              ("examples/lmcache_4830_pinned_temporaries.py",),
-              marks=("examples/lmcache_4830_pinned_temporaries.py",)),
-         Side("examples/engine_offloaders.py:staging_freed_after_event",
-              ("examples/lmcache_4830_pinned_temporaries.py", "--fixed")),
-         "scatter_cpu_to_paged_kv: chunk.pin_memory() temporaries read by a raw-pointer kernel",
-         "no factory in LMCache's shape: the fuzzer drives the plain-torch stand-in"),
+    Pair("lmcache-4830", "LMCache #4830 (pinned temporaries freed under the transfer kernel)", HOST_WRITE,
+         Side(f"{_LMC}:temporaries_freed_on_return", (_LMC,), marks=(_LMC,)),
+         Side(f"{_LMC}:temporaries_synced_before_return", (_LMC, "--fixed")),
+         "lmcache.c_ops.multi_layer_block_kv_transfer (pybind) through a device table of K/V plane addresses; "
+         "chunk.pin_memory() temporaries read through their raw addresses",
+         "no unit-test form"),
 )
 BY_NAME = {pair.name: pair for pair in PAIRS}
 

@@ -114,13 +114,14 @@ class CustomCalls:
         except ValueUnknown:
             found = None
         ids, host_args = session.ids, self._host_args
+        regions = session.host.regions.frozen() if found is None else None  # as queued (LMCache #4830)
         stamp: list[Any] = []
         space = session.rt._block_space
 
         def run() -> None:
             if found is None and isinstance(stamp[0], OpStamp):
                 self._host_args = host_args
-                late = self._resolve_sim(model, model.declare(inner_args, host_values))
+                late = self._resolve_sim(model, model.declare(inner_args, host_values), regions)
                 self._declare_late(late, stamp[0], space, ids)
             forward(model.reference, *inner_args)
 
@@ -143,8 +144,11 @@ class CustomCalls:
             self._host_pending(found, stamp[0])
         return None
 
-    def _resolve_sim(self, model: EffectModel, fx: Any) -> _Resolved:
+    def _resolve_sim(self, model: EffectModel, fx: Any, regions: Any = None) -> _Resolved:
+        """``fx``'s runs by the memory they fall in; ``regions``: the pinned regions to resolve host
+        bytes in (those when the op was queued), else those now."""
         session = self.session
+        regions = regions if regions is not None else session.host.regions
         found = _Resolved()
         for runs, write in ((fx.reads, False), (fx.writes, True)):
             for lo, hi in merge(runs):
@@ -159,7 +163,7 @@ class CustomCalls:
                     entry = found.device.setdefault(block.key, (block, [], []))
                     entry[2 if write else 1].append((lo, hi))
                     continue
-                region = session.host.regions.find(lo)
+                region = regions.find(lo)
                 if region is not None and hi <= region.end:
                     entry = found.host.setdefault(region.key, (region, [], []))
                     entry[2 if write else 1].append((lo, hi))
@@ -186,6 +190,7 @@ class CustomCalls:
         for key, (_, reads, writes) in found.host.items():
             for runs, write in ((reads, False), (writes, True)):
                 if runs:
+                    hb.late_host_access(key, stamp, write=write, ranges=merge(runs))
                     hb.device_access(key, stamp, write=write, ranges=merge(runs), late=True)
         if session.block_map is not None:
             for runs, write in ((found.cache_read, False), (found.cache_written, True)):

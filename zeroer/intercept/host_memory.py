@@ -121,3 +121,11 @@ class HostMemory(PinnedWatch):
 
     def buffers(self) -> list[Region]:
         return self.regions.regions()
+
+
+class CachingHostMemory(HostMemory):
+    """An offloader's pinned memory on the simulator: torch's caching host allocator modelled, so a
+    temporary dropped under a kernel that reads it through its address is handed to the next
+    ``pin_memory()`` (LMCache #4830), as on a GPU."""
+
+    caching = True

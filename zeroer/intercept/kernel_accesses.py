@@ -68,11 +68,13 @@ class Touched:
         return [(int(starts[f]), int(ends[l])) for f, l in zip(firsts, lasts)]
 
 
-def declare(session: Any, stamp: Any, touched: Touched, space: Any, *, skip: set) -> None:
+def declare(session: Any, stamp: Any, touched: Touched, space: Any, *, skip: set, host: Any = None) -> None:
     """Declare what ``touched`` holds for the op ``stamp`` (see the module docstring). ``skip``:
-    keys of memory the launch declared already from its arguments (a table it read)."""
+    keys of memory the launch declared already from its arguments (a table it read). ``host``: the
+    pinned regions as they were when the launch was queued (the bytes it reads are theirs, though
+    the allocator may have handed them to a new tensor since)."""
     hb = session.rt.hb
-    ranges = session.address_ranges()
+    ranges = session.address_ranges(host)
     for write in (False, True):
         runs = touched.runs(write=write)
         if not runs:
@@ -94,11 +96,9 @@ def declare(session: Any, stamp: Any, touched: Touched, space: Any, *, skip: set
             if isinstance(owner, Block):
                 hb.device_access(key, stamp, write=write, ranges=mine, late=True)
             else:  # pinned host memory, read or written by the GPU when the kernel runs
+                hb.late_host_access(key, stamp, write=write, ranges=mine)
                 if write:
-                    hb.copy_writes_host(key, stamp, mine)
                     session.host.pending.drop(owner, mine)
-                else:
-                    hb.copy_reads_host(key, stamp, mine)
                 hb.device_access(key, stamp, write=write, ranges=mine, late=True)
         for block in sorted(blocks):
             hb.device_access(("block", space, block), stamp, write=write, late=True)

@@ -30,6 +30,7 @@ import torch
 
 from zeroer.cache.block_map import CacheBlockMap
 from zeroer.cache.layout import KVCache
+from zeroer.intercept.host_memory import CachingHostMemory
 from zeroer.intercept.session import InterceptSession
 from zeroer.offload.host_pool import HostPool
 from zeroer.offload.protocol import BoundOffloader
@@ -91,9 +92,24 @@ class InterceptedOffloader(BoundOffloader):
 
 
 class OffloaderSession(InterceptSession):
-    """An offloader's session: named as the offloader (``the offloader``, stream ``offloader-1``)."""
+    """An offloader's session: named as the offloader (``the offloader``, stream ``offloader-1``).
+    On the simulator its pinned memory comes from the model of torch's caching host allocator: a
+    block handed out again is a host write of it, checked against the copies and kernels still
+    pending on its last tenant (LMCache #4830: a ``pin_memory()`` temporary dropped on return)."""
 
     role = "offloader"
+
+    def __init__(self, runtime: Runtime, spec: Any) -> None:
+        if runtime.backend == "sim":
+            self.host_memory_class = CachingHostMemory
+        super().__init__(runtime, spec)
+        self.host.on_reuse = self._pinned_reused
+
+    def _pinned_reused(self, tensor: torch.Tensor, origin: str) -> None:
+        region = self.host.lookup(tensor)
+        if region is not None:
+            self.host.host_write(region, tensor, f"pinned memory handed out again by torch's caching host "
+                                                 f"allocator ({origin}) in {self.call}")
 
 
 def bind_offloader(loaded: Any, cache: KVCache, pool: HostPool, runtime: Runtime) -> InterceptedOffloader:

@@ -268,10 +268,11 @@ class InterceptSession:
             return tensor._alloc.block if isinstance(tensor, SimCudaTensor) else None
         return self.cuda_ops.key(tensor) if tensor.is_cuda else None
 
-    def address_ranges(self) -> list[tuple[int, int, Any]]:
-        """[start, end) of every byte the zeroer's kernels may touch on the simulator, sorted."""
+    def address_ranges(self, host: Any = None) -> list[tuple[int, int, Any]]:
+        """[start, end) of every byte the zeroer's kernels may touch on the simulator, sorted;
+        ``host``: the pinned regions to take (:meth:`racecheck.pinned.PinnedMemory.frozen`), else those now."""
         ranges = list(self.memory.ranges()) if self.memory is not None else []
-        for region in self.host.buffers():
+        for region in (host.regions() if host is not None else self.host.buffers()):
             ranges.append((region.start, region.end, region))
         return sorted(ranges, key=lambda r: r[0])
 

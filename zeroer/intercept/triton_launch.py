@@ -179,6 +179,7 @@ class TritonLaunches:
             # once it has run, from its actual loads and stores (zeroer.intercept.kernel_accesses).
             declared = {getattr(k, "key", k) for k in reads + writes} | {region.key for region, _, _ in pinned}
             at: list[Any] = []  # the stamp it runs as (a replay of a captured graph: that replay's)
+            regions = session.host.regions.frozen()  # the pinned bytes it reads are these, as queued
 
             def run() -> None:
                 touched.clear()
@@ -195,7 +196,7 @@ class TritonLaunches:
                             raise interpreter_gap(name, cause) from error
                         raise cause from None
                 if at and not isinstance(at[0], CapturedOp):
-                    declare(session, at[0], touched, space, skip=declared)
+                    declare(session, at[0], touched, space, skip=declared, host=regions)
 
             # A zeroer's session has no block map: its kernel writes the blocks of its zero call.
             stamp = session.enqueue(run, name=name, reads=reads, writes=writes,
