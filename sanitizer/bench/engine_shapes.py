@@ -83,7 +83,9 @@ _LMC = "examples/lmcache_transfer_context.py"
 _DMA = "examples/simple_cpu_offload_dma.py"
 _STYLE = "tests/engine_style/factories.py"
 _UNIT_CPU_GPU = "tests/engine_style/test_cpu_gpu.py"
+_UNIT_HICACHE = "tests/engine_style/test_hicache_controller.py"
 _PLANTED, _UNPLANTED = {"ENGINE_STYLE_PLANTED_RACE": "1"}, {"ENGINE_STYLE_PLANTED_RACE": "0"}
+_PLANTED_36738, _KERNEL_IO = {"ENGINE_STYLE_PLANTED_RACE": "36738"}, {"HICACHE_IO_BACKEND": "kernel"}
 
 PAIRS: tuple[Pair, ...] = (
     Pair("vllm-simple-offload-46278", "vLLM #46278 (stores) in SimpleCPUOffload", DEVICE_ACCESS,
@@ -108,13 +110,12 @@ PAIRS: tuple[Pair, ...] = (
          Side(f"{_SWAP}:make", (_SWAP, "make")),
          "as the stores row", "no unit-test form"),
     Pair("sglang-hicache-36738", "SGLang #36738 (load not after the forward stream)", DEVICE_ACCESS,
-         Side("examples/engine_offloaders.py:load_unfenced",
-              ("sanitizer/bench/corpus/sglang_36738_load_unfenced.py", "--steps", "6"),
-              marks=("sanitizer/bench/corpus/sglang_36738_load_unfenced.py",)),
-         Side("examples/engine_offloaders.py:load_waits_forward",
-              ("sanitizer/bench/corpus/sglang_36738_load_waits_forward.py", "--steps", "6")),
-         "simplified plain torch (no HiCache controller twin)",
-         "the HiCache-shaped controller has no #36738 twin: factory and loop are plain-torch stand-ins"),
+         Side(f"{_STYLE}:hicache_controller_kernel", (_UNIT_HICACHE,), {**_PLANTED_36738, **_KERNEL_IO},
+              marks=(f"{_UNIT_HICACHE}:36738", "tests/engine_style/hicache_controller.py:36738")),
+         Side(f"{_STYLE}:hicache_controller_kernel", (_UNIT_HICACHE,), {**_UNPLANTED, **_KERNEL_IO}),
+         "HiCacheController load/start_loading with SGLang's kernel io backend: sgl_kernel transfer_kv_per_layer "
+         "over device index tensors, transfer_kv_all_layer through uint64 tables of layer addresses",
+         "no engine loop: the sanitizer runs the controller's unit tests"),
     Pair("sglang-hicache-27444", "SGLang #27444 (ack before finish, host pages recycled mid-load)", HOST_WRITE,
          Side(f"{_STYLE}:hicache_controller", ("tests/engine_style/test_hicache_controller.py",), _PLANTED,
               marks=("tests/engine_style/hicache_controller.py",)),
@@ -230,8 +231,9 @@ def _marked(path: Path, factory: str | None) -> dict[str, int]:
         return marked_lines(path, factory)
     except ValueError:  # a file marking one of the two lines only
         text = path.read_text().splitlines()
+        label = f"race[{factory}]" if factory else "race"
         return {which: number for number, line in enumerate(text, start=1) for which in ("queued", "later")
-                if line.rstrip().endswith(f"# race: {which}")}
+                if re.search(rf"#.*\b{re.escape(label)}: {which}\b", line)}
 
 
 _REPORT = re.compile(r"^kvz-sanitize: .*\[([a-z-]+)\]\n(?:  (?!queued:).*\n)*"

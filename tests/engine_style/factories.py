@@ -33,7 +33,8 @@ import torch
 
 # Imported by name: the fuzzer puts a factory file's directory on sys.path (zeroer/registry.py).
 from cpu_gpu_offload import BLOCKS_FIRST, KV_FIRST, CpuGpuOffloadingHandler, CPULoadStoreSpec, GPULoadStoreSpec
-from hicache_controller import HiCacheController, MHATokenToKVPool, MHATokenToKVPoolHost, TokenToKVPoolAllocator
+from hicache_controller import (IO_BACKEND, HiCacheController, MHATokenToKVPool, MHATokenToKVPoolHost,
+                               TokenToKVPoolAllocator, data_ptrs)
 from zeroer.offload import OffloaderCapabilities
 
 
@@ -115,13 +116,14 @@ class HarnessDevicePool(MHATokenToKVPool):
         self.device = "cuda"
         self.k_buffer = [device[0].view(-1, head_num, head_dim)]
         self.v_buffer = [device[1].view(-1, head_num, head_dim)]
+        self.k_data_ptrs, self.v_data_ptrs = data_ptrs(self.k_buffer, "cuda"), data_ptrs(self.v_buffer, "cuda")
 
 
 class HarnessHostPool(MHATokenToKVPoolHost):
     """The host pool over the harness's: ``kv_buffer`` a (K/V, layer, token, head, dim) view of it,
     already pinned or registered by the harness (so not registered again, nor unregistered here)."""
 
-    def __init__(self, device_pool: HarnessDevicePool, host_pool, page_size: int) -> None:
+    def __init__(self, device_pool: HarnessDevicePool, host_pool, page_size: int, io_backend: str) -> None:
         (host,) = host_pool.layer_tensors.values()
         self.device_pool, self.page_size = device_pool, page_size
         self.layer_num = 1
@@ -130,6 +132,7 @@ class HarnessHostPool(MHATokenToKVPoolHost):
         self.free_slots = torch.arange(self.size, dtype=torch.int64)
         self.locked: set[int] = set()
         self.lock = threading.RLock()
+        self.init_io(io_backend)
 
     def close(self) -> None:
         pass
@@ -138,12 +141,13 @@ class HarnessHostPool(MHATokenToKVPoolHost):
 class HiCacheAdapter:
     """store -> ``write``, load -> ``load`` + ``start_loading``, get_finished -> the two checks."""
 
-    def __init__(self, cache, host_pool) -> None:
+    def __init__(self, cache, host_pool, io_backend: str = IO_BACKEND) -> None:
         self.block_size = cache.spec.block_size
         self.device_pool = HarnessDevicePool(cache)
         self.allocator = TokenToKVPoolAllocator(self.device_pool)
-        self.host_pool = HarnessHostPool(self.device_pool, host_pool, page_size=self.block_size)
+        self.host_pool = HarnessHostPool(self.device_pool, host_pool, page_size=self.block_size, io_backend=io_backend)
         self.controller = HiCacheController(self.allocator, self.host_pool)
+        self.scheduler_stream = torch.cuda.Stream()
 
     def _tokens(self, ids: list[int]) -> list[int]:
         return [i * self.block_size + t for i in ids for t in range(self.block_size)]
@@ -155,10 +159,13 @@ class HiCacheAdapter:
             raise RuntimeError(f"HiCacheController.write found no host page for job {job_id}")
 
     def load(self, job_id: int, slot_ids: list[int], block_ids: list[int]) -> None:
-        self.allocator.free_slots = torch.tensor(self._tokens(block_ids), dtype=torch.int64, device="cuda")  # the caller's blocks
-        if self.controller.load(torch.tensor(self._tokens(slot_ids), dtype=torch.int64), node_id=job_id) is None:
-            raise RuntimeError(f"HiCacheController.load found no device slot for job {job_id}")
-        self.controller.start_loading()
+        # The caller's stream is the forward's; the scheduler's work (the slots' indices) runs on its own.
+        self.controller.forward_stream = torch.cuda.current_stream()
+        with torch.cuda.stream(self.scheduler_stream):
+            self.allocator.free_slots = torch.tensor(self._tokens(block_ids), dtype=torch.int64, device="cuda")  # the caller's blocks
+            if self.controller.load(torch.tensor(self._tokens(slot_ids), dtype=torch.int64), node_id=job_id) is None:
+                raise RuntimeError(f"HiCacheController.load found no device slot for job {job_id}")
+            self.controller.start_loading()
 
     def get_finished(self) -> list[int]:
         return self.controller.writing_check() + self.controller.loading_check()
@@ -174,4 +181,10 @@ def hicache_controller(cache, host_pool, runtime=None) -> HiCacheAdapter:
     return HiCacheAdapter(cache, host_pool)
 
 
+def hicache_controller_kernel(cache, host_pool, runtime=None) -> HiCacheAdapter:
+    """The controller with SGLang's ``kernel`` io backend: sgl_kernel's kvcacheio ops move the bytes."""
+    return HiCacheAdapter(cache, host_pool, io_backend="kernel")
+
+
 hicache_controller.capabilities = OffloaderCapabilities(geometries=HICACHE_GEOMETRIES)
+hicache_controller_kernel.capabilities = OffloaderCapabilities(geometries=HICACHE_GEOMETRIES)

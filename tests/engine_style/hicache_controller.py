@@ -21,7 +21,15 @@ Example::
 
 ``ENGINE_STYLE_PLANTED_RACE=1`` makes ``loading_check`` ack a load before its finish event has
 completed, so its host pages can be evicted and refilled while the load still reads them
-(SGLang #27444): the racy twin the sanitizer must catch.
+(SGLang #27444); ``ENGINE_STYLE_PLANTED_RACE=36738`` leaves out the load stream's wait for the
+forward stream (where the forward runs apart from the scheduler), so a load into slots a finished
+request's forward still reads overtakes that read (SGLang #36738): the racy twins the tools must catch.
+
+``HICACHE_IO_BACKEND`` (or ``io_backend=``) picks SGLang's io backend: ``direct`` (torch copies) or
+``kernel``: ``sgl_kernel``'s kvcacheio ops, ``torch.ops.sgl_kernel.transfer_kv_per_layer`` for a
+load and ``transfer_kv_all_layer`` for a write-back through the pools' ``uint64`` tables of layer
+addresses, the host indices moved to the device first. Where sgl_kernel is not installed, both
+tools stand its ops' reference implementations in (``racecheck.custom_ops``).
 """
 
 from __future__ import annotations
@@ -33,8 +41,19 @@ from queue import Empty, Queue
 
 import torch
 
-# The racy twin: a load is acked, and its host pages unlocked, before its finish event (SGLang #27444).
+# The racy twins: "1", a load is acked, and its host pages unlocked, before its finish event (SGLang
+# #27444); "36738", the load stream does not wait for the forward stream's last use of the slots
+# it fills (SGLang #36738; the fix: ``wait_stream(forward_stream)``).
 PLANTED_RACE = os.environ.get("ENGINE_STYLE_PLANTED_RACE") == "1"
+PLANTED_LOAD_UNFENCED = os.environ.get("ENGINE_STYLE_PLANTED_RACE") == "36738"
+# SGLang's two io backends: "direct" (torch copies) and "kernel" (sgl_kernel's kvcacheio ops).
+IO_BACKEND = os.environ.get("HICACHE_IO_BACKEND", "direct")
+BLOCK_QUOTA, NUM_WARPS_PER_BLOCK = 2, 32  # the kvcacheio kernels' launch shape, as SGLang passes it
+
+
+def data_ptrs(buffers: list[torch.Tensor], device: str) -> torch.Tensor:
+    """Each layer's base address, as the kvcacheio all-layer kernels take them: uint64 on the device."""
+    return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64, device=device)
 
 
 class MHATokenToKVPool:
@@ -48,6 +67,7 @@ class MHATokenToKVPool:
                          for _ in range(layer_num)]
         self.v_buffer = [torch.zeros((size + 1, head_num, head_dim), dtype=dtype, device=device)
                          for _ in range(layer_num)]
+        self.k_data_ptrs, self.v_data_ptrs = data_ptrs(self.k_buffer, device), data_ptrs(self.v_buffer, device)
 
 
 class TokenToKVPoolAllocator:
@@ -70,7 +90,8 @@ class TokenToKVPoolAllocator:
 class MHATokenToKVPoolHost:
     """The host KV cache, registered with ``cudaHostRegister`` so copies to and from it are async."""
 
-    def __init__(self, device_pool: MHATokenToKVPool, host_size: int, page_size: int) -> None:
+    def __init__(self, device_pool: MHATokenToKVPool, host_size: int, page_size: int,
+                 io_backend: str = IO_BACKEND) -> None:
         self.device_pool, self.page_size = device_pool, page_size
         self.size = host_size - host_size % page_size
         self.layer_num = device_pool.layer_num
@@ -83,6 +104,19 @@ class MHATokenToKVPoolHost:
         self.free_slots = torch.arange(self.size, dtype=torch.int64)
         self.locked: set[int] = set()  # pages a transfer in flight still uses (their first slots)
         self.lock = threading.RLock()
+        self.init_io(io_backend)
+
+    def init_io(self, io_backend: str) -> None:
+        """The io backend, and for the kvcacheio kernels a token's bytes and the layers' host addresses."""
+        if io_backend not in ("direct", "kernel"):
+            raise ValueError(f"io_backend {io_backend!r}: SGLang's are 'direct' and 'kernel'")
+        self.io_backend = io_backend
+        pool = self.device_pool
+        self.token_stride_size = pool.head_num * pool.head_dim * self.kv_buffer.element_size()
+        if io_backend == "kernel":
+            layers = range(self.layer_num)
+            self.k_data_ptrs = data_ptrs([self.kv_buffer[0, layer] for layer in layers], pool.device)
+            self.v_data_ptrs = data_ptrs([self.kv_buffer[1, layer] for layer in layers], pool.device)
 
     def close(self) -> None:
         torch.cuda.cudart().cudaHostUnregister(self.kv_buffer.data_ptr())
@@ -133,6 +167,12 @@ class MHATokenToKVPoolHost:
         """Host pages into device slots on the current stream: each page into a staging tensor of this
         stream, then scattered to the slots."""
         n, pool = len(host_indices), self.device_pool
+        if self.io_backend == "kernel":  # one kvcacheio kernel: token src_indices[i] to dst_indices[i], K and V
+            torch.ops.sgl_kernel.transfer_kv_per_layer(  # race[36738]: later
+                src_k=self.kv_buffer[0, layer_id], dst_k=pool.k_buffer[layer_id], src_v=self.kv_buffer[1, layer_id],
+                dst_v=pool.v_buffer[layer_id], src_indices=host_indices, dst_indices=device_indices,
+                item_size=self.token_stride_size, block_quota=BLOCK_QUOTA, num_warps_per_block=NUM_WARPS_PER_BLOCK)
+            return
         for kv, buffers in ((0, pool.k_buffer), (1, pool.v_buffer)):
             staged = torch.empty((n, pool.head_num, pool.head_dim), dtype=pool.dtype, device=pool.device)
             for j, page in enumerate(self.pages(host_indices)):
@@ -143,6 +183,13 @@ class MHATokenToKVPoolHost:
     def backup_from_device_all_layer(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Device slots into host pages on the current stream, every layer."""
         pool = self.device_pool
+        if self.io_backend == "kernel":  # every layer at once, through the two pools' tables of layer addresses
+            torch.ops.sgl_kernel.transfer_kv_all_layer(
+                src_k_layers=pool.k_data_ptrs, dst_k_layers=self.k_data_ptrs, src_v_layers=pool.v_data_ptrs,
+                dst_v_layers=self.v_data_ptrs, src_indices=device_indices, dst_indices=host_indices,
+                item_size=self.token_stride_size, num_layers=self.layer_num, block_quota=BLOCK_QUOTA,
+                num_warps_per_block=NUM_WARPS_PER_BLOCK)
+            return
         for layer_id in range(self.layer_num):
             for kv, buffers in ((0, pool.k_buffer), (1, pool.v_buffer)):
                 gathered = buffers[layer_id].index_select(0, device_indices)
@@ -177,8 +224,12 @@ class HiCacheAck:
 class HiCacheController:
     """See the module docstring."""
 
-    def __init__(self, token_to_kv_pool_allocator: TokenToKVPoolAllocator, mem_pool_host: MHATokenToKVPoolHost) -> None:
+    def __init__(self, token_to_kv_pool_allocator: TokenToKVPoolAllocator, mem_pool_host: MHATokenToKVPoolHost,
+                 forward_stream: torch.cuda.Stream | None = None) -> None:
         self.mem_pool_device_allocator = token_to_kv_pool_allocator
+        # The stream the model's forward runs on, where it is not the scheduler's (SGLang's overlap
+        # scheduler): the last reads of the device slots a load refills are queued there.
+        self.forward_stream = forward_stream
         self.mem_pool_host = mem_pool_host
         self.write_stream = torch.cuda.Stream()
         self.load_stream = torch.cuda.Stream()
@@ -228,7 +279,9 @@ class HiCacheController:
             return
         op = CacheOperation.merge_ops(self._pending_loads)
         self._pending_loads = []
-        op.start_event.record()  # after the forward that last used these slots
+        op.start_event.record()  # after the scheduler's work on these slots (their indices)
+        if self.forward_stream is not None and not PLANTED_LOAD_UNFENCED:
+            self.load_stream.wait_stream(self.forward_stream)  # and after the forward's last use (SGLang #36738)
         self.load_queue.put(op)
 
     def writing_check(self) -> list[int]:
@@ -251,6 +304,12 @@ class HiCacheController:
             finished.extend(ack.node_ids)
         return finished
 
+    def move_indices(self, host_indices: torch.Tensor) -> torch.Tensor:
+        """The kvcacheio kernels read their indices on the device (SGLang's ``move_indices``)."""
+        if self.mem_pool_host.io_backend == "kernel":
+            return host_indices.to(self.mem_pool_host.device_pool.device, non_blocking=True)
+        return host_indices
+
     # -- the controller's threads -------------------------------------------------------------------
     def write_thread_func(self) -> None:
         with torch.cuda.stream(self.write_stream):
@@ -263,7 +322,7 @@ class HiCacheController:
                     return
                 finish_event = torch.cuda.Event()
                 op.start_event.wait(self.write_stream)
-                self.mem_pool_host.backup_from_device_all_layer(op.host_indices, op.device_indices)
+                self.mem_pool_host.backup_from_device_all_layer(self.move_indices(op.host_indices), op.device_indices)
                 finish_event.record(self.write_stream)
                 op.device_indices.record_stream(self.write_stream)  # made on the compute stream
                 self.ack_write_queue.put(HiCacheAck(op.start_event, finish_event, op.node_ids, op.host_indices))
@@ -279,8 +338,9 @@ class HiCacheController:
                     return
                 finish_event = torch.cuda.Event()
                 op.start_event.wait(self.load_stream)
+                host_indices = self.move_indices(op.host_indices)
                 for layer_id in range(self.mem_pool_host.layer_num):
-                    self.mem_pool_host.load_to_device_per_layer(op.host_indices, op.device_indices, layer_id)
+                    self.mem_pool_host.load_to_device_per_layer(host_indices, op.device_indices, layer_id)
                 finish_event.record(self.load_stream)
                 op.device_indices.record_stream(self.load_stream)
                 self.ack_load_queue.put(HiCacheAck(op.start_event, finish_event, op.node_ids, op.host_indices))

@@ -8,7 +8,7 @@ import unittest
 
 import torch
 
-from hicache_controller import (HiCacheController, MHATokenToKVPool, MHATokenToKVPoolHost,
+from hicache_controller import (IO_BACKEND, HiCacheController, MHATokenToKVPool, MHATokenToKVPoolHost,
                                 TokenToKVPoolAllocator)
 
 
@@ -30,12 +30,15 @@ class TestHiCacheController(unittest.TestCase):
     def setUp(self):
         if not torch.cuda.is_available():
             self.skipTest("needs CUDA: a GPU, or --kvz-sanitize --kvz-sanitize-backend sim")
+        if IO_BACKEND == "kernel" and not hasattr(torch.ops.sgl_kernel, "transfer_kv_per_layer"):
+            self.skipTest("HICACHE_IO_BACKEND=kernel needs sgl_kernel, or a tool standing its ops in")
         torch.manual_seed(0)
         self.device_pool = MHATokenToKVPool(size=64, dtype=self.DTYPE, head_num=2, head_dim=8,
                                             layer_num=self.LAYER_NUM, device="cuda")
         self.allocator = TokenToKVPoolAllocator(self.device_pool)
         self.host_pool = MHATokenToKVPoolHost(self.device_pool, host_size=32, page_size=self.PAGE_SIZE)
-        self.controller = HiCacheController(self.allocator, self.host_pool)
+        self.forward_stream = torch.cuda.Stream()  # the overlap scheduler's forward runs apart
+        self.controller = HiCacheController(self.allocator, self.host_pool, forward_stream=self.forward_stream)
 
     def tearDown(self):
         self.controller.shutdown()
@@ -91,6 +94,23 @@ class TestHiCacheController(unittest.TestCase):
         self.assertEqual(poll(self.controller.loading_check, [3, 4]), [3, 4])
         self.assert_device_kv(new1, k1, v1)
         self.assert_device_kv(new2, k2, v2)
+
+    def test_a_load_into_slots_a_finished_request_read_lands_after_its_forward(self):
+        device_indices, k, v = self.forward(self.PAGE_SIZE)
+        host_indices = self.controller.write(device_indices, node_id=1)
+        self.assertEqual(poll(self.controller.writing_check, [1]), [1])
+
+        finished, _, _ = self.forward(self.PAGE_SIZE)  # another request, its last forward reading its KV
+        self.forward_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.forward_stream):
+            self.device_pool.k_buffer[0][finished].float().sum()  # race[36738]: queued (its attention)
+        self.allocator.alloc(len(self.allocator.free_slots))  # the device pool is full
+        self.allocator.free(finished)  # that request finished: its slots are the free ones
+        new_indices = self.controller.load(host_indices, node_id=2)
+        self.assertTrue(torch.equal(new_indices, finished))
+        self.controller.start_loading()
+        self.assertEqual(poll(self.controller.loading_check, [2]), [2])
+        self.assert_device_kv(new_indices, k, v)
 
     def prefetch_into_free_pages(self):
         """A prefetch from the storage tier: host pages allocated and filled by the host."""
