@@ -68,9 +68,8 @@ def _program(direction: str, beside: str):
     ("store", "device", None),  # reads kv block 1: beside a read, no hazard
     ("load", "device", "unordered-device-access"),  # writes kv block 1
     ("load", "host", None),  # reads host slot 1: beside a host read, no hazard
-    pytest.param("store", "host", "host-read-vs-pending-copy", marks=pytest.mark.xfail(
-        strict=True, reason="known miss: the simulator learns the kernel's pinned writes when it runs, after a "
-                            "host read made before the host synchronises (docs/sanitizer.md)")),
+    # writes host slot 1 as it runs; the host read before the host synchronises is checked then
+    ("store", "host", "host-read-vs-pending-copy"),
 ])
 def test_on_the_simulator_a_table_kernel_reads_and_writes_what_its_loads_and_stores_touch(direction, beside, kind):
     races, error, _ = run_simulated(_program(direction, beside))
