@@ -80,3 +80,29 @@ def test_the_plugins_report_is_read_back_as_races_with_both_sites() -> None:
 def test_a_bad_command_line_is_one_line_naming_the_value_and_exit_status_2(argv, message, capsys) -> None:
     assert main(argv) == USAGE
     assert re.search(message, capsys.readouterr().err.strip(), re.M)
+
+
+@pytest.mark.parametrize(("replayed", "verdict"), [("reproduced 20 of 20 on sim", "found"),
+                                                    ("reproduced 19 of 20 on sim", "unsteady replay"),
+                                                    ("error: the trace could not be read", "unsteady replay")])
+def test_a_racy_side_is_found_only_when_its_trace_shows_in_every_replay(replayed, verdict, tmp_path, monkeypatch) -> None:
+    import json
+
+    from sanitizer.bench import engine_shapes
+
+    summary = {"campaigns": [{"found": True, "trace_ops": 3, "trace": "t.json", "shrink": {"replays": 2},
+                              "first_finding_s": 0.1, "findings": ["hazard"]}],
+               "totals": {"harness_errors": 0, "resource_errors": 0, "not_run": 0, "steps": 10}}
+    commands = []
+
+    def run(command, env):
+        commands.append(command)
+        if "fuzz" in command:
+            (tmp_path / "summary.json").write_text(json.dumps(summary))
+            return 1, "", 0.1
+        return (0 if "reproduced" in replayed else 2), replayed, 0.1
+
+    monkeypatch.setattr(engine_shapes, "_run", run)
+    row = engine_shapes.fuzz(PAIRS[0].racy, racy=True, scratch=tmp_path)
+    assert row["verdict"] == verdict, row
+    assert commands[1][-4:] == ["replay", "t.json", "--repeat", "20"]

@@ -9,8 +9,9 @@ each in a fresh process, as a user runs the tool:
 * ``fuzz``: ``pytest fuzz --offloader FILE:factory --backend sim --geometry tiny --host-memory
   pinned``: both shards of its one campaign; a racy side is found when the run finds it (the
   table says in how many of its campaigns) with a shrunk trace of at most :data:`MAX_TRACE_OPS`
-  ops; a fixed side is clean when no campaign finds anything; a harness or resource error is
-  neither;
+  ops that shows again in :data:`REPLAYS` of :data:`REPLAYS` replays (``python -m repro replay
+  --repeat``); a fixed side is clean when no campaign finds anything; a harness or resource error
+  is neither;
 * ``sanitizer``: ``python -m sanitizer --backend sim --json F -- python LOOP``, the plain engine
   loop (or unit test) of the same code: a racy side is found when a race of the upstream kind is
   reported (``kind``), and ``lines`` says whether it sits on the two lines the program marks
@@ -50,6 +51,7 @@ from sanitizer.bench.verdict import judge_lines
 PROG = "python -m sanitizer.bench.engine_shapes"
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TRACE_OPS = 6
+REPLAYS = 20  # a racy side's shrunk trace must show again in every one of these replays
 GEOMETRY = "tiny"
 TIMEOUT_S = 300
 TOOLS = ("fuzz", "sanitizer", "torch")
@@ -172,14 +174,27 @@ def fuzz(side: Side, racy: bool, scratch: Path) -> dict[str, Any]:
         "findings": sorted({f for c in campaigns for f in c["findings"][:1]}),
     })
     broken = row["harness_errors"] or row["resource_errors"] or row["not_run"] or not campaigns
+    traces = sorted({c["trace"] for c in campaigns if c["found"] and c.get("trace")})
+    if racy and traces and not broken:
+        row["reproduced"] = [_replayed(side, trace) for trace in traces]
     if broken:
         row["verdict"] = "error"
     elif racy:
-        row["verdict"] = "found" if row["found"] and row["trace_ops"] is not None and row["trace_ops"] <= MAX_TRACE_OPS \
-            else "long trace" if row["found"] else "missed"
+        steady = bool(traces) and all(shown == f"{REPLAYS}/{REPLAYS}" for shown in row.get("reproduced", []))
+        row["verdict"] = ("missed" if not row["found"] else
+                          "long trace" if row["trace_ops"] is None or row["trace_ops"] > MAX_TRACE_OPS else
+                          "found" if steady else "unsteady replay")
     else:
         row["verdict"] = "clean" if row["found"] == 0 else "false alarm"
     return row
+
+
+def _replayed(side: Side, trace: str) -> str:
+    """``"k/n"``: in how many of :data:`REPLAYS` replays of ``trace`` (``python -m repro replay``)
+    the finding showed, in the side's environment; ``"0/n"`` where the replay itself failed."""
+    status, text, _ = _run([sys.executable, "-m", "repro", "replay", trace, "--repeat", str(REPLAYS)], _env(side))
+    shown = re.search(r"reproduced (\d+) of (\d+)", text)
+    return f"{shown.group(1)}/{shown.group(2)}" if shown and status in (0, 1) else f"0/{REPLAYS}"
 
 
 def sanitizer(side: Side, racy: bool, kind: str, scratch: Path) -> dict[str, Any]:
@@ -302,7 +317,8 @@ def _cell(row: dict[str, Any] | None) -> str:
         return "-"
     text = row["verdict"]
     if row["tool"] == "fuzz" and row.get("trace_ops") is not None:
-        text += f" ({row['found']}/{row['campaigns']}, {row['trace_ops']} ops)"
+        shown = f", replays {' '.join(row['reproduced'])}" if row.get("reproduced") else ""
+        text += f" ({row['found']}/{row['campaigns']}, {row['trace_ops']} ops{shown})"
     if row.get("lines"):
         text += f", lines: {row['lines']}"
     return text
