@@ -18,6 +18,9 @@ from racecheck.cli import USAGE
 from sanitizer.bench.engine_shapes import BY_NAME, MAX_TRACE_OPS, PAIRS, judge_side, main, plugin_races
 
 LOOPS = sorted(pair.name for pair in PAIRS if not pair.racy.pytest and pair.name != "sglang-hicache-27444")
+# Of the pytest sides (tests/test_engine_style.py runs the others): the handler's unit tests with
+# vLLM's swap_blocks op moving the blocks, its reference standing in.
+LOOPS += ["vllm-handler-stores-46278-swap-blocks"]
 FUZZED = ["lmcache-4830", "vllm-simple-offload-46278"]
 # The program marks its race the other way round: "queued" on the driver copy, "later" on the
 # compute stream's write, which the compute stream queued first (the report's queued side).

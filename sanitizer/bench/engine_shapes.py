@@ -88,6 +88,7 @@ _UNIT_CPU_GPU = "tests/engine_style/test_cpu_gpu.py"
 _UNIT_HICACHE = "tests/engine_style/test_hicache_controller.py"
 _PLANTED, _UNPLANTED = {"ENGINE_STYLE_PLANTED_RACE": "1"}, {"ENGINE_STYLE_PLANTED_RACE": "0"}
 _PLANTED_36738, _KERNEL_IO = {"ENGINE_STYLE_PLANTED_RACE": "36738"}, {"HICACHE_IO_BACKEND": "kernel"}
+_SWAP_BLOCKS = {"VLLM_OFFLOAD_COPY": "swap_blocks"}
 
 PAIRS: tuple[Pair, ...] = (
     Pair("vllm-simple-offload-46278", "vLLM #46278 (stores) in SimpleCPUOffload", DEVICE_ACCESS,
@@ -106,6 +107,14 @@ PAIRS: tuple[Pair, ...] = (
               marks=(_UNIT_CPU_GPU, "tests/engine_style/cpu_gpu_offload.py")),
          Side(f"{_STYLE}:cpu_gpu_handler", (_UNIT_CPU_GPU,), _UNPLANTED, pytest=True),
          "transfer_async / get_finished / wait over spec classes, copy_ per block; vLLM's unit tests",
+         "no engine loop: the sanitizer runs the handler's unit tests (pytest --kvz-sanitize)"),
+    Pair("vllm-handler-stores-46278-swap-blocks", "vLLM #46278 (stores), the engine-style handler copying with swap_blocks",
+         DEVICE_ACCESS,
+         Side(f"{_STYLE}:cpu_gpu_handler", (_UNIT_CPU_GPU,), {**_PLANTED, **_SWAP_BLOCKS}, pytest=True,
+              marks=(_UNIT_CPU_GPU, "tests/engine_style/cpu_gpu_offload.py:swap_blocks")),
+         Side(f"{_STYLE}:cpu_gpu_handler", (_UNIT_CPU_GPU,), {**_UNPLANTED, **_SWAP_BLOCKS}, pytest=True),
+         "transfer_async as the row above, the blocks moved by vLLM's C++ op torch.ops._C_cache_ops.swap_blocks "
+         "with a numpy (src, dst) mapping",
          "no engine loop: the sanitizer runs the handler's unit tests (pytest --kvz-sanitize)"),
     Pair("vllm-handler-loads-47282", "vLLM #47282 (loads) in the CPU offloading handler", DEVICE_ACCESS,
          Side(f"{_SWAP}:racy_load", (_SWAP, "racy_load"), marks=(f"{_SWAP}:racy_load",)),

@@ -16,7 +16,10 @@ Example::
     assert handler.get_finished() == [TransferResult(1, True, ...)]
 
 ``ENGINE_STYLE_PLANTED_RACE=1`` in the environment makes the store skip its wait for the compute
-stream (vLLM #46278): the racy twin the sanitizer must catch.
+stream (vLLM #46278): the racy twin the sanitizer must catch. ``VLLM_OFFLOAD_COPY=swap_blocks``
+moves the blocks with vLLM's C++ ``swap_blocks`` op (``torch.ops._C_cache_ops.swap_blocks``, whose
+schema marks no argument written), as the handler does upstream; where vLLM is not installed the
+tools stand the op's reference implementation in.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ import torch
 
 # The racy twin: the store does not wait for the compute stream (vLLM #46278).
 PLANTED_RACE = os.environ.get("ENGINE_STYLE_PLANTED_RACE") == "1"
+# How the blocks move: "copy" (a copy_ per block) or "swap_blocks": vLLM's C++ op, called as
+# torch.ops._C_cache_ops.swap_blocks(src, dst, block_size_in_bytes, block_mapping), once per KV
+# tensor (per K and V half where K/V is the outer dimension), the mapping a CPU int64 tensor of
+# (src, dst) rows made with numpy.
+COPY_BACKEND = os.environ.get("VLLM_OFFLOAD_COPY", "copy")
 
 KV_FIRST = "kv_first"  # (2, num_blocks, block_size, num_heads, head_size): FlashAttention's
 BLOCKS_FIRST = "blocks_first"  # (num_blocks, 2, block_size, num_heads, head_size): FlashInfer's
@@ -146,11 +154,18 @@ class CpuGpuOffloadingHandler:
             stream.wait_event(self._transfers[-1].end_event)  # in submission order
         with torch.cuda.stream(stream):
             start_event.record(stream)
-            for src_tensor, dst_tensor, kv_first in zip(src_tensors, dst_tensors, self.kv_dim_before_num_blocks):
-                for src_block, dst_block in zip(src_ids.tolist(), dst_ids.tolist()):
-                    for src, dst in zip(block_views(src_tensor, src_block, kv_first),
-                                        block_views(dst_tensor, dst_block, kv_first)):
-                        dst.copy_(src, non_blocking=True)  # race: later
+            if COPY_BACKEND == "swap_blocks":
+                src_to_dst = torch.from_numpy(np.stack([src_ids, dst_ids], axis=1))
+                for src_tensor, dst_tensor, kv_first in zip(src_tensors, dst_tensors, self.kv_dim_before_num_blocks):
+                    for src, dst in ([(src_tensor[0], dst_tensor[0]), (src_tensor[1], dst_tensor[1])] if kv_first
+                                     else [(src_tensor, dst_tensor)]):
+                        torch.ops._C_cache_ops.swap_blocks(src, dst, src[0].nbytes, src_to_dst)  # race[swap_blocks]: later
+            else:
+                for src_tensor, dst_tensor, kv_first in zip(src_tensors, dst_tensors, self.kv_dim_before_num_blocks):
+                    for src_block, dst_block in zip(src_ids.tolist(), dst_ids.tolist()):
+                        for src, dst in zip(block_views(src_tensor, src_block, kv_first),
+                                            block_views(dst_tensor, dst_block, kv_first)):
+                            dst.copy_(src, non_blocking=True)  # race: later
             end_event.record(stream)
 
         self.transfer_events[job_id] = end_event
