@@ -5,8 +5,9 @@ LMCache's multiprocess transfer context (``lmcache/v1/multiprocess/transfer_cont
 between the engine's paged GPU layers and LMCache objects (``[2, NL, T, NH*HS]`` in CPU memory)
 with one pybind call, ``lmcache.c_ops.multi_layer_block_kv_transfer(table, object pointers,
 block ids, device, direction, shape desc, chunk tokens, KV format, skip)``: the engine's layers are
-reached through a device ``uint64`` table of their K and V planes' base addresses (built once from
-``data_ptr()``; format ``TWO_X_NL_X_NBBS_NH_HS``), each object through its raw address. Its schema marks nothing as written; the
+reached through a device table of their K and V planes' base addresses (built once from
+``data_ptr()`` with numpy, ``uint64`` viewed as ``int64``; format ``TWO_X_NL_X_NBBS_NH_HS``), each
+object through its raw address, the block ids a device ``int64`` tensor. Its schema marks nothing as written; the
 kernel writes through those addresses. ``gather`` stores (D2H into a pinned object, then into the
 host pool), ``scatter_cpu_to_paged_kv`` loads (H2D).
 
@@ -41,6 +42,7 @@ import argparse
 import sys
 from collections import deque
 
+import numpy as np
 import torch
 
 from zeroer.offload import OffloaderCapabilities
@@ -76,7 +78,8 @@ class TransferContext:
         # Every K plane's base address, then every V plane's (LMCache's kv pointers for K and V kept
         # apart, format TWO_X_NL_X_NBBS_NH_HS): built once on the host and sent to the device.
         planes = [t[0] for t in device_layers] + [t[1] for t in device_layers]
-        self.table = torch.tensor([p.data_ptr() for p in planes], dtype=torch.uint64).to(self.device)
+        addresses = np.array([p.data_ptr() for p in planes], dtype=np.uint64).view(np.int64)
+        self.table = torch.from_numpy(addresses).to(device=self.device)
         self.format = lmc_ops.GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS
         desc = lmc_ops.PageBufferShapeDesc()
         desc.kv_size, desc.nl, desc.nb, desc.bs, desc.nh, desc.hs = 2, len(device_layers), nb, bs, nh, hs
@@ -89,7 +92,7 @@ class TransferContext:
 
     def _kernel_blocks(self, blocks: list[int]) -> torch.Tensor:
         ids = [block * self.ratio + k for block in blocks for k in range(self.ratio)]
-        return torch.tensor(ids, dtype=torch.int64).to(self.device)
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
 
     def _host_rows(self, layer: int, slot: int) -> torch.Tensor:
         """A host slot's rows of one layer, as the object lays them out: [2, T, NH*HS]."""
