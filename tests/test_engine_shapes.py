@@ -109,3 +109,24 @@ def test_a_racy_side_is_found_only_when_its_trace_shows_in_every_replay(replayed
     row = engine_shapes.fuzz(PAIRS[0].racy, racy=True, scratch=tmp_path)
     assert row["verdict"] == verdict, row
     assert commands[1][-4:] == ["replay", "t.json", "--repeat", "20"]
+
+
+@pytest.mark.parametrize(("output", "status", "racy", "verdict"), [
+    ("CSAN detected a possible data race on tensor", 1, True, "found"),
+    ("stored: [1.0]", 0, True, "missed"),
+    ("CSAN detected a possible data race on tensor", 1, False, "false alarm"),
+    ("ModuleNotFoundError: No module named 'lmcache'", 1, True, "needs the extension"),
+    ("SKIPPED [6] conftest.py:13: VLLM_OFFLOAD_COPY=swap_blocks needs vLLM's _C extension", 0, False,
+     "needs the extension"),
+    ("Segmentation fault", -11, False, "error"),
+])
+def test_pytorchs_sanitizer_column_tells_a_report_from_a_missing_extension_and_a_crash(
+        output, status, racy, verdict, monkeypatch) -> None:
+    import torch
+
+    from sanitizer.bench import engine_shapes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_shapes, "_run", lambda command, env: (status, output, 0.1))
+    pair = BY_NAME["lmcache-4830"]
+    assert engine_shapes.torch_sanitizer(pair.racy if racy else pair.fixed, racy)["verdict"] == verdict

@@ -16,7 +16,9 @@ each in a fresh process, as a user runs the tool:
   loop (or unit test) of the same code: a racy side is found when a race of the upstream kind is
   reported (``kind``), and ``lines`` says whether it sits on the two lines the program marks
   (:func:`sanitizer.bench.verdict.judge_lines`); a fixed side must report nothing;
-* ``torch``: the loop under ``TORCH_CUDA_SANITIZER=1``, on a GPU only (here: ``needs a GPU``).
+* ``torch``: the loop (or the unit tests) under ``TORCH_CUDA_SANITIZER=1``, on a GPU only (here:
+  ``needs a GPU``); a program that calls an engine's extension that is not installed there says
+  so and is ``needs the extension`` (the tools stand in for the extension; PyTorch's cannot).
 
 Run it (about 4 minutes on 2 cores)::
 
@@ -56,6 +58,9 @@ GEOMETRY = "tiny"
 TIMEOUT_S = 300
 TOOLS = ("fuzz", "sanitizer", "torch")
 CSAN_MARK = "CSAN detected a possible data race"
+NEEDS_THE_EXTENSION = "needs the extension"
+# What a program calling an engine's extension says when run bare without it (the tools stand in for it).
+NEEDS_EXTENSION = re.compile(r"No module named '(lmcache|sgl_kernel|vllm)\b|needs vLLM's _C extension|needs sgl_kernel")
 
 
 @dataclass(frozen=True)
@@ -121,9 +126,9 @@ PAIRS: tuple[Pair, ...] = (
          Side(f"{_SWAP}:make", (_SWAP, "make")),
          "as the stores row", "no unit-test form"),
     Pair("sglang-hicache-36738", "SGLang #36738 (load not after the forward stream)", DEVICE_ACCESS,
-         Side(f"{_STYLE}:hicache_controller_kernel", (_UNIT_HICACHE,), {**_PLANTED_36738, **_KERNEL_IO},
+         Side(f"{_STYLE}:hicache_controller_kernel", (_UNIT_HICACHE, "-v"), {**_PLANTED_36738, **_KERNEL_IO},
               marks=(f"{_UNIT_HICACHE}:36738", "tests/engine_style/hicache_controller.py:36738")),
-         Side(f"{_STYLE}:hicache_controller_kernel", (_UNIT_HICACHE,), {**_UNPLANTED, **_KERNEL_IO}),
+         Side(f"{_STYLE}:hicache_controller_kernel", (_UNIT_HICACHE, "-v"), {**_UNPLANTED, **_KERNEL_IO}),
          "HiCacheController load/start_loading with SGLang's kernel io backend: sgl_kernel transfer_kv_per_layer "
          "over device index tensors, transfer_kv_all_layer through uint64 tables of layer addresses",
          "no engine loop: the sanitizer runs the controller's unit tests"),
@@ -283,10 +288,16 @@ def torch_sanitizer(side: Side, racy: bool) -> dict[str, Any]:
         return {"verdict": "needs a GPU"}
     if not side.loop:
         return {"verdict": "not run"}
-    status, text, seconds = _run([sys.executable, *side.loop], {**_env(side), "TORCH_CUDA_SANITIZER": "1"})
+    command = ([sys.executable, "-m", "pytest", side.loop[0], "-p", "no:randomly", "-p", "no:cacheprovider", "-q", "-rs"]
+               if side.pytest else [sys.executable, *side.loop])
+    status, text, seconds = _run(command, {**_env(side), "TORCH_CUDA_SANITIZER": "1"})
     seen = CSAN_MARK in text
-    return {"exit": status, "seconds": seconds,
-            "verdict": ("found" if seen else "missed") if racy else ("false alarm" if seen else "clean")}
+    row: dict[str, Any] = {"exit": status, "seconds": seconds}
+    if not seen and NEEDS_EXTENSION.search(text):  # run bare, the program needs the engine's extension
+        return {**row, "verdict": NEEDS_THE_EXTENSION}
+    if not seen and status not in (0, 1):
+        return {**row, "verdict": "error", "error": (text.strip().splitlines() or ["no output"])[-1]}
+    return {**row, "verdict": ("found" if seen else "missed") if racy else ("false alarm" if seen else "clean")}
 
 
 def judge_side(pair: Pair, racy: bool, tool: str) -> dict[str, Any]:
@@ -303,7 +314,7 @@ def judge_side(pair: Pair, racy: bool, tool: str) -> dict[str, Any]:
 
 def met(row: dict[str, Any]) -> bool:
     """Whether a row meets its target (``needs a GPU`` and ``not run`` are gaps, not misses)."""
-    if row["verdict"] in ("needs a GPU", "not run"):
+    if row["verdict"] in ("needs a GPU", "not run", NEEDS_THE_EXTENSION):
         return True
     return row["verdict"] == ("found" if row["side"] == "racy" else "clean")
 
