@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from racecheck.dtypes import NUMPY_INTEGERS
 from racecheck.ranges import byte_runs, row_runs
 
 Runs = list[tuple[int, int]]
@@ -186,7 +187,7 @@ def host_values(tensor: torch.Tensor) -> list[int]:
             with no_dispatch():
                 tensor = tensor.contiguous()
         count, size = tensor.numel(), tensor.element_size()
-        dtype = _NUMPY.get(tensor.dtype)
+        dtype = NUMPY_INTEGERS.get(tensor.dtype)
         if dtype is None:
             raise ValueUnknown(f"a {tensor.dtype} tensor holds no indices")
         if count == 0:
@@ -194,9 +195,6 @@ def host_values(tensor: torch.Tensor) -> list[int]:
         raw = ctypes.string_at(tensor.data_ptr(), count * size)
     return [int(v) for v in np.frombuffer(raw, dtype=dtype)]
 
-
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-          torch.uint8: np.uint8, torch.uint64: np.uint64, torch.uint32: np.uint32}
 
 
 def memmove(dst: int, src: int, nbytes: int) -> None:

@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import numpy as np
 import torch
+
 
 aten = torch.ops.aten
 
@@ -196,8 +196,6 @@ def op_info(func: Any) -> OpInfo:
     return info
 
 
-NUMPY_INTEGERS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-                  torch.uint8: np.uint8}  # integer index dtypes whose values can be read as numpy
 
 
 def args_by_position(func: Any, args: tuple, kwargs: dict) -> list[Any]:

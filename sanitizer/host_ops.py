@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from racecheck.ops import NUMPY_INTEGERS, SET_STORAGE, args_by_position, indexed_rows, kind, masked_rows, op_info, op_name
+from racecheck.dtypes import NUMPY_INTEGERS
+from racecheck.ops import SET_STORAGE, args_by_position, indexed_rows, kind, masked_rows, op_info, op_name
 from racecheck.ranges import row_runs
 from sanitizer.sites import Site, caller_site
 

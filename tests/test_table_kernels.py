@@ -181,7 +181,7 @@ def test_the_sanitizer_reports_the_racy_engine_loop_at_both_lines_and_not_the_fi
 
 def _cuda_session(places: list) -> SimpleNamespace:
     """What through_tables_on_cuda asks of a session: its staged values, and where a run lands."""
-    from zeroer.intercept.staged_values import StagedValues
+    from racecheck.staged_values import StagedValues
 
     def place(address: int, size: int, call: str, role: str) -> tuple:
         places.append((address, address + size, role))
@@ -238,7 +238,7 @@ def test_on_cuda_a_table_whose_values_are_not_known_is_a_harness_error_that_name
 
 
 def test_staged_values_are_the_copys_and_a_copy_over_part_of_them_forgets_the_earlier_one():
-    from zeroer.intercept.staged_values import StagedValues
+    from racecheck.staged_values import StagedValues
 
     staged = StagedValues()
     device = torch.zeros(8, dtype=torch.int64)
@@ -253,6 +253,32 @@ def test_staged_values_are_the_copys_and_a_copy_over_part_of_them_forgets_the_ea
     assert staged.values(other) is None
     staged.written(device.untyped_storage().data_ptr())
     assert staged.values(device[2:4]) is None
+
+
+def test_staged_values_forget_the_bytes_a_device_write_covers_and_keep_the_rest():
+    from racecheck.staged_values import StagedValues
+
+    staged = StagedValues()
+    base = torch.zeros(8, dtype=torch.uint64)  # two tables of addresses in one storage
+    first, second = base[:4], base[4:]
+    staged.record(first, torch.tensor([0, 1, 2, 3], dtype=torch.uint64))
+    staged.record(second, torch.tensor([4, 5, 6, 7], dtype=torch.uint64))
+    staged.written(base.untyped_storage().data_ptr(), [(second.data_ptr(), second.data_ptr() + 8)])
+    assert staged.values(first).tolist() == [0, 1, 2, 3] and staged.values(second) is None
+
+
+def test_the_gpu_observers_index_values_are_never_an_older_copys_where_a_later_one_overwrote_part():
+    from types import SimpleNamespace
+
+    from sanitizer.gpu.indices import Indices
+
+    indices = Indices(SimpleNamespace(device=SimpleNamespace(is_device=lambda t: True)))
+    ids = torch.zeros(8, dtype=torch.int64)
+    indices.staged(ids, torch.arange(8))
+    assert indices.values(ids) == list(range(8))
+    indices.staged(ids[2:4], torch.tensor([70, 80]))  # a later copy over part of them
+    assert indices.values(ids[2:4]) == [70, 80]
+    assert indices.values(ids) is None  # not the first copy's values: they are stale at 2 and 3
 
 
 @CUDA

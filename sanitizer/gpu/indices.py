@@ -20,27 +20,16 @@ is not checked (a missed race, never a false one).
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from racecheck.hb import OpStamp
-from racecheck.ops import NUMPY_INTEGERS, indexed_rows
+from racecheck.dtypes import NUMPY_INTEGERS
+from racecheck.ops import indexed_rows
 from racecheck.ranges import byte_runs, row_runs
-
-MAX_STAGED = 1 << 16  # elements of an index tensor whose staged values are remembered
-
-
-@dataclass
-class _Known:
-    start: int
-    end: int
-    values: np.ndarray  # one element per ``itemsize`` bytes from ``start``
-    dtype: torch.dtype
-
+from racecheck.staged_values import StagedValues
 
 @dataclass(frozen=True)
 class Target:
@@ -78,7 +67,7 @@ class Indices:
 
     def __init__(self, observer: Any) -> None:
         self.obs = observer
-        self._known: dict[int, list[_Known]] = {}  # device storage address -> staged values
+        self._staged = StagedValues()  # what the host staged into device memory (racecheck.staged_values)
         self._generation: dict[int, int] = {}  # device storage address -> writes declared so far
         self._unresolved: list[_Unresolved] = []
         self._stream: Any = None
@@ -87,24 +76,12 @@ class Indices:
     def written(self, address: int, ranges: list[tuple[int, int]]) -> None:
         """A device write to ``ranges`` of the storage at ``address``: staged values there are stale."""
         self._generation[address] = self._generation.get(address, 0) + 1
-        known = self._known.get(address)
-        if known:
-            kept = [k for k in known if not any(s < k.end and k.start < e for s, e in ranges)]
-            self._known[address] = kept
+        self._staged.written(address, ranges)
 
     def staged(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """A host-to-device copy of ``src`` into ``dst``: its values, for a small integer index."""
-        if dst.dtype not in NUMPY_INTEGERS or src.dtype not in NUMPY_INTEGERS or dst.numel() > MAX_STAGED:
-            return
-        if not dst.is_contiguous() or not src.is_contiguous() or dst.numel() != src.numel():
-            return
-        with torch._C.DisableTorchFunction():
-            raw = ctypes.string_at(src.data_ptr(), src.numel() * src.element_size()) if src.numel() else b""
-            values = np.frombuffer(raw, dtype=NUMPY_INTEGERS[src.dtype]).astype(NUMPY_INTEGERS[dst.dtype])
-            address = dst.untyped_storage().data_ptr()
-            start = dst.data_ptr()
-        self._known.setdefault(address, []).append(
-            _Known(start, start + dst.numel() * dst.element_size(), values, dst.dtype))
+        """A host-to-device copy of ``src`` into ``dst``: its values, for a small integer index (a
+        copy over part of earlier staged values forgets those)."""
+        self._staged.record(dst, src)
 
     def values(self, index: torch.Tensor) -> list[int] | None:
         """``index``'s values where they are known, else None."""
@@ -113,18 +90,8 @@ class Indices:
         if not self.obs.device.is_device(index):
             with torch._C.DisableTorchFunction():
                 return [int(v) for v in index.reshape(-1).tolist()]
-        if not index.is_contiguous():
-            return None
-        known = self._known.get(index.untyped_storage().data_ptr())
-        if not known:
-            return None
-        start, size = index.data_ptr(), index.element_size()
-        end = start + index.numel() * size
-        for entry in reversed(known):
-            if entry.dtype == index.dtype and entry.start <= start and end <= entry.end:
-                first = (start - entry.start) // size
-                return [int(v) for v in entry.values[first:first + index.numel()]]
-        return None
+        known = self._staged.values(index)
+        return None if known is None else [int(v) for v in known.reshape(-1)]
 
     # -- declaring an op's accesses ------------------------------------------------------------------
     def declare(self, func: Any, args: tuple, kwargs: dict, stamp: OpStamp, on_device: list[torch.Tensor],

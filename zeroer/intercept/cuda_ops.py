@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroer.intercept.errors import forward, unroutable
 from zeroer.intercept.cache_access import CacheAccess
-from zeroer.intercept.staged_values import StagedValues
+from racecheck.staged_values import StagedValues
 from racecheck.custom_ops import is_custom, model_for
 from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
@@ -53,7 +53,7 @@ class CudaOps(TorchDispatchMode):
         # of the runtime, so the set is the runtime's (zeroer.intercept.shared).
         self._recorded: set[int] = session.share.recorded
         # Integers the host staged into device memory: the tables a Triton kernel loads its addresses
-        # from (zeroer.intercept.staged_values; zeroer.intercept.kernel_accesses.through_tables_on_cuda).
+        # from (racecheck.staged_values; zeroer.intercept.kernel_accesses.through_tables_on_cuda).
         self.staged = StagedValues()
 
     def note_cache(self, storages: list[int]) -> None:

@@ -197,7 +197,7 @@ def through_tables_on_cuda(session: Any, name: str, fn: Any, arguments: dict[str
     """On CUDA, in a fuzzed session: the memory a kernel that loads its addresses from ``tables``
     will touch, as (place, writes) pairs (:meth:`zeroer.intercept.driver_copies.DriverCopies.place`:
     device memory, the KV cache's bytes, or pinned host memory), from the values the host staged
-    into the tables (:mod:`zeroer.intercept.staged_values`), the kernel traced on them under the
+    into the tables (:mod:`racecheck.staged_values`), the kernel traced on them under the
     interpreter (:func:`trace_through_tables`). A table whose values are not known, or a table of
     tables, cannot be followed: a harness error that names it (never a guess). ``is_device``: which
     arguments are device memory (CUDA tensors; a test's stand-in says otherwise)."""

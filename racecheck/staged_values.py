@@ -1,13 +1,16 @@
-"""The integers the host staged into device memory, for a kernel that goes through them on CUDA.
+"""The integers the host staged into device memory: a table or an index a device op goes through.
 
 vLLM's CPU offloading handler builds tables of raw addresses on the host (``data_ptr()`` plus a
 block id times a row stride, in numpy), moves them to the GPU with
 ``torch.from_numpy(table).to("cuda", non_blocking=True)`` and launches a Triton kernel that loads
-its source and destination pointers from them. What such a kernel touches is in the tables'
-values. On the simulator the interpreter runs the kernel and its actual loads and stores say it;
-on CUDA the harness knows the values only from their host source: a host-to-device copy of small
-integer data made while the tool runs records the values it delivers, and any later device write
-to that memory forgets them (the table then cannot be followed, and the launch says so by name).
+its source and destination pointers from them; its offload worker gathers blocks with
+``index_select`` over block ids sent the same way. What such an op touches is in those values. On a
+GPU a tool knows them only from their host source: a host-to-device copy of small integer data
+made while the tool runs records the values it delivers; a later copy over part of them, or any
+device write to that memory, forgets them (the op then cannot be followed from them, and each tool
+says so or waits to read them back: never a guess). The fuzzer's CUDA backend
+(:mod:`zeroer.intercept.cuda_ops`) and the sanitizer's GPU observer (:mod:`sanitizer.gpu.indices`)
+both keep theirs here.
 
 Example::
 
@@ -25,13 +28,9 @@ import numpy as np
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-MAX_STAGED = 1 << 16  # elements of a copy whose values are remembered (a table, an index; not a tensor of data)
+from racecheck.dtypes import NUMPY_INTEGERS
 
-_INTEGERS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-             torch.uint8: np.uint8}
-for _name, _np in (("uint64", np.uint64), ("uint32", np.uint32), ("uint16", np.uint16)):
-    if hasattr(torch, _name):
-        _INTEGERS[getattr(torch, _name)] = _np
+MAX_STAGED = 1 << 16  # elements of a copy whose values are remembered (a table, an index; not a tensor of data)
 
 
 @dataclass
@@ -53,8 +52,8 @@ class StagedValues:
 
     def record(self, device: torch.Tensor, host: torch.Tensor) -> None:
         """``host``'s values now sit in ``device`` (a host-to-device copy just queued or done)."""
-        dtype = _INTEGERS.get(device.dtype)
-        if dtype is None or _INTEGERS.get(host.dtype) is None or device.numel() > MAX_STAGED:
+        dtype = NUMPY_INTEGERS.get(device.dtype)
+        if dtype is None or NUMPY_INTEGERS.get(host.dtype) is None or device.numel() > MAX_STAGED:
             return
         if device.numel() != host.numel() or not device.is_contiguous():
             return
@@ -66,9 +65,15 @@ class StagedValues:
         known.append(_Known(device.data_ptr(), values, device.dtype))
         self._known[address] = known
 
-    def written(self, address: int) -> None:
-        """A device op writes the storage at ``address``: its staged values may be stale."""
-        self._known.pop(address, None)
+    def written(self, address: int, ranges: list[tuple[int, int]] | None = None) -> None:
+        """A device op writes ``ranges`` (absolute byte runs; None: all) of the storage at
+        ``address``: the values staged there are stale."""
+        if ranges is None:
+            self._known.pop(address, None)
+            return
+        known = self._known.get(address)
+        if known:
+            self._known[address] = [k for k in known if not any(s < k.end and k.start < e for s, e in ranges)]
 
     def values(self, tensor: torch.Tensor) -> np.ndarray | None:
         """``tensor``'s values where the host staged them and nothing wrote them since, else None."""
