@@ -119,6 +119,7 @@ def test_a_racy_side_is_found_only_when_its_trace_shows_in_every_replay(replayed
     ("SKIPPED [6] conftest.py:13: VLLM_OFFLOAD_COPY=swap_blocks needs vLLM's _C extension", 0, False,
      "needs the extension"),
     ("Segmentation fault", -11, False, "error"),
+    ("Traceback (most recent call last):\n  ...\nRuntimeError: stores [0] never finished", 1, False, "error"),
 ])
 def test_pytorchs_sanitizer_column_tells_a_report_from_a_missing_extension_and_a_crash(
         output, status, racy, verdict, monkeypatch) -> None:

@@ -295,7 +295,8 @@ def torch_sanitizer(side: Side, racy: bool) -> dict[str, Any]:
     row: dict[str, Any] = {"exit": status, "seconds": seconds}
     if not seen and NEEDS_EXTENSION.search(text):  # run bare, the program needs the engine's extension
         return {**row, "verdict": NEEDS_THE_EXTENSION}
-    if not seen and status not in (0, 1):
+    crashed = status not in (0, 1) or (not side.pytest and "Traceback (most recent call last)" in text)
+    if not seen and crashed:  # a loop that raised did not run to its end: no verdict either way
         return {**row, "verdict": "error", "error": (text.strip().splitlines() or ["no output"])[-1]}
     return {**row, "verdict": ("found" if seen else "missed") if racy else ("false alarm" if seen else "clean")}
 
