@@ -113,3 +113,15 @@ def test_minimize_past_its_deadline_keeps_the_smallest_trace_so_far_and_says_it_
     kept = minimized.violation
     assert len(kept.trace) < len(NOISY) and run_ops(SINGLE, kept.trace)[0].kind == "hazard"
     assert kept.findings == run_ops(SINGLE, kept.trace)
+
+
+def test_a_device_sync_right_before_a_poll_becomes_one_polling_sync():
+    # examples/engine_offloaders.py's load_unfenced: the store must be reported before its slot is
+    # loaded; Hypothesis may get there with sync_device then poll, which is poll(sync=1).
+    config = EpisodeConfig(offloader="examples/engine_offloaders.py:load_unfenced", geometry="tiny")
+    ops = [{"op": "start"}, {"op": "allocate", "n": 2}, {"op": "store", "block": 2}, {"op": "sync_device"},
+           {"op": "poll"}, {"op": "free", "block": 1}, {"op": "load", "slot": 1}]
+    minimized = minimize(violation_of(config, ops))
+    assert {"op": "sync_device"} not in minimized.violation.trace
+    assert [op for op in minimized.violation.trace if op["op"] == "poll"] == [{"op": "poll", "sync": 1}]
+    assert len(minimized.violation.trace) == 6

@@ -14,7 +14,7 @@ rest still replays, and keeps every change after which the same kind of finding 
 3. set each argument back to its default or make it smaller; an allocation shrinks to the blocks
    later ops use, or to one, or merges with the allocation right after it (one zero call fewer),
    or with the allocation before it, moved up to join it (``allocate, store, allocate`` becomes
-   ``allocate(n=2), store``);
+   ``allocate(n=2), store``); a ``sync_device`` right before a ``poll`` becomes ``poll(sync=1)``;
 
 and repeats until a round changes nothing. On the simulator and in the controlled cuda mode a
 replay is exact (the schedule is in the ops), so the result is deterministic.
@@ -159,11 +159,24 @@ class _Search:
                 variants += [v for v in (compact(self.refs, index), merge(self.refs, index), self._joined(index))
                              if v is not None]
             variants += [self.refs[:index] + [replace(ref, op=op)] + self.refs[index + 1:] for op in _smaller(ref.op)]
+            fused = self._fused(index)
+            if fused is not None:
+                variants.append(fused)
             for variant in variants:
                 if self.attempt(variant):
                     break
             index += 1
 
+
+    def _fused(self, index: int) -> list[Ref] | None:
+        """``sync_device`` at ``index`` and the ``poll`` right after it as one ``poll(sync=1)`` (which
+        waits for the whole device before it polls); None where they are not such a pair."""
+        if self.refs[index].op.get("op") != "sync_device" or index + 1 >= len(self.refs):
+            return None
+        after = self.refs[index + 1]
+        if after.op.get("op") != "poll":
+            return None
+        return self.refs[:index] + [replace(after, op={**after.op, "sync": 1})] + self.refs[index + 2:]
 
     def _joined(self, index: int) -> list[Ref] | None:
         """The allocation at ``index`` moved up to right after the allocation before it and merged
