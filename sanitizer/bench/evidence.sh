@@ -3,7 +3,8 @@
 # an H200, from the repository root:
 #   bash sanitizer/bench/evidence.sh OUTDIR          # the table, the overhead, the per-op profile, the GPU tests
 #   bash sanitizer/bench/evidence.sh OUTDIR suite    # this project's own test suite under --kvz-sanitize
-#   bash sanitizer/bench/evidence.sh OUTDIR engines  # the engine-style unit tests and the engines' idioms
+#   bash sanitizer/bench/evidence.sh OUTDIR engines  # the engine-style unit tests, the engines' idioms, their
+#                                                    # real shapes under PyTorch's sanitizer and on CUDA
 # (WORKERS and SUITE_SECONDS change the suite's xdist workers, 12, and its time limit, 470 s.)
 # Part one: every benchmark program (the engine-like programs, the corpus of the engines' own races
 # with its --sleep ground truth, the campaigns' zeroers) under PyTorch's sanitizer and ours, judged by
@@ -20,12 +21,19 @@ if [ "${2:-}" = engines ]; then
   # tests/engine_style/ under the sanitizer observing the GPU: race-free (0 races) and with the
   # planted race (reported); then the idioms' GPU cases in both tools.
   for planted in 0 1; do
-    ENGINE_STYLE_PLANTED_RACE=$planted timeout 120 $py -m pytest tests/engine_style -q -p no:cacheprovider -p no:randomly \
+    ENGINE_STYLE_PLANTED_RACE=$planted timeout 90 $py -m pytest tests/engine_style -q -p no:cacheprovider -p no:randomly \
       --kvz-sanitize > "$out/engine-style-planted-$planted.txt" 2>&1
     echo "exit $?" >> "$out/engine-style-planted-$planted.txt"
   done
-  timeout 120 $py -m pytest tests/test_engine_idioms.py -k "cuda" -q -p no:cacheprovider --tb=short -rfE \
+  timeout 90 $py -m pytest tests/test_engine_idioms.py -k "cuda" -q -p no:cacheprovider --tb=short -rfE \
     > "$out/idiom-tests.txt" 2>&1; echo "exit $?" >> "$out/idiom-tests.txt"
+  # docs/engine-shapes.md: PyTorch's sanitizer on each real-shape program, and their GPU tests
+  # (the table-kernel handler fuzzed on CUDA, the driver copies, the custom ops' references).
+  timeout 90 $py -m sanitizer.bench.engine_shapes --tools torch -j 6 --json "$out/h200-engine-shapes-torch-$month.json" \
+    > "$out/engine-shapes-torch.txt" 2>&1; echo "exit $?" >> "$out/engine-shapes-torch.txt"
+  timeout 120 $py -m pytest tests/test_table_kernels.py tests/test_driver_copies.py tests/test_custom_ops.py \
+    tests/test_interpreter_gaps.py -n 8 -q -p no:cacheprovider -p no:randomly --tb=short -rfE \
+    > "$out/engine-shapes-gpu-tests.txt" 2>&1; echo "exit $?" >> "$out/engine-shapes-gpu-tests.txt"
   exit 0
 fi
 if [ "${2:-}" = suite ]; then
