@@ -20,8 +20,10 @@ from sanitizer.bench.engine_shapes import BY_NAME, MAX_TRACE_OPS, PAIRS, judge_s
 LOOPS = sorted(pair.name for pair in PAIRS if not pair.racy.pytest and pair.name != "sglang-hicache-27444")
 # Of the pytest sides (tests/test_engine_style.py runs the others): the handler's unit tests with
 # vLLM's swap_blocks op moving the blocks, its reference standing in.
-LOOPS += ["vllm-handler-stores-46278-swap-blocks"]
-FUZZED = sorted(pair.name for pair in PAIRS)
+UNIT_ROWS = ["lmcache-4830-unit", "vllm-handler-stores-46278-triton-unit", "vllm-simple-offload-46278-unit"]
+LOOPS += UNIT_ROWS + ["vllm-handler-stores-46278-swap-blocks"]
+# every pair's factory once (a unit-test row drives its loop row's factories)
+FUZZED = sorted(pair.name for pair in PAIRS if pair.name not in UNIT_ROWS)
 # The program marks its race the other way round: "queued" on the driver copy, "later" on the
 # compute stream's write, which the compute stream queued first (the report's queued side).
 REVERSED_MARKS: set[str] = set()  # pairs whose two marks read the wrong way round (none now)

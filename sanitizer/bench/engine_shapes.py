@@ -91,6 +91,9 @@ _DMA = "examples/simple_cpu_offload_dma.py"
 _STYLE = "tests/engine_style/factories.py"
 _UNIT_CPU_GPU = "tests/engine_style/test_cpu_gpu.py"
 _UNIT_HICACHE = "tests/engine_style/test_hicache_controller.py"
+_UNIT_DMA = "tests/engine_style/test_simple_cpu_offload.py"
+_UNIT_SWAP = "tests/engine_style/test_triton_swap_offload.py"
+_UNIT_LMC = "tests/engine_style/test_lmcache_transfer_context.py"
 _PLANTED, _UNPLANTED = {"ENGINE_STYLE_PLANTED_RACE": "1"}, {"ENGINE_STYLE_PLANTED_RACE": "0"}
 _PLANTED_36738, _KERNEL_IO = {"ENGINE_STYLE_PLANTED_RACE": "36738"}, {"HICACHE_IO_BACKEND": "kernel"}
 _SWAP_BLOCKS = {"VLLM_OFFLOAD_COPY": "swap_blocks"}
@@ -101,11 +104,24 @@ PAIRS: tuple[Pair, ...] = (
          Side(f"{_DMA}:dma_store_after_compute_event", (_DMA,)),
          "cuMemcpyBatchAsync via cuGetProcAddress + ctypes, copy thread on a SimpleQueue",
          "no unit-test form"),
+    Pair("vllm-simple-offload-46278-unit", "vLLM #46278 (stores) in SimpleCPUOffload, its copy path's unit tests",
+         DEVICE_ACCESS,
+         Side(f"{_DMA}:dma_store_without_compute_event", (_UNIT_DMA,), _PLANTED, pytest=True,
+              marks=(f"{_DMA}:dma", _UNIT_DMA)),
+         Side(f"{_DMA}:dma_store_after_compute_event", (_UNIT_DMA,), _UNPLANTED, pytest=True),
+         "DmaCopyBackend.launch_copy and its copy thread, tested as vLLM tests its offload workers",
+         "the factory is the loop row's"),
     Pair("vllm-handler-stores-46278", "vLLM #46278 (stores) in the CPU offloading handler", DEVICE_ACCESS,
          Side(f"{_SWAP}:racy_store", (_SWAP, "racy_store"), marks=(f"{_SWAP}:racy_store",)),
          Side(f"{_SWAP}:make", (_SWAP, "make")),
          "int64 address tables from data_ptr() read by a Triton swap kernel, stream and timing-event pools",
          "unit-test form: the next row (the engine-style handler, copy_ per block)"),
+    Pair("vllm-handler-stores-46278-triton-unit", "vLLM #46278 (stores), the Triton-kernel handler's unit tests",
+         DEVICE_ACCESS,
+         Side(f"{_SWAP}:racy_store", (_UNIT_SWAP,), _PLANTED, pytest=True, marks=(f"{_SWAP}:racy_store", _UNIT_SWAP)),
+         Side(f"{_SWAP}:make", (_UNIT_SWAP,), _UNPLANTED, pytest=True),
+         "the row above's handler tested as vLLM tests its offloading handler (pytest, parametrized)",
+         "the factories are the row above's"),
     Pair("vllm-handler-stores-46278-unit", "vLLM #46278 (stores), the handler of the engine-style unit tests",
          DEVICE_ACCESS,
          Side(f"{_STYLE}:cpu_gpu_handler", (_UNIT_CPU_GPU,), _PLANTED, pytest=True,
@@ -144,6 +160,11 @@ PAIRS: tuple[Pair, ...] = (
          "lmcache.c_ops.multi_layer_block_kv_transfer (pybind) through a device table of K/V plane addresses; "
          "chunk.pin_memory() temporaries read through their raw addresses",
          "no unit-test form"),
+    Pair("lmcache-4830-unit", "LMCache #4830, the transfer context's unit tests", HOST_WRITE,
+         Side(f"{_LMC}:temporaries_freed_on_return", (_UNIT_LMC,), _PLANTED, pytest=True, marks=(_LMC,)),
+         Side(f"{_LMC}:temporaries_synced_before_return", (_UNIT_LMC,), _UNPLANTED, pytest=True),
+         "gather / scatter_cpu_to_paged_kv tested as LMCache tests its GPU connectors (pytest, parametrized)",
+         "the factories are the loop row's"),
 )
 BY_NAME = {pair.name: pair for pair in PAIRS}
 
