@@ -196,24 +196,19 @@ def host_values(tensor: torch.Tensor) -> list[int]:
     return [int(v) for v in np.frombuffer(raw, dtype=dtype)]
 
 
-
-def memmove(dst: int, src: int, nbytes: int) -> None:
-    """Copy ``nbytes`` between CPU addresses (a reference implementation's raw copy). An address in
-    device memory that PyTorch's CUDA allocator holds is refused before a byte moves."""
-    if nbytes > 0:
-        on_host([(src, nbytes), (dst, nbytes)])
-        ctypes.memmove(int(dst), int(src), int(nbytes))
-
-
-def on_host(runs: Sequence[tuple[int, int]]) -> None:
-    """Raise unless every ``(address, bytes)`` run is outside the device memory PyTorch's CUDA
-    allocator holds: a reference implementation checks all its copies before it moves a byte."""
+def copy_runs(copies: Sequence[tuple[int, int, int]]) -> None:
+    """Make ``(source, destination, bytes)`` copies between CPU addresses, in order. An address in
+    device memory PyTorch's CUDA allocator holds is refused before any byte moves."""
     device = device_runs()
-    for address, nbytes in runs if device else ():
-        if any(lo < int(address) + int(nbytes) and int(address) < hi for lo, hi in device):
-            raise RuntimeError(f"address {int(address):#x} ({int(nbytes)} bytes) is device memory: kvzero's "
-                               f"reference implementations copy CPU memory only; install the op's extension "
-                               f"to run it on a GPU")
+    for src, dst, nbytes in copies if device else ():
+        for address in (src, dst):
+            if any(lo < int(address) + int(nbytes) and int(address) < hi for lo, hi in device):
+                raise RuntimeError(f"address {int(address):#x} ({int(nbytes)} bytes) is device memory: kvzero's "
+                                   f"reference implementations copy CPU memory only; install the op's extension "
+                                   f"to run it on a GPU")
+    for src, dst, nbytes in copies:
+        if nbytes > 0:
+            ctypes.memmove(int(dst), int(src), int(nbytes))
 
 
 def device_runs() -> Runs:
@@ -269,7 +264,7 @@ def route(model: EffectModel, args: tuple, kwargs: dict, real: Callable[..., Any
     if real is not None:
         return real(*args, **kwargs)
     # A GPU machine without the engine's extension: the reference copies CPU memory only, and a
-    # raw address is checked against device memory as it is copied (memmove).
+    # raw address is checked against device memory before it is copied (copy_runs).
     device = next(_device_tensors([*args, *kwargs.values()]), None)
     if device is not None:
         raise RuntimeError(f"{model.name}: its extension is not installed, and kvzero's reference "
@@ -404,6 +399,6 @@ def _routed(model: EffectModel, real: Callable[..., Any] | None) -> Callable[...
     return call
 
 
-__all__ = ["EffectModel", "Effects", "ValueUnknown", "define_references", "device_runs", "effect_model", "extension_modules",
-           "host_values", "is_custom", "memmove", "missing_model", "model_for", "models", "on_host", "register", "route",
+__all__ = ["EffectModel", "Effects", "ValueUnknown", "copy_runs", "define_references", "device_runs", "effect_model",
+           "extension_modules", "host_values", "is_custom", "missing_model", "model_for", "models", "register", "route",
            "routing", "unregister", "unrouted"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from racecheck.effects import EffectModel, Effects, host_values, memmove, on_host, register
+from racecheck.effects import EffectModel, Effects, copy_runs, host_values, register
 
 Copies = list[tuple[int, int, int]]  # (source address, destination address, bytes)
 Values = Callable[[torch.Tensor], list[int]]
@@ -49,10 +49,7 @@ def _model(name: str, schema: str | None, copies: Callable[..., Copies], tables:
             fx.write(dst, nbytes)
 
     def reference(*args: Any) -> None:
-        moves = copies(host_values, *args)
-        on_host([(src, nbytes) for src, _, nbytes in moves] + [(dst, nbytes) for _, dst, nbytes in moves])
-        for src, dst, nbytes in moves:
-            memmove(dst, src, nbytes)
+        copy_runs(copies(host_values, *args))
 
     register(EffectModel(name, effects, reference, schema, params, attributes or {}, extension))
 

@@ -96,7 +96,9 @@ class HappensBefore:
         self._shadows: dict[Key, RangeShadow] = {}
         self._host_readers: dict[Key, list[_Pending]] = {}  # queued copies that read host memory
         self._host_writers: dict[Key, list[_Pending]] = {}  # queued copies that write host memory
-        self._host_log: dict[Key, deque[_HostAccess]] = {}  # recent host accesses (late_host_access)
+        # Recent host accesses, kept only once an op may declare its host accesses as it runs
+        # (expect_late_host_accesses): None until then, so the GPU observer's host ops pay nothing.
+        self._host_log: dict[Key, deque[_HostAccess]] | None = None
         self._resource_names: dict[Key, str] = {}
         self.hazards: list[Hazard] = []
         self.notes: list[Hazard] = []
@@ -171,7 +173,8 @@ class HappensBefore:
         self._shadows.pop(key, None)
         self._host_readers.pop(key, None)
         self._host_writers.pop(key, None)
-        self._host_log.pop(key, None)
+        if self._host_log is not None:
+            self._host_log.pop(key, None)
 
     # -- host memory -----------------------------------------------------------------------------
     def copy_reads_host(self, key: Key, stamp: OpStamp, ranges: Ranges = None) -> None:
@@ -207,7 +210,15 @@ class HappensBefore:
         self._log_host(HOST_READ, key, label, host, ranges)
         self._host_access(HOST_READ, key, label, host, ranges, (self._host_writers,))
 
+    def expect_late_host_accesses(self) -> None:
+        """An op about to be queued declares its host accesses only as it runs (:meth:`late_host_access`):
+        from now on host accesses are kept for it (one made before its enqueue never concerns it)."""
+        if self._host_log is None:
+            self._host_log = {}
+
     def _log_host(self, kind: str, key: Key, label: str, host: int, ranges: Ranges) -> None:
+        if self._host_log is None:
+            return
         log = self._host_log.get(key)
         if log is None:
             log = self._host_log[key] = deque(maxlen=MAX_HOST_LOG_PER_KEY)
@@ -220,15 +231,16 @@ class HappensBefore:
         runs (its addresses come from device values: a table kernel, a custom op's index tensors).
         Every host access made since it was enqueued, by a thread that had not seen it complete, is
         checked as if the op had been pending then (LMCache #4830: the next ``pin_memory()`` rewrote
-        a temporary the copy still read); from now on the bytes are pending like any copy's."""
-        for access in self._host_log.get(key, ()):
+        a temporary the copy still read); from now on the bytes are pending like any copy's. The op's
+        session said so before queueing it (:meth:`expect_late_host_accesses`)."""
+        for access in (self._host_log or {}).get(key, ()):
             if access.after < stamp.seq or ordered(stamp, access.vc) or not overlaps(access.ranges, ranges):
                 continue  # before the enqueue, after the host saw it complete, or other bytes
             if access.kind == HOST_READ and not write:
                 continue  # a read beside a read
-            hazard = self._host_hazard(access.kind, key, stamp, access.label, write,
-                                       assumed=access.union is not None and ordered(stamp, access.union))
-            (self.notes if access.union is not None and ordered(stamp, access.union) else self.hazards).append(hazard)
+            assumed = access.union is not None and ordered(stamp, access.union)  # another host saw it complete
+            (self.notes if assumed else self.hazards).append(
+                self._host_hazard(access.kind, key, stamp, access.label, write, assumed=assumed))
         (self.copy_writes_host if write else self.copy_reads_host)(key, stamp, ranges)
 
     def _host_access(self, kind: str, key: Key, label: str, host: int, ranges: Ranges,

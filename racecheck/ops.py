@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-
 aten = torch.ops.aten
 
 
@@ -194,8 +193,6 @@ def op_info(func: Any) -> OpInfo:
     if info is None or info.func is not func:
         info = _INFO[id(func)] = OpInfo(func)
     return info
-
-
 
 
 def args_by_position(func: Any, args: tuple, kwargs: dict) -> list[Any]:

@@ -528,6 +528,7 @@ def _late_case(host_access, *, before_enqueue: bool = False, observed: bool = Fa
     """An op queued on a stream, a host access of BUF's bytes [0, 8) (before or after the enqueue,
     with or without the host having seen the op complete), then the op's accesses declared as it runs."""
     hb, (s,) = checker("side")
+    hb.expect_late_host_accesses()  # as a session does before queueing such an op (here: before all)
     if before_enqueue:
         host_access(hb)
     op = hb.enqueue(s, "kernel#1")
@@ -567,6 +568,14 @@ def test_a_host_write_of_other_bytes_or_a_read_beside_a_reading_op_is_none():
 def test_a_host_read_of_bytes_an_op_writes_as_it_runs_is_a_hazard():
     (hazard,) = _late_case(_read, op_writes=True).hazards
     assert hazard.kind == HOST_READ and "may not have written it yet" in hazard.message
+
+
+def test_host_accesses_are_kept_only_once_a_late_declaring_op_is_expected():
+    hb, (s,) = checker("side")
+    op = hb.enqueue(s, "kernel#1")
+    _write(hb)  # no op had said it declares late: nothing kept, nothing to check it against
+    hb.late_host_access(BUF, op, write=False, ranges=[(0, 8)])
+    assert hb.hazards == []
 
 
 def test_after_its_late_declaration_the_op_is_pending_like_any_copy():

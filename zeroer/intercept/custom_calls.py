@@ -114,7 +114,10 @@ class CustomCalls:
         except ValueUnknown:
             found = None
         ids, host_args = session.ids, self._host_args
-        regions = session.host.regions.frozen() if found is None else None  # as queued (LMCache #4830)
+        regions = None
+        if found is None:  # declared as it runs: the host's accesses meanwhile are kept, in the memory as queued
+            session.rt.hb.expect_late_host_accesses()
+            regions = session.host.regions.frozen()  # LMCache #4830
         stamp: list[Any] = []
         space = session.rt._block_space
 

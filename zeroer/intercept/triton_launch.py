@@ -179,6 +179,7 @@ class TritonLaunches:
             # once it has run, from its actual loads and stores (zeroer.intercept.kernel_accesses).
             declared = {getattr(k, "key", k) for k in reads + writes} | {region.key for region, _, _ in pinned}
             at: list[Any] = []  # the stamp it runs as (a replay of a captured graph: that replay's)
+            session.rt.hb.expect_late_host_accesses()  # what it touched is declared once it has run
             regions = session.host.regions.frozen()  # the pinned bytes it reads are these, as queued
 
             def run() -> None:
