@@ -310,24 +310,55 @@ def test_cuda_offloader_accesses_name_the_blocks_their_bytes_meet() -> None:
     assert InterceptSession._declare(session, [], [], access)["blocks_written"] == [5]
 
 
-def test_a_copy_between_the_device_and_pinned_memory_is_not_a_host_op() -> None:
-    """On CUDA a ``pinned.copy_(device_tensor, non_blocking=True)`` reaches the torch-function mode
-    with a CPU destination; it is the device's queued copy, not a host write of the pinned bytes."""
+def _host_op_mode(pinned_storages, monkeypatch=None):
+    """The torch-function mode of an offloader's session on CUDA, every tensor over one of
+    ``pinned_storages`` pinned; what it records, as (verb, name) pairs."""
     from types import SimpleNamespace
 
     from zeroer.intercept.torch_mode import InterceptMode
 
     seen = []
-    host = SimpleNamespace(lookup=lambda t: "region", host_write=lambda *a: seen.append("write"),
-                           host_read=lambda *a: seen.append("read"))
+
+    def lookup(t):
+        return "region" if t.untyped_storage().data_ptr() in pinned_storages else None
+
+    host = SimpleNamespace(lookup=lookup, host_write=lambda region, t, label: seen.append(("write", label.split(": ")[1])),
+                           host_read=lambda region, t, label: seen.append(("read", label.split(": ")[1])))
     session = SimpleNamespace(backend="cuda", host=host, rt=SimpleNamespace(), block_map=object(), call="store#1",
                               boundary=lambda what: None)
-    mode = InterceptMode(session)
-    pinned, device_like = torch.zeros(4), torch.zeros(4, device="meta")
+    return InterceptMode(session), seen
+
+
+def test_a_copy_between_the_device_and_pinned_memory_is_not_a_host_op(monkeypatch) -> None:
+    """On CUDA a ``pinned.copy_(device_tensor, non_blocking=True)`` reaches the torch-function mode
+    with a CPU destination; it is the device's queued copy, not a host write of the pinned bytes."""
+    from zeroer.intercept import torch_mode
+
+    pinned, device_like, source = torch.zeros(4), torch.zeros(4, device="meta"), torch.ones(4)
+    mode, seen = _host_op_mode({pinned.untyped_storage().data_ptr(), source.untyped_storage().data_ptr()})
+    monkeypatch.setattr(torch_mode, "forward", lambda func, *args, **kwargs: None)  # a meta source cannot be copied
     mode._host_op(torch.Tensor.copy_, (pinned, device_like), {})
     assert seen == []
-    mode._host_op(torch.Tensor.copy_, (pinned, torch.ones(4)), {})  # host to host: a write of the pinned bytes
-    assert seen == ["write", "read"]
+    monkeypatch.undo()
+    mode._host_op(torch.Tensor.copy_, (pinned, source), {})  # host to host: a write of the pinned bytes
+    assert [verb for verb, _ in seen] == ["write", "read"]
+
+
+def test_metadata_and_views_of_pinned_memory_touch_no_byte_but_a_read_of_its_values_does() -> None:
+    """vLLM's handler builds its address tables from ``data_ptr()`` and ``stride()`` of the pinned
+    pool while a store into it is queued: no byte of it is read then (a false race, seen once)."""
+    pool = torch.zeros(8, 4)
+    mode, seen = _host_op_mode({pool.untyped_storage().data_ptr()})
+    assert mode._host_op(torch.Tensor.stride, (pool,), {}) == (4, 1)
+    assert mode._host_op(torch.Tensor.element_size, (pool,), {}) == 4
+    assert mode._host_op(torch.Tensor.shape.__get__, (pool,), {}) == (8, 4)
+    view = mode._host_op(torch.Tensor.__getitem__, (pool, 3), {})
+    assert view.data_ptr() == pool[3].data_ptr() and seen == []
+    mode._host_op(torch.Tensor.sum, (pool,), {})
+    mode._host_op(torch.Tensor.__getitem__, (pool, torch.tensor([1, 2])), {})  # a gather: a copy of the rows
+    mode._host_op(torch.Tensor.fill_, (view, 1.0), {})
+    assert seen == [("read", "Tensor.sum reads a pinned buffer"), ("read", "Tensor.__getitem__ reads a pinned buffer"),
+                    ("write", "Tensor.fill_ writes a pinned buffer")]
 
 
 # -- vLLM's handler shape: transfer_async(job_id, (src, dst)), the direction told by the spec's class --

@@ -37,6 +37,10 @@ from zeroer.intercept.sim_tensor import SimCudaTensor, cloak, uncloak
 _HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 _EMPTY = {torch.empty, torch.empty_strided, torch.empty_like}
 _T = torch.Tensor
+# Calls on a tensor that read its metadata, never its bytes.
+_METADATA = frozenset(f"Tensor.{name}" for name in (
+    "size", "stride", "dim", "ndimension", "numel", "nelement", "element_size", "is_contiguous", "storage_offset",
+    "is_pinned", "untyped_storage", "get_device", "is_floating_point", "is_complex", "is_signed", "__len__"))
 
 
 def _is_cuda(device: Any) -> bool:
@@ -119,34 +123,40 @@ class InterceptMode(TorchFunctionMode):
             self.session.boundary(_name(func))
             return self._on_sim_tensors(func, args, kwargs)
         if self.session.block_map is not None:  # an offloader's host op on pinned memory: checked at the op
-            self._host_op(func, args, kwargs)
+            return self._host_op(func, args, kwargs)
         return forward(func, *args, **kwargs)
 
-    def _host_op(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """A torch call on host tensors that live in pinned memory (an offloader's staging buffer, its
-        host pool) reads them, or writes them where it works in place (``copy_``, ``fill_``, ``out=``):
-        checked against the copies pending on those bytes, whatever values it writes."""
+    def _host_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` run; a torch call on host tensors that live in pinned memory (an offloader's
+        staging buffer, its host pool) reads them, or writes them where it works in place (``copy_``,
+        ``fill_``, ``out=``): checked against the copies pending on those bytes, whatever values it
+        writes. A call that touches no byte is not an access: metadata (``stride()``, ``shape``,
+        ``data_ptr`` arithmetic's inputs) and a view of the same memory (``t[3]``, ``t.view(...)``)."""
         if getattr(self.session.rt, "executing", 0):
-            return  # the simulated device running a queued op (a copy into the pool): not the host
+            return forward(func, *args, **kwargs)  # the simulated device running a queued op: not the host
         every = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         if any(v.device.type != "cpu" for v in every):
-            return  # a copy to or from the device: a queued op of the device's, checked as one
+            return forward(func, *args, **kwargs)  # a copy to or from the device: a queued op, checked as one
         host = self.session.host
-        tensors = every
-        pinned = [t for t in tensors if host.lookup(t) is not None]
-        if not pinned:
-            return
+        pinned = [t for t in every if host.lookup(t) is not None]
         name = _name(func)
+        if not pinned or name in _METADATA or name.endswith(".__get__"):
+            return forward(func, *args, **kwargs)  # no pinned bytes, or none touched (a property: metadata or a view)
         in_place = name.endswith("_") and not name.endswith("__")
         written = [args[0]] if in_place and args else []
         if isinstance(kwargs.get("out"), torch.Tensor):
             written.append(kwargs["out"])
         self.session.boundary(name)
+        result = forward(func, *args, **kwargs)
+        if not written and isinstance(result, torch.Tensor) and result.device.type == "cpu" \
+                and any(result.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in pinned):
+            return result  # a view of the same bytes (or the tensor itself): nothing read yet
         for tensor in pinned:
             write = any(tensor is w for w in written)
             verb = "writes" if write else "reads"
             label = f"the host code of {self.session.call}: {name} {verb} a pinned buffer"
             (host.host_write if write else host.host_read)(host.lookup(tensor), tensor, label)
+        return result
 
     def _on_sim_tensors(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A torch call on simulated CUDA tensors. What it raises is the zeroer's only when the
