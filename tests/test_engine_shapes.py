@@ -140,3 +140,27 @@ def test_pytorchs_sanitizer_column_tells_a_report_from_a_missing_extension_and_a
     monkeypatch.setattr(engine_shapes, "_run", lambda command, env: (status, output, 0.1))
     pair = BY_NAME["lmcache-4830"]
     assert engine_shapes.torch_sanitizer(pair.racy if racy else pair.fixed, racy)["verdict"] == verdict
+
+
+@pytest.mark.parametrize("returncode", [-2, -15, 130])
+def test_an_interrupted_run_stops_the_benchmark_and_writes_nothing(returncode, tmp_path, monkeypatch) -> None:
+    import subprocess
+
+    from sanitizer.bench import engine_shapes
+
+    out = tmp_path / "rows.json"
+    out.write_text('{"complete": true}')
+    monkeypatch.setattr(engine_shapes, "install", lambda: None)  # the test process keeps its own handlers
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, returncode, "", ""))
+    assert main(["--only", "lmcache-4830", "--tools", "sanitizer", "--json", str(out)]) == 130
+    assert out.read_text() == '{"complete": true}'  # the complete result of an earlier run is kept
+
+
+def test_a_run_killed_by_a_signal_is_an_error_never_a_verdict(monkeypatch) -> None:
+    import subprocess
+
+    from sanitizer.bench import engine_shapes
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -11, "", ""))
+    row = engine_shapes.judge_side(BY_NAME["lmcache-4830"], racy=False, tool="sanitizer")
+    assert (row["verdict"], row["error"]) == ("error", "killed by signal 11"), row

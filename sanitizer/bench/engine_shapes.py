@@ -35,6 +35,7 @@ import datetime
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,8 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from racecheck.atomic_file import write_json_atomically
-from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, run_main
+from racecheck.cli import CLEAN, FINDING, INTERRUPTED, ArgumentParser, UsageError, check_output, run_main
 from racecheck.environment import environment
+from racecheck.interrupts import install, interrupted
 from sanitizer.bench.programs import DEVICE_ACCESS, HOST_WRITE, marked_lines
 from sanitizer.bench.verdict import judge_lines
 
@@ -177,12 +179,16 @@ def _env(side: Side) -> dict[str, str]:
 
 
 def _run(command: list[str], env: dict[str, str]) -> tuple[int | None, str, float]:
+    """``command``'s exit status (None: timed out), output and seconds. A run that was interrupted
+    (Ctrl-C or SIGTERM reached it, or this process) judges nothing: ``KeyboardInterrupt``."""
     started = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         status, text = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired:
         status, text = None, f"timed out after {TIMEOUT_S} s"
+    if interrupted() or status in (-signal.SIGINT, -signal.SIGTERM, INTERRUPTED):
+        raise KeyboardInterrupt
     return status, text, round(time.perf_counter() - started, 1)
 
 
@@ -331,6 +337,8 @@ def judge_side(pair: Pair, racy: bool, tool: str) -> dict[str, Any]:
             row = sanitizer(side, racy, pair.kind, Path(scratch))
         else:
             row = torch_sanitizer(side, racy)
+    if (row.get("exit") or 0) < 0:  # killed by a signal (a crash): whatever it left says nothing either way
+        row = {**row, "verdict": "error", "error": f"killed by signal {-row['exit']}"}
     return {"pair": pair.name, "side": "racy" if racy else "fixed", "tool": tool, **row}
 
 
@@ -402,9 +410,15 @@ def _main(argv: list[str]) -> int:
         raise UsageError(f"-j {args.jobs} must be a positive number of runs at once")
     pairs = [BY_NAME[n] for n in names]
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+    install()  # Ctrl-C and SIGTERM: no new run starts, and nothing is written (racecheck.interrupts)
+    pool = ThreadPoolExecutor(max_workers=args.jobs)
+    try:
         futures = [pool.submit(judge_side, pair, racy, tool) for pair in pairs for racy in (True, False) for tool in tools]
         rows = [future.result() for future in futures]
+    except BaseException:  # Ctrl-C: no further run starts (the running ones got the signal too), nothing written
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     print(table(rows, pairs, tools))
     if out is not None:
         write_json_atomically(out, {
