@@ -96,10 +96,11 @@ class _Hooked:
     """While a hook runs, the primitives it uses (an Event inside a dummy thread, say) are not hooked again."""
 
     def __enter__(self) -> None:
+        self._was = getattr(_HOOKED, "busy", False)
         _HOOKED.busy = True
 
     def __exit__(self, *exc: object) -> None:
-        _HOOKED.busy = False
+        _HOOKED.busy = self._was
 
 
 def unwatched() -> _Hooked:
@@ -167,8 +168,15 @@ def install() -> None:
 
     @functools.wraps(start)
     def thread_start(self: threading.Thread) -> None:
+        if getattr(self, "_kvz_own", False):
+            # A tool's own thread (the gate watchdog, started lazily inside the first gated op of
+            # the code under test): Thread.start waits for an Event the new thread sets, which is
+            # the tool's wait, not a turn of the program (as one it was a false TurnDeadlock).
+            with _Hooked():
+                start(self)
+            return
         watch = _watch()
-        if watch is not None and not getattr(self, "_kvz_own", False):  # not a sanitizer's own thread
+        if watch is not None:
             with _Hooked():
                 self._kvz_started = (watch, watch.thread_starting(self))  # type: ignore[attr-defined]
         start(self)
