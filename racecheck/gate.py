@@ -227,6 +227,24 @@ class GatePool:
 # Streams are spread over CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); a stream that
 # shares a queue with a gated one stalls behind its spinning gate (a false dependency). Ask for the
 # maximum while the CUDA context does not exist yet: the driver reads it when creating it.
+def request_eager_module_loading() -> Literal["set", "already set", "too late"]:
+    """Ask CUDA to load every kernel module when the context starts (``CUDA_MODULE_LOADING=EAGER``),
+    with :func:`request_hardware_queues`'s rule and answers (left alone where chosen or too late).
+
+    A module loaded lazily, at a kernel's first launch, waits for the GPU to drain
+    (NVIDIA/nvbench#136), which a closed gate keeps from happening: the first strided
+    ``copy_`` of an offloader (torch's elementwise copy kernel) then hangs until the watchdog opens
+    every gate. Torch's kernels loaded up front cannot do that; a Triton kernel still loads at
+    its compile, before the launch is gated.
+    """
+    if "CUDA_MODULE_LOADING" in os.environ:
+        return "already set"
+    if real_cuda.is_initialized():
+        return "too late"
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+    return "set"
+
+
 def request_hardware_queues() -> Literal["set", "already set", "too late"]:
     """Ask for 32 hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``) while it can still matter.
 

@@ -38,6 +38,7 @@ from racecheck.gate import (
     Watchdog,
     gate_available,
     hardware_queues,
+    request_eager_module_loading,
     request_hardware_queues,
     spare_stream,
 )
@@ -126,6 +127,16 @@ def test_hardware_queues_are_requested_only_while_cuda_has_not_started_and_nobod
     monkeypatch.setattr(real_cuda, "is_initialized", lambda: False)
     assert request_hardware_queues() == "set" and hardware_queues() == 32
     assert request_hardware_queues() == "already set"
+
+
+def test_eager_module_loading_is_requested_only_while_cuda_has_not_started_and_nobody_chose(monkeypatch):
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")  # the user's choice is kept
+    assert request_eager_module_loading() == "already set" and os.environ["CUDA_MODULE_LOADING"] == "LAZY"
+    monkeypatch.delenv("CUDA_MODULE_LOADING")
+    monkeypatch.setattr(real_cuda, "is_initialized", lambda: True)
+    assert request_eager_module_loading() == "too late" and "CUDA_MODULE_LOADING" not in os.environ
+    monkeypatch.setattr(real_cuda, "is_initialized", lambda: False)
+    assert request_eager_module_loading() == "set" and os.environ["CUDA_MODULE_LOADING"] == "EAGER"
 
 
 def test_importing_the_cuda_backend_leaves_the_environment_alone():

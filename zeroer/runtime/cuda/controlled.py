@@ -51,7 +51,7 @@ from zeroer.errors import RuntimeUsageError
 from zeroer.runtime.base import Event, Hold, HostBuffer, Stream
 from racecheck import real_cuda
 from zeroer.runtime.cuda.common import DEFAULT_TIMEOUT_S, CudaRuntimeBase
-from racecheck.gate import hardware_queues, request_hardware_queues
+from racecheck.gate import hardware_queues, request_eager_module_loading, request_hardware_queues
 from racecheck.hb import OpStamp
 from zeroer.runtime.queues import QueuedOp, StreamQueues
 
@@ -83,6 +83,7 @@ class ControlledCudaRuntime(CudaRuntimeBase):
         # next call (resolving the device) may create it: ask now. What happened is kept for
         # diagnosis ("too late" means something else initialised CUDA first).
         self.hardware_queue_request = request_hardware_queues()
+        request_eager_module_loading()
         self.max_streams = hardware_queues()
 
     # -- the gated model ---------------------------------------------------------------------
