@@ -83,3 +83,23 @@ def test_a_finding_hypothesis_calls_flaky_is_kept_with_its_program(tmp_path, mon
     monkeypatch.setattr(campaigns, "run_state_machine_as_test", other_flaky)
     with pytest.raises(FlakyFailure):
         campaigns.run_campaign(campaigns.Campaign(config, expect="clean"), campaigns.PROFILES["quick"], tmp_path)
+
+
+def test_a_free_running_gpu_campaign_polls_after_waiting_for_the_device_so_it_draws_the_same_way():
+    """Free-running on a GPU, which jobs a poll hears of is the GPU's timing; the next rules drawn
+    follow from it (Hypothesis's FlakyStrategyDefinition on the H100), so the caller syncs first."""
+    from types import SimpleNamespace
+
+    from fuzz.engine.episode import EpisodeConfig
+    from fuzz.engine.machine import OffloadMachine
+
+    for backend, mode, drawn, expect in [("cuda", "free", False, {"op": "poll", "sync": 1}),
+                                         ("cuda", "controlled", False, {"op": "poll"}),
+                                         ("sim", "controlled", False, {"op": "poll"}),
+                                         ("cuda", "controlled", True, {"op": "poll", "sync": 1})]:
+        applied = []
+        stub = SimpleNamespace(episode=SimpleNamespace(config=EpisodeConfig(backend=backend, mode=mode)),
+                               _apply=lambda **op: applied.append(op))
+        stub._free_running = lambda: OffloadMachine._free_running(stub)
+        OffloadMachine.poll_finished(stub, drawn)
+        assert applied == [expect], (backend, mode)
