@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -81,7 +82,8 @@ def index_needs_host(func: Any, args: tuple) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
-def copy_kind(*, device_dst: bool, device_src: bool, non_blocking: bool, pinned: bool) -> str:
+def copy_kind(*, device_dst: bool, device_src: bool, non_blocking: bool, pinned: bool,
+              temporary: bool = False) -> str:
     """How CUDA runs a copy between these memories.
 
     * ``d2d``: queued on the current stream;
@@ -92,6 +94,9 @@ def copy_kind(*, device_dst: bool, device_src: bool, non_blocking: bool, pinned:
     * ``sync``: any other host copy: the current stream is synchronised and the copy done then
       (a blocking copy, or a non-blocking one to pageable memory, which CUDA makes synchronous);
     * ``host``: host to host, no device involved.
+
+    ``temporary``: torch passes the host side through a pageable temporary
+    (:func:`host_temporary`), so pinned memory behaves as pageable.
     """
     if device_dst and device_src:
         return "d2d"
@@ -100,8 +105,55 @@ def copy_kind(*, device_dst: bool, device_src: bool, non_blocking: bool, pinned:
     if not non_blocking:
         return "sync"
     if device_dst:
-        return "h2d-async" if pinned else "h2d-staged"
-    return "d2h-async" if pinned else "sync"
+        return "h2d-async" if pinned and not temporary else "h2d-staged"
+    return "d2h-async" if pinned and not temporary else "sync"
+
+
+def _dense_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...] | None:
+    """The strides (size-1 dimensions left out) of a layout without gaps or overlaps, else None."""
+    kept = [(stride, size) for size, stride in zip(shape, strides) if size != 1]
+    expected = 1
+    for stride, size in sorted(kept):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(stride for stride, _ in kept)
+
+
+def _row_major(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """``is_contiguous()`` of this layout (size-1 dimensions may have any stride)."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
+
+
+def host_temporary(dst: Any, src: Any, *, to_device: bool) -> bool:
+    """Whether torch's non-blocking copy between the host and a GPU goes through a pageable host
+    temporary (aten/src/ATen/native/cuda/Copy.cu, ``copy_requires_temporaries``): where the two
+    sides differ in dtype or layout, the device side is made contiguous on the GPU and the host
+    side in ordinary memory. Into the host the transfer then lands in pageable memory (CUDA
+    finishes it before returning: synchronous) unless ``dst`` is contiguous; to the device it
+    reads a pageable copy made at the call (staged) unless ``src``, broadcast to ``dst``'s shape, is
+    contiguous. vLLM's K/V planes (``kv[:, first:last]``) are such views. ``dst`` None: the fresh
+    result of ``_to_copy``, laid out like a dense ``src`` and contiguous otherwise."""
+    if dst is None:
+        return to_device and _dense_strides(src.shape, src.stride()) is None
+    if dst.numel() == 0:
+        return False
+    if dst.dtype == src.dtype and tuple(dst.shape) == tuple(src.shape):
+        layout = _dense_strides(dst.shape, dst.stride())
+        if layout is not None and layout == _dense_strides(src.shape, src.stride()):
+            return False  # one cudaMemcpyAsync over both
+    if not to_device:
+        return not _row_major(dst.shape, dst.stride())
+    lead = len(dst.shape) - len(src.shape)  # src.expand_as(dst): broadcast dimensions have stride 0
+    strides = [0] * lead + [0 if size == 1 and dst.shape[lead + i] != 1 else stride
+                            for i, (size, stride) in enumerate(zip(src.shape, src.stride()))]
+    return not _row_major(dst.shape, strides)
 
 
 @functools.lru_cache(maxsize=None)

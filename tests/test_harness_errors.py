@@ -131,7 +131,7 @@ def test_a_clash_in_the_runtime_is_a_harness_error_of_ours(tmp_path, monkeypatch
 def test_a_simulator_gap_is_a_harness_error_of_ours(tmp_path, monkeypatch):
     from zeroer.intercept import sim_ops
 
-    lost = _planted_in("zeroer.intercept.sim_ops", "def lost(self, dst, src, non_blocking):\n"
+    lost = _planted_in("zeroer.intercept.sim_ops", "def lost(self, dst, src, non_blocking, **how):\n"
                        "    raise RuntimeError('planted: the simulator lost its way')\n")
     monkeypatch.setattr(sim_ops.SimOps, "copy", lost)
     result = _run("StagesIds", tmp_path)

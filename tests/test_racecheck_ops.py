@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from racecheck.ops import aliased_returns, copy_kind, index_needs_host, indexed_rows, kind, written_args
+from racecheck.ops import aliased_returns, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, written_args
 from racecheck.triton_stores import stored_params
 
 aten = torch.ops.aten
@@ -191,6 +191,36 @@ def test_kind_sorts_ops_by_what_they_do_to_the_stream(op, expected):
 ])
 def test_copy_kind_says_how_cuda_runs_a_copy(device_dst, device_src, non_blocking, pinned, expected):
     assert copy_kind(device_dst=device_dst, device_src=device_src, non_blocking=non_blocking, pinned=pinned) == expected
+
+
+@pytest.mark.parametrize(("to_device", "pinned", "expected"), [
+    (True, True, "h2d-staged"), (True, False, "h2d-staged"), (False, True, "sync"), (False, False, "sync")])
+def test_a_copy_through_a_pageable_temporary_is_staged_or_synchronous_even_from_pinned_memory(to_device, pinned, expected):
+    assert copy_kind(device_dst=to_device, device_src=not to_device, non_blocking=True, pinned=pinned,
+                     temporary=True) == expected
+
+
+KV = torch.zeros(2, 8, 16)  # K and V planes, 8 rows of 16
+
+
+@pytest.mark.parametrize(("dst", "src", "to_device", "expected"), [
+    (KV[:, 0:2], KV[:, 0:2].clone(), False, True),  # vLLM's K/V planes into a contiguous tensor: not one run
+    (KV[:, 0:2], KV[:, 2:4], False, True),  # planes to planes: the host side is not contiguous
+    (KV[:, 0:2], KV[:, 2:4], True, True),
+    (KV[0:2], KV[2:4], True, False),  # whole rows: one cudaMemcpyAsync
+    (KV[0:2], KV[2:4], False, False),
+    (KV.permute(2, 1, 0), KV.clone().permute(2, 1, 0), True, False),  # the same dense layout, permuted
+    (torch.zeros(4, 16), torch.zeros(16), True, True),  # a broadcast source is expanded on the host
+    (torch.zeros(4, 16, dtype=torch.half), torch.zeros(4, 16), True, False),  # the dtype converts on the GPU
+    (torch.zeros(4, 16, dtype=torch.half), torch.zeros(4, 16), False, False),
+    (torch.zeros(16, 4).t(), torch.zeros(4, 16), False, True),  # into a transposed host tensor
+    (torch.zeros(0, 4), torch.zeros(0, 4).t().t(), False, False),
+    (None, KV[:, 0:2], True, True),  # .to("cuda") of planes: made contiguous on the host first
+    (None, KV[0:2], True, False),
+    (None, KV[:, 0:2], False, False),  # .to("cpu") of planes: the GPU makes them contiguous
+], ids=str)
+def test_host_temporary_follows_torchs_copy_requires_temporaries(dst, src, to_device, expected):
+    assert host_temporary(dst, src, to_device=to_device) is expected
 
 
 def test_copy_kind_takes_keywords_only():

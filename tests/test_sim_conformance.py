@@ -448,6 +448,38 @@ def test_without_a_host_read_the_same_rewrite_is_a_race():
     assert hazard.kind == "host-write-vs-pending-copy"
 
 
+def test_a_non_blocking_copy_of_kv_planes_goes_through_a_pageable_temporary_as_on_cuda():
+    """torch copies K/V planes (``kv[:, a:b]``, not one run) through a host temporary: into pinned
+    memory the copy is synchronous, from it the bytes are staged at the call. Neither leaves a
+    pinned access queued; the same copy of whole rows does (aten/src/ATen/native/cuda/Copy.cu)."""
+    def body(cache):
+        pinned = torch.zeros(2, 4, 8, dtype=torch.int64, pin_memory=True)
+        dev = torch.arange(64, dtype=torch.int64, device="cuda").reshape(2, 4, 8)
+        pinned[:, 0:2].copy_(dev[:, 0:2], non_blocking=True)
+        landed = pinned[:, 0:2].tolist()  # no sync: the copy returned once its bytes were there
+        dev[:, 2:4].copy_(pinned[:, 0:2], non_blocking=True)
+        pinned.numpy()[:] = -1  # the staged copy has read its source already: no race
+        return landed, dev.tolist()
+
+    (landed, after), rt = in_a_zeroer(body)
+    assert landed == torch.arange(64).reshape(2, 4, 8)[:, 0:2].tolist()
+    assert after == [[list(range(p * 32, p * 32 + 8)), list(range(p * 32 + 8, p * 32 + 16)),
+                      list(range(p * 32, p * 32 + 8)), list(range(p * 32 + 8, p * 32 + 16))] for p in (0, 1)]
+    assert not rt.hazards
+
+
+def test_the_same_copy_of_whole_rows_stays_queued_and_its_host_rewrite_is_a_race():
+    def body(cache):
+        pinned = torch.zeros(4, 8, dtype=torch.int64, pin_memory=True)
+        dev = torch.zeros(4, 8, dtype=torch.int64, device="cuda")
+        dev[2:4].copy_(pinned[0:2], non_blocking=True)
+        pinned.numpy()[:] = -1
+
+    _, rt = in_a_zeroer(body)
+    [hazard] = rt.hazards
+    assert hazard.kind == "host-write-vs-pending-copy"
+
+
 def test_an_event_recorded_after_a_d2h_copy_and_synchronized_makes_the_pinned_bytes_visible_as_on_cuda():
     def body(cache):
         pinned = torch.zeros(4, dtype=torch.int64, pin_memory=True)

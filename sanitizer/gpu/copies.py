@@ -10,7 +10,9 @@ memories involved (:func:`racecheck.ops.copy_kind`):
   result): queued; it writes the host bytes when its stream gets there, so the host may not read or
   write them before it has seen the copy complete; force mode holds it too;
 * anything else with the host on one side: the host waits (a blocking copy synchronises the
-  stream; CUDA stages pageable bytes before returning) and has seen the stream after;
+  stream; CUDA stages pageable bytes before returning) and has seen the stream after; so does a
+  non-blocking copy whose host side torch passes through a pageable temporary (another layout or
+  dtype than the device side: :func:`racecheck.ops.host_temporary`);
 * device to device: queued, like any kernel.
 
 The bytes a host-to-device copy stages are remembered for small integer tensors, so that a later
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from racecheck.ops import op_name
+from racecheck.ops import host_temporary, op_name
 from sanitizer.sites import Site
 
 
@@ -42,8 +44,10 @@ def copy(handler: Any, func: Any, args: tuple, kwargs: dict, what: str, site: Si
     from_device = device.is_device(src)
     h2d, d2h = not from_device and to_device, from_device and not to_device
     region = obs.pinned_region(src) if h2d else (obs.pinned_region(dst) if d2h and dst is not None else None)
-    reads_pinned = h2d and non_blocking and region is not None
-    writes_pinned = d2h and non_blocking and (dst is None or region is not None)
+    # torch passes a host side of another layout or dtype through a pageable temporary: staged, or synchronous
+    temporary = (h2d or d2h) and host_temporary(dst, src, to_device=h2d)
+    reads_pinned = h2d and non_blocking and region is not None and not temporary
+    writes_pinned = d2h and non_blocking and (dst is None or region is not None) and not temporary
     host_waits = (h2d and not non_blocking) or (d2h and not writes_pinned)
     how = ("non-blocking H2D copy" if reads_pinned else "H2D copy") if h2d else \
           ("non-blocking D2H copy" if writes_pinned else "D2H copy") if d2h else "D2D copy"

@@ -33,7 +33,7 @@ from zeroer.intercept.errors import forward, unroutable
 from zeroer.intercept.cache_access import CacheAccess
 from racecheck.staged_values import StagedValues
 from racecheck.custom_ops import is_custom, model_for
-from racecheck.ops import aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, written_args
+from racecheck.ops import aliased_returns, args_by_position, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
 from zeroer.runtime import Stream
 
@@ -201,10 +201,14 @@ class CudaOps(TorchDispatchMode):
         pinned = self.session.host.lookup(host_side) if host_side is not None else None
         if host_side is None and dst is None and not device_src and not to_device:
             pinned = None
+        temporary = device_dst != device_src and host_temporary(dst, src, to_device=device_dst)
         how = copy_kind(device_dst=device_dst, device_src=device_src, non_blocking=non_blocking,
-                        pinned=pinned is not None or (pin and not device_dst))
+                        pinned=pinned is not None or (pin and not device_dst), temporary=temporary)
         if how == "h2d-staged":
-            staged = src.pin_memory()  # CUDA stages pageable bytes before returning; we stage them in pinned memory
+            # CUDA stages pageable bytes before returning; we stage them in pinned memory, laid out as
+            # the copy reads them (a pageable temporary of torch's own may wait for the gated stream)
+            laid = src.expand_as(dst) if dst is not None else src
+            staged = laid.contiguous().pin_memory()
             args = (args[0], staged, *args[2:]) if dst is not None else (staged, *args[1:])
         tensors = [t for t in (dst, src) if isinstance(t, torch.Tensor) and t.is_cuda]
         written = [dst] if dst is not None and dst.is_cuda else []

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from zeroer.intercept.errors import forward, unroutable
 from racecheck.custom_ops import is_custom, model_for
-from racecheck.ops import SET_STORAGE, aliased_returns, args_by_position, copy_kind, index_needs_host, indexed_rows, kind, op_name, written_args
+from racecheck.ops import SET_STORAGE, aliased_returns, args_by_position, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, op_name, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
 from zeroer.intercept.cache_access import CacheAccess
 from zeroer.intercept.sim_graphs import CapturedOp
@@ -283,12 +283,14 @@ class SimOps:
         return value
 
     # -- copies ----------------------------------------------------------------------------------
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool, *, fresh: bool = False) -> torch.Tensor:
+        """``dst.copy_(src)``; ``fresh``: ``dst`` is the new result of a ``.to()`` (laid out by torch)."""
         device_dst, device_src = isinstance(dst, SimCudaTensor), isinstance(src, SimCudaTensor)
         host_side = src if device_dst and not device_src else dst if device_src and not device_dst else None
         pinned = self.session.host.lookup(host_side) if host_side is not None else None
+        temporary = device_dst != device_src and host_temporary(None if fresh else dst, src, to_device=device_dst)
         how = copy_kind(device_dst=device_dst, device_src=device_src, non_blocking=non_blocking,
-                        pinned=pinned is not None)
+                        pinned=pinned is not None, temporary=temporary)
         target, source = _inner(dst), _inner(src)
         tensors = [t for t in (dst, src) if isinstance(t, SimCudaTensor)]
         written = [dst] if device_dst else []
@@ -332,15 +334,15 @@ class SimOps:
             # stays queued: its values are there once the stream has run it (an event, a sync).
             if pin_memory or non_blocking:
                 out = self.session.host.pin(out, "pinned result of .to()")
-            return self.copy(out, x, non_blocking)
+            return self.copy(out, x, non_blocking, fresh=True)
         out = self.new(tuple(x.size()), dtype, name=".to() result")
-        return self.copy(out, x, non_blocking)
+        return self.copy(out, x, non_blocking, fresh=True)
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None, non_blocking: bool) -> SimCudaTensor:
         """``host.to('cuda', ...)`` / ``host.cuda()``: fresh device memory, never an alias of ``host``."""
         out = self.new(tuple(host.size()), dtype or host.dtype, name=".to('cuda') of a host tensor")
         source = host if dtype is None or dtype == host.dtype else host.to(dtype)
-        self.copy(out, source, non_blocking)
+        self.copy(out, source, non_blocking, fresh=True)
         return out
 
 
