@@ -4,7 +4,7 @@ The first SIGINT or SIGTERM marks the process interrupted and raises ``KeyboardI
 the main thread is, as Ctrl-C always does (SIGTERM, which would otherwise kill the process on the
 spot, takes the same path, so pytest and the campaign's own ``finally`` blocks run). From then on:
 
-* an episode cut off mid-op is thrown away, never judged (:meth:`ZeroerMachine.teardown`), so an
+* an episode cut off mid-op is thrown away, never judged (:meth:`fuzz.engine.machine.CallerMachine.teardown`), so an
   interruption cannot fabricate a finding;
 * no new example starts;
 * a finding already made is kept: a campaign that ended wrote its trace file then, and one cut

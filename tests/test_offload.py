@@ -107,7 +107,7 @@ def test_a_load_shows_the_bytes_the_store_saw_not_later_writes() -> None:
     episode.apply({"op": "write", "block": block})
     expected = episode.shadow.blocks[block].expect
     slot = episode.apply({"op": "store", "block": block})
-    assert episode.offload.slots[slot].state == "storing"
+    assert episode.component.slots[slot].state == "storing"
     with pytest.raises(ValueError, match="under offload job"):
         episode.apply({"op": "write", "block": block})  # the caller's promise: not until it is reported
     episode.apply({"op": "poll", "sync": 1})

@@ -2,10 +2,12 @@
 
 An episode (:class:`fuzz.engine.episode.Episode`) is the caller: it owns the KV caches and their
 blocks, the streams and the fences between them, the shadow that says what each block must hold,
-and the findings. The zeroer is driven by the episode itself; an offloader's side
-(:class:`fuzz.engine.offload.OffloadSide`) plugs in beside it and reaches the caller only through
-the methods :class:`CallerCore` names, so neither module imports the other's internals (and
-``fuzz.engine.offload`` does not import ``fuzz.engine.episode`` at all).
+and the findings. The zeroer is driven by the episode itself; another kind of code under test (an
+offloader: :class:`fuzz.engine.offload.OffloadSide`) is a :class:`Component` that plugs in beside
+it: the episode calls it only through that protocol, and it reaches the caller only through the
+methods :class:`CallerCore` names, so neither module imports the other's internals (and
+``fuzz.engine.offload`` does not import ``fuzz.engine.episode`` at all). Its rules in the state
+machine are a part of their own (:class:`fuzz.engine.machine.OffloadPart`) beside the caller's.
 
 A call of the code under test is labelled in reports by what it is: ``the zeroer's zero_block_ids
 ([3])`` or, for an offloader, :data:`OFFLOADER_CALL` followed by the call (``the offloader's
@@ -57,4 +59,51 @@ class CallerCore(Protocol):
         """Read ``block`` on ``stream`` and keep what it saw for the oracle's verdict."""
 
 
-__all__ = ["OFFLOADER_CALL", "CallerCore"]
+class Component(Protocol):
+    """A kind of code under test driven beside the zeroer (an offloader's side): what the caller
+    core asks of it. It is built with the episode (:func:`build_component`), reaches the core
+    only through :class:`CallerCore`, and adds its own ops to the trace (:meth:`ops`)."""
+
+    noun: str  # how a message names it: "the offloader"
+    keeps_cache_tensors: bool  # built with the cache's tensors: the caller may not move the cache
+
+    def ops(self) -> dict[str, Any]:
+        """Its trace ops ("store", "load", ...): each called with the op record's fields."""
+
+    def warmup(self) -> None:
+        """Its warm-up, ungated, after the zeroers' (the caller's first step)."""
+
+    def holding(self, block: int) -> str | None:
+        """Why the caller may not write or free ``block`` of the first cache now, or None."""
+
+    def finish(self) -> None:
+        """At the end of the episode, the device idle: its last checks (findings go to the core)."""
+
+    def close(self) -> None:
+        """Close the code under test (its queued work may still run)."""
+
+    def release(self) -> None:
+        """After the runtime closed: give back what it held (host memory, registrations)."""
+
+    def abandon(self) -> None:
+        """Close it without judging (a failed or interrupted episode); best effort."""
+
+
+# Each kind of component: the EpisodeConfig field that names the code under test, and the
+# "module:Class" of its side (imported only for a campaign of that kind). A new kind adds itself
+# here and to EpisodeConfig; the caller core (fuzz.engine.episode) is not edited.
+COMPONENT_KINDS: dict[str, str] = {"offloader": "fuzz.engine.offload:OffloadSide"}
+
+
+def build_component(core: CallerCore) -> Component | None:
+    """The component ``core.config`` names (at most one), built on ``core``; None for a zeroer's campaign."""
+    import importlib
+
+    for field, where in COMPONENT_KINDS.items():
+        if getattr(core.config, field, None) is not None:
+            module, name = where.split(":")
+            return getattr(importlib.import_module(module), name)(core)
+    return None
+
+
+__all__ = ["COMPONENT_KINDS", "OFFLOADER_CALL", "CallerCore", "Component", "build_component"]

@@ -45,7 +45,7 @@ import torch
 
 from fuzz.engine.free_queue import FreeQueue
 from fuzz.engine.cache_pool import CachePool
-from fuzz.engine.component import OFFLOADER_CALL
+from fuzz.engine.component import OFFLOADER_CALL, Component, build_component
 from fuzz.engine.harness_error import factory_error, harness_error, raise_if_harness
 from fuzz.engine.ops import OPS, check_op
 from fuzz.engine.oracle import Finding, Shadow, all_rows_match
@@ -201,16 +201,15 @@ class Episode:
         self.owners = 0
         self._hazards_seen = 0
         self.fresh_findings: list[Finding] = []  # value findings made during an op (an offloader's poll)
-        self.offload: Any = None
+        # The component under test beside the zeroer (an offloader's side, fuzz.engine.offload), or
+        # None: it plugs in through fuzz.engine.component.Component, and the episode knows no more of it.
+        self.component: Component | None = None
         self.in_op = False  # an op is running: an interruption now leaves the episode unjudgeable
         self.finished = False
         for group in self.groups:
             with self.factory_call("zeroer", self.loaded.spec, "(cache, runtime)"):
                 group.zeroer = self.loaded.build(group.cache, self.rt, **kernel_options(config.zeroer, config.kernel))
-        if config.offloader is not None:
-            from fuzz.engine.offload import OffloadSide  # an offload campaign only
-
-            self.offload = OffloadSide(self)
+        self.component = build_component(self)
 
     # The first cache, for the common one-zeroer episode (tests and baselines read these).
     @property
@@ -234,9 +233,17 @@ class Episode:
         name, args = check_op(op)
         self.trace.append(dict(op))
         self.in_op = True
-        result = getattr(self, f"_op_{name}")(**args)
+        own = getattr(self, f"_op_{name}", None)
+        result = own(**args) if own is not None else self._component_op(name)(**args)
         self.in_op = False
         return result
+
+    def _component_op(self, name: str) -> Any:
+        ops = self.component.ops() if self.component is not None else {}
+        if name not in ops:
+            kind = self.component.noun if self.component is not None else "none"
+            raise ValueError(f"op {name!r} needs a component that has it: this episode's is {kind}")
+        return ops[name]
 
     @property
     def step(self) -> int:
@@ -303,10 +310,10 @@ class Episode:
                         words.clone()  # the read kernel
                     with self.component_call(group, "warmup"):
                         group.zeroer.warmup(group.cache.spec.num_blocks)
-            if self.offload is not None:  # the harness's own zeroer is not under test: drain it first
+            if self.component is not None:  # the harness's own zeroer is not under test: drain it first
                 self.device_work(self.rt.synchronize)
-                self.offload.warmup()
-        if self.config.warmup_sync and self.offload is None:  # not the stricter caller (docs/contract.md)
+                self.component.warmup()
+        if self.config.warmup_sync and self.component is None:  # not the stricter caller (docs/contract.md)
             self.device_work(self.rt.synchronize)
         self._settle_outside_work()
 
@@ -373,15 +380,15 @@ class Episode:
         if group.shadow.blocks[block].state != "live":
             raise ValueError(f"{what} block {block}: it is {group.shadow.blocks[block].state}, not live")
 
-    def _check_not_offloading(self, block: int, what: str) -> None:
-        if self.offload is not None and block in self.offload.busy:
-            raise ValueError(f"{what} block {block}: it is under offload job {self.offload.busy[block]}, "
-                             f"not yet reported finished (docs/offload-contract.md)")
+    def _check_not_held(self, block: int, what: str) -> None:
+        held = self.component.holding(block) if self.component is not None else None
+        if held is not None:
+            raise ValueError(f"{what} block {block}: {held}")
 
     def _op_write(self, block: int, stream: int = 0, cache: int = 0) -> None:
         group = self._group(cache)
         self.check_live(group, block, "write")
-        self._check_not_offloading(block, "write")
+        self._check_not_held(block, "write")
         skip = ("zero",) if self.config.caller_fault == "no-zero-wait" else ()
         self.order_before(group, block, stream, skip)  # caller promise (b)
         value = group.shadow.written(block, self.note(f"write_block on stream {stream}"))
@@ -414,7 +421,7 @@ class Episode:
     def _op_free(self, block: int, cache: int = 0) -> None:
         group = self._group(cache)
         self.check_live(group, block, "free")
-        self._check_not_offloading(block, "free")
+        self._check_not_held(block, "free")
         last = group.last[block]
         group.shadow.freed(block, self.note("free_block, then poisoned"))
         pages = group.cache
@@ -442,40 +449,14 @@ class Episode:
     def _op_sync_device(self) -> None:
         self.device_work(self.rt.synchronize)
 
-    # -- offload ops (fuzz.engine.offload) -------------------------------------------------------
-    def _offload_side(self, op: str) -> Any:
-        if self.offload is None:
-            raise ValueError(f"op {op!r} needs an offloader: this episode's config names none (offloader=None)")
-        return self.offload
-
-    def _op_store(self, block: int, stream: int = 0) -> int:
-        self.stream_of(stream)  # checked before anything changes
-        return self._offload_side("store").store(block, stream)
-
-    def _op_load(self, slot: int, stream: int = 0, oldest: int = 0) -> int:
-        self.stream_of(stream)
-        return self._offload_side("load").load(slot, stream, bool(oldest))
-
-    def _op_evict(self, slot: int) -> None:
-        self._offload_side("evict").evict(slot)
-
-    def _op_wait(self, slot: int) -> list[int]:
-        return self._offload_side("wait").wait_for(slot)
-
-    def _op_poll(self, sync: int = 0) -> list[int]:
-        side = self._offload_side("poll")
-        if sync:  # the caller waits for the whole device first
-            self.device_work(self.rt.synchronize)
-        return side.poll()
-
     def _op_reallocate(self, cache: int = 0) -> None:
         # The engine moves its KV cache (a resize, a re-initialisation): the host drains the
         # device, copies every page to fresh buffers at new addresses and swaps them into the
         # same KVCache object, whose table then points at the new memory. A zeroer must read
         # the table when it launches (docs/contract.md; zoo.stale_table does not).
         group = self._group(cache)
-        if self.offload is not None:
-            raise ValueError("reallocate: an offload episode's cache does not move (its offloader keeps the tensors it was built with)")
+        if self.component is not None and self.component.keeps_cache_tensors:
+            raise ValueError(f"reallocate: {self.component.noun} keeps the tensors it was built with, so this episode's cache does not move")
         if not self.loaded.capabilities.follows_reallocation:
             raise ValueError(
                 f"reallocate: zeroer {self.config.zeroer!r} does not declare "
@@ -523,8 +504,8 @@ class Episode:
         self.finished = True
         self.device_work(self.rt.synchronize)
         self.new_hazard_findings()
-        if self.offload is not None:
-            self.offload.finish()
+        if self.component is not None:
+            self.component.finish()
             self.fresh_findings = []
         fault = self.config.caller_fault is not None
         many = len(self.groups) > 1
@@ -540,16 +521,16 @@ class Episode:
         # Now, not when the garbage collector gets to it: graph_ring's graphs destroyed in the
         # middle of a later example's graph capture would break that capture.
         try:
-            if self.offload is not None:
-                self.offload.close()
+            if self.component is not None:
+                self.component.close()
             for group in self.groups:
                 if group.zeroer is not None:
                     with self.component_call(group, "close"):
                         group.zeroer.close()
         finally:
             self.rt.close()
-            if self.offload is not None:
-                self.offload.release()
+            if self.component is not None:
+                self.component.release()
             self.finished = True
         # Only a close that ran to its end hands the caches back (only now can nothing write to
         # them any more); after an exception or Ctrl-C above they are dropped, as abandon() does.
@@ -562,8 +543,8 @@ class Episode:
         self.finished = True
         self._caches = None  # a cut-off episode's caches are not trusted back into the pool
         try:
-            if self.offload is not None and self.offload.offloader is not None:
-                self.offload.offloader.close()
+            if self.component is not None:
+                self.component.abandon()
         except Exception:  # noqa: BLE001 - best effort: the episode is being thrown away
             pass
         try:
@@ -576,9 +557,9 @@ class Episode:
             self.rt.close()
         except Exception:  # noqa: BLE001
             pass
-        if self.offload is not None:
+        if self.component is not None:
             try:
-                self.offload.release()
+                self.component.release()
             except Exception:  # noqa: BLE001
                 pass
         # A failed example's exception (and Hypothesis, which keeps it while shrinking) holds this

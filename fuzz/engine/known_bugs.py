@@ -18,7 +18,7 @@ small JSON file per signature, named by the signature's key:
   written whole or not at all (:mod:`racecheck.atomic_file`); an entry that names a trace still on disk
   is kept, so the first campaign to finish stays the owner;
 * **looking up**: every failing example of every campaign is looked up
-  (:meth:`KnownBugs.check`, from ``ZeroerMachine._fail``). A hit raises :class:`SameBug`, an
+  (:meth:`KnownBugs.check`, from ``CallerMachine._fail``). A hit raises :class:`SameBug`, an
   interruption that Hypothesis lets through at once instead of shrinking (as ``BudgetSpent``),
   and the campaign ends "same as <campaign>": a finding all the same, so the exit status does not
   change.

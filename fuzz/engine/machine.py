@@ -59,6 +59,7 @@ _CACHES = CachePool()
 OPTIONAL_RULES = ("advance_stream", "delay_stream", "end_step", "read_block", "synchronize_device",
                   "synchronize_stream", "write_block")
 OFFLOAD_OPTIONAL_RULES = ("evict_slot",)  # an offload campaign's (storing, loading and polling stay)
+BLOCKS = Bundle("blocks")  # the live blocks a program holds, shared by every part of the machine
 
 
 class BudgetSpent(KeyboardInterrupt):
@@ -119,8 +120,11 @@ class BlockRef:
         return f"BlockRef(block={self.block}, cache={self.cache})"
 
 
-class ZeroerMachine(RuleBasedStateMachine):
-    """Subclassed per campaign by :func:`machine_for`, which sets the class attributes below."""
+class CallerMachine(RuleBasedStateMachine):
+    """The caller's rules (allocate, write, read, free, device progress, reallocation), whatever the
+    code under test: a campaign's machine is this and one component's part (:class:`ZeroerPart`,
+    :class:`OffloadPart`), subclassed per campaign by :func:`machine_for`, which sets the class
+    attributes below."""
 
     config: EpisodeConfig = EpisodeConfig()
     stats: CampaignStats | None = None
@@ -128,7 +132,7 @@ class ZeroerMachine(RuleBasedStateMachine):
     journal: Journal | None = None
     #: the run's bugs shrunk by other campaigns: a failing example of one of them stops the campaign
     known_bugs: KnownBugs | None = None
-    blocks = Bundle("blocks")
+    blocks = BLOCKS
 
     def __init__(self) -> None:
         stats = self.stats
@@ -152,7 +156,9 @@ class ZeroerMachine(RuleBasedStateMachine):
             raise_if_resource(error, "building the episode's caches")
             raise harness_error(error, "building the episode") from error
         # An offloader keeps the cache's tensors it was built with, as an engine's handler does.
-        self._may_reallocate = self.episode.loaded.capabilities.follows_reallocation and self.episode.offload is None
+        component = self.episode.component
+        self._may_reallocate = self.episode.loaded.capabilities.follows_reallocation and not (
+            component is not None and component.keeps_cache_tensors)
 
     # -- plumbing ----------------------------------------------------------------------------
     def _apply(self, **op):
@@ -199,11 +205,6 @@ class ZeroerMachine(RuleBasedStateMachine):
         return rule_name not in self.disabled
 
     # -- rules -------------------------------------------------------------------------------
-    @initialize(in_flight=st.integers(1, 3), disabled=st.frozensets(st.sampled_from(OPTIONAL_RULES)))
-    def start(self, in_flight: int, disabled: frozenset[str]) -> None:
-        self.disabled = disabled
-        self._apply(op="start", in_flight=in_flight)
-
     # Small calls (a decode step's new block) and larger ones (a prefill's): graph_ring stages a
     # call in a graph sized to the next power of two, so a 5-id call after a 7-id one on the same
     # slot is what shows stale padding (tests/graph_ring_mutants.py SkipsPadding); 1..3 alone
@@ -213,14 +214,6 @@ class ZeroerMachine(RuleBasedStateMachine):
     @rule(target=blocks, n=st.integers(1, 3) | st.integers(4, 8), stream=st.integers(0, 2))
     def allocate_blocks(self, n: int, stream: int):
         return self._allocate(0, n, stream, "list", "keep")
-
-    # The same, with what the contract leaves to the caller besides: which cache (one zeroer
-    # each), the container the ids come in, and what the caller does with it afterwards.
-    @precondition(lambda self: any(g.free for g in self.episode.groups))
-    @rule(target=blocks, n=st.integers(1, 3) | st.integers(4, 8), stream=st.integers(0, 2), cache=st.integers(0, 3),
-          ids_as=st.sampled_from(IDS_AS), then=st.sampled_from(THEN))
-    def allocate_blocks_handed(self, n: int, stream: int, cache: int, ids_as: str, then: str):
-        return self._allocate(cache, n, stream, ids_as, then)
 
     def _allocate(self, cache: int, n: int, stream: int, ids_as: str, then: str):
         groups = self.episode.groups
@@ -242,15 +235,8 @@ class ZeroerMachine(RuleBasedStateMachine):
         return multiple(*(BlockRef(b, group.index, self.episode.owners) for b in ids))
 
     def _usable(self, block: BlockRef, *, reading: bool = False) -> bool:
-        """Whether the caller may touch ``block`` now: an offload job on it keeps it from the caller
-        until the job is reported finished (a store lets it be read meanwhile)."""
-        offload = self.episode.offload
-        if offload is None or block.cache:
-            return True
-        job = offload.busy.get(block.block)
-        if job is None:
-            return self.episode.groups[0].shadow.blocks[block.block].state == "live"
-        return reading and offload.jobs[job].kind == "store"
+        """Whether the caller may touch ``block`` now (a component's part may keep some from it)."""
+        return True
 
     @precondition(lambda self: self._enabled("write_block"))
     @rule(block=blocks, stream=st.integers(0, 2))
@@ -303,7 +289,11 @@ class ZeroerMachine(RuleBasedStateMachine):
         index = cache % len(self.episode.groups)
         self._apply(op="reallocate", **({"cache": index} if index else {}))
 
+    def _target_component(self) -> None:
+        """A component's part may steer Hypothesis's target phase too (called first in teardown)."""
+
     def teardown(self) -> None:
+        self._target_component()
         episode = self.episode
         if episode is None or episode.finished:
             return
@@ -330,18 +320,37 @@ class ZeroerMachine(RuleBasedStateMachine):
             self._fail(findings, list(episode.trace))
 
 
-class OffloadMachine(ZeroerMachine):
-    """An offload campaign's machine (fuzz.engine.offload): the zeroer campaign's rules, on blocks
-    the harness's reference zeroer zeroes, plus storing blocks into host slots, loading stored slots
-    into free blocks, evicting slots and polling the offloader for finished jobs. A block under a
-    job not yet reported finished is kept from the caller (a rule drawn for it does nothing); a
-    slot is chosen among those the op may take now (``slot=0``: the first of them), so every drawn
-    load and eviction happens."""
+class ZeroerPart:
+    """The zeroer's part of a zeroer campaign's machine: its start, and the allocations that hand the
+    ids over in every way the zeroer contract allows."""
 
-    blocks = ZeroerMachine.blocks
-    # Not drawn here: the containers a zero call's ids come in are the zeroer's contract, and the
-    # reference zeroer is not under test (fewer rules: the offloader's interleavings come sooner).
-    allocate_blocks_handed = None
+    @initialize(in_flight=st.integers(1, 3), disabled=st.frozensets(st.sampled_from(OPTIONAL_RULES)))
+    def start(self, in_flight: int, disabled: frozenset[str]) -> None:
+        self.disabled = disabled
+        self._apply(op="start", in_flight=in_flight)
+
+    # The same, with what the contract leaves to the caller besides: which cache (one zeroer
+    # each), the container the ids come in, and what the caller does with it afterwards.
+    @precondition(lambda self: any(g.free for g in self.episode.groups))
+    @rule(target=BLOCKS, n=st.integers(1, 3) | st.integers(4, 8), stream=st.integers(0, 2), cache=st.integers(0, 3),
+          ids_as=st.sampled_from(IDS_AS), then=st.sampled_from(THEN))
+    def allocate_blocks_handed(self, n: int, stream: int, cache: int, ids_as: str, then: str):
+        return self._allocate(cache, n, stream, ids_as, then)
+
+
+
+class ZeroerMachine(ZeroerPart, CallerMachine):
+    """A zeroer campaign's machine: the caller's rules and the zeroer's part."""
+
+
+class OffloadPart:
+    """An offload campaign's part (fuzz.engine.offload), on blocks the harness's reference zeroer
+    zeroes: storing blocks into host slots, loading stored slots into free blocks, evicting slots
+    and polling the offloader for finished jobs. A block under a job not yet reported finished is
+    kept from the caller (a rule drawn for it does nothing); a slot is chosen among those the op
+    may take now (``slot=0``: the first of them), so every drawn load and eviction happens. Not
+    drawn here: the containers a zero call's ids come in (the zeroer's contract; the reference
+    zeroer is not under test, and fewer rules bring the offloader's interleavings sooner)."""
 
     @initialize(in_flight=st.integers(1, 3), disabled=st.frozensets(st.sampled_from(OPTIONAL_RULES + OFFLOAD_OPTIONAL_RULES)))
     def start(self, in_flight: int, disabled: frozenset[str]) -> None:
@@ -349,31 +358,31 @@ class OffloadMachine(ZeroerMachine):
         self._apply(op="start", in_flight=in_flight)
 
     def _slots(self, *, evictable: bool = False) -> list[int]:
-        slots = self.episode.offload.slots
+        slots = self.episode.component.slots
         return [i for i, s in enumerate(slots) if s.state == "stored" and not (evictable and s.loads)]
 
-    @precondition(lambda self: bool(self.episode.offload.free_slots))
-    @rule(block=blocks, stream=st.integers(0, 2))
+    @precondition(lambda self: bool(self.episode.component.free_slots))
+    @rule(block=BLOCKS, stream=st.integers(0, 2))
     def store_block(self, block: BlockRef, stream: int) -> None:
-        if not block.cache and self._usable(block) and block.block not in self.episode.offload.busy:
+        if not block.cache and self._usable(block) and block.block not in self.episode.component.busy:
             self._apply(op="store", block=block.block, stream=self._n_streams(stream))
 
     def _loadable(self) -> list[int]:
-        slots = self.episode.offload.slots
+        slots = self.episode.component.slots
         return [i for i, s in enumerate(slots) if s.state in ("stored", "storing")]
 
     # A slot whose store is still in flight may be chosen too: the caller then waits for it first,
     # as an engine resuming a request waits for its KV to be saved (the offloader's wait(job_ids)).
     @precondition(lambda self: bool(self.episode.groups[0].free) and bool(self._loadable()))
-    @rule(target=blocks, slot=st.integers(0, 7), stream=st.integers(0, 2), oldest=st.booleans())
+    @rule(target=BLOCKS, slot=st.integers(0, 7), stream=st.integers(0, 2), oldest=st.booleans())
     def load_slot(self, slot: int, stream: int, oldest: bool):
         candidates = self._loadable()
         chosen = candidates[slot % len(candidates)]
-        if self.episode.offload.slots[chosen].state == "storing":
+        if self.episode.component.slots[chosen].state == "storing":
             self._apply(op="wait", slot=chosen)
             if self._free_running():
                 self._apply(op="poll", sync=1)
-            if self.episode.offload.slots[chosen].state != "stored" or not self.episode.groups[0].free:
+            if self.episode.component.slots[chosen].state != "stored" or not self.episode.groups[0].free:
                 return multiple()  # not reported even then: the end of the episode judges it
         block = self._apply(op="load", slot=chosen, stream=self._n_streams(stream), **({"oldest": 1} if oldest else {}))
         return BlockRef(block, 0, self.episode.owners)
@@ -397,12 +406,26 @@ class OffloadMachine(ZeroerMachine):
         config = self.episode.config
         return config.backend == "cuda" and config.mode == "free"
 
-    def teardown(self) -> None:
+    def _usable(self, block: BlockRef, *, reading: bool = False) -> bool:
+        """An offload job on ``block`` keeps it from the caller until the job is reported finished
+        (a store lets it be read meanwhile)."""
+        offload = self.episode.component
+        if block.cache:
+            return True
+        job = offload.busy.get(block.block)
+        if job is None:
+            return self.episode.groups[0].shadow.blocks[block.block].state == "live"
+        return reading and offload.jobs[job].kind == "store"
+
+    def _target_component(self) -> None:
         episode = self.episode
         if episode is not None and not episode.finished and not episode.in_op and currently_in_test_context():
             # Targeting: programs whose jobs finish and come back (store, report, load) go deeper.
-            target(float(len(episode.offload.reported)), label="offload jobs reported finished")
-        super().teardown()
+            target(float(len(episode.component.reported)), label="offload jobs reported finished")
+
+
+class OffloadMachine(OffloadPart, CallerMachine):
+    """An offload campaign's machine: the caller's rules and the offloader's part."""
 
 
 def _cache_field(block: BlockRef) -> dict:
@@ -411,7 +434,7 @@ def _cache_field(block: BlockRef) -> dict:
 
 def machine_for(config: EpisodeConfig, name: str, *, stats: CampaignStats | None = None,
                 journal: Journal | None = None, database_key: bytes | None = None,
-                known_bugs: KnownBugs | None = None) -> type[ZeroerMachine]:
+                known_bugs: KnownBugs | None = None) -> type[CallerMachine]:
     """A state machine class bound to ``config`` and named ``name`` (a shrunk program says what
     it ran); ``database_key`` identifies its examples in an example database; ``known_bugs`` is
     the run's registry of shrunk bugs (:mod:`fuzz.engine.known_bugs`), None to shrink every finding."""

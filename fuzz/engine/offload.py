@@ -97,6 +97,37 @@ class OffloadSide:
         with episode.rt.block_space(group.index), episode.factory_call("offloader", self.spec, "(cache, host_pool, runtime)"):
             self.offloader = self.loaded.build(group.cache, self.pool, episode.rt)
 
+    # -- fuzz.engine.component.Component ---------------------------------------------------------------
+    noun = "the offloader"
+    keeps_cache_tensors = True  # an engine's handler keeps the cache tensors it was built with
+
+    def ops(self) -> dict[str, Any]:
+        return {"store": self._op_store, "load": self._op_load, "evict": self.evict, "wait": self.wait_for,
+                "poll": self._op_poll}
+
+    def holding(self, block: int) -> str | None:
+        job = self.busy.get(block)
+        if job is None:
+            return None
+        return f"it is under offload job {job}, not yet reported finished (docs/offload-contract.md)"
+
+    def abandon(self) -> None:
+        if self.offloader is not None:
+            self.offloader.close()
+
+    def _op_store(self, block: int, stream: int = 0) -> int:
+        self.episode.stream_of(stream)  # checked before anything changes
+        return self.store(block, stream)
+
+    def _op_load(self, slot: int, stream: int = 0, oldest: int = 0) -> int:
+        self.episode.stream_of(stream)
+        return self.load(slot, stream, bool(oldest))
+
+    def _op_poll(self, sync: int = 0) -> list[int]:
+        if sync:  # the caller waits for the whole device first
+            self.episode.device_work(self.episode.rt.synchronize)
+        return self.poll()
+
     # -- labels ---------------------------------------------------------------------------------------
     @property
     def spec(self) -> str:

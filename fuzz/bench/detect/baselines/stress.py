@@ -104,7 +104,7 @@ def draw_op(rng: random.Random, episode: Episode, live: list[int]) -> dict:
     enabled = ["end_step", "sync_device", "sync_stream"]
     if episode.free:
         enabled.append("allocate")
-    offload = episode.offload
+    offload = episode.component
     writable, readable = live, live
     if offload is not None:
         shadow = episode.shadow.blocks
