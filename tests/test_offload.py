@@ -100,6 +100,15 @@ def test_race_free_examples_move_exactly_their_blocks_on_every_geometry(geometry
         assert run_ops(_config(name, geometry=geometry_name, host_memory=memory), ops) == [], name
 
 
+def test_a_components_op_in_an_episode_without_that_component_is_a_usage_error_and_changes_nothing() -> None:
+    episode = Episode(EpisodeConfig())  # a zeroer's campaign: no component beside the zeroer
+    episode.apply({"op": "start"})
+    block = episode.apply({"op": "allocate", "n": 1})[0]
+    with pytest.raises(ValueError, match=r"^op 'store' needs a component that has it: this episode's is none$"):
+        episode.apply({"op": "store", "block": block})
+    assert episode.component is None and episode.finish() == []
+
+
 def test_a_load_shows_the_bytes_the_store_saw_not_later_writes() -> None:
     episode = Episode(_config("load_waits_forward"))
     episode.apply({"op": "start"})
