@@ -37,7 +37,7 @@ from racecheck import interrupts
 # weakref callback of the import machinery CPython prints "Exception ignored" and drops it: the run
 # would go on to its end as if Ctrl-C had never come. Ours marks the process interrupted before it
 # raises, so a dropped KeyboardInterrupt still stops the run before its next example.
-interrupts.install()
+interrupts.install(until_started=True)  # until pytest_configure: other plugins are still importing
 
 from fuzz.engine.campaigns import Campaign, default_campaigns, offload_campaigns  # noqa: E402
 from fuzz.engine.journal import Journal, rescue  # noqa: E402
@@ -160,6 +160,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(config._fuzz_run, "fuzz-run")
     config._fuzz_bugs = _bug_registry(config)
     _size_gpu_workers(config)
+    interrupts.started()
 
 
 def _bug_registry(config: pytest.Config) -> str | None:

@@ -17,7 +17,8 @@ spot, takes the same path, so pytest and the campaign's own ``finally`` blocks r
 
 Example::
 
-    install()          # when the pytest plugin is imported, in the controller and every worker
+    install(until_started=True)   # when the pytest plugin is imported, in the controller and every worker
+    started()          # in pytest_configure, once every plugin is imported
     forward_to(pid)    # in the controller, for each xdist worker it starts
     ...
     interrupted()      # True after Ctrl-C or SIGTERM
@@ -70,19 +71,37 @@ def _send(pid: int) -> None:
         os.kill(pid, FORWARDED)
 
 
+_STARTING = [False]  # install(until_started=True) until started(): see _handle
+
+
 def _handle(signum: int, frame: FrameType | None) -> Any:
     first = not _INTERRUPTED.is_set()
     _INTERRUPTED.set()
     if first:
         for pid in sorted(_CHILDREN):
             _send(pid)
+        if _STARTING[0]:
+            # Still starting up: the KeyboardInterrupt would land in whatever is being imported (a
+            # pytest plugin's class body, where Python 3.11 turns it into "RuntimeError: Error
+            # calling __set_name__", which pytest reports as an internal error, exit 3). Nothing
+            # has run or been written yet: end the process by the signal, as without a handler.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return None
         raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
-def install() -> bool:
-    """Install the handlers (main thread only, where Python delivers signals); True if installed."""
+def install(*, until_started: bool = False) -> bool:
+    """Install the handlers (main thread only, where Python delivers signals); True if installed.
+    ``until_started``: until :func:`started`, an interrupt ends the process by its signal."""
     if threading.current_thread() is not threading.main_thread():
         return False
     for name in SIGNALS:
         signal.signal(getattr(signal, name), _handle)
+    _STARTING[0] = _STARTING[0] or until_started
     return True
+
+
+def started() -> None:
+    """Start-up is over (every plugin imported): an interrupt now raises ``KeyboardInterrupt``."""
+    _STARTING[0] = False

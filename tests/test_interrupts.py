@@ -801,9 +801,11 @@ def test_ctrl_c_after_a_worker_found_something_reports_the_saved_finding_and_exi
 # printed as "Exception ignored" and dropped.
 DROPPED_IN_A_CALLBACK = """
 import os, signal, sys, weakref
-if sys.argv[1] == "plugin":
-    import fuzz.plugin
 from racecheck import interrupts
+if sys.argv[1].startswith("plugin"):
+    import fuzz.plugin
+    if sys.argv[1] == "plugin":
+        interrupts.started()  # pytest_configure: past start-up
 
 class Held:
     pass
@@ -830,6 +832,13 @@ def test_a_sigint_python_drops_still_marks_the_run_interrupted_once_the_plugin_i
     # The test harness tells Python's own dropped interrupt (no message) from the plugin's.
     point = Point(0, False, "ring", signal.SIGINT, False, "start-up", 0.1, False, False, forked=False)
     assert dropped_by_python(point, result.stderr) is (not marked)
+
+
+def test_a_sigint_in_a_callback_while_the_plugin_starts_up_ends_the_process_by_the_signal():
+    """Before pytest_configure nothing has run: the signal ends the process, dropped nowhere."""
+    result = subprocess.run([sys.executable, "-c", DROPPED_IN_A_CALLBACK, "plugin-starting"], cwd=ROOT,
+                            env=clean_env(ROOT), capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGINT and result.stdout == "", result
 
 
 BROKEN_BY_THE_SIGNAL = """
@@ -890,3 +899,32 @@ def test_a_library_that_fails_after_the_signal_landed_in_it_makes_an_interruptio
     with pytest.raises(AssertionError):  # with no signal, a failure stays the failure it is
         campaigns.run_campaign(campaigns.Campaign(EpisodeConfig(zeroer="reference", kernel="torch")),
                                campaigns.PROFILES["quick"], tmp_path)
+
+
+STARTING_UP = """
+import os, signal, sys
+from racecheck import interrupts
+interrupts.install(until_started=True)
+if sys.argv[1] == "after":
+    interrupts.started()
+try:
+    os.kill(os.getpid(), signal.SIG{name})
+    signal.pause() if hasattr(signal, "pause") else None
+except KeyboardInterrupt as stopped:
+    print("KeyboardInterrupt:", stopped, interrupts.interrupted())
+    sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("name", ["INT", "TERM"])
+def test_an_interrupt_while_plugins_still_import_ends_the_process_by_its_signal_and_after_start_up_raises(name):
+    """During start-up a KeyboardInterrupt lands in some plugin's import, where Python may turn it
+    into another error (pytest then said "internal error", exit 3, in CI); nothing has run yet, so
+    the process ends by the signal. Once started, the usual KeyboardInterrupt."""
+    code = STARTING_UP.replace("{name}", name)
+    before = subprocess.run([sys.executable, "-c", code, "before"], cwd=ROOT, env=clean_env(ROOT),
+                            capture_output=True, text=True, timeout=60)
+    assert before.returncode == -getattr(signal, f"SIG{name}") and not before.stdout, before
+    after = subprocess.run([sys.executable, "-c", code, "after"], cwd=ROOT, env=clean_env(ROOT),
+                           capture_output=True, text=True, timeout=60)
+    assert after.returncode == 2 and after.stdout == f"KeyboardInterrupt: stopped by SIG{name} True\n", after
