@@ -223,10 +223,17 @@ class GatePool:
         self._fresh = self.flags_per_chunk  # a later acquire() starts a new chunk
 
 
-# -- streams a gate can stall ----------------------------------------------------------------
-# Streams are spread over CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); a stream that
-# shares a queue with a gated one stalls behind its spinning gate (a false dependency). Ask for the
-# maximum while the CUDA context does not exist yet: the driver reads it when creating it.
+# -- what the driver reads when the context starts -----------------------------------------------
+def _request_env(name: str, value: str) -> Literal["set", "already set", "too late"]:
+    """Set ``name`` for the CUDA driver unless someone chose it or the context already exists."""
+    if name in os.environ:
+        return "already set"
+    if real_cuda.is_initialized():
+        return "too late"
+    os.environ[name] = value
+    return "set"
+
+
 def request_eager_module_loading() -> Literal["set", "already set", "too late"]:
     """Ask CUDA to load every kernel module when the context starts (``CUDA_MODULE_LOADING=EAGER``),
     with :func:`request_hardware_queues`'s rule and answers (left alone where chosen or too late).
@@ -237,14 +244,13 @@ def request_eager_module_loading() -> Literal["set", "already set", "too late"]:
     every gate. Torch's kernels loaded up front cannot do that; a Triton kernel still loads at
     its compile, before the launch is gated.
     """
-    if "CUDA_MODULE_LOADING" in os.environ:
-        return "already set"
-    if real_cuda.is_initialized():
-        return "too late"
-    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
-    return "set"
+    return _request_env("CUDA_MODULE_LOADING", "EAGER")
 
 
+# -- streams a gate can stall ----------------------------------------------------------------
+# Streams are spread over CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); a stream that
+# shares a queue with a gated one stalls behind its spinning gate (a false dependency). Ask for the
+# maximum while the CUDA context does not exist yet: the driver reads it when creating it.
 def request_hardware_queues() -> Literal["set", "already set", "too late"]:
     """Ask for 32 hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``) while it can still matter.
 
@@ -265,12 +271,7 @@ def request_hardware_queues() -> Literal["set", "already set", "too late"]:
         from racecheck.gate import request_hardware_queues
         request_hardware_queues()      # "set" in a fresh process without the variable
     """
-    if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:
-        return "already set"
-    if real_cuda.is_initialized():
-        return "too late"
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(REQUESTED_HARDWARE_QUEUES)
-    return "set"
+    return _request_env("CUDA_DEVICE_MAX_CONNECTIONS", str(REQUESTED_HARDWARE_QUEUES))
 
 
 # (device index, cuda_stream) of every stream a live CudaRuntime owns. torch.cuda.Stream() hands

@@ -210,6 +210,7 @@ class Episode:
             with self.factory_call("zeroer", self.loaded.spec, "(cache, runtime)"):
                 group.zeroer = self.loaded.build(group.cache, self.rt, **kernel_options(config.zeroer, config.kernel))
         self.component = build_component(self)
+        self._component_ops = self.component.ops() if self.component is not None else {}  # looked up per op
 
     # The first cache, for the common one-zeroer episode (tests and baselines read these).
     @property
@@ -239,11 +240,10 @@ class Episode:
         return result
 
     def _component_op(self, name: str) -> Any:
-        ops = self.component.ops() if self.component is not None else {}
-        if name not in ops:
+        if name not in self._component_ops:
             kind = self.component.noun if self.component is not None else "none"
             raise ValueError(f"op {name!r} needs a component that has it: this episode's is {kind}")
-        return ops[name]
+        return self._component_ops[name]
 
     @property
     def step(self) -> int:

@@ -45,7 +45,7 @@ def copy(handler: Any, func: Any, args: tuple, kwargs: dict, what: str, site: Si
     h2d, d2h = not from_device and to_device, from_device and not to_device
     region = obs.pinned_region(src) if h2d else (obs.pinned_region(dst) if d2h and dst is not None else None)
     # torch passes a host side of another layout or dtype through a pageable temporary: staged, or synchronous
-    temporary = (h2d or d2h) and host_temporary(dst, src, to_device=h2d)
+    temporary = non_blocking and (h2d or d2h) and host_temporary(dst, src, to_device=h2d)
     reads_pinned = h2d and non_blocking and region is not None and not temporary
     writes_pinned = d2h and non_blocking and (dst is None or region is not None) and not temporary
     host_waits = (h2d and not non_blocking) or (d2h and not writes_pinned)

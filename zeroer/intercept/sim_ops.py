@@ -288,7 +288,7 @@ class SimOps:
         device_dst, device_src = isinstance(dst, SimCudaTensor), isinstance(src, SimCudaTensor)
         host_side = src if device_dst and not device_src else dst if device_src and not device_dst else None
         pinned = self.session.host.lookup(host_side) if host_side is not None else None
-        temporary = device_dst != device_src and host_temporary(None if fresh else dst, src, to_device=device_dst)
+        temporary = non_blocking and device_dst != device_src and host_temporary(None if fresh else dst, src, to_device=device_dst)
         how = copy_kind(device_dst=device_dst, device_src=device_src, non_blocking=non_blocking,
                         pinned=pinned is not None, temporary=temporary)
         target, source = _inner(dst), _inner(src)
