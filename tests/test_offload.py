@@ -126,6 +126,32 @@ def test_a_load_shows_the_bytes_the_store_saw_not_later_writes() -> None:
     assert episode.finish() == []
 
 
+class LoadsNothing(engine_offloaders.CpuOffloadHandler):
+    """Stores right; a load moves no byte and is reported finished at the next poll."""
+
+    def load(self, job_id, slot_ids, block_ids):
+        self.acked.append(job_id)
+
+
+LOAD_LAST = [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}, {"op": "poll", "sync": 1},
+             {"op": "load", "slot": 1}]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_load_first_reported_as_the_episode_ends_is_read_and_judged(backend: str) -> None:
+    # The end's poll reports the load and reads its block; that read must run before the verdict
+    # (on the GPU an unrun read's words were a freed index tensor's ids: a false `wrong bytes loaded`).
+    mode = {"mode": "controlled"} if backend == "cuda" else {}
+    episode = Episode(_config("load_waits_forward", backend=backend, **mode))
+    for op in LOAD_LAST:
+        episode.apply(op)
+    assert episode.finish() == []
+    (capture,) = [c for c in episode.groups[0].captures if c.kind == "wrong bytes loaded"]
+    assert [d.cpu().unique().tolist() for d in capture.data] == [[capture.expect]] * len(capture.data)
+    found = run_ops(EpisodeConfig(offloader="tests/test_offload.py:LoadsNothing", backend=backend, **mode), LOAD_LAST)
+    assert found and found[0].kind == "wrong bytes loaded" and "load job 3 reported finished" in found[0].message, found
+
+
 # -- the oracle's offload findings, on offloaders written to break one promise each ------------------
 class _Base:
     def __init__(self, cache, host_pool, runtime=None) -> None:
