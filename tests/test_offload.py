@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from fuzz.engine.campaigns import PROFILES, Campaign, offload_campaigns, run_campaign
+from fuzz.engine.component import COMPONENT_KINDS, ComponentKind
 from fuzz.engine.episode import Episode, EpisodeConfig, run_ops
+from fuzz.engine.ops import CORE_FIELDS, FIELDS, merged_fields
 from fuzz.engine.handles import concrete, symbolic
 from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.signature import finding_signature
@@ -107,6 +109,19 @@ def test_a_components_op_in_an_episode_without_that_component_is_a_usage_error_a
     with pytest.raises(ValueError, match=r"^op 'store' needs a component that has it: this episode's is none$"):
         episode.apply({"op": "store", "block": block})
     assert episode.component is None and episode.finish() == []
+
+
+def test_a_component_kinds_ops_reach_every_trace_reader_from_its_declaration_alone() -> None:
+    # The offloader's side runs exactly the ops its kind declares, and the trace's op table has them.
+    episode = Episode(_config("load_waits_forward"))
+    assert set(episode.component.ops()) == set(COMPONENT_KINDS["offloader"].ops) <= set(FIELDS)
+    episode.close()
+    # A further kind's ops join the table with no edit to it; a name the caller or a kind has is refused.
+    copier = ComponentKind("example:Copier", {"copy": (("block",), {"stream": 0})})
+    fields = merged_fields(CORE_FIELDS, {**COMPONENT_KINDS, "copier": copier})
+    assert fields["copy"] == (("block",), {"stream": 0}) and fields["store"] == FIELDS["store"]
+    with pytest.raises(ValueError, match="component kind 'copier' declares op 'read', which the caller or another kind has"):
+        merged_fields(CORE_FIELDS, {"copier": ComponentKind("example:Copier", {"read": ((), {})})})
 
 
 def test_a_load_shows_the_bytes_the_store_saw_not_later_writes() -> None:

@@ -17,6 +17,7 @@ accordingly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 OFFLOADER_CALL = "the offloader's "  # the prefix of an offloader's call in reports and findings
@@ -89,21 +90,38 @@ class Component(Protocol):
         """Close it without judging (a failed or interrupted episode); best effort."""
 
 
-# Each kind of component: the EpisodeConfig field that names the code under test, and the
-# "module:Class" of its side (imported only for a campaign of that kind). A new kind adds itself
-# here and to EpisodeConfig; the caller core (fuzz.engine.episode) is not edited.
-COMPONENT_KINDS: dict[str, str] = {"offloader": "fuzz.engine.offload:OffloadSide"}
+@dataclass(frozen=True)
+class ComponentKind:
+    """One kind of code under test beside the zeroer: its side, and the trace ops it adds."""
+
+    side: str  # "module:Class" of its Component, imported only for a campaign of its kind
+    ops: dict[str, tuple[tuple[str, ...], dict[str, Any]]]  # op -> (required fields, {optional field: default})
+
+
+# Each kind, under the EpisodeConfig field that names its code under test. A new kind adds itself
+# here (its ops reach fuzz.engine.ops from here) and to EpisodeConfig; the caller core is not edited.
+COMPONENT_KINDS: dict[str, ComponentKind] = {
+    # An offloader's store, load and get_finished (a poll, or a wait for one slot's job), and the
+    # caller's eviction of a host slot (docs/offload-contract.md).
+    "offloader": ComponentKind("fuzz.engine.offload:OffloadSide", {
+        "store": (("block",), {"stream": 0}),
+        "load": (("slot",), {"stream": 0, "oldest": 0}),
+        "evict": (("slot",), {}),
+        "poll": ((), {"sync": 0}),
+        "wait": (("slot",), {}),
+    }),
+}
 
 
 def build_component(core: CallerCore) -> Component | None:
     """The component ``core.config`` names (at most one), built on ``core``; None for a zeroer's campaign."""
     import importlib
 
-    for field, where in COMPONENT_KINDS.items():
+    for field, kind in COMPONENT_KINDS.items():
         if getattr(core.config, field, None) is not None:
-            module, name = where.split(":")
+            module, name = kind.side.split(":")
             return getattr(importlib.import_module(module), name)(core)
     return None
 
 
-__all__ = ["COMPONENT_KINDS", "OFFLOADER_CALL", "CallerCore", "Component", "build_component"]
+__all__ = ["COMPONENT_KINDS", "OFFLOADER_CALL", "CallerCore", "Component", "ComponentKind", "build_component"]

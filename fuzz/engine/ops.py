@@ -25,11 +25,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from fuzz.engine.component import COMPONENT_KINDS, ComponentKind
 from zeroer.id_containers import IDS_CONTAINERS as IDS_AS
 THEN = ("keep", "scribble", "drop")
 
-# op -> (required fields, {optional field: default}), in signature order for messages.
-FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+# op -> (required fields, {optional field: default}), in signature order for messages: the caller's
+# own ops, then each component kind's (fuzz.engine.component.COMPONENT_KINDS).
+CORE_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "start": ((), {"in_flight": 1}),
     "allocate": (("n",), {"stream": 0, "cache": 0, "ids_as": "list", "then": "keep"}),
     "write": (("block",), {"stream": 0, "cache": 0}),
@@ -41,14 +43,21 @@ FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "sync_stream": (("stream",), {}),
     "sync_device": ((), {}),
     "reallocate": ((), {"cache": 0}),
-    # An offload campaign's (fuzz.engine.offload): its offloader's store, load and get_finished,
-    # and the caller's eviction of a host slot.
-    "store": (("block",), {"stream": 0}),
-    "load": (("slot",), {"stream": 0, "oldest": 0}),
-    "evict": (("slot",), {}),
-    "poll": ((), {"sync": 0}),
-    "wait": (("slot",), {}),
 }
+
+
+def merged_fields(core: dict[str, Any], kinds: dict[str, ComponentKind]) -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
+    """The caller's ops and every component kind's, each name with one meaning in every trace."""
+    fields = dict(core)
+    for name, kind in kinds.items():
+        for op, declared in kind.ops.items():
+            if op in fields:
+                raise ValueError(f"component kind {name!r} declares op {op!r}, which the caller or another kind has")
+            fields[op] = declared
+    return fields
+
+
+FIELDS = merged_fields(CORE_FIELDS, COMPONENT_KINDS)
 OPS = tuple(sorted(FIELDS))
 _ALL = {name: frozenset(required) | frozenset(optional) for name, (required, optional) in FIELDS.items()}
 _REQUIRED = {name: frozenset(required) for name, (required, _) in FIELDS.items()}
