@@ -48,6 +48,11 @@ from typing import Any, Protocol
 from racecheck.turns import TurnsClosed
 
 
+# The sleep the hooks below leave alone: a tool's own back-off (polling the GPU for a gate's op)
+# inside a followed thread is not the program's timed wait, so it must not yield the thread's turn.
+unhooked_sleep = time.sleep
+
+
 class ThreadWatch(Protocol):
     def thread_starting(self, thread: threading.Thread) -> Any: ...
     def thread_running(self, thread: threading.Thread, token: Any) -> Callable[[], None]: ...

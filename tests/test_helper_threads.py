@@ -223,3 +223,44 @@ def test_a_helper_polling_an_event_with_sleeps_sees_the_device_get_there(tmp_pat
         "    return Polls(cache, host_pool)\n")
     ops = [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}, {"op": "wait", "slot": 1}]
     assert run_ops(EpisodeConfig(offloader=f"{source}:make"), ops) == []
+
+
+def test_the_cuda_runtimes_own_back_off_in_a_helper_thread_passes_no_turn(monkeypatch):
+    # A copy thread's synchronous copy polls the GPU in the runtime (zeroer.runtime.cuda.common);
+    # that back-off is the tool's, not the program's sleep: taken as a turn, it let the caller end
+    # the call while the helper was inside the runtime (a controlled-mode hang on an H100).
+    from types import SimpleNamespace
+
+    from zeroer.runtime.cuda import common
+
+    monkeypatch.setattr(common, "POLL_SPIN_S", 0.0)  # back off at the first poll
+    sleeps: list[str] = []
+
+    class Recording(_Watch):
+        def wait_turn(self, obj, condition, timeout):
+            if obj is time:
+                sleeps.append(threading.current_thread().name)
+            return super().wait_turn(obj, condition, timeout)
+
+    turns = Turns()
+    thread_hooks.install()
+    deactivate = thread_hooks.activate(Recording(turns))
+    log: list[str] = []
+
+    def helper():
+        until = time.monotonic() + 0.01
+        common.CudaRuntimeBase._poll(SimpleNamespace(timeout_s=5.0), lambda: time.monotonic() > until, "an op")
+        time.sleep(0)  # the program's own sleep is still a turn
+        log.append("polled")
+
+    turns.enter()
+    try:
+        thread = threading.Thread(target=helper, name="copier", daemon=True)
+        thread.start()
+        thread.join()
+        turns.settle()
+    finally:
+        turns.leave()
+        deactivate()
+        turns.close()
+    assert log == ["polled"] and sleeps == ["copier"]

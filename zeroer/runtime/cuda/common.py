@@ -44,6 +44,7 @@ from racecheck.gate import (
     spare_stream,
 )
 from racecheck.hb import OpStamp
+from racecheck.thread_hooks import unhooked_sleep
 
 DEFAULT_TIMEOUT_S = 30.0  # longest one gated op or one guarded host call may take before we give up
 POLL_SPIN_S = 2e-4  # busy-poll a done event this long (a gate opens in ~20 us), then back off
@@ -190,7 +191,7 @@ class CudaRuntimeBase(Runtime):
                     f"(raise timeout_s). close() this runtime and make a new one"
                 )
             if waited > POLL_SPIN_S:
-                time.sleep(min(1e-3, waited / 10))
+                unhooked_sleep(min(1e-3, waited / 10))
 
     # -- streams and events --------------------------------------------------------------------
     def _new_stream_handle(self, stream: Stream) -> object:
@@ -293,7 +294,7 @@ class CudaRuntimeBase(Runtime):
         drained = False
         with contextlib.suppress(Exception):  # a sticky CUDA error must not stop the cleanup
             while not all(s.handle.query() for s in self.streams) and time.monotonic() < deadline:
-                time.sleep(1e-4)
+                unhooked_sleep(1e-4)
             drained = all(s.handle.query() for s in self.streams)
         self._finalizer.detach()
         self.watchdog.stop()
