@@ -91,7 +91,7 @@ def test_a_free_running_gpu_campaign_polls_after_waiting_for_the_device_so_it_dr
     from types import SimpleNamespace
 
     from fuzz.engine.episode import EpisodeConfig
-    from fuzz.engine.machine import OffloadMachine
+    from fuzz.engine.offload_rules import OffloadPart
 
     for backend, mode, drawn, expect in [("cuda", "free", False, {"op": "poll", "sync": 1}),
                                          ("cuda", "controlled", False, {"op": "poll"}),
@@ -100,6 +100,6 @@ def test_a_free_running_gpu_campaign_polls_after_waiting_for_the_device_so_it_dr
         applied = []
         stub = SimpleNamespace(episode=SimpleNamespace(config=EpisodeConfig(backend=backend, mode=mode)),
                                _apply=lambda **op: applied.append(op))
-        stub._free_running = lambda: OffloadMachine._free_running(stub)
-        OffloadMachine.poll_finished(stub, drawn)
+        stub._free_running = lambda: OffloadPart._free_running(stub)
+        OffloadPart.poll_finished(stub, drawn)
         assert applied == [expect], (backend, mode)

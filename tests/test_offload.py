@@ -117,11 +117,11 @@ def test_a_component_kinds_ops_reach_every_trace_reader_from_its_declaration_alo
     assert set(episode.component.ops()) == set(COMPONENT_KINDS["offloader"].ops) <= set(FIELDS)
     episode.close()
     # A further kind's ops join the table with no edit to it; a name the caller or a kind has is refused.
-    copier = ComponentKind("example:Copier", {"copy": (("block",), {"stream": 0})})
+    copier = ComponentKind("example:Copier", "example:CopierPart", {"copy": (("block",), {"stream": 0})})
     fields = merged_fields(CORE_FIELDS, {**COMPONENT_KINDS, "copier": copier})
     assert fields["copy"] == (("block",), {"stream": 0}) and fields["store"] == FIELDS["store"]
     with pytest.raises(ValueError, match="component kind 'copier' declares op 'read', which the caller or another kind has"):
-        merged_fields(CORE_FIELDS, {"copier": ComponentKind("example:Copier", {"read": ((), {})})})
+        merged_fields(CORE_FIELDS, {"copier": ComponentKind("example:Copier", "example:CopierPart", {"read": ((), {})})})
 
 
 def test_a_load_shows_the_bytes_the_store_saw_not_later_writes() -> None:

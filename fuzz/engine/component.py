@@ -7,7 +7,7 @@ offloader: :class:`fuzz.engine.offload.OffloadSide`) is a :class:`Component` tha
 it: the episode calls it only through that protocol, and it reaches the caller only through the
 methods :class:`CallerCore` names, so neither module imports the other's internals (and
 ``fuzz.engine.offload`` does not import ``fuzz.engine.episode`` at all). Its rules in the state
-machine are a part of their own (:class:`fuzz.engine.machine.OffloadPart`) beside the caller's.
+machine are a part of their own (:class:`fuzz.engine.offload_rules.OffloadPart`) beside the caller's.
 
 A call of the code under test is labelled in reports by what it is: ``the zeroer's zero_block_ids
 ([3])`` or, for an offloader, :data:`OFFLOADER_CALL` followed by the call (``the offloader's
@@ -17,7 +17,7 @@ accordingly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 OFFLOADER_CALL = "the offloader's "  # the prefix of an offloader's call in reports and findings
@@ -95,33 +95,62 @@ class ComponentKind:
     """One kind of code under test beside the zeroer: its side, and the trace ops it adds."""
 
     side: str  # "module:Class" of its Component, imported only for a campaign of its kind
+    part: str  # "module:Class" of its rules in the state machine, beside the caller's (fuzz.engine.machine)
     ops: dict[str, tuple[tuple[str, ...], dict[str, Any]]]  # op -> (required fields, {optional field: default})
+    # Its settings in the episode's config, each with its choices (the first is the default).
+    options: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    one_cache: bool = False  # its episode holds one KV cache (one zeroer)
+
+    def config_fields(self, name: str) -> list[tuple[str, Any, Any]]:
+        """The config fields the kind adds, as ``dataclasses.make_dataclass`` takes them: ``name``
+        (the code under test: "module:attr" or "path/file.py:attr", None when not this kind), then
+        its options."""
+        return [(name, "str | None", None), *((option, "str", choices[0]) for option, choices in self.options.items())]
+
+    def check(self, name: str, config: Any) -> None:
+        """Raise ValueError, naming the value and the choices, for a config this kind cannot run."""
+        for option, choices in self.options.items():
+            value = getattr(config, option)
+            if value not in choices:
+                raise ValueError(f"{option}={value!r}; choose {' or '.join(repr(c) for c in choices)}")
+        if getattr(config, name) is not None and self.one_cache and config.zeroers != 1:
+            raise ValueError(f"zeroers={config.zeroers}: an episode with {name}= set holds one KV cache")
 
 
 # Each kind, under the EpisodeConfig field that names its code under test. A new kind adds itself
-# here (its ops reach fuzz.engine.ops from here) and to EpisodeConfig; the caller core is not edited.
+# here only: its ops reach fuzz.engine.ops, and its field and options EpisodeConfig, from here.
 COMPONENT_KINDS: dict[str, ComponentKind] = {
     # An offloader's store, load and get_finished (a poll, or a wait for one slot's job), and the
     # caller's eviction of a host slot (docs/offload-contract.md).
-    "offloader": ComponentKind("fuzz.engine.offload:OffloadSide", {
+    "offloader": ComponentKind("fuzz.engine.offload:OffloadSide", "fuzz.engine.offload_rules:OffloadPart", {
         "store": (("block",), {"stream": 0}),
         "load": (("slot",), {"stream": 0, "oldest": 0}),
         "evict": (("slot",), {}),
         "poll": ((), {"sync": 0}),
         "wait": (("slot",), {}),
-    }),
+    }, options={"host_memory": ("pinned", "registered")}, one_cache=True),  # registered: cudaHostRegister
 }
+
+
+def code_of(what: str) -> tuple[str, str]:
+    """Which code under test a call's label names, and the call: ``("offloader", "store(2, [1], [1])")``
+    for ``"the offloader's store(2, [1], [1])"``; ``("zeroer", what)`` for any other."""
+    for kind in COMPONENT_KINDS:
+        prefix = f"the {kind}'s "
+        if what.startswith(prefix):
+            return kind, what[len(prefix):]
+    return "zeroer", what
 
 
 def build_component(core: CallerCore) -> Component | None:
     """The component ``core.config`` names (at most one), built on ``core``; None for a zeroer's campaign."""
     import importlib
 
-    for field, kind in COMPONENT_KINDS.items():
-        if getattr(core.config, field, None) is not None:
-            module, name = kind.side.split(":")
-            return getattr(importlib.import_module(module), name)(core)
+    for name, kind in COMPONENT_KINDS.items():
+        if getattr(core.config, name, None) is not None:
+            module, side = kind.side.split(":")
+            return getattr(importlib.import_module(module), side)(core)
     return None
 
 
-__all__ = ["COMPONENT_KINDS", "OFFLOADER_CALL", "CallerCore", "Component", "ComponentKind", "build_component"]
+__all__ = ["COMPONENT_KINDS", "OFFLOADER_CALL", "CallerCore", "Component", "ComponentKind", "build_component", "code_of"]

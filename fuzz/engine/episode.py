@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,7 @@ import torch
 
 from fuzz.engine.free_queue import FreeQueue
 from fuzz.engine.cache_pool import CachePool
-from fuzz.engine.component import OFFLOADER_CALL, Component, build_component
+from fuzz.engine.component import COMPONENT_KINDS, Component, build_component, code_of
 from fuzz.engine.harness_error import factory_error, harness_error, raise_if_harness
 from fuzz.engine.ops import OPS, check_op
 from fuzz.engine.oracle import Finding, Shadow, all_rows_match
@@ -67,8 +67,8 @@ __all__ = ["CALLER_FAULTS", "OPS", "CachePool", "Episode", "EpisodeConfig", "Zer
 
 
 @dataclass(frozen=True)
-class EpisodeConfig:
-    """Everything an episode needs besides its ops; a campaign is one of these plus settings."""
+class CallerConfig:
+    """The caller's settings of an episode; :data:`EpisodeConfig` adds each component kind's."""
 
     zeroer: str = "reference"  # a registered name, "module:attr" or "path/file.py:attr"
     geometry: str = "tiny"
@@ -79,10 +79,6 @@ class EpisodeConfig:
     caller_fault: str | None = None  # one of CALLER_FAULTS, or None for a correct caller
     device: int | None = None  # cuda device index
     zeroers: int = 1  # KV caches in the episode, one zeroer each, built by the same factory
-    # An offload campaign: the offloader under test ("module:attr" or "path/file.py:attr"), with the
-    # harness's reference zeroer zeroing allocations (fuzz.engine.offload), and its host pool's memory.
-    offloader: str | None = None
-    host_memory: str = "pinned"  # "pinned" or "registered" (cudaHostRegister)
     # The caller synchronises the device after the zeroer's warm-up, as vLLM's start-up does; False:
     # the stricter caller of an engine whose start-up does not (docs/contract.md).
     warmup_sync: bool = True
@@ -94,10 +90,19 @@ class EpisodeConfig:
             raise ValueError(f"streams={self.streams!r} must be between 1 and 8")
         if not isinstance(self.zeroers, int) or not 1 <= self.zeroers <= MAX_ZEROERS:
             raise ValueError(f"zeroers={self.zeroers!r} must be between 1 and {MAX_ZEROERS}")
-        if self.offloader is not None and self.zeroers != 1:
-            raise ValueError(f"zeroers={self.zeroers}: an offload episode holds one KV cache")
-        if self.host_memory not in ("pinned", "registered"):
-            raise ValueError(f"host_memory={self.host_memory!r}; choose 'pinned' or 'registered'")
+        for name, kind in COMPONENT_KINDS.items():
+            kind.check(name, self)
+
+
+# Everything an episode needs besides its ops; a campaign is one of these plus settings. Each
+# component kind adds the field naming its code under test and its options
+# (fuzz.engine.component.COMPONENT_KINDS): an offload campaign sets offloader= (with the harness's
+# reference zeroer zeroing allocations, fuzz.engine.offload) and host_memory= ("pinned" or
+# "registered").
+EpisodeConfig = make_dataclass(
+    "EpisodeConfig", [f for name, kind in COMPONENT_KINDS.items() for f in kind.config_fields(name)],
+    bases=(CallerConfig,), frozen=True, namespace={"__module__": __name__, "__qualname__": "EpisodeConfig"},
+)
 
 
 class ContractError(ZeroerError, ValueError):
@@ -624,7 +629,7 @@ class _ZeroerCall:
         many = len(self._episode.groups) > 1
         what = self._group.label(many) + self._what
         # An unroutable call, a simulator gap, a clash in the runtime: the harness's, not a finding.
-        during = self._what if self._what.startswith(OFFLOADER_CALL) else f"the zeroer's {self._what.removeprefix('its ')}"
+        during = self._what if code_of(self._what)[0] != "zeroer" else f"the zeroer's {self._what.removeprefix('its ')}"
         raise_if_harness(error, during + (f" (cache {self._group.index})" if many else ""), step=self._episode.step)
         raise ZeroerRaised(_raised_finding(self._episode, what, error)) from error
 
@@ -668,8 +673,8 @@ def _failing_op(error: BaseException) -> str | None:
 
 def _raised_finding(episode: Episode, what: str, error: BaseException) -> Finding:
     details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    who = "offloader" if what.startswith(OFFLOADER_CALL) else "zeroer"  # the code under test: which one
-    message = f"{who} raised at step {episode.step} in {what.removeprefix(OFFLOADER_CALL)}: {type(error).__name__}: {error}"
+    who, call = code_of(what)  # the code under test: which one
+    message = f"{who} raised at step {episode.step} in {call}: {type(error).__name__}: {error}"
     # Where in the zeroer's code it came from: what makes two raises the same bug (fuzz.engine.signature).
     where = blame(error).where or ""
     finding = Finding(f"{who} raised", None, message, episode.config.caller_fault is not None, details, where)

@@ -32,6 +32,7 @@ does not shrink.
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, multiple, precondition, rule
 
 from fuzz.engine.cache_pool import CachePool
+from fuzz.engine.component import COMPONENT_KINDS
 from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised
 from fuzz.engine.harness_error import harness_error
 from fuzz.engine.journal import Journal
@@ -58,7 +60,6 @@ _CACHES = CachePool()
 # Rules an example may leave out (swarm testing); allocating and freeing always stay.
 OPTIONAL_RULES = ("advance_stream", "delay_stream", "end_step", "read_block", "synchronize_device",
                   "synchronize_stream", "write_block")
-OFFLOAD_OPTIONAL_RULES = ("evict_slot",)  # an offload campaign's (storing, loading and polling stay)
 BLOCKS = Bundle("blocks")  # the live blocks a program holds, shared by every part of the machine
 
 
@@ -343,91 +344,6 @@ class ZeroerMachine(ZeroerPart, CallerMachine):
     """A zeroer campaign's machine: the caller's rules and the zeroer's part."""
 
 
-class OffloadPart:
-    """An offload campaign's part (fuzz.engine.offload), on blocks the harness's reference zeroer
-    zeroes: storing blocks into host slots, loading stored slots into free blocks, evicting slots
-    and polling the offloader for finished jobs. A block under a job not yet reported finished is
-    kept from the caller (a rule drawn for it does nothing); a slot is chosen among those the op
-    may take now (``slot=0``: the first of them), so every drawn load and eviction happens. Not
-    drawn here: the containers a zero call's ids come in (the zeroer's contract; the reference
-    zeroer is not under test, and fewer rules bring the offloader's interleavings sooner)."""
-
-    @initialize(in_flight=st.integers(1, 3), disabled=st.frozensets(st.sampled_from(OPTIONAL_RULES + OFFLOAD_OPTIONAL_RULES)))
-    def start(self, in_flight: int, disabled: frozenset[str]) -> None:
-        self.disabled = disabled
-        self._apply(op="start", in_flight=in_flight)
-
-    def _slots(self, *, evictable: bool = False) -> list[int]:
-        slots = self.episode.component.slots
-        return [i for i, s in enumerate(slots) if s.state == "stored" and not (evictable and s.loads)]
-
-    @precondition(lambda self: bool(self.episode.component.free_slots))
-    @rule(block=BLOCKS, stream=st.integers(0, 2))
-    def store_block(self, block: BlockRef, stream: int) -> None:
-        if not block.cache and self._usable(block) and block.block not in self.episode.component.busy:
-            self._apply(op="store", block=block.block, stream=self._n_streams(stream))
-
-    def _loadable(self) -> list[int]:
-        slots = self.episode.component.slots
-        return [i for i, s in enumerate(slots) if s.state in ("stored", "storing")]
-
-    # A slot whose store is still in flight may be chosen too: the caller then waits for it first,
-    # as an engine resuming a request waits for its KV to be saved (the offloader's wait(job_ids)).
-    @precondition(lambda self: bool(self.episode.groups[0].free) and bool(self._loadable()))
-    @rule(target=BLOCKS, slot=st.integers(0, 7), stream=st.integers(0, 2), oldest=st.booleans())
-    def load_slot(self, slot: int, stream: int, oldest: bool):
-        candidates = self._loadable()
-        chosen = candidates[slot % len(candidates)]
-        if self.episode.component.slots[chosen].state == "storing":
-            self._apply(op="wait", slot=chosen)
-            if self._free_running():
-                self._apply(op="poll", sync=1)
-            if self.episode.component.slots[chosen].state != "stored" or not self.episode.groups[0].free:
-                return multiple()  # not reported even then: the end of the episode judges it
-        block = self._apply(op="load", slot=chosen, stream=self._n_streams(stream), **({"oldest": 1} if oldest else {}))
-        return BlockRef(block, 0, self.episode.owners)
-
-    @precondition(lambda self: self._enabled("evict_slot") and bool(self._slots(evictable=True)))
-    @rule(slot=st.integers(0, 7))
-    def evict_slot(self, slot: int) -> None:
-        evictable = self._slots(evictable=True)
-        self._apply(op="evict", slot=evictable[slot % len(evictable)])
-
-    @rule(sync=st.booleans())
-    def poll_finished(self, sync: bool) -> None:
-        self._apply(op="poll", **({"sync": 1} if sync or self._free_running() else {}))
-
-    def _free_running(self) -> bool:
-        """On a GPU running free (no gates), which jobs a poll hears of is the GPU's timing, and the
-        rules Hypothesis may draw next follow from it (a slot becomes evictable, a load's block
-        joins the bundle): a run must draw the same way every time (its FlakyStrategyDefinition
-        otherwise), so there the caller waits for the device before each poll. Reports made
-        before a copy ran are the controlled mode's to find."""
-        config = self.episode.config
-        return config.backend == "cuda" and config.mode == "free"
-
-    def _usable(self, block: BlockRef, *, reading: bool = False) -> bool:
-        """An offload job on ``block`` keeps it from the caller until the job is reported finished
-        (a store lets it be read meanwhile)."""
-        offload = self.episode.component
-        if block.cache:
-            return True
-        job = offload.busy.get(block.block)
-        if job is None:
-            return self.episode.groups[0].shadow.blocks[block.block].state == "live"
-        return reading and offload.jobs[job].kind == "store"
-
-    def _target_component(self) -> None:
-        episode = self.episode
-        if episode is not None and not episode.finished and not episode.in_op and currently_in_test_context():
-            # Targeting: programs whose jobs finish and come back (store, report, load) go deeper.
-            target(float(len(episode.component.reported)), label="offload jobs reported finished")
-
-
-class OffloadMachine(OffloadPart, CallerMachine):
-    """An offload campaign's machine: the caller's rules and the offloader's part."""
-
-
 def _cache_field(block: BlockRef) -> dict:
     return {"cache": block.cache} if block.cache else {}
 
@@ -439,7 +355,11 @@ def machine_for(config: EpisodeConfig, name: str, *, stats: CampaignStats | None
     it ran); ``database_key`` identifies its examples in an example database; ``known_bugs`` is
     the run's registry of shrunk bugs (:mod:`fuzz.engine.known_bugs`), None to shrink every finding."""
     label = "".join(c if c.isalnum() else "_" for c in name)
-    base = OffloadMachine if config.offloader is not None else ZeroerMachine
+    base: type[CallerMachine] = ZeroerMachine
+    for kind_name, kind in COMPONENT_KINDS.items():
+        if getattr(config, kind_name) is not None:  # the caller's rules and that component's part
+            module, part = kind.part.split(":")
+            base = type(f"{part}Machine", (getattr(importlib.import_module(module), part), CallerMachine), {})
     machine = type(label, (base,), {"config": config, "stats": stats, "journal": journal,
                                              "known_bugs": known_bugs})
     if database_key is not None:
