@@ -246,3 +246,20 @@ def test_one_harness_error_met_by_many_campaigns_is_one_line_of_the_summary():
         "  4 campaigns (mine.py:make-ratio2-sim-shard0, mine.py:make-ratio2-sim-shard1, mine.py:make-tiny-sim-shard0, "
         "mine.py:make-tiny-sim-shard1): HARNESS ERROR, not judged: harness error at step 1 in the offloader's warmup: X",
         "  other.py:make-tiny-sim-shard0: HARNESS ERROR, not judged: another one"]
+
+
+def test_an_error_while_the_episode_is_judged_releases_it_unjudged(monkeypatch):
+    # The verdict raising (a read that never ran, a device that never drained) leaves no runtime,
+    # zeroer or component open behind it: the episode is abandoned, as one cut off earlier is.
+    from fuzz.engine import episode as episode_module
+
+    def broken(group):
+        raise RuntimeError("the verdict could not be made")
+
+    abandoned = []
+    original = episode_module.Episode.abandon
+    monkeypatch.setattr(episode_module, "_verify", broken)
+    monkeypatch.setattr(episode_module.Episode, "abandon", lambda self: (abandoned.append(self), original(self)))
+    with pytest.raises(RuntimeError, match="the verdict could not be made"):
+        episode_module.run_ops(episode_module.EpisodeConfig(), [{"op": "start"}, {"op": "allocate", "n": 1}])
+    assert len(abandoned) == 1 and abandoned[0].finished

@@ -43,12 +43,13 @@ class TouchSide:
 
 component.COMPONENT_KINDS["toucher"] = component.ComponentKind(
     f"{__name__}:TouchSide", f"{__name__}:TouchPart", {"touch": (("block",), {"stream": 0})},
-    options={"grip": ("soft", "firm")}, one_cache=True)
+    options={"grip": ("soft", "firm")})
 
 from fuzz.engine.episode import EpisodeConfig, run_ops  # noqa: E402  (after the kind is declared)
 from fuzz.engine.machine import machine_for  # noqa: E402
 from fuzz.engine.machine import BLOCKS  # noqa: E402
 from fuzz.engine.ops import check_op  # noqa: E402
+from fuzz.engine.signature import RAISED_KINDS  # noqa: E402
 
 
 class TouchPart:
@@ -67,7 +68,9 @@ class TouchPart:
 
 assert EpisodeConfig(toucher="calm").grip == "soft"
 for bad, said in [({"grip": "loose"}, "grip='loose'; choose 'soft' or 'firm'"),
-                  ({"toucher": "calm", "zeroers": 2}, "zeroers=2: an episode with toucher= set holds one KV cache")]:
+                  ({"offloader": "x.py:make", "zeroers": 2}, "zeroers=2: an episode with offloader= set holds one KV cache"),
+                  ({"offloader": "x.py:make", "toucher": "calm"},
+                   "offloader= and toucher= are set; an episode drives one component beside the zeroer")]:
     try:
         EpisodeConfig(**bad)
     except ValueError as error:
@@ -80,6 +83,10 @@ assert run_ops(EpisodeConfig(toucher="calm"), ops) == []
 (found,) = run_ops(EpisodeConfig(toucher="raises"), ops)
 assert found.kind == "toucher raised", found
 assert found.message.startswith("toucher raised at step 3 in touch(1): RuntimeError: block 1 touched too hard"), found.message
+# With two caches the call is labelled by its cache too, and still filed under the kind.
+(found,) = run_ops(EpisodeConfig(toucher="raises", zeroers=2), ops)
+assert found.kind == "toucher raised" and " in cache 0: touch(1): " in found.message, found.message
+assert "toucher raised" in RAISED_KINDS
 machine = machine_for(EpisodeConfig(toucher="calm"), "toucher campaign")
 assert hasattr(machine, "touch_block") and hasattr(machine, "allocate_blocks"), machine.__mro__
 run_state_machine_as_test(machine, settings=settings(max_examples=20, database=None, deadline=None))

@@ -90,6 +90,9 @@ class CallerConfig:
             raise ValueError(f"streams={self.streams!r} must be between 1 and 8")
         if not isinstance(self.zeroers, int) or not 1 <= self.zeroers <= MAX_ZEROERS:
             raise ValueError(f"zeroers={self.zeroers!r} must be between 1 and {MAX_ZEROERS}")
+        chosen = [name for name in COMPONENT_KINDS if getattr(self, name) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"{' and '.join(f'{name}=' for name in chosen)} are set; an episode drives one component beside the zeroer")
         for name, kind in COMPONENT_KINDS.items():
             kind.check(name, self)
 
@@ -298,7 +301,7 @@ class Episode:
             if origin is None or origin.startswith(_HARNESS_OPS):  # the caller's own device work
                 raise harness_error(error, f"the harness's queued op {origin or '(unknown)'}", step=self.step) from error
             raise_if_harness(error, f"the zeroer's queued op {origin}", step=self.step)
-            raise ZeroerRaised(_raised_finding(self, f"its queued op {origin}", error)) from error
+            raise ZeroerRaised(_raised_finding(self, "zeroer", f"its queued op {origin}", error)) from error
 
     # -- ops ---------------------------------------------------------------------------------
     def _op_start(self, in_flight: int = 1) -> None:
@@ -507,6 +510,15 @@ class Episode:
         if self.finished:
             return self.findings
         self.finished = True
+        try:
+            self._judge()
+        except BaseException:
+            self.abandon()  # no verdict: released unjudged, as an episode cut off earlier is
+            raise
+        self.close()
+        return self.findings
+
+    def _judge(self) -> None:
         self.device_work(self.rt.synchronize)
         self.new_hazard_findings()
         if self.component is not None:
@@ -523,8 +535,6 @@ class Episode:
             for finding in _verify(group):
                 message = group.label(many) + finding.message
                 self.findings.append(Finding(finding.kind, finding.block, message, fault))
-        self.close()
-        return self.findings
 
     def close(self) -> None:
         """Let every queued op run, release the runtime and give the caches back to the pool."""
@@ -627,11 +637,11 @@ class _ZeroerCall:
         _stop_if_interrupted(error)
         raise_if_resource(error, f"in {self._what}")
         many = len(self._episode.groups) > 1
-        what = self._group.label(many) + self._what
+        who, call = code_of(self._what)  # the code under test that made the call
         # An unroutable call, a simulator gap, a clash in the runtime: the harness's, not a finding.
-        during = self._what if code_of(self._what)[0] != "zeroer" else f"the zeroer's {self._what.removeprefix('its ')}"
+        during = self._what if who != "zeroer" else f"the zeroer's {self._what.removeprefix('its ')}"
         raise_if_harness(error, during + (f" (cache {self._group.index})" if many else ""), step=self._episode.step)
-        raise ZeroerRaised(_raised_finding(self._episode, what, error)) from error
+        raise ZeroerRaised(_raised_finding(self._episode, who, self._group.label(many) + call, error)) from error
 
 
 class _FactoryCall:
@@ -671,9 +681,9 @@ def _failing_op(error: BaseException) -> str | None:
     return None
 
 
-def _raised_finding(episode: Episode, what: str, error: BaseException) -> Finding:
+def _raised_finding(episode: Episode, who: str, call: str, error: BaseException) -> Finding:
+    """``who`` (``zeroer`` or a component kind) raised in ``call``: its finding, filed under its name."""
     details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    who, call = code_of(what)  # the code under test: which one
     message = f"{who} raised at step {episode.step} in {call}: {type(error).__name__}: {error}"
     # Where in the zeroer's code it came from: what makes two raises the same bug (fuzz.engine.signature).
     where = blame(error).where or ""

@@ -51,11 +51,12 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.engine.bugs import bug_id
+from fuzz.engine.component import COMPONENT_KINDS  # standard library only, too
 from fuzz.engine.violation import ZeroerViolation  # standard library only: reports read signatures without torch
 
 VALUE_KINDS = ("non-zero after zeroing", "clobbered", "stray write",
                "wrong bytes loaded", "transfer not done", "slot clobbered")  # the last three: an offloader's
-RAISED_KINDS = ("zeroer raised", "offloader raised")  # the code under test raised (its call, its queued op)
+RAISED_KINDS = ("zeroer raised", *(f"{kind} raised" for kind in COMPONENT_KINDS))  # the code under test raised (its call, its queued op)
 CALLER_STREAM = re.compile(r"stream '(?:main|s\d+)'")  # fuzz.engine.episode names the caller's streams so
 
 
