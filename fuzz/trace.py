@@ -149,7 +149,10 @@ def _config(path: Path, raw: dict[str, Any]) -> EpisodeConfig:
         raise bad("offloader", "give null or 'module:attr' or 'path/to/file.py:attr' naming an offloader factory")
     if raw.get("offloader") is not None and raw.get("zeroers", 1) != 1:
         raise bad("zeroers", "an offload trace (config.offloader set) holds one KV cache: 1")
-    config = EpisodeConfig(**raw)
+    try:
+        config = EpisodeConfig(**raw)
+    except ValueError as error:  # what the checks above do not repeat: a component kind's own options
+        raise TraceError(f"{path}: field 'config': {error}") from None
     try:
         capabilities = load_zeroer(config.zeroer).capabilities
     except ZeroerError as error:

@@ -8,6 +8,10 @@ offloader, and that what its code raises is filed under its own name. Prints OK.
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 from hypothesis import settings
 from hypothesis.stateful import initialize, rule, run_state_machine_as_test
 
@@ -50,6 +54,7 @@ from fuzz.engine.machine import machine_for  # noqa: E402
 from fuzz.engine.machine import BLOCKS  # noqa: E402
 from fuzz.engine.ops import check_op  # noqa: E402
 from fuzz.engine.signature import RAISED_KINDS  # noqa: E402
+from fuzz.trace import TRACE_VERSION, TraceError, load_trace  # noqa: E402
 
 
 class TouchPart:
@@ -87,6 +92,16 @@ assert found.message.startswith("toucher raised at step 3 in touch(1): RuntimeEr
 (found,) = run_ops(EpisodeConfig(toucher="raises", zeroers=2), ops)
 assert found.kind == "toucher raised" and " in cache 0: touch(1): " in found.message, found.message
 assert "toucher raised" in RAISED_KINDS
+# A trace naming a value its kind does not take is the user's to fix (exit 2), named in one line.
+with tempfile.TemporaryDirectory() as folder:
+    trace = Path(folder) / "toucher.json"
+    trace.write_text(json.dumps({"version": TRACE_VERSION, "config": {"toucher": "calm", "grip": "loose"}, "ops": ops}))
+    try:
+        load_trace(trace)
+    except TraceError as error:
+        assert str(error) == f"{trace}: field 'config': grip='loose'; choose 'soft' or 'firm'", error
+    else:
+        raise AssertionError("a trace with grip='loose' was taken")
 machine = machine_for(EpisodeConfig(toucher="calm"), "toucher campaign")
 assert hasattr(machine, "touch_block") and hasattr(machine, "allocate_blocks"), machine.__mro__
 run_state_machine_as_test(machine, settings=settings(max_examples=20, database=None, deadline=None))
