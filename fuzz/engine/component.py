@@ -20,7 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-OFFLOADER_CALL = "the offloader's "  # the prefix of an offloader's call in reports and findings
+def call_prefix(kind: str) -> str:
+    """How a call of a kind's code begins in reports and findings: ``the offloader's ``."""
+    return f"the {kind}'s "
+
+
+OFFLOADER_CALL = call_prefix("offloader")
 
 
 class CallerCore(Protocol):
@@ -136,21 +141,29 @@ def code_of(what: str) -> tuple[str, str]:
     """Which code under test a call's label names, and the call: ``("offloader", "store(2, [1], [1])")``
     for ``"the offloader's store(2, [1], [1])"``; ``("zeroer", what)`` for any other."""
     for kind in COMPONENT_KINDS:
-        prefix = f"the {kind}'s "
-        if what.startswith(prefix):
-            return kind, what[len(prefix):]
+        if what.startswith(call_prefix(kind)):
+            return kind, what[len(call_prefix(kind)):]
     return "zeroer", what
 
 
-def build_component(core: CallerCore) -> Component | None:
-    """The component ``core.config`` names (at most one), built on ``core``; None for a zeroer's campaign."""
+def chosen_kinds(config: Any) -> list[str]:
+    """The kinds whose field ``config`` sets (at most one in a valid config)."""
+    return [name for name in COMPONENT_KINDS if getattr(config, name, None) is not None]
+
+
+def load(where: str) -> Any:
+    """The attribute a kind names as ``"module:attr"``, imported only for a campaign of its kind."""
     import importlib
 
-    for name, kind in COMPONENT_KINDS.items():
-        if getattr(core.config, name, None) is not None:
-            module, side = kind.side.split(":")
-            return getattr(importlib.import_module(module), side)(core)
-    return None
+    module, attr = where.split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["COMPONENT_KINDS", "OFFLOADER_CALL", "CallerCore", "Component", "ComponentKind", "build_component", "code_of"]
+def build_component(core: CallerCore) -> Component | None:
+    """The component ``core.config`` names, built on ``core``; None for a zeroer's campaign."""
+    chosen = chosen_kinds(core.config)
+    return load(COMPONENT_KINDS[chosen[0]].side)(core) if chosen else None
+
+
+__all__ = ["COMPONENT_KINDS", "OFFLOADER_CALL", "CallerCore", "Component", "ComponentKind", "build_component", "call_prefix",
+           "chosen_kinds", "code_of", "load"]

@@ -45,7 +45,7 @@ import torch
 
 from fuzz.engine.free_queue import FreeQueue
 from fuzz.engine.cache_pool import CachePool
-from fuzz.engine.component import COMPONENT_KINDS, Component, build_component, code_of
+from fuzz.engine.component import COMPONENT_KINDS, Component, build_component, chosen_kinds, code_of
 from fuzz.engine.harness_error import factory_error, harness_error, raise_if_harness
 from fuzz.engine.ops import OPS, check_op
 from fuzz.engine.oracle import Finding, Shadow, all_rows_match
@@ -90,7 +90,7 @@ class CallerConfig:
             raise ValueError(f"streams={self.streams!r} must be between 1 and 8")
         if not isinstance(self.zeroers, int) or not 1 <= self.zeroers <= MAX_ZEROERS:
             raise ValueError(f"zeroers={self.zeroers!r} must be between 1 and {MAX_ZEROERS}")
-        chosen = [name for name in COMPONENT_KINDS if getattr(self, name) is not None]
+        chosen = chosen_kinds(self)
         if len(chosen) > 1:
             raise ValueError(f"{' and '.join(f'{name}=' for name in chosen)} are set; an episode drives one component beside the zeroer")
         for name, kind in COMPONENT_KINDS.items():

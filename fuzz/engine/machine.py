@@ -32,7 +32,6 @@ does not shrink.
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, multiple, precondition, rule
 
 from fuzz.engine.cache_pool import CachePool
-from fuzz.engine.component import COMPONENT_KINDS
+from fuzz.engine.component import COMPONENT_KINDS, chosen_kinds, load
 from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised
 from fuzz.engine.harness_error import harness_error
 from fuzz.engine.journal import Journal
@@ -355,13 +354,9 @@ def machine_for(config: EpisodeConfig, name: str, *, stats: CampaignStats | None
     it ran); ``database_key`` identifies its examples in an example database; ``known_bugs`` is
     the run's registry of shrunk bugs (:mod:`fuzz.engine.known_bugs`), None to shrink every finding."""
     label = "".join(c if c.isalnum() else "_" for c in name)
-    base: type[CallerMachine] = ZeroerMachine
-    for kind_name, kind in COMPONENT_KINDS.items():
-        if getattr(config, kind_name) is not None:  # the caller's rules and that component's part
-            module, part = kind.part.split(":")
-            base = type(f"{part}Machine", (getattr(importlib.import_module(module), part), CallerMachine), {})
-    machine = type(label, (base,), {"config": config, "stats": stats, "journal": journal,
-                                             "known_bugs": known_bugs})
+    chosen = chosen_kinds(config)  # the caller's rules and that component's part, or the zeroer's
+    bases = (load(COMPONENT_KINDS[chosen[0]].part), CallerMachine) if chosen else (ZeroerMachine,)
+    machine = type(label, bases, {"config": config, "stats": stats, "journal": journal, "known_bugs": known_bugs})
     if database_key is not None:
         # Hypothesis keys a stateful test's examples by the machine class; a class made here has
         # no source, so its name and this digest decide (one key per campaign, not per name).
