@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import traceback
 from collections import deque
+from contextlib import suppress
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
@@ -174,9 +175,7 @@ def _container(ids: list[int], ids_as: str) -> Any:
 
 def _scribble(container: Any, values: list[int]) -> None:
     """Overwrite the caller's container in place, as a caller reusing it for its next call does."""
-    if isinstance(container, list):
-        container[:] = values[: len(container)]
-    elif isinstance(container, np.ndarray):
+    if isinstance(container, (list, np.ndarray)):
         container[:] = values[: len(container)]
     elif isinstance(container, torch.Tensor):
         container.copy_(torch.tensor(values[: container.numel()], dtype=container.dtype))
@@ -270,11 +269,30 @@ class Episode:
     def note(self, text: str) -> str:
         return f"step {self.step} {text}"
 
-    def component_call(self, group: CacheGroup, what: str) -> "_ZeroerCall":
-        return _ZeroerCall(self, group, what)
+    def component_call(self, group: CacheGroup, what: str) -> _Scope:
+        """What a call of the code under test raises is its finding, not the harness's error."""
+        return _Scope(lambda error: self._raised_in_call(group, what, error))
 
-    def factory_call(self, component: str, spec: str, signature: str) -> "_FactoryCall":
-        return _FactoryCall(self, component, spec, signature)
+    def _raised_in_call(self, group: CacheGroup, what: str, error: Exception) -> None:
+        raise_if_resource(error, f"in {what}")
+        many = len(self.groups) > 1
+        who, call = code_of(what)  # the code under test that made the call
+        # An unroutable call, a simulator gap, a clash in the runtime: the harness's, not a finding.
+        during = what if who != "zeroer" else f"the zeroer's {what.removeprefix('its ')}"
+        raise_if_harness(error, during + (f" (cache {group.index})" if many else ""), step=self.step)
+        raise ZeroerRaised(_raised_finding(self, who, group.label(many) + call, error)) from error
+
+    def factory_call(self, component: str, spec: str, signature: str) -> _Scope:
+        """What a factory raises is a usage error (exit status 2), never a finding. Code that cannot
+        be built was never run; only what the zeroer or offloader raises once it exists is judged
+        (fuzz.engine.harness_error.factory_error)."""
+        return _Scope(lambda error: self._raised_in_factory(component, spec, signature, error))
+
+    def _raised_in_factory(self, component: str, spec: str, signature: str, error: Exception) -> None:
+        raise_if_resource(error, f"in the {component}'s factory")
+        # The harness refusing what the factory built or asked for keeps its own line (and status).
+        raise_if_harness(error, f"the {component}'s factory", step=self.step)
+        raise factory_error(error, component, spec, signature) from error
 
     def order_before(self, group: CacheGroup, block: int, stream: int, skip_kinds: tuple[str, ...] = ()) -> None:
         last = group.last.get(block)
@@ -562,26 +580,19 @@ class Episode:
         """Release everything without judging (an interrupted or failed episode)."""
         self.finished = True
         self._caches = None  # a cut-off episode's caches are not trusted back into the pool
-        try:
+        # Best effort, each step on its own: the episode is being thrown away.
+        with suppress(Exception):
             if self.component is not None:
                 self.component.abandon()
-        except Exception:  # noqa: BLE001 - best effort: the episode is being thrown away
-            pass
-        try:
+        with suppress(Exception):
             for group in self.groups:
                 if group.zeroer is not None:
                     group.zeroer.close()
-        except Exception:  # noqa: BLE001 - best effort: the episode is being thrown away
-            pass
-        try:
+        with suppress(Exception):
             self.rt.close()
-        except Exception:  # noqa: BLE001
-            pass
-        if self.component is not None:
-            try:
+        with suppress(Exception):
+            if self.component is not None:
                 self.component.release()
-            except Exception:  # noqa: BLE001
-                pass
         # A failed example's exception (and Hypothesis, which keeps it while shrinking) holds this
         # episode through its traceback, and reference cycles wait for the garbage collector: on
         # cuda that pinned a 5 GiB cache per failing example (int32_wrap) until the GPU ran out of
@@ -620,51 +631,23 @@ def _verify(group: CacheGroup) -> list[Finding]:
     return findings
 
 
-class _ZeroerCall:
-    """The scope of one call into a zeroer: what it raises is its finding, not the harness's error."""
+class _Scope:
+    """The scope of one call of the code under test: an Exception it raises (other than a finding
+    already made) goes to ``handle``, which raises what it stands for (a finding, a usage error)."""
 
-    __slots__ = ("_episode", "_group", "_what")
+    __slots__ = ("_handle",)
 
-    def __init__(self, episode: Episode, group: CacheGroup, what: str) -> None:
-        self._episode, self._group, self._what = episode, group, what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
-        if error is None or not isinstance(error, Exception) or isinstance(error, ZeroerRaised):
-            return False
-        _stop_if_interrupted(error)
-        raise_if_resource(error, f"in {self._what}")
-        many = len(self._episode.groups) > 1
-        who, call = code_of(self._what)  # the code under test that made the call
-        # An unroutable call, a simulator gap, a clash in the runtime: the harness's, not a finding.
-        during = self._what if who != "zeroer" else f"the zeroer's {self._what.removeprefix('its ')}"
-        raise_if_harness(error, during + (f" (cache {self._group.index})" if many else ""), step=self._episode.step)
-        raise ZeroerRaised(_raised_finding(self._episode, who, self._group.label(many) + call, error)) from error
-
-
-class _FactoryCall:
-    """The scope of a factory's call: what it raises is a usage error (exit status 2), never a
-    finding. Code that cannot be built was never run; only what the zeroer or offloader raises once
-    it exists is judged (fuzz.engine.harness_error.factory_error)."""
-
-    __slots__ = ("_episode", "_component", "_spec", "_signature")
-
-    def __init__(self, episode: Episode, component: str, spec: str, signature: str) -> None:
-        self._episode, self._component, self._spec, self._signature = episode, component, spec, signature
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
-        if error is None or not isinstance(error, Exception):
-            return False
-        _stop_if_interrupted(error)
-        raise_if_resource(error, f"in the {self._component}'s factory")
-        # The harness refusing what the factory built or asked for keeps its own line (and status).
-        raise_if_harness(error, f"the {self._component}'s factory", step=self._episode.step)
-        raise factory_error(error, self._component, self._spec, self._signature) from error
+        if isinstance(error, Exception) and not isinstance(error, ZeroerRaised):
+            _stop_if_interrupted(error)
+            self._handle(error)
+        return False
 
 
 def _stop_if_interrupted(error: BaseException) -> None:
