@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import time
 import weakref
+from abc import abstractmethod
 from collections.abc import Iterator
 from typing import Callable
 
@@ -211,6 +212,71 @@ class CudaRuntimeBase(Runtime):
 
     def _elapsed(self, start: Event, end: Event) -> float:
         return float(start.handle.elapsed_time(end.handle))  # type: ignore[attr-defined]
+
+    # -- ops: a mode says how one reaches its stream (_submit) and what a sync needs first ------
+    @abstractmethod
+    def _submit(self, stream: Stream, kind: str, label: str, issue: Callable[[], None] | None = None,
+                **fields: object) -> int:
+        """Issue ``issue`` on ``stream`` as an op of ``kind`` (``fields`` are the model's
+        :class:`~zeroer.runtime.queues.QueuedOp` fields); return its position in the model (0 where
+        the mode keeps none)."""
+
+    @abstractmethod
+    def _before_sync(self, what: str, stream: int | None = None, position: int | None = None) -> None:
+        """What the host does before it waits for the device in ``what``: for one stream up to
+        ``position`` (None: all of it), or for every stream (``stream`` None)."""
+
+    def _record(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
+        self._check_usable()
+        handle = event.handle
+
+        def issue() -> None:
+            handle.record(stream.handle)
+
+        event.position = self._submit(stream, "record", stamp.label, issue)
+
+    def _wait(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
+        self._check_usable()
+        recorded = event.stream is not None  # CUDA treats a never-recorded event as complete
+        handle = event.handle
+
+        def issue() -> None:
+            if recorded:
+                stream.handle.wait_event(handle)
+
+        # The controlled model opens this gate only once the awaited position has executed, so the
+        # device never blocks on the wait itself.
+        target = (event.stream.index, event.position) if recorded else None
+        self._submit(stream, "wait", stamp.label, issue, wait_for=target)
+
+    def _sync_event(self, event: Event) -> None:
+        self._check_usable()
+        what = f"synchronising {event!r}"
+        self._before_sync(what, event.stream.index, event.position)
+        self._poll(event.handle.query, what)
+
+    def _sync_stream(self, stream: Stream) -> None:
+        self._check_usable()
+        what = f"synchronising stream '{stream.name}'"
+        self._before_sync(what, stream.index)
+        self._poll(stream.handle.query, what)
+
+    def _sync_all(self) -> None:
+        # Only this runtime's streams: torch.cuda.synchronize() would also wait for another
+        # runtime's closed gates.
+        self._check_usable()
+        self._before_sync("synchronising every stream")
+        for stream in self.streams:
+            self._poll(stream.handle.query, f"synchronising stream '{stream.name}'")
+
+    def _copy(self, action: Callable[[], None], src: HostBuffer, stream: Stream, stamp: OpStamp) -> None:
+        self._check_usable()
+        self._note_copy(src, stamp)
+        self._submit(stream, "copy", stamp.label, action)
+
+    def _launch(self, fn: Callable[[], None], stream: Stream, stamp: OpStamp) -> None:
+        self._check_usable()
+        self._submit(stream, "kernel", stamp.label, fn)
 
     # -- memory ------------------------------------------------------------------------------
     def _alloc_host(self, n: int, dtype: torch.dtype, protected: bool) -> HostBuffer:

@@ -48,7 +48,7 @@ from typing import Callable
 import torch
 
 from zeroer.errors import RuntimeUsageError
-from zeroer.runtime.base import Event, Hold, HostBuffer, Stream
+from zeroer.runtime.base import Event, Hold, Stream
 from racecheck import real_cuda
 from zeroer.runtime.cuda.common import DEFAULT_TIMEOUT_S, CudaRuntimeBase
 from racecheck.gate import hardware_queues, request_eager_module_loading, request_hardware_queues
@@ -87,6 +87,10 @@ class ControlledCudaRuntime(CudaRuntimeBase):
         self.max_streams = hardware_queues()
 
     # -- the gated model ---------------------------------------------------------------------
+    def _submit(self, stream: Stream, kind: str, label: str, issue: Callable[[], None] | None = None,
+                **fields: object) -> int:
+        return self._enqueue(stream, QueuedOp(kind, label, **fields), issue)
+
     def _enqueue(self, stream: Stream, op: QueuedOp, issue: Callable[[], None] | None = None) -> int:
         """Issue ``op`` behind a fresh closed gate and queue it in the model."""
         if self._ungated:
@@ -183,65 +187,25 @@ class ControlledCudaRuntime(CudaRuntimeBase):
         return self.queues.pending(stream.index)
 
     # -- events ------------------------------------------------------------------------------
-    def _record(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
-        self._check_usable()
-        handle = event.handle
-
-        def issue() -> None:
-            handle.record(stream.handle)
-
-        event.position = self._enqueue(stream, QueuedOp("record", stamp.label), issue)
-
-    def _wait(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
-        self._check_usable()
-        recorded = event.stream is not None  # CUDA treats a never-recorded event as complete
-        handle = event.handle
-
-        def issue() -> None:
-            if recorded:
-                stream.handle.wait_event(handle)
-
-        # The model opens this gate only once the awaited position has executed, so the device
-        # never blocks on the wait itself.
-        target = (event.stream.index, event.position) if recorded else None
-        self._enqueue(stream, QueuedOp("wait", stamp.label, wait_for=target), issue)
-
     def _event_done(self, event: Event) -> bool:
         self._check_usable()
         return self.queues.completed(event.stream.index, event.position)
 
-    def _sync_event(self, event: Event) -> None:
-        self._check_usable()
-        self.queues.run_until(event.stream.index, event.position)
-        self._poll(event.handle.query, f"synchronising {event!r}")
-
-    def _sync_stream(self, stream: Stream) -> None:
-        self._check_usable()
-        self.queues.drain(stream.index)
-        self._poll(stream.handle.query, f"synchronising stream '{stream.name}'")
-
-    def _sync_all(self) -> None:
-        # Only this runtime's streams: torch.cuda.synchronize() would also wait for another
-        # runtime's closed gates.
-        self._check_usable()
-        self.queues.drain_all()
-        for stream in self.streams:
-            self._poll(stream.handle.query, f"synchronising stream '{stream.name}'")
+    def _before_sync(self, what: str, stream: int | None = None, position: int | None = None) -> None:
+        # The model runs the least work the sync needs (a held stream raises DeadlockError), so
+        # the real sync that follows is immediate.
+        if stream is None:
+            self.queues.drain_all()
+        elif position is None:
+            self.queues.drain(stream)
+        else:
+            self.queues.run_until(stream, position)
 
     # -- work --------------------------------------------------------------------------------
-    def _copy(self, action: Callable[[], None], src: HostBuffer, stream: Stream, stamp: OpStamp) -> None:
-        self._check_usable()
-        self._note_copy(src, stamp)
-        self._enqueue(stream, QueuedOp("copy", stamp.label), action)
-
-    def _launch(self, fn: Callable[[], None], stream: Stream, stamp: OpStamp) -> None:
-        self._check_usable()
-        self._enqueue(stream, QueuedOp("kernel", stamp.label), fn)
-
     def _delay(self, stream: Stream, amount: int, stamp: OpStamp) -> None:
         self._check_usable()
         # The model makes the stream take ``amount`` steps; the gate alone enforces that.
-        self._enqueue(stream, QueuedOp("sleep", stamp.label, remaining=amount))
+        self._submit(stream, "sleep", stamp.label, remaining=amount)
 
     def _hold(self, hold: Hold, stamp: OpStamp) -> None:
         self._check_usable()

@@ -60,17 +60,20 @@ class FreeCudaRuntime(CudaRuntimeBase):
         super().__init__(device, timeout_s=timeout_s, checked=checked)
 
     # -- issuing -----------------------------------------------------------------------------
-    def _issue(self, stream: Stream, what: str, issue: Callable[[], None]) -> None:
-        """Issue the work on ``stream`` now."""
+    def _submit(self, stream: Stream, kind: str, label: str, issue: Callable[[], None] | None = None,
+                **fields: object) -> int:
+        """Issue the work on ``stream`` now (every op of this mode has some; ``fields`` are the
+        controlled model's)."""
         if self._fast():
             if self._is_torch_current(stream):
                 issue()
             else:
                 with self._on(stream):
                     issue()
-            return
-        with self._guarded(what), self._on(stream):
+            return 0
+        with self._guarded(label), self._on(stream):
             issue()
+        return 0
 
     def _fast(self) -> bool:
         """Unchecked and nothing held: no gate can spin, so host calls need no watchdog."""
@@ -91,31 +94,11 @@ class FreeCudaRuntime(CudaRuntimeBase):
         yield
 
     # -- events ------------------------------------------------------------------------------
-    def _record(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
-        self._check_usable()
-        handle = event.handle
-
-        def issue() -> None:
-            handle.record(stream.handle)
-
-        self._issue(stream, stamp.label, issue)
-
-    def _wait(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
-        self._check_usable()
-        recorded = event.stream is not None  # CUDA treats a never-recorded event as complete
-        handle = event.handle
-
-        def issue() -> None:
-            if recorded:
-                stream.handle.wait_event(handle)
-
-        self._issue(stream, stamp.label, issue)
-
     def _event_done(self, event: Event) -> bool:
         self._check_usable()
         return bool(event.handle.query())
 
-    def _check_no_holds(self, what: str) -> None:
+    def _before_sync(self, what: str, stream: int | None = None, position: int | None = None) -> None:
         """A sync behind a shut gate would hang the host, and we cannot tell which work the sync
         needs, so any unreleased hold makes every sync a deadlock."""
         if self._held:
@@ -125,24 +108,6 @@ class FreeCudaRuntime(CudaRuntimeBase):
                 f"a free-running runtime cannot tell which work a sync needs, so call release() "
                 f"on every hold before synchronising"
             )
-
-    def _sync_event(self, event: Event) -> None:
-        self._check_usable()
-        self._check_no_holds(f"synchronising {event!r}")
-        self._poll(event.handle.query, f"synchronising {event!r}")
-
-    def _sync_stream(self, stream: Stream) -> None:
-        self._check_usable()
-        self._check_no_holds(f"synchronising stream '{stream.name}'")
-        self._poll(stream.handle.query, f"synchronising stream '{stream.name}'")
-
-    def _sync_all(self) -> None:
-        # Only this runtime's streams: torch.cuda.synchronize() would also wait for another
-        # runtime's closed gates.
-        self._check_usable()
-        self._check_no_holds("synchronising every stream")
-        for stream in self.streams:
-            self._poll(stream.handle.query, f"synchronising stream '{stream.name}'")
 
     # -- memory: the checked=False fast paths --------------------------------------------------
     def _alloc_host(self, n: int, dtype: torch.dtype, protected: bool) -> HostBuffer:
@@ -159,18 +124,9 @@ class FreeCudaRuntime(CudaRuntimeBase):
             return Runtime.device_buffer(self, n, dtype, name=name)
 
     # -- work --------------------------------------------------------------------------------
-    def _copy(self, action: Callable[[], None], src: HostBuffer, stream: Stream, stamp: OpStamp) -> None:
-        self._check_usable()
-        self._note_copy(src, stamp)
-        self._issue(stream, stamp.label, action)
-
-    def _launch(self, fn: Callable[[], None], stream: Stream, stamp: OpStamp) -> None:
-        self._check_usable()
-        self._issue(stream, stamp.label, fn)
-
     def _delay(self, stream: Stream, amount: int, stamp: OpStamp) -> None:
         self._check_usable()
-        self._issue(stream, stamp.label, lambda: real_cuda._sleep(amount * DELAY_CYCLES_PER_UNIT))
+        self._submit(stream, "sleep", stamp.label, lambda: real_cuda._sleep(amount * DELAY_CYCLES_PER_UNIT))
 
     def _hold(self, hold: Hold, stamp: OpStamp) -> None:
         self._check_usable()
