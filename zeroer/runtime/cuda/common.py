@@ -132,9 +132,11 @@ class CudaRuntimeBase(Runtime):
             self._warm_up()
             super().__init__(device)
 
+    @abstractmethod
     def _before_cuda_starts(self) -> None:
         """Called after the argument checks and before the first call that may create the CUDA
-        context (the controlled runtime asks for hardware queues here). Nothing to do by default."""
+        context: a mode sets up its own state (the controlled runtime its model, and it asks for
+        hardware queues here)."""
 
     def _warm_up(self) -> None:
         """Load the gate and sleep kernels now: loading one later, while gates spin, would wait for

@@ -45,12 +45,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Callable
 
-import torch
-
 from zeroer.errors import RuntimeUsageError
 from zeroer.runtime.base import Event, Hold, Stream
 from racecheck import real_cuda
-from zeroer.runtime.cuda.common import DEFAULT_TIMEOUT_S, CudaRuntimeBase
+from zeroer.runtime.cuda.common import CudaRuntimeBase
 from racecheck.gate import hardware_queues, request_eager_module_loading, request_hardware_queues
 from racecheck.hb import OpStamp
 from zeroer.runtime.queues import QueuedOp, StreamQueues
@@ -66,19 +64,10 @@ class ControlledCudaRuntime(CudaRuntimeBase):
     hardware_queue_request: str
     max_streams: int  # the hardware queues its streams share, so the most streams it may have
 
-    def __init__(
-        self,
-        device: int | str | torch.device | None = None,
-        *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        checked: bool = True,
-    ) -> None:
-        # The base __init__ creates the "main" stream through our hooks: the model exists first.
+    def _before_cuda_starts(self) -> None:
+        # The base creates the "main" stream through our hooks: the model exists first.
         self.queues = StreamQueues(execute=self._execute)
         self._ungated = False  # inside ungated(): ops run at once, with no gate
-        super().__init__(device, timeout_s=timeout_s, checked=checked)
-
-    def _before_cuda_starts(self) -> None:
         # The driver reads CUDA_DEVICE_MAX_CONNECTIONS once, when it creates the context, and the
         # next call (resolving the device) may create it: ask now. What happened is kept for
         # diagnosis ("too late" means something else initialised CUDA first).

@@ -36,7 +36,7 @@ import torch
 from zeroer.errors import DeadlockError
 from zeroer.runtime.base import DeviceBuffer, Event, Hold, HostBuffer, Runtime, Stream
 from racecheck import real_cuda
-from zeroer.runtime.cuda.common import DEFAULT_TIMEOUT_S, CudaRuntimeBase
+from zeroer.runtime.cuda.common import CudaRuntimeBase
 from racecheck.hb import OpStamp
 
 DELAY_CYCLES_PER_UNIT = 200_000  # torch.cuda._sleep cycles per delay unit: ~0.1 ms at ~2 GHz (H200)
@@ -49,15 +49,8 @@ class FreeCudaRuntime(CudaRuntimeBase):
     mode = "free"
     scheduled = False
 
-    def __init__(
-        self,
-        device: int | str | torch.device | None = None,
-        *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        checked: bool = True,
-    ) -> None:
+    def _before_cuda_starts(self) -> None:
         self._held: list[Hold] = []  # unreleased holds
-        super().__init__(device, timeout_s=timeout_s, checked=checked)
 
     # -- issuing -----------------------------------------------------------------------------
     def _submit(self, stream: Stream, kind: str, label: str, issue: Callable[[], None] | None = None,
