@@ -29,19 +29,18 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import multiprocessing
 import os
 import shlex
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from racecheck.atomic_file import write_json_atomically
+from fuzz.bench.pool import completed
 from fuzz.bench.speed import machine
 from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive, run_main
 from fuzz.engine.campaigns import PROFILES, Campaign, default_campaigns, run_campaign
@@ -149,33 +148,15 @@ def run_jobs(jobs: Iterable[Job], workers: int, follow_up: Callable[[dict], list
     Past ``deadline`` (``time.monotonic()``) no job starts: each one left is yielded as a
     ``not run`` record."""
     queue = list(jobs)
-
-    def open_() -> bool:
-        return deadline is None or time.monotonic() < deadline
-
     if workers <= 1:
         _init_worker(device)
-        while queue and open_():
-            record = run_job(queue.pop(0))
-            queue.extend(follow_up(record))
-            yield record
-    else:
-        context = multiprocessing.get_context("spawn")  # a forked torch can hang in its thread pools
-        # On cuda each job gets a process of its own: a GPU fault (racecheck.resources.DeviceFault)
-        # leaves a process's CUDA context unusable, and must not take the jobs after it down too.
-        fresh = {"max_tasks_per_child": 1} if device is not None else {}
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
-                                 initargs=(device,), **fresh) as pool:
-            running: set[Future] = set()
-            while running or (queue and open_()):
-                while queue and len(running) < workers and open_():
-                    running.add(pool.submit(run_job, queue.pop(0)))
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    running.discard(future)
-                    record = future.result()
-                    queue.extend(follow_up(record))
-                    yield record
+    # On cuda each job gets a process of its own: a GPU fault (racecheck.resources.DeviceFault)
+    # leaves a process's CUDA context unusable, and must not take the jobs after it down too.
+    for record in completed(run_job, lambda: queue.pop(0) if queue else None, workers, initializer=_init_worker,
+                            initargs=(device,), may_start=lambda: deadline is None or time.monotonic() < deadline,
+                            process_per_job=device is not None):
+        queue.extend(follow_up(record))
+        yield record
     for job in queue:
         yield {"kind": "not run", "job": job.kind, "spec": job.spec, "verdict": job.verdict,
                "campaign": job.campaign.id if job.campaign is not None else None, "trace": job.trace}

@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fuzz.bench.detect.baselines import METHODS
 from fuzz.bench.detect.outcome import QUICK, DetectionOutcome
+from fuzz.bench.pool import completed
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig, count_shown
 from fuzz.engine.harness_error import HarnessError
@@ -159,34 +158,7 @@ def run_jobs(jobs: Iterable[Job], workers: int, *, stop: Callable[[list[dict]], 
     """
     done: list[dict] = []
     pending = iter(jobs)
-    if workers <= 1:
-        for job in pending:
-            record = run_job(job)
-            done.append(record)
-            yield record
-            if stop is not None and stop(done):
-                return
-        return
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker) as pool:
-        running: set[Future] = set()
-        stopped = False
-
-        def fill() -> None:
-            while not stopped and len(running) < workers:
-                job = next(pending, None)
-                if job is None:
-                    return
-                running.add(pool.submit(run_job, job))
-
-        fill()
-        while running:
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished:
-                running.discard(future)
-                record = future.result()
-                done.append(record)
-                yield record
-                if stop is not None and stop(done):
-                    stopped = True
-            fill()
+    for record in completed(run_job, lambda: next(pending, None), workers, initializer=_init_worker,
+                            may_start=lambda: stop is None or not stop(done)):
+        done.append(record)
+        yield record
