@@ -182,48 +182,38 @@ class WatchedArray(np.ndarray):
         return result
 
     # Methods that read or write every element without passing through the hooks above.
-    def _reads(name: str) -> Callable[..., Any]:  # noqa: N805 - a helper run at class creation
+    def _touches(name: str, write: bool = False) -> Callable[..., Any]:  # noqa: N805 - run at class creation
         method = getattr(np.ndarray, name)
+        what = "host write through" if write else "read through"
 
         def call(self: "WatchedArray", *args: Any, **kwargs: Any) -> Any:
             if _ACTIVE:
-                _report(self, False, f"read through the buffer's numpy view (.{name})")
+                _report(self, write, f"{what} the buffer's numpy view (.{name})")
             return method(self.view(np.ndarray), *args, **kwargs)
 
         call.__name__ = name
         return call
 
-    def _writes(name: str) -> Callable[..., Any]:  # noqa: N805
-        method = getattr(np.ndarray, name)
-
-        def call(self: "WatchedArray", *args: Any, **kwargs: Any) -> Any:
-            if _ACTIVE:
-                _report(self, True, f"host write through the buffer's numpy view (.{name})")
-            return method(self.view(np.ndarray), *args, **kwargs)
-
-        call.__name__ = name
-        return call
-
-    tolist = _reads("tolist")
-    item = _reads("item")
-    copy = _reads("copy")
-    astype = _reads("astype")
-    tobytes = _reads("tobytes")
-    flatten = _reads("flatten")
-    take = _reads("take")
-    __int__ = _reads("__int__")
-    __float__ = _reads("__float__")
-    __index__ = _reads("__index__")
-    __bool__ = _reads("__bool__")
-    __iter__ = _reads("__iter__")
-    __reduce__ = _reads("__reduce__")
-    __copy__ = _reads("__copy__")
-    __deepcopy__ = _reads("__deepcopy__")
-    __repr__ = _reads("__repr__")
-    __str__ = _reads("__str__")
-    fill = _writes("fill")
-    sort = _writes("sort")
-    del _reads, _writes
+    tolist = _touches("tolist")
+    item = _touches("item")
+    copy = _touches("copy")
+    astype = _touches("astype")
+    tobytes = _touches("tobytes")
+    flatten = _touches("flatten")
+    take = _touches("take")
+    __int__ = _touches("__int__")
+    __float__ = _touches("__float__")
+    __index__ = _touches("__index__")
+    __bool__ = _touches("__bool__")
+    __iter__ = _touches("__iter__")
+    __reduce__ = _touches("__reduce__")
+    __copy__ = _touches("__copy__")
+    __deepcopy__ = _touches("__deepcopy__")
+    __repr__ = _touches("__repr__")
+    __str__ = _touches("__str__")
+    fill = _touches("fill", write=True)
+    sort = _touches("sort", write=True)
+    del _touches
 
 
 def watched(array: np.ndarray) -> WatchedArray:

@@ -54,27 +54,33 @@ def install(obs: Any) -> Callable[[], None]:
     def active() -> bool:
         return obs._started and not obs.paused
 
-    def host_waits(seen: Callable[[tuple, Any], None]) -> Callable[[Any], Any]:
-        """A call where the host may wait for the GPU: host writes are checked and force mode's
-        gates opened before it, and ``seen(args, result)`` is told after it."""
+    def wrap(before: Callable[..., None] | None = None,
+             after: Callable[[tuple, Any], None] | None = None) -> Callable[[Any], Any]:
+        """A wrapper: while the observer is active, ``before(*args)`` is told of the call before it
+        runs and ``after(args, result)`` after it, each under the observer's lock."""
 
         def make(original: Any) -> Any:
             @forwarding
             @functools.wraps(original)
             def call(*args: Any, **kwargs: Any) -> Any:
-                if active():
+                if before is not None and active():
                     with obs.lock:
-                        obs.boundary(caller_site())
-                        obs.release_forced(obs.last_site)
+                        before(*args)
                 result = original(*args, **kwargs)
-                if active():
+                if after is not None and active():
                     with obs.lock:
-                        seen(args, result)
+                        after(args, result)
                 return result
 
             return call
 
         return make
+
+    def host_waits(*args: Any) -> None:
+        """A call where the host may wait for the GPU: host writes are checked and force mode's
+        gates opened before it."""
+        obs.boundary(caller_site())
+        obs.release_forced(obs.last_site)
 
     def event_done(args: tuple, done: bool) -> None:
         handle = getattr(args[0], "cuda_event", None) or getattr(args[0], "event_id", None)
@@ -86,13 +92,13 @@ def install(obs: Any) -> Callable[[], None]:
         if done and handle is not None:
             trace.stream_completed(obs, int(handle))
 
-    patch(torch.cuda.Event, "query", host_waits(event_done))
-    patch(torch.cuda.Stream, "query", host_waits(stream_done))
+    patch(torch.cuda.Event, "query", wrap(host_waits, event_done))
+    patch(torch.cuda.Stream, "query", wrap(host_waits, stream_done))
     if getattr(torch, "Event", None) is not None and torch.Event is not torch.cuda.Event:
-        patch(torch.Event, "query", host_waits(event_done))
+        patch(torch.Event, "query", wrap(host_waits, event_done))
     if getattr(torch, "Stream", None) is not None and torch.Stream is not torch.cuda.Stream:
-        patch(torch.Stream, "query", host_waits(stream_done))
-    patch(torch.cuda, "empty_cache", host_waits(lambda args, result: obs.cache_emptied()))
+        patch(torch.Stream, "query", wrap(host_waits, stream_done))
+    patch(torch.cuda, "empty_cache", wrap(host_waits, lambda args, result: obs.cache_emptied()))
 
     def numpy(original: Any) -> Any:
         @forwarding
@@ -105,25 +111,19 @@ def install(obs: Any) -> Callable[[], None]:
 
         return call
 
-    def tolist(original: Any) -> Any:
-        @forwarding
-        @functools.wraps(original)
-        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if active() and tensor.device.type == "cpu" and obs.pinned.regions:
-                obs.tolist_read(tensor, caller_site())
-            return original(tensor, *args, **kwargs)
-
-        return call
+    def tolist(tensor: torch.Tensor, *args: Any) -> None:
+        if tensor.device.type == "cpu" and obs.pinned.regions:
+            obs.tolist_read(tensor, caller_site())
 
     patch(torch.Tensor, "numpy", numpy)
-    patch(torch.Tensor, "tolist", tolist)
+    patch(torch.Tensor, "tolist", wrap(tolist))
 
     from sanitizer.gpu import launches
 
     launches.patch(obs, patch, active)
-    _patch_graphs(obs, patch, active)
-    _patch_cudart(obs, patch, active)
-    _patch_bindings(obs, patch, active)
+    _patch_graphs(obs, patch, wrap)
+    _patch_cudart(obs, patch, wrap, active)
+    _patch_bindings(obs, patch, wrap)
 
     def undo() -> None:
         for owner, name, original in reversed(saved):
@@ -133,56 +133,43 @@ def install(obs: Any) -> Callable[[], None]:
     return undo
 
 
-def _patch_graphs(obs: Any, patch: Callable[..., None], active: Callable[[], bool]) -> None:
+def _patch_graphs(obs: Any, patch: Callable[..., None], wrap: Callable[..., Any]) -> None:
     graph_class = getattr(torch.cuda, "CUDAGraph", None)
     if graph_class is None:
         return
 
-    def begin(original: Any) -> Any:
+    def ending(original: Any, *, always: bool) -> Any:
+        """``original``, after which the calling thread's capture has ended: when it fails
+        (``capture_begin``), or always (``capture_end``)."""
+
         @forwarding
         @functools.wraps(original)
         def call(graph: Any, *args: Any, **kwargs: Any) -> Any:
-            if active():
-                with obs.lock:
-                    obs.graphs.begin(graph, caller_site())
             try:
-                return original(graph, *args, **kwargs)
+                result = original(graph, *args, **kwargs)
             except BaseException:
                 obs.graphs.end(graph)
                 raise
-
-        return call
-
-    def end(original: Any) -> Any:
-        @forwarding
-        @functools.wraps(original)
-        def call(graph: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(graph, *args, **kwargs)
-            finally:
+            if always:
                 obs.graphs.end(graph)
+            return result
 
         return call
 
-    def replay(original: Any) -> Any:
-        @forwarding
-        @functools.wraps(original)
-        def call(graph: Any, *args: Any, **kwargs: Any) -> Any:
-            if active():
-                with obs.lock:
-                    site = caller_site()
-                    obs.boundary(site)
-                    obs.graphs.replay(graph, site)
-            return original(graph, *args, **kwargs)
+    def begin(graph: Any, *args: Any) -> None:
+        obs.graphs.begin(graph, caller_site())
 
-        return call
+    def replay(graph: Any, *args: Any) -> None:
+        site = caller_site()
+        obs.boundary(site)
+        obs.graphs.replay(graph, site)
 
-    patch(graph_class, "capture_begin", begin)
-    patch(graph_class, "capture_end", end)
-    patch(graph_class, "replay", replay)
+    patch(graph_class, "capture_begin", lambda original: wrap(begin)(ending(original, always=False)))
+    patch(graph_class, "capture_end", lambda original: ending(original, always=True))
+    patch(graph_class, "replay", wrap(replay))
 
 
-def _patch_cudart(obs: Any, patch: Callable[..., None], active: Callable[[], bool]) -> None:
+def _patch_cudart(obs: Any, patch: Callable[..., None], wrap: Callable[..., Any], active: Callable[[], bool]) -> None:
     try:
         runtime = torch.cuda.cudart()
     except Exception:  # noqa: BLE001 - no CUDA runtime bindings in this build
@@ -202,23 +189,15 @@ def _patch_cudart(obs: Any, patch: Callable[..., None], active: Callable[[], boo
 
         return call
 
-    def unregister(original: Any) -> Any:
-        @forwarding
-        @functools.wraps(original)
-        def call(address: int, *args: Any) -> Any:
-            if active():
-                with obs.lock:
-                    obs.boundary(caller_site())
-                    obs.pinned.unregister_range(int(address))
-            return original(address, *args)
-
-        return call
+    def unregister(address: int, *args: Any) -> None:
+        obs.boundary(caller_site())
+        obs.pinned.unregister_range(int(address))
 
     patch(runtime, "cudaHostRegister", register)
-    patch(runtime, "cudaHostUnregister", unregister)
+    patch(runtime, "cudaHostUnregister", wrap(unregister))
 
 
-def _patch_bindings(obs: Any, patch: Callable[..., None], active: Callable[[], bool]) -> None:
+def _patch_bindings(obs: Any, patch: Callable[..., None], wrap: Callable[..., Any]) -> None:
     """Each call of a device-work entry point of cuda-bindings: one line where it was made."""
     seen: set[tuple[str, str]] = set()
 
@@ -227,21 +206,13 @@ def _patch_bindings(obs: Any, patch: Callable[..., None], active: Callable[[], b
                 if name == "cuGetProcAddress" else f"{module_name}.{name} (a copy or launch around torch: "
                                                    f"the bytes it moves are not checked)")
 
-        def make(original: Any) -> Any:
-            @forwarding
-            @functools.wraps(original)
-            def call(*args: Any, **kwargs: Any) -> Any:
-                if active():
-                    site = caller_site()
-                    with obs.lock:
-                        if (what, str(site)) not in seen:
-                            seen.add((what, str(site)))
-                            obs.unfollowed.append(Unfollowed(what, site))
-                return original(*args, **kwargs)
+        def called(*args: Any) -> None:
+            site = caller_site()
+            if (what, str(site)) not in seen:
+                seen.add((what, str(site)))
+                obs.unfollowed.append(Unfollowed(what, site))
 
-            return call
-
-        return make
+        return wrap(called)
 
     for module_name, module, name in binding_entry_points():
         patch(module, name, unfollowed(module_name, name))

@@ -87,29 +87,31 @@ def event_recorded(obs: Any, event: int, stream: int) -> None:
     if _capturing(obs):
         return
     _boundary(obs)
-    thread = obs.stream_thread(stream)
-    obs.hb.enqueue(thread, obs.label("event record", stream, None), obs.threads.current())
-    obs._events[event] = obs.hb.snapshot(thread)
+    obs.enqueue("event record", stream, None)
+    obs._events[event] = obs.hb.snapshot(obs.stream_thread(stream))
 
 
 def event_waited(obs: Any, event: int, stream: int) -> None:
     if _capturing(obs):
         return
     _boundary(obs)
-    thread = obs.stream_thread(stream)
-    obs.hb.enqueue(thread, obs.label("event wait", stream, None), obs.threads.current())
-    obs.hb.stream_waits(thread, obs._events.get(event))
+    obs.enqueue("event wait", stream, None)
+    obs.hb.stream_waits(obs.stream_thread(stream), obs._events.get(event))
 
 
 def event_deleted(obs: Any, event: int) -> None:
     obs._events.pop(event, None)
 
 
-def event_synchronized(obs: Any, event: int) -> None:
+def _host_waits(obs: Any) -> None:
+    """A synchronisation: force mode's gates open first (the host is about to wait for them)."""
     _boundary(obs)
     obs.release_forced(obs.last_site)
-    obs.hb.host_observes(obs._events.get(event), obs.threads.current())
-    _observed(obs)
+
+
+def event_synchronized(obs: Any, event: int) -> None:
+    _host_waits(obs)
+    event_completed(obs, event)
 
 
 def event_completed(obs: Any, event: int) -> None:
@@ -119,10 +121,8 @@ def event_completed(obs: Any, event: int) -> None:
 
 
 def stream_synchronized(obs: Any, stream: int) -> None:
-    _boundary(obs)
-    obs.release_forced(obs.last_site)
-    obs.observes_stream(stream)
-    _observed(obs)
+    _host_waits(obs)
+    stream_completed(obs, stream)
 
 
 def stream_completed(obs: Any, stream: int) -> None:
@@ -131,8 +131,7 @@ def stream_completed(obs: Any, stream: int) -> None:
 
 
 def device_synchronized(obs: Any) -> None:
-    _boundary(obs)
-    obs.release_forced(obs.last_site)
+    _host_waits(obs)
     obs.hb.host_observes_all(obs.threads.current())
     _observed(obs)
 
