@@ -91,19 +91,17 @@ def _check_runs_here(args: argparse.Namespace, config: EpisodeConfig) -> None:
     if config.backend == "cuda" and not torch.cuda.is_available():
         given = "--backend cuda needs" if args.backend == "cuda" else f"{args.trace} was recorded on cuda and needs"
         raise UsageError(f"{given} a CUDA GPU, and none is visible here; replay on the simulator with --backend sim")
-    capabilities = load_zeroer(config.zeroer).capabilities
-    if not capabilities.runs_on(config.backend, config.mode):
-        where = config.backend + (f" ({config.mode})" if config.backend == "cuda" else "")
-        raise UsageError(f"zeroer {config.zeroer!r} of {args.trace} does not run on {where}; it runs on "
-                         f"{', '.join(capabilities.backends)} (cuda modes: {', '.join(capabilities.cuda_modes)})")
-    if config.offloader is not None:
-        from zeroer.registry import load_offloader
+    from zeroer.registry import load_offloader
 
-        offloader = load_offloader(config.offloader).capabilities
-        if not offloader.runs_on(config.backend, config.mode):
-            where = config.backend + (f" ({config.mode})" if config.backend == "cuda" else "")
-            raise UsageError(f"offloader {config.offloader!r} of {args.trace} does not run on {where}; it runs on "
-                             f"{', '.join(offloader.backends)} (cuda modes: {', '.join(offloader.cuda_modes)})")
+    where = config.backend + (f" ({config.mode})" if config.backend == "cuda" else "")
+    parts = [("zeroer", config.zeroer, load_zeroer), ("offloader", config.offloader, load_offloader)]
+    for kind, spec, load in parts:
+        if spec is None:
+            continue
+        capabilities = load(spec).capabilities
+        if not capabilities.runs_on(config.backend, config.mode):
+            raise UsageError(f"{kind} {spec!r} of {args.trace} does not run on {where}; it runs on "
+                             f"{', '.join(capabilities.backends)} (cuda modes: {', '.join(capabilities.cuda_modes)})")
 
 
 def _export(args: argparse.Namespace) -> int:
