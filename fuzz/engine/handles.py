@@ -35,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from fuzz.engine.free_queue import FreeQueue
@@ -53,17 +54,9 @@ class Ref:
     store: int | None = None  # a store: its stable id (its index in the original trace)
 
 
-class _Queues:
-    """The free queues of an episode's caches, by the episode's rule (FIFO, blocks 1..N-1)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._num_blocks = num_blocks
-        self._free: dict[int, FreeQueue] = {}
-
-    def of(self, cache: int) -> FreeQueue:
-        if cache not in self._free:
-            self._free[cache] = FreeQueue(self._num_blocks)
-        return self._free[cache]
+def _queues(num_blocks: int) -> defaultdict[int, FreeQueue]:
+    """The free queues of an episode's caches by cache index, by the episode's rule (FIFO, blocks 1..N-1)."""
+    return defaultdict(lambda: FreeQueue(num_blocks))
 
 
 def symbolic(ops: list[dict], num_blocks: int) -> list[Ref]:
@@ -71,7 +64,7 @@ def symbolic(ops: list[dict], num_blocks: int) -> list[Ref]:
 
     An op whose block no allocation holds (a trace written by hand) keeps its id as it is.
     """
-    queues = _Queues(num_blocks)
+    queues = _queues(num_blocks)
     owner: dict[tuple[int, int], Handle] = {}  # (cache, block) -> handle, for live blocks
     slots = FreeQueue(num_blocks)  # the host pool's free slots (fuzz.engine.offload)
     slot_owner: dict[int, int] = {}  # slot -> the index of the store that took it
@@ -79,7 +72,7 @@ def symbolic(ops: list[dict], num_blocks: int) -> list[Ref]:
     for index, op in enumerate(ops):
         cache = op.get("cache", 0)
         if op.get("op") == "load" and op.get("slot") in slot_owner:
-            free = queues.of(0)
+            free = queues[0]
             if free:
                 owner[(0, free.popleft() if op.get("oldest") else free.pop())] = (index, 0)
             refs.append(Ref(op, allocation=index, slot=slot_owner[op["slot"]]))
@@ -92,7 +85,7 @@ def symbolic(ops: list[dict], num_blocks: int) -> list[Ref]:
             slot_owner[slots.popleft()] = index
             refs.append(Ref(op, handle=owner[(0, op["block"])], store=index))
         elif op.get("op") == "allocate":
-            free = queues.of(cache)
+            free = queues[cache]
             n = op.get("n")
             if isinstance(n, int) and 0 < n <= len(free):
                 for position in range(n):
@@ -102,7 +95,7 @@ def symbolic(ops: list[dict], num_blocks: int) -> list[Ref]:
             handle = owner[(cache, op["block"])]
             if op["op"] == "free":
                 del owner[(cache, op["block"])]
-                queues.of(cache).append(op["block"])
+                queues[cache].append(op["block"])
             refs.append(Ref(op, handle=handle))
         else:
             refs.append(Ref(op))
@@ -113,7 +106,7 @@ def concrete(refs: list[Ref], num_blocks: int) -> list[dict] | None:
     """Op records for ``refs``: each allocation takes the ids its cache's queue hands out now, and
     an op on a block that no kept allocation holds is left out. None: an allocation asks for more
     blocks than are free (not a valid program)."""
-    queues = _Queues(num_blocks)
+    queues = _queues(num_blocks)
     placed: dict[Handle, tuple[int, int]] = {}  # handle -> (cache, block)
     slots = FreeQueue(num_blocks)
     placed_slots: dict[int, int] = {}  # the index of a kept store -> the slot it takes now
@@ -124,18 +117,14 @@ def concrete(refs: list[Ref], num_blocks: int) -> list[dict] | None:
             slot = placed_slots.get(ref.slot)
             if slot is None:  # its store was dropped: so is this op (and, for a load, its block)
                 continue
-            if op["op"] == "wait":
-                ops.append({**op, "slot": slot})
-                continue
             if op["op"] == "evict":
                 del placed_slots[ref.slot]
                 slots.append(slot)
-                ops.append({**op, "slot": slot})
-                continue
-            free = queues.of(0)
-            if not free:
-                return None
-            placed[(ref.allocation, 0)] = (0, free.popleft() if op.get("oldest") else free.pop())
+            elif op["op"] == "load":
+                free = queues[0]
+                if not free:
+                    return None
+                placed[(ref.allocation, 0)] = (0, free.popleft() if op.get("oldest") else free.pop())
             ops.append({**op, "slot": slot})
             continue
         if ref.store is not None:
@@ -144,7 +133,7 @@ def concrete(refs: list[Ref], num_blocks: int) -> list[dict] | None:
             placed_slots[ref.store] = slots.popleft()
         if ref.allocation is not None:
             cache = op.get("cache", 0)
-            free = queues.of(cache)
+            free = queues[cache]
             if op["n"] > len(free):
                 return None
             for position in range(op["n"]):
@@ -156,7 +145,7 @@ def concrete(refs: list[Ref], num_blocks: int) -> list[dict] | None:
                 continue
             if op["op"] == "free":
                 del placed[ref.handle]
-                queues.of(where[0]).append(where[1])
+                queues[where[0]].append(where[1])
             placed_op = {k: v for k, v in op.items() if k != "cache"}
             placed_op["block"] = where[1]
             if where[0]:  # the block's cache is its allocation's (which may have moved to cache 0)

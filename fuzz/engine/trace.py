@@ -83,22 +83,10 @@ def write_trace_data(path: Path, data: dict[str, Any]) -> Path:
     return write_json_atomically(path, data)
 
 
-def write_trace(
-    directory: Path,
-    config: EpisodeConfig,
-    ops: list[dict],
-    findings: list[Finding],
-    *,
-    seed: int | None = None,
-    campaign: str | None = None,
-    reproduction: dict[str, Any] | None = None,
-    shrink: dict[str, Any] | None = None,
-    probe: bool = True,
-) -> Path:
-    """Save a finding under ``directory`` with its content-hash name; returns the path."""
-    data = trace_data(config, ops, findings, seed=seed, campaign=campaign, reproduction=reproduction, shrink=shrink,
-                      probe=probe)
-    return write_trace_data(directory / trace_name(config, ops), data)
+def write_trace(directory: Path, config: EpisodeConfig, ops: list[dict], findings: list[Finding], **fields: Any) -> Path:
+    """Save a finding under ``directory`` with its content-hash name; returns the path. ``fields``:
+    :func:`trace_data`'s keywords (``seed``, ``campaign``, ``reproduction``, ``shrink``, ``probe``)."""
+    return write_trace_data(directory / trace_name(config, ops), trace_data(config, ops, findings, **fields))
 
 
 def read_trace(path: Path) -> dict[str, Any]:
