@@ -20,17 +20,9 @@ passes through it.)
 in a checkout that is not installed it imports :mod:`fuzz.plugin` directly.
 """
 
-import sys
+from kvzero_fuzz.shadowing import exit_if_shadowed
 
-from kvzero_fuzz.shadowing import ShadowedPackageError, check_own_packages
-
-USAGE_EXIT = 2
-
-try:
-    check_own_packages()
-except ShadowedPackageError as error:
-    print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(USAGE_EXIT) from None
+exit_if_shadowed()
 
 # Every public name of fuzz.plugin: its hooks and fixtures, whatever it adds later.
 from fuzz.plugin import *  # noqa: E402,F401,F403

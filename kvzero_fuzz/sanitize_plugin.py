@@ -7,16 +7,8 @@ line naming what was found and the fix. ``pytest -p sanitizer.pytest_plugin`` lo
 too; in a checkout that is not installed it imports :mod:`sanitizer.pytest_plugin` directly.
 """
 
-import sys
+from kvzero_fuzz.shadowing import exit_if_shadowed
 
-from kvzero_fuzz.shadowing import ShadowedPackageError, check_own_packages
-
-USAGE_EXIT = 2
-
-try:
-    check_own_packages()
-except ShadowedPackageError as error:
-    print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(USAGE_EXIT) from None
+exit_if_shadowed()
 
 from sanitizer.pytest_plugin import *  # noqa: E402,F401,F403

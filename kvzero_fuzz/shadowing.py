@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 DISTRIBUTION = "kvzero-fuzz"
 OWN_PACKAGES = ("fuzz", "repro", "zeroer", "racecheck", "sanitizer")
 MARKER = "__distribution__"  # set to DISTRIBUTION in each own package's __init__.py
+USAGE_EXIT = 2  # a shadowed package is a usage error (docs/bad-input.md)
 
 
 class ShadowedPackageError(ImportError):
@@ -125,3 +127,13 @@ def check_own_packages(names: Iterable[str] = OWN_PACKAGES) -> None:
     message = shadowing_message([resolve(name) for name in names])
     if message is not None:
         raise ShadowedPackageError(message)
+
+
+def exit_if_shadowed() -> None:
+    """What the pytest entry points do first: exit with status 2 and one line on stderr unless every
+    own package is this distribution's."""
+    try:
+        check_own_packages()
+    except ShadowedPackageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(USAGE_EXIT) from None
