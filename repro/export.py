@@ -25,6 +25,7 @@ import datetime
 import json
 import keyword
 import re
+import textwrap
 from pathlib import Path
 
 from racecheck.environment import describe
@@ -80,15 +81,9 @@ def _headline(trace: Trace, title: str | None) -> str:
 
 
 def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
-    words, lines, line = text.split(), [], indent
-    for word in words:
-        if len(line) + len(word) + 1 > width and line.strip():
-            lines.append(line.rstrip())
-            line = indent
-        line += word + " "
-    if line.strip():
-        lines.append(line.rstrip())
-    return lines
+    """Whole words, lines shorter than ``width``."""
+    return textwrap.wrap(" ".join(text.split()), width - 1, initial_indent=indent, subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def _root_line(output: str) -> str:
