@@ -126,31 +126,28 @@ def parse_host_memory(value: str, offloader: str | None) -> tuple[str, ...]:
     return HOST_MEMORY if value == "both" else (value,)
 
 
-def parse_minutes(value: str | None) -> float | None:
+def _parse_float(flag: str, value: str | None, zero_ok: bool, give: str, bounds: str) -> float | None:
+    """``value`` as a finite number (greater than 0, or with ``zero_ok`` 0 or more); None stays None."""
     if value is None:
         return None
     try:
-        minutes = float(value)
+        number = float(value)
     except ValueError:
-        raise pytest.UsageError(f"--fuzz-minutes {value!r} is not a number; give a positive number of minutes, e.g. 30") from None
-    if not (minutes > 0 and math.isfinite(minutes)):
-        raise pytest.UsageError(f"--fuzz-minutes {value!r} must be a finite number greater than 0; give minutes, e.g. 30")
-    return minutes
+        raise pytest.UsageError(f"{flag} {value!r} is not a number; give {give}, e.g. 30") from None
+    if not ((number >= 0 if zero_ok else number > 0) and math.isfinite(number)):
+        raise pytest.UsageError(f"{flag} {value!r} must be a finite number {bounds}")
+    return number
+
+
+def parse_minutes(value: str | None) -> float | None:
+    return _parse_float("--fuzz-minutes", value, False, "a positive number of minutes", "greater than 0; give minutes, e.g. 30")
 
 
 def parse_shrink_seconds(value: str | None) -> float | None:
     """``--fuzz-shrink-seconds S``: how long each stage of shrinking a finding may take (None: the
     default of the backend it replays on, fuzz.engine.shrink.SHRINK_BOUND_S)."""
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise pytest.UsageError(f"--fuzz-shrink-seconds {value!r} is not a number; give seconds, e.g. 30") from None
-    if not (seconds >= 0 and math.isfinite(seconds)):
-        raise pytest.UsageError(f"--fuzz-shrink-seconds {value!r} must be a finite number of seconds, 0 or more; "
-                                f"e.g. 30 (0 keeps each finding's first failing program)")
-    return seconds
+    return _parse_float("--fuzz-shrink-seconds", value, True, "seconds",
+                        "of seconds, 0 or more; e.g. 30 (0 keeps each finding's first failing program)")
 
 
 def parse_geometries(value: str | None, zeroer: str | None) -> tuple[str, ...] | None:

@@ -188,26 +188,16 @@ def aliased_returns(func: Any) -> list[int | None]:
 
 # op -> (position of the indexed tensor, position of its dim (or a fixed dim), position of the index, writes)
 _INDEXED: dict[Any, tuple[int, int | tuple[int], int, bool]] = {}
-for _name, _spec in {
-    "index_select.default": (0, 1, 2, False),
-    "index_copy_.default": (0, 1, 2, True),
-    "index_add_.default": (0, 1, 2, True),
-    "index_fill_.int_Scalar": (0, 1, 2, True),
-    "index_fill_.int_Tensor": (0, 1, 2, True),
-    "index_reduce_.default": (0, 1, 2, True),
-    "gather.default": (0, 1, 2, False),
-    "scatter_.src": (0, 1, 2, True),
-    "scatter_.value": (0, 1, 2, True),
-    "scatter_.reduce": (0, 1, 2, True),
-    "scatter_.value_reduce": (0, 1, 2, True),
-    "scatter_add_.default": (0, 1, 2, True),
-    "scatter_reduce_.two": (0, 1, 2, True),
-    "embedding.default": (0, (0,), 1, False),
-}.items():
-    for _op in _ops(_name):
-        _INDEXED[_op] = _spec
-_INDEX_LIST = {op: write for op, write in ((o, False) for o in _ops("index.Tensor"))}
-_INDEX_LIST.update({op: True for op in _ops("index_put_.default", "_index_put_impl_.default")})
+for _names, _spec in (
+    (("index_select.default", "gather.default"), (0, 1, 2, False)),
+    (("index_copy_.default", "index_add_.default", "index_fill_.int_Scalar", "index_fill_.int_Tensor",
+      "index_reduce_.default", "scatter_.src", "scatter_.value", "scatter_.reduce", "scatter_.value_reduce",
+      "scatter_add_.default", "scatter_reduce_.two"), (0, 1, 2, True)),
+    (("embedding.default",), (0, (0,), 1, False)),
+):
+    _INDEXED.update(dict.fromkeys(_ops(*_names), _spec))
+_INDEX_LIST = dict.fromkeys(_ops("index.Tensor"), False)
+_INDEX_LIST.update(dict.fromkeys(_ops("index_put_.default", "_index_put_impl_.default"), True))
 
 
 class OpInfo:
