@@ -582,6 +582,9 @@ class Runtime(ABC):
         self.synchronize()
 
     # -- backend hooks -------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        """Raise if this runtime can no longer be used (a closed cuda runtime); by default it can."""
+
     def _new_stream_handle(self, stream: Stream) -> object:
         return None
 

@@ -40,9 +40,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from zeroer.errors import DeadlockError, RuntimeUsageError
+
+if TYPE_CHECKING:
+    from racecheck.hb import OpStamp
+    from zeroer.runtime.base import Event, Hold, Stream
 
 
 @dataclass
@@ -191,3 +195,43 @@ class StreamQueues:
                 lines.append(f"  stream '{name}': {reason}")
         lines.append("release the hold (Runtime.release) before synchronising")
         return "\n".join(lines)
+
+
+class ModelledStreams:
+    """The runtime hooks that only the model answers, for a runtime whose streams run when its
+    ``queues`` say: the simulator and the controlled cuda runtime (mixed in before their base,
+    which provides ``_enqueue(stream, op)`` and ``_check_usable()``)."""
+
+    queues: StreamQueues
+
+    def pending(self, stream: Stream) -> int:
+        return self.queues.pending(stream.index)
+
+    def _stream_done(self, stream: Stream) -> bool:
+        # The model moves only while the host waits for the device, so it answers for both.
+        self._check_usable()
+        return self.queues.pending(stream.index) == 0
+
+    def _event_done(self, event: Event) -> bool:
+        self._check_usable()
+        return event.stream is None or self.queues.completed(event.stream.index, event.position)
+
+    def _delay(self, stream: Stream, amount: int, stamp: OpStamp) -> None:
+        self._check_usable()
+        # The model makes the stream take ``amount`` steps (on cuda the op's gate alone enforces that).
+        self._enqueue(stream, QueuedOp("sleep", stamp.label, remaining=amount))
+
+    def _hold(self, hold: Hold, stamp: OpStamp) -> None:
+        self._check_usable()
+        # It runs once the host released the hold AND the model runs it.
+        op = QueuedOp("hold", stamp.label)
+        hold.payload["op"] = op
+        self._enqueue(hold.stream, op)
+
+    def _release(self, hold: Hold) -> None:
+        self._check_usable()
+        self.queues.release(hold.payload["op"])
+
+    def _advance(self, stream: Stream, ops: int) -> int:
+        self._check_usable()
+        return self.queues.advance(stream.index, ops)

@@ -40,10 +40,10 @@ from typing import Callable, Protocol
 
 import torch
 
-from zeroer.runtime.base import Event, Hold, HostBuffer, Runtime, Stream
+from zeroer.runtime.base import Event, HostBuffer, Runtime, Stream
 from racecheck.hb import OpStamp
 from zeroer.runtime.host_memory import size_class
-from zeroer.runtime.queues import QueuedOp, StreamQueues
+from zeroer.runtime.queues import ModelledStreams, QueuedOp, StreamQueues
 
 #: Simulated milliseconds per scheduling step: what a timing event's elapsed_time counts in.
 SIM_MS_PER_STEP = 0.001
@@ -138,7 +138,7 @@ class SimHostAllocator:
         self._free.setdefault((buf.protected, size), []).append(buf.block)
 
 
-class SimRuntime(Runtime):
+class SimRuntime(ModelledStreams, Runtime):
     """The simulator backend. See the module docstring."""
 
     backend = "sim"
@@ -174,9 +174,6 @@ class SimRuntime(Runtime):
         self._after_host_call()
         return position
 
-    def pending(self, stream: Stream) -> int:
-        return self.queues.pending(stream.index)
-
     # -- events ------------------------------------------------------------------------------
     def _record(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
         op = QueuedOp("record", stamp.label)
@@ -195,9 +192,6 @@ class SimRuntime(Runtime):
     def _wait(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
         target = (event.stream.index, event.position) if event.stream is not None else None
         self._enqueue(stream, QueuedOp("wait", stamp.label, wait_for=target))
-
-    def _event_done(self, event: Event) -> bool:
-        return event.stream is None or self.queues.completed(event.stream.index, event.position)
 
     def _sync_event(self, event: Event) -> None:
         self.queues.run_until(event.stream.index, event.position)
@@ -229,17 +223,3 @@ class SimRuntime(Runtime):
 
     def _launch(self, fn: Callable[[], None], stream: Stream, stamp: OpStamp) -> None:
         self._enqueue(stream, QueuedOp("kernel", stamp.label, action=fn))
-
-    def _delay(self, stream: Stream, amount: int, stamp: OpStamp) -> None:
-        self._enqueue(stream, QueuedOp("sleep", stamp.label, remaining=amount))
-
-    def _hold(self, hold: Hold, stamp: OpStamp) -> None:
-        op = QueuedOp("hold", stamp.label)
-        hold.payload["op"] = op
-        self._enqueue(hold.stream, op)
-
-    def _release(self, hold: Hold) -> None:
-        self.queues.release(hold.payload["op"])
-
-    def _advance(self, stream: Stream, ops: int) -> int:
-        return self.queues.advance(stream.index, ops)

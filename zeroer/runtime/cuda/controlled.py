@@ -46,15 +46,14 @@ from collections.abc import Iterator
 from typing import Callable
 
 from zeroer.errors import RuntimeUsageError
-from zeroer.runtime.base import Event, Hold, Stream
+from zeroer.runtime.base import Stream
 from racecheck import real_cuda
 from zeroer.runtime.cuda.common import CudaRuntimeBase
 from racecheck.gate import hardware_queues, request_eager_module_loading, request_hardware_queues
-from racecheck.hb import OpStamp
-from zeroer.runtime.queues import QueuedOp, StreamQueues
+from zeroer.runtime.queues import ModelledStreams, QueuedOp, StreamQueues
 
 
-class ControlledCudaRuntime(CudaRuntimeBase):
+class ControlledCudaRuntime(ModelledStreams, CudaRuntimeBase):
     """The cuda backend with every op gated and run when its model says. See the module docstring."""
 
     mode = "controlled"
@@ -172,14 +171,7 @@ class ControlledCudaRuntime(CudaRuntimeBase):
         self.queues.add_stream(stream.name)
         return handle
 
-    def pending(self, stream: Stream) -> int:
-        return self.queues.pending(stream.index)
-
-    # -- events ------------------------------------------------------------------------------
-    def _event_done(self, event: Event) -> bool:
-        self._check_usable()
-        return self.queues.completed(event.stream.index, event.position)
-
+    # -- syncs (holds, delays, advance and queries are the model's: ModelledStreams) ---------
     def _before_sync(self, what: str, stream: int | None = None, position: int | None = None) -> None:
         # The model runs the least work the sync needs (a held stream raises DeadlockError), so
         # the real sync that follows is immediate.
@@ -189,29 +181,3 @@ class ControlledCudaRuntime(CudaRuntimeBase):
             self.queues.drain(stream)
         else:
             self.queues.run_until(stream, position)
-
-    # -- work --------------------------------------------------------------------------------
-    def _delay(self, stream: Stream, amount: int, stamp: OpStamp) -> None:
-        self._check_usable()
-        # The model makes the stream take ``amount`` steps; the gate alone enforces that.
-        self._submit(stream, "sleep", stamp.label, remaining=amount)
-
-    def _hold(self, hold: Hold, stamp: OpStamp) -> None:
-        self._check_usable()
-        # Its gate opens once the host released the hold AND the model runs it.
-        op = QueuedOp("hold", stamp.label)
-        hold.payload["op"] = op
-        self._enqueue(hold.stream, op)
-
-    def _release(self, hold: Hold) -> None:
-        self._check_usable()
-        self.queues.release(hold.payload["op"])
-
-    def _stream_done(self, stream: Stream) -> bool:
-        # The model moves only while the host waits for the device, so it answers for both.
-        self._check_usable()
-        return self.queues.pending(stream.index) == 0
-
-    def _advance(self, stream: Stream, ops: int) -> int:
-        self._check_usable()
-        return self.queues.advance(stream.index, ops)
