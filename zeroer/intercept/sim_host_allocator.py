@@ -38,11 +38,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from zeroer.runtime import Event, Runtime, Stream
-
-
-def size_class(nbytes: int) -> int:
-    """``c10::llvm::PowerOf2Ceil``: the block size a request of ``nbytes`` gets."""
-    return 1 << max(nbytes - 1, 0).bit_length()
+from zeroer.runtime.host_memory import size_class  # c10::llvm::PowerOf2Ceil
 
 
 @dataclass(eq=False)
