@@ -93,8 +93,9 @@ def zero_blocks_torch(cache: KVCache, ids: torch.Tensor) -> None:
 class StagedZeroer:
     """Base of the designs that stage ids in pinned memory and copy them to the device.
 
-    Subclasses implement :meth:`zero_block_ids` with their staging strategy and call
-    :meth:`_launch_zero` to enqueue the kernel behind their copy.
+    :meth:`zero_block_ids` checks the ids and annotates the call; subclasses implement
+    :meth:`_zero` with their staging strategy and call :meth:`_launch_zero` to enqueue the kernel
+    behind their copy.
     """
 
     name = "staged"
@@ -143,7 +144,15 @@ class StagedZeroer:
         """Zero the null block 0, as vLLM's warm-up does (the kernel is compiled on the way)."""
         self.zero_block_ids([0])
 
-    def zero_block_ids(self, block_ids: list[int]) -> None:  # pragma: no cover - abstract
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        ids = self._validate(block_ids)
+        if not ids:
+            return
+        with self.rt.annotate(self._origin(ids)):
+            self._zero(ids)
+
+    def _zero(self, ids: list[int]) -> None:  # pragma: no cover - abstract
+        """Stage the checked, non-empty ``ids`` and enqueue the zero kernel behind their copy."""
         raise NotImplementedError
 
 

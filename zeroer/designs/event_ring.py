@@ -69,20 +69,16 @@ class EventRingZeroer(StagedZeroer, StagingRing[_Slot]):
             self.rt.synchronize_event(slot.event)
 
     # -- the call ------------------------------------------------------------------------------
-    def zero_block_ids(self, block_ids: list[int]) -> None:
-        ids = self._validate(block_ids)
-        if not ids:
-            return
+    def _zero(self, ids: list[int]) -> None:
         n = len(ids)
-        with self.rt.annotate(self._origin(ids)):
-            slot = self._acquire()
-            if len(slot.host) < n:
-                # The slot is idle (the host saw its event complete), so its buffers can go.
-                self.rt.free_host(slot.host)
-                slot.host = self.rt.host_buffer(2 * n)
-                slot.dev = self.rt.device_buffer(2 * n, name=f"event_ring slot {slot.index} ids")
-            self.rt.write_host(slot.host, ids)
-            self.rt.copy_h2d(slot.dev, slot.host, n)
-            self._launch_zero(slot.dev, n, ids)
-            slot.event = self.rt.record_event(slot.event)
-            slot.busy = True
+        slot = self._acquire()
+        if len(slot.host) < n:
+            # The slot is idle (the host saw its event complete), so its buffers can go.
+            self.rt.free_host(slot.host)
+            slot.host = self.rt.host_buffer(2 * n)
+            slot.dev = self.rt.device_buffer(2 * n, name=f"event_ring slot {slot.index} ids")
+        self.rt.write_host(slot.host, ids)
+        self.rt.copy_h2d(slot.dev, slot.host, n)
+        self._launch_zero(slot.dev, n, ids)
+        slot.event = self.rt.record_event(slot.event)
+        slot.busy = True

@@ -25,18 +25,11 @@ class PerCallZeroer(StagedZeroer):
     #: staging memory from the caching host allocator; the zoo's unprotected variant sets False
     staging_protected = True
 
-    def zero_block_ids(self, block_ids: list[int]) -> None:
-        ids = self._validate(block_ids)
-        if not ids:
-            return
-        with self.rt.annotate(self._origin(ids)):
-            self._stage_and_zero(ids)
-
     def _device_ids(self, n: int) -> DeviceBuffer:
         """Where the ids land on the device: a fresh stream-ordered buffer per call."""
         return self.rt.device_buffer(n, name=f"{self.name} ids")
 
-    def _stage_and_zero(self, ids: list[int]) -> None:
+    def _zero(self, ids: list[int]) -> None:
         n = len(ids)
         host = self.rt.host_buffer(n, protected=self.staging_protected)
         self.rt.write_host(host, ids)

@@ -54,20 +54,19 @@ class RingZeroer(StagedZeroer):
         ]
         self.index = 0
 
-    def zero_block_ids(self, block_ids: list[int]) -> None:
-        ids = self._validate(block_ids)
-        if not ids:
-            return
+    def _origin(self, ids: list[int]) -> str:
+        return super()._origin(ids) + f" [slot {self.index}]"
+
+    def _zero(self, ids: list[int]) -> None:
         n = len(ids)
-        with self.rt.annotate(self._origin(ids) + f" [slot {self.index}]"):
-            if n > self.id_cap:
-                for buf in self._host:
-                    self.rt.free_host(buf)
-                self.id_cap = 2 * n
-                self._allocate()
-            slot = self.index
-            # a ring's depth alone does not stop reuse; see vLLM #48085 / #48399
-            self.rt.write_host(self._host[slot], ids)
-            self.rt.copy_h2d(self._dev[slot], self._host[slot], n)
-            self._launch_zero(self._dev[slot], n, ids)
-            self.index = (slot + 1) % self.max_concurrency
+        if n > self.id_cap:
+            for buf in self._host:
+                self.rt.free_host(buf)
+            self.id_cap = 2 * n
+            self._allocate()
+        slot = self.index
+        # a ring's depth alone does not stop reuse; see vLLM #48085 / #48399
+        self.rt.write_host(self._host[slot], ids)
+        self.rt.copy_h2d(self._dev[slot], self._host[slot], n)
+        self._launch_zero(self._dev[slot], n, ids)
+        self.index = (slot + 1) % self.max_concurrency

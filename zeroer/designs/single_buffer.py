@@ -34,19 +34,15 @@ class SingleBufferZeroer(StagedZeroer):
         self._host = runtime.host_buffer(id_cap)
         self._dev = runtime.device_buffer(id_cap, name="single_buffer ids")
 
-    def zero_block_ids(self, block_ids: list[int]) -> None:
-        ids = self._validate(block_ids)
-        if not ids:
-            return
+    def _zero(self, ids: list[int]) -> None:
         n = len(ids)
-        with self.rt.annotate(self._origin(ids)):
-            if n > self.id_cap:
-                # Growth is benign: the caching host allocator keeps the old block until its
-                # copy's event completes (pytorch/pytorch#130785).
-                self.rt.free_host(self._host)
-                self.id_cap = 2 * n
-                self._host = self.rt.host_buffer(self.id_cap)
-                self._dev = self.rt.device_buffer(self.id_cap, name="single_buffer ids")
-            self.rt.write_host(self._host, ids)  # the host rewrites it now: the #48085 race
-            self.rt.copy_h2d(self._dev, self._host, n)
-            self._launch_zero(self._dev, n, ids)
+        if n > self.id_cap:
+            # Growth is benign: the caching host allocator keeps the old block until its
+            # copy's event completes (pytorch/pytorch#130785).
+            self.rt.free_host(self._host)
+            self.id_cap = 2 * n
+            self._host = self.rt.host_buffer(self.id_cap)
+            self._dev = self.rt.device_buffer(self.id_cap, name="single_buffer ids")
+        self.rt.write_host(self._host, ids)  # the host rewrites it now: the #48085 race
+        self.rt.copy_h2d(self._dev, self._host, n)
+        self._launch_zero(self._dev, n, ids)

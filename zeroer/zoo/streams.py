@@ -89,16 +89,12 @@ class SideStream(ZooEntry, _FreshHostStaging):
         super().__init__(cache, runtime, kernel=kernel)
         self.side = runtime.new_stream(f"{self.name} side")
 
-    def zero_block_ids(self, block_ids: list[int]) -> None:
-        ids = self._validate(block_ids)
-        if not ids:
-            return
-        with self.rt.annotate(self._origin(ids)):
-            ready = self.rt.record_event()  # the side stream waits for the caller's stream ...
-            self.rt.wait_event(ready, stream=self.side)
-            with self.rt.use_stream(self.side):
-                self._stage_and_zero(ids)
-            # ... and the caller's stream never waits for the side stream: the missing event.
+    def _zero(self, ids: list[int]) -> None:
+        ready = self.rt.record_event()  # the side stream waits for the caller's stream ...
+        self.rt.wait_event(ready, stream=self.side)
+        with self.rt.use_stream(self.side):
+            super()._zero(ids)
+        # ... and the caller's stream never waits for the side stream: the missing event.
 
 
 class CapturedStream(ZooEntry, _FreshHostStaging):
@@ -126,12 +122,9 @@ class CapturedStream(ZooEntry, _FreshHostStaging):
         super().__init__(cache, runtime, kernel=kernel)
         self.stream = runtime.current_stream()  # captured once: the bug
 
-    def zero_block_ids(self, block_ids: list[int]) -> None:
-        ids = self._validate(block_ids)
-        if not ids:
-            return
-        with self.rt.annotate(self._origin(ids)), self.rt.use_stream(self.stream):
-            self._stage_and_zero(ids)
+    def _zero(self, ids: list[int]) -> None:
+        with self.rt.use_stream(self.stream):
+            super()._zero(ids)
 
 
 class DeferredZero(ZooEntry, _FreshHostStaging):
@@ -162,4 +155,4 @@ class DeferredZero(ZooEntry, _FreshHostStaging):
         late, self._pending = self._pending, ids
         if late:
             with self.rt.annotate(self._origin(late) + " (deferred)"):
-                self._stage_and_zero(late)
+                self._zero(late)
