@@ -23,21 +23,17 @@ script: ``python PATH --steps N [--sleep]``. :data:`CORPUS` lists the pairs, rac
 
 from __future__ import annotations
 
+import functools
 import importlib
-from pathlib import Path
 from types import ModuleType
 
-from sanitizer.bench.programs import DEVICE_ACCESS, HOST_READ, HOST_WRITE, REUSE, Program, marked_lines
+from sanitizer.bench.programs import DEVICE_ACCESS, HOST_READ, HOST_WRITE, REUSE, Program, marked_lines, pair
 
 __all__ = ["CORPUS", "BY_NAME", "DEVICE_ACCESS", "HOST_READ", "HOST_WRITE", "REUSE", "Program", "load",
-           "marked_lines", "path"]
+           "marked_lines"]
 
 
-def _pair(racy: str, twin: str, hazard: str, pattern: str, upstream: str) -> tuple[Program, Program]:
-    return (Program(racy, True, hazard, twin, pattern, upstream, "corpus"),
-            Program(twin, False, "", racy, pattern, upstream, "corpus"))
-
-
+_pair = functools.partial(pair, collection="corpus")  # (racy, twin, hazard, pattern, upstream)
 CORPUS: tuple[Program, ...] = (
     *_pair("vllm_48085_zeroer_one_pinned_buffer", "vllm_48085_zeroer_fresh_pinned", HOST_WRITE,
            "KV block zeroer stages block ids through one persistent pinned buffer", "vLLM #48085"),
@@ -77,10 +73,3 @@ BY_NAME: dict[str, Program] = {p.name: p for p in CORPUS}
 def load(name: str) -> ModuleType:
     """The program's module (``KeyError`` for a name not in :data:`CORPUS`)."""
     return importlib.import_module(f"{__name__}.{BY_NAME[name].name}")
-
-
-def path(name: str) -> Path:
-    """The program's source file, to run it as a script."""
-    return Path(__file__).with_name(f"{BY_NAME[name].name}.py")
-
-

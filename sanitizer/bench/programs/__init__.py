@@ -49,23 +49,26 @@ class Program:
         return self.collection == "corpus"
 
 
-def _pair(racy: str, twin: str, hazard: str, pattern: str) -> tuple[Program, Program]:
-    return Program(racy, True, hazard, twin, pattern), Program(twin, False, "", racy, pattern)
+def pair(racy: str, twin: str, hazard: str, pattern: str, upstream: str = "",
+         collection: str = "programs") -> tuple[Program, Program]:
+    """A racy program and its race-free twin, each naming the other."""
+    return (Program(racy, True, hazard, twin, pattern, upstream, collection),
+            Program(twin, False, "", racy, pattern, upstream, collection))
 
 
 PROGRAMS: tuple[Program, ...] = (
-    *_pair("block_table_one_buffer", "block_table_fresh_pinned", HOST_WRITE,
-           "block-table staging through one pinned buffer (vLLM #48085; fix #48399)"),
-    *_pair("pinned_ring_wrong_stream_event", "pinned_ring_copy_stream_event", HOST_WRITE,
-           "ring of pinned buffers copied on a side stream, slot reuse gated by an event"),
-    *_pair("async_sched_shared_input", "async_sched_double_buffer", HOST_WRITE,
-           "async scheduling: next step's inputs staged while this step's copy is queued"),
-    *_pair("kv_offload_shared_bounce", "kv_offload_bounce_event", HOST_WRITE,
-           "KV reload from a CPU store through a pinned bounce buffer"),
-    *_pair("side_stream_no_record_stream", "side_stream_record_stream", REUSE,
-           "main-stream tensor consumed on a side stream, then freed and its memory reused"),
-    *_pair("cross_stream_no_wait", "cross_stream_wait_stream", DEVICE_ACCESS,
-           "tensor written on the main stream and read on a side stream"),
+    *pair("block_table_one_buffer", "block_table_fresh_pinned", HOST_WRITE,
+          "block-table staging through one pinned buffer (vLLM #48085; fix #48399)"),
+    *pair("pinned_ring_wrong_stream_event", "pinned_ring_copy_stream_event", HOST_WRITE,
+          "ring of pinned buffers copied on a side stream, slot reuse gated by an event"),
+    *pair("async_sched_shared_input", "async_sched_double_buffer", HOST_WRITE,
+          "async scheduling: next step's inputs staged while this step's copy is queued"),
+    *pair("kv_offload_shared_bounce", "kv_offload_bounce_event", HOST_WRITE,
+          "KV reload from a CPU store through a pinned bounce buffer"),
+    *pair("side_stream_no_record_stream", "side_stream_record_stream", REUSE,
+          "main-stream tensor consumed on a side stream, then freed and its memory reused"),
+    *pair("cross_stream_no_wait", "cross_stream_wait_stream", DEVICE_ACCESS,
+          "tensor written on the main stream and read on a side stream"),
 )
 BY_NAME: dict[str, Program] = {p.name: p for p in PROGRAMS}
 
