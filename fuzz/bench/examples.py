@@ -28,8 +28,8 @@ Run it::
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
+import runpy
 import shlex
 import sys
 import tempfile
@@ -77,17 +77,15 @@ def load_verdicts(path: str) -> dict[str, str]:
     file = Path(path)
     if file.suffix != ".py" or not file.is_file():
         raise UsageError(f"{path!r} is not a Python file; give a file of zeroer factories, e.g. {DEFAULT_FILE}")
-    loader = importlib.util.spec_from_file_location(f"_examples_{file.stem}", file)
-    module = importlib.util.module_from_spec(loader)
     try:
-        loader.loader.exec_module(module)
+        module = runpy.run_path(str(file))  # the file's globals
     except Exception as error:  # noqa: BLE001 - the user's file: say which and why
         raise UsageError(f"{path}: importing it failed: {error!r}") from None
-    verdicts = getattr(module, "VERDICTS", None)
+    verdicts = module.get("VERDICTS")
     if not isinstance(verdicts, dict) or not verdicts:
         raise UsageError(f"{path} has no VERDICTS dict; add one naming each factory's verdict, e.g. "
                          f"VERDICTS = {{'my_factory': 'race-free'}}")
-    bad = {name: verdict for name, verdict in verdicts.items() if verdict not in VERDICTS or not hasattr(module, name)}
+    bad = {name: verdict for name, verdict in verdicts.items() if verdict not in VERDICTS or name not in module}
     if bad:
         name, verdict = next(iter(bad.items()))
         raise UsageError(f"{path}: VERDICTS[{name!r}] = {verdict!r}; each key must be a factory of the file and each "

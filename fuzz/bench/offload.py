@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import math
+import runpy
 import statistics
 import sys
 import time
@@ -92,10 +92,7 @@ def verdicts(file: str = DEFAULT_FILE) -> dict[str, str]:
     if not path.is_file():
         raise OffloadBenchUsageError(f"--file {file!r} does not exist; run from the kvzero-fuzz checkout, or name a file "
                                      f"of offloader factories with a VERDICTS dict")
-    spec = importlib.util.spec_from_file_location("_offloaders_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    found = getattr(module, "VERDICTS", None)
+    found = runpy.run_path(str(path)).get("VERDICTS")
     if not isinstance(found, dict) or not found or not set(found.values()) <= {"racy", "race-free"}:
         raise OffloadBenchUsageError(f"--file {file!r} has no VERDICTS dict of factory name -> 'racy' or 'race-free'")
     return dict(found)
