@@ -83,8 +83,6 @@ class SanitizePlugin:
         self.partial = config.getoption("kvz_sanitize_partial")
         self.gpu: Any = None
         self.session: Any = None  # the simulator's session of the running test
-        self._seen = 0
-        self._notes_seen = 0
         self.reports: list[tuple[str, dict]] = []  # (nodeid, what its phase found), on the controller
 
     # -- the sanitizer's life ---------------------------------------------------------------------
@@ -107,7 +105,7 @@ class SanitizePlugin:
             return
         from sanitizer.sim.session import ProgramSession, sanitized
 
-        self.session, self._seen, self._notes_seen = ProgramSession(item.nodeid), 0, 0
+        self.session = ProgramSession(item.nodeid)
         with sanitized(self.session, "test"):
             yield
         self.session = None
@@ -117,16 +115,12 @@ class SanitizePlugin:
             return self.gpu.checkpoint(failed=failed)
         if self.session is None:
             return [], [], []
-        watch = self.session.watch
-        with watch.lock:
-            from sanitizer.sites import caller_site
+        from sanitizer.sites import caller_site
 
-            watch.boundary(caller_site())
-            watch.collect()
-        races, notes = watch.races[self._seen:], watch.notes[self._notes_seen:]
-        self._seen, self._notes_seen = len(watch.races), len(watch.notes)
+        watch = self.session.watch
+        watch.scope_end(caller_site())
         unfollowed, self.session.unfollowed = self.session.unfollowed, []
-        return list(races), unfollowed, list(notes)
+        return watch.take_races(), unfollowed, watch.take_notes()
 
     # -- verdicts ----------------------------------------------------------------------------------
     @pytest.hookimpl(hookwrapper=True)

@@ -88,20 +88,21 @@ class GpuSanitizer:
     def checkpoint(self, failed: bool = False) -> tuple[list[Race], list[str], list[str]]:
         """End of a scope (a test phase): forced holds released, host checked; what it found
         (``failed``: the scope's code failed, which in force mode may show an unseen host read)."""
+        return self._found(failed, stop=False)
+
+    def stop(self, failed: bool = False) -> tuple[list[Race], list[str], list[str]]:
+        return self._found(failed, stop=True)
+
+    def _found(self, failed: bool, *, stop: bool) -> tuple[list[Race], list[str], list[str]]:
         from sanitizer.sites import caller_site
 
         obs = self.observer
         held = self._held_at_failure(failed)
-        obs.scope_end(caller_site())
-        races = obs.take_races()
-        if held and not races:  # a race seen explains the failure already
-            races = unseen_reads(held, races)
-        return races, [u.message() for u in obs.take_unfollowed()], obs.take_notes()
-
-    def stop(self, failed: bool = False) -> tuple[list[Race], list[str], list[str]]:
-        obs = self.observer
-        held = self._held_at_failure(failed)
-        races = obs.stop()
+        if stop:
+            races = obs.stop()
+        else:
+            obs.scope_end(caller_site())
+            races = obs.take_races()
         if held and not races:  # a race seen explains the failure already
             races = unseen_reads(held, races)
         return races, [u.message() for u in obs.take_unfollowed()], obs.take_notes()

@@ -38,6 +38,8 @@ QUICK_EVERY = 8  # a device op's boundary compares the snapshots every this many
 class HostWatch:
     """See the module docstring. ``hb``, ``threads`` and ``pinned`` are the backend's."""
 
+    device_key = ""  # the first part of the checker's keys of device memory (the second: what generations count)
+
     def __init__(self, hb: HappensBefore, threads: HostThreads, pinned: PinnedWatch) -> None:
         self.hb = hb
         self.threads = threads
@@ -229,6 +231,20 @@ class HostWatch:
             self.last_site = caller_site()
 
     # -- results ------------------------------------------------------------------------------------
+    def scope_end(self, site: Site) -> None:
+        """A test (or the program) ended at ``site``: the host is checked once more."""
+        with self.lock:
+            self.boundary(site)
+            self.collect()
+
+    def take_races(self) -> list[Race]:
+        races, self.races = self.races, []
+        return races
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
+
     def access_of(self, label: str) -> Access | None:
         return getattr(label, "access", None)
 
@@ -255,6 +271,14 @@ class HostWatch:
         return Race(self.kind_of(hazard), hazard.resource, self.allocated_at(hazard), first, second)
 
     def kind_of(self, hazard: Hazard) -> str:
+        """``reuse-without-record-stream`` where two streams touched device memory (a key of
+        :attr:`device_key`) in two of its allocations (their labels' generations differ)."""
+        key = hazard.key
+        if hazard.kind == "unordered-device-access" and isinstance(key, tuple) and key[:1] == (self.device_key,):
+            first = getattr(hazard.first, "generations", {}).get(key[1])
+            second = getattr(hazard.second, "generations", {}).get(key[1])
+            if first is not None and second is not None and first != second:
+                return "reuse-without-record-stream"
         return hazard.kind
 
     def allocated_at(self, hazard: Hazard) -> Site | None:

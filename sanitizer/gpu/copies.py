@@ -43,7 +43,7 @@ def copy(handler: Any, func: Any, args: tuple, kwargs: dict, what: str, site: Si
         to_device = device.is_device(src) if target is None else torch.device(target).type == "cuda"
     from_device = device.is_device(src)
     h2d, d2h = not from_device and to_device, from_device and not to_device
-    region = obs.pinned_region(src) if h2d else (obs.pinned_region(dst) if d2h and dst is not None else None)
+    region = obs.region_of(src) if h2d else (obs.region_of(dst) if d2h and dst is not None else None)
     # torch passes a host side of another layout or dtype through a pageable temporary: staged, or synchronous
     temporary = non_blocking and (h2d or d2h) and host_temporary(dst, src, to_device=h2d)
     reads_pinned = h2d and non_blocking and region is not None and not temporary

@@ -100,7 +100,7 @@ def declare(obs: Any, model: EffectModel, given: list[Any], tensors: list[torch.
         storage = tensor.untyped_storage()
         if device.is_device(tensor):
             storages[storage.data_ptr()] = storage.nbytes()
-        elif obs.pinned_region(tensor) is None:  # read by the host at the call (a mapping, a table)
+        elif obs.region_of(tensor) is None:  # read by the host at the call (a mapping, a table)
             host_args.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
     hb = obs.hb
     for runs, write in ((fx.reads, False), (fx.writes, True)):

@@ -79,7 +79,7 @@ class GraphRecord:
             if device.is_device(src):
                 captured.touch(src, False)
             elif dst is not None and device.is_device(dst):
-                region = obs.pinned_region(src)
+                region = obs.region_of(src)
                 if region is not None:
                     with torch._C.DisableTorchFunction():
                         captured.pinned_reads.append((region, src.detach()))
@@ -87,7 +87,7 @@ class GraphRecord:
             if dst is not None and device.is_device(dst):
                 captured.touch(dst, True)
             elif dst is not None:
-                region = obs.pinned_region(dst)
+                region = obs.region_of(dst)
                 if region is not None:
                     captured.pinned_writes.append((region, dst.detach()))
             result = func(*args, **kwargs)

@@ -60,7 +60,7 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any = None) -
         return  # a launch on kvzero's simulator
     device = obs.device
     on_device = [(n, v) for n, v in tensors if device.is_device(v)]
-    pinned = [(obs.pinned_region(v), v, n) for n, v in tensors if not device.is_device(v)]
+    pinned = [(obs.region_of(v), v, n) for n, v in tensors if not device.is_device(v)]
     if not on_device and not any(region is not None for region, _, _ in pinned):
         return
     stored = stored_params(jit.fn)

@@ -51,6 +51,8 @@ GC_THRESHOLD = 20_000  # allocations between young collections while an observer
 class Observer(HostWatch):
     """The sanitizer's state for one process; see the module docstring."""
 
+    device_key = "cudamem"  # device memory's key: ("cudamem", address); labels count its generations
+
     def __init__(self, *, forcing: Any = None, device: Any = None) -> None:
         hb = HappensBefore()
         threads = HostThreads(hb)
@@ -129,23 +131,15 @@ class Observer(HostWatch):
         return dispatch.enter(self)
 
     def scope_end(self, site: Site) -> None:
-        """A test (or the program) ended: release what force mode holds, check the host once more."""
+        """:meth:`HostWatch.scope_end`, what force mode holds released and the indexed ops resolved."""
         with self.lock:
             self.boundary(site)
             self.release_forced(site)
             self.indices.finish()
             self.collect()
 
-    def take_races(self) -> list[Race]:
-        races, self.races = self.races, []
-        return races
-
     def take_unfollowed(self) -> list[Unfollowed]:
         notes, self.unfollowed = self.unfollowed, []
-        return notes
-
-    def take_notes(self) -> list[str]:
-        notes, self.notes = self.notes, []
         return notes
 
     def own_work(self) -> "_OwnWork":
@@ -232,15 +226,12 @@ class Observer(HostWatch):
         self._alloc_stream.clear()
 
     # -- pinned memory -----------------------------------------------------------------------------
-    def pinned_region(self, tensor: torch.Tensor, *, how: str = "") -> Region | None:
+    def region_of(self, tensor: torch.Tensor) -> Region | None:
         """The pinned region ``tensor`` lives in: known, or pinned before the sanitizer started."""
         region = self.pinned.lookup(tensor)
         if region is None and self.device.is_pinned(tensor):
-            region = self.note_pinned(tensor, None, how or "allocated before the sanitizer started")
+            region = self.note_pinned(tensor, None, "allocated before the sanitizer started")
         return region
-
-    def region_of(self, tensor: torch.Tensor) -> Region | None:
-        return self.pinned_region(tensor)
 
     def note_pinned(self, tensor: torch.Tensor, site: Site | None, how: str) -> Region:
         with _disable_current_modes():
@@ -330,16 +321,6 @@ class Observer(HostWatch):
                 self.hb.host_observes_all(self.threads.current())
 
     # -- results -----------------------------------------------------------------------------------
-    def kind_of(self, hazard: Any) -> str:
-        if hazard.kind != "unordered-device-access":
-            return hazard.kind
-        address = _address_of(hazard)
-        first, second = hazard.first, hazard.second
-        if address is None or not isinstance(first, Label) or not isinstance(second, Label):
-            return hazard.kind
-        reused = first.generations.get(address) != second.generations.get(address)
-        return "reuse-without-record-stream" if reused else hazard.kind
-
     def allocated_at(self, hazard: Any) -> Site | None:
         address = _address_of(hazard)
         if address is not None:

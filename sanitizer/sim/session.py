@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from racecheck.hb import Hazard, OpStamp
+from racecheck.hb import OpStamp
 from racecheck.pinned import Region
 from sanitizer.dynamo_guard import GUARD
 from sanitizer.host_ops import tensors_of
@@ -310,22 +310,11 @@ GUARD.add(HostOps)
 class SimWatch(HostWatch):
     """The host side of a program on the simulator (:class:`~sanitizer.watch.HostWatch`)."""
 
+    device_key = "simdev"  # zeroer.intercept.sim_memory: a block's key, its generation on the labels
+
     def __init__(self, session: ProgramSession) -> None:
         super().__init__(session.rt.hb, session.rt.threads, session.host)
         self.session = session
-
-    def access_of(self, label: str) -> Access | None:
-        return getattr(label, "access", None)
-
-    def kind_of(self, hazard: Hazard) -> str:
-        key = hazard.key
-        if hazard.kind == "unordered-device-access" and isinstance(key, tuple) and key[:1] == ("simdev",):
-            block = key[1]
-            first = getattr(hazard.first, "generations", {}).get(block)
-            second = getattr(hazard.second, "generations", {}).get(block)
-            if first is not None and second is not None and first != second:
-                return "reuse-without-record-stream"
-        return hazard.kind
 
     def _setup_thread(self) -> Callable[[], None] | None:
         return self.session.thread_modes()
@@ -340,9 +329,7 @@ def sanitized(session: ProgramSession, what: str) -> Iterator[None]:
             session.watch.mark_set_up()
             yield
     finally:
-        with session.lock:
-            session.watch.boundary(caller_site())
-            session.watch.collect()
+        session.watch.scope_end(caller_site())
         session.watch.deactivate_host_hooks()
 
 
