@@ -1,11 +1,5 @@
-"""Jobs in worker processes, for the benchmarks that run many: each record as it completes.
-
-Workers are spawned, not forked: a forked torch can hang in its thread pools. The caller owns
-the queue: ``next_job`` is asked again after each record it reads, so it may queue follow-up
-jobs (a finding's replays, more soak) as records arrive, and whatever ``next_job`` still holds
-when ``may_start`` turns false was never started.
-
-Example::
+"""Benchmark jobs in spawned worker processes (a forked torch can hang in its thread pools),
+each record yielded as it completes. Example::
 
     jobs = iter(my_jobs)
     for record in completed(run_job, lambda: next(jobs, None), workers=4, initializer=init):
@@ -23,10 +17,9 @@ from typing import Any
 def completed(run: Callable[[Any], dict], next_job: Callable[[], Any], workers: int, *,
               initializer: Callable[..., None], initargs: tuple = (), may_start: Callable[[], bool] = lambda: True,
               process_per_job: bool = False) -> Iterator[dict]:
-    """Yield ``run(job)`` for each job ``next_job()`` gives (None: none now), as it completes, in
-    ``workers`` spawned processes set up by ``initializer(*initargs)`` (1: in this process, as it
-    is). No job starts once ``may_start()`` is false; those already running finish and are
-    yielded. ``process_per_job``: a fresh process for every job."""
+    """Yield ``run(job)`` for each job ``next_job()`` gives (None: none now; asked again after each
+    record, so the caller may queue more) in ``workers`` processes set up by ``initializer(*initargs)``
+    (1: in this one, as it is). No job starts once ``may_start()`` is false; running ones finish."""
     if workers <= 1:
         while may_start() and (job := next_job()) is not None:
             yield run(job)
