@@ -103,14 +103,11 @@ class StreamProxy:
         return 1  # c10::DeviceType::CUDA
 
     def wait_event(self, event: "EventProxy") -> None:
-        self._api.boundary("Stream.wait_event")
-        if self._api.capturing():
-            return  # a node of the graph being captured: it orders nothing outside it
-        self._api.rt.wait_event(self._api.event_of(event), stream=self.runtime_stream)
+        if self._api.ordering("Stream.wait_event"):
+            self._api.rt.wait_event(self._api.event_of(event), stream=self.runtime_stream)
 
     def wait_stream(self, stream: "StreamProxy") -> None:
-        self._api.boundary("Stream.wait_stream")
-        if self._api.capturing():
+        if not self._api.ordering("Stream.wait_stream"):
             return
         other = self._api.stream_of(stream)
         marker = self._api.rt.record_event(stream=other)
@@ -122,13 +119,11 @@ class StreamProxy:
         return event
 
     def query(self) -> bool:
-        self._api.boundary("Stream.query")
-        self._api.refuse_sync("Stream.query")
+        self._api.syncing("Stream.query")
         return self._api.session.query_stream(self.runtime_stream)
 
     def synchronize(self) -> None:
-        self._api.boundary("Stream.synchronize")
-        self._api.refuse_sync("Stream.synchronize")
+        self._api.syncing("Stream.synchronize")
         self._api.rt.synchronize_stream(self.runtime_stream)
 
     def __eq__(self, other: object) -> bool:
@@ -168,32 +163,25 @@ class EventProxy:
         self.runtime_event: Event = self._api.rt.new_event(timing=bool(enable_timing))
 
     def record(self, stream: StreamProxy | None = None) -> None:
-        self._api.boundary("Event.record")
-        if self._api.capturing():
-            return
-        self._api.rt.record_event(self.runtime_event, stream=self._api.stream_of(stream))
+        if self._api.ordering("Event.record"):
+            self._api.rt.record_event(self.runtime_event, stream=self._api.stream_of(stream))
 
     def wait(self, stream: StreamProxy | None = None) -> None:
-        self._api.boundary("Event.wait")
-        if self._api.capturing():
-            return
-        self._api.rt.wait_event(self.runtime_event, stream=self._api.stream_of(stream))
+        if self._api.ordering("Event.wait"):
+            self._api.rt.wait_event(self.runtime_event, stream=self._api.stream_of(stream))
 
     def query(self) -> bool:
-        self._api.boundary("Event.query")
-        self._api.refuse_sync("Event.query")
+        self._api.syncing("Event.query")
         return self._api.session.query_event(self.runtime_event)
 
     def synchronize(self) -> None:
-        self._api.boundary("Event.synchronize")
-        self._api.refuse_sync("Event.synchronize")
+        self._api.syncing("Event.synchronize")
         self._api.rt.synchronize_event(self.runtime_event)
 
     def elapsed_time(self, end_event: "EventProxy") -> float:
         """Milliseconds between the two records (``Runtime.elapsed_time``: CUDA's errors where
         an event was made without timing, never recorded, or has not completed)."""
-        self._api.boundary("Event.elapsed_time")
-        self._api.refuse_sync("Event.elapsed_time")
+        self._api.syncing("Event.elapsed_time")
         return self._api.rt.elapsed_time(self.runtime_event, self._api.event_of(end_event))
 
     def ipc_handle(self) -> Any:
@@ -285,9 +273,17 @@ class CudaApi:
     def boundary(self, what: str) -> None:
         self.session.boundary(what)
 
-    def capturing(self) -> bool:
+    def ordering(self, what: str) -> bool:
+        """The code's stream-ordering call ``what`` (a boundary): whether it orders runtime streams,
+        False while a graph is captured (it is a node of that graph, ordering nothing outside it)."""
+        self.boundary(what)
         graphs = self.session.graphs
-        return graphs is not None and graphs.current() is not None
+        return graphs is None or graphs.current() is None
+
+    def syncing(self, what: str) -> None:
+        """The code's host-synchronising call ``what`` (a boundary), refused while a graph is captured."""
+        self.boundary(what)
+        self.refuse_sync(what)
 
     def refuse_sync(self, what: str) -> None:
         if self.session.graphs is not None:
