@@ -47,12 +47,10 @@ class FuzzMethod:
     """The fuzzer as a detection method; traces of findings go to ``repro_dir``."""
 
     repro_dir: Path
-    run_examples: int = RUN_EXAMPLES
-    steps: int = STEPS
 
     def __call__(self, config: EpisodeConfig, budget_s: float | None, seed: int) -> DetectionOutcome:
-        """Fuzz until a finding or ``budget_s`` seconds (None: one run of ``run_examples``)."""
-        profile = Profile("detect", max_examples=self.run_examples, steps=self.steps, budget_s=budget_s)
+        """Fuzz until a finding or ``budget_s`` seconds (None: one run of :data:`RUN_EXAMPLES`)."""
+        profile = Profile("detect", max_examples=RUN_EXAMPLES, steps=STEPS, budget_s=budget_s)
         result = run_campaign(Campaign(config, shard=seed, expect="clean"), profile, self.repro_dir, budget_s=budget_s)
         return _outcome(result, replay=True)
 

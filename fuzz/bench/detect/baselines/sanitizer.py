@@ -129,12 +129,7 @@ def child_command(config: EpisodeConfig, budget_s: float, seed: int, repro_dir: 
 
 
 def sanitizer(
-    config: EpisodeConfig,
-    budget_s: float,
-    seed: int,
-    *,
-    repro_dir: Path | None = None,
-    margin_s: float = CHILD_MARGIN_S,
+    config: EpisodeConfig, budget_s: float, seed: int, *, repro_dir: Path | None = None
 ) -> DetectionOutcome:
     """Baseline (c): the stress loop under CSAN on cuda (free mode), in a child process."""
     budget_s, seed = check_budget(budget_s), check_seed(seed)
@@ -144,7 +139,7 @@ def sanitizer(
     repro_dir = (repro_dir or DEFAULT_REPRO_DIR).resolve()
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    limit_s = budget_s + margin_s
+    limit_s = budget_s + CHILD_MARGIN_S
     rc, stdout, stderr, timed_out = run_child(child_command(config, budget_s, seed, repro_dir), env, limit_s)
     return outcome_from_child(rc, stdout, stderr, timed_out, limit_s)
 

@@ -171,7 +171,6 @@ def stress_loop(
     *,
     stop_on_finding: bool = True,
     hooks: EpisodeHooks | None = None,
-    steps_per_episode: int = STEPS_PER_EPISODE,
 ) -> StressResult:
     """Random episodes until a value finding (if ``stop_on_finding``), an exception, or the budget."""
     hooks = hooks or EpisodeHooks()
@@ -187,7 +186,7 @@ def stress_loop(
             result.steps += 1
             hooks.apply(episode, {"op": "start", "in_flight": rng.randint(1, MAX_IN_FLIGHT)})
             live: list[int] = []
-            for _ in range(steps_per_episode):
+            for _ in range(STEPS_PER_EPISODE):
                 op = draw_op(rng, episode, live)
                 result.steps += 1
                 outcome = hooks.apply(episode, op)
