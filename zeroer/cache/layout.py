@@ -282,7 +282,8 @@ class KVCache:
         self.raws: list[torch.Tensor] = []
         self._guard_masks: list[torch.Tensor] = []
         for tensor in spec.tensors:
-            raw = torch.full((self._total_words(tensor),), GUARD_WORD, dtype=torch.int32,
+            # A part past the last one starts where the buffer ends: its words are the buffer's size.
+            raw = torch.full((self._part_start(tensor, tensor.parts),), GUARD_WORD, dtype=torch.int32,
                              device=device, pin_memory=pin_memory)
             mask = torch.ones_like(raw, dtype=torch.bool)
             self.raws.append(raw)
@@ -302,10 +303,6 @@ class KVCache:
             [s.page for s in self.segments], self.device)
 
     # -- geometry ------------------------------------------------------------------------------
-
-    def _total_words(self, tensor: TensorSpec) -> int:
-        g = self.spec.guard_words
-        return g + tensor.parts * (self.num_kernel_blocks * tensor.row_words + g)
 
     def _part_start(self, tensor: TensorSpec, part: int) -> int:
         """Word offset of kernel block 0 of `part` in the raw buffer."""
