@@ -202,20 +202,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": str(device), "quick": args.quick, "versions": versions(device), "rows": bench.rows,
     }
-    main_blocks = QUICK_BLOCKS if args.quick else BENCH_BLOCKS
-    cache = build_cache(cache_spec(main_blocks, args.quick), device=device, fill="zero")
-    bench.sync()
-    for n in args.blocks:
-        bench.on_one_cache(cache, n)
-    del cache
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     footprints = QUICK_FOOTPRINTS if args.quick else [blocks_for_gib(g) for g in args.cache_gib]
-    for blocks in footprints:
-        other = build_cache(cache_spec(blocks, args.quick), device=device, fill="zero")
+    # The benchmark's cache first (every id set and writer), then caches of other sizes, one at a time.
+    for index, blocks in enumerate([QUICK_BLOCKS if args.quick else BENCH_BLOCKS, *footprints]):
+        cache = build_cache(cache_spec(blocks, args.quick), device=device, fill="zero")
         bench.sync()
-        bench.footprint(other, args.blocks)
-        del other
+        if index == 0:
+            for n in args.blocks:
+                bench.on_one_cache(cache, n)
+        else:
+            bench.footprint(cache, args.blocks)
+        del cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return result
