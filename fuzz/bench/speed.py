@@ -166,14 +166,12 @@ def judge(backend: str, throughput: list[dict], races: list[dict]) -> list[dict[
 
     for race in races:
         complete = race["found"].split("/")[0] == race["found"].split("/")[1]
-        if "race_total_s" in targets:
-            value = race["total_s"]["median"]
-            add(f"{race['zeroer']}: median s to a shrunk finding", f"median <= {targets['race_total_s']:g} s, found on every seed",
-                value, complete and value is not None and value <= targets["race_total_s"])
-        if "race_first_s" in targets:
-            value = race["first_finding_s"]["median"]
-            add(f"{race['zeroer']}: median s to the first finding", f"median <= {targets['race_first_s']:g} s, found on every seed",
-                value, complete and value is not None and value <= targets["race_first_s"])
+        for target, field, what in (("race_total_s", "total_s", "a shrunk finding"),
+                                    ("race_first_s", "first_finding_s", "the first finding")):
+            if target in targets:
+                value = race[field]["median"]
+                add(f"{race['zeroer']}: median s to {what}", f"median <= {targets[target]:g} s, found on every seed",
+                    value, complete and value is not None and value <= targets[target])
         if "shrunk_ops" in targets:
             value = race["shrunk_ops"]["max"]
             add(f"{race['zeroer']}: longest shrunk trace (ops)", f"<= {targets['shrunk_ops']:g}",
