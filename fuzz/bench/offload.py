@@ -36,7 +36,6 @@ import argparse
 import datetime
 import math
 import runpy
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from typing import Any
 
 from racecheck.atomic_file import write_json_atomically
 from fuzz.bench.detect.run import FUZZ, Job, run_jobs
+from fuzz.bench.stats import median
 from racecheck.cli import ArgumentParser, UsageError, check_output, run_main
 from fuzz.engine.episode import EpisodeConfig
 from racecheck.environment import environment
@@ -215,11 +215,9 @@ def summarize(records: list[dict], known: dict[str, str]) -> list[dict[str, Any]
                 row["reproduced"].append(f"{record['reproduced']}/{record['replays']}")
             else:
                 row["no_replays"] += 1
-    out = []
     for row in rows.values():
-        row["median_s"] = round(statistics.median(row["seconds"]), 2) if row["seconds"] else None
-        out.append(row)
-    return sorted(out, key=lambda r: (r["verdict"] != "racy", r["entry"], list(METHODS).index(r["method"])))
+        row["median_s"] = round(median(row["seconds"]), 2) if row["seconds"] else None
+    return sorted(rows.values(), key=lambda r: (r["verdict"] != "racy", r["entry"], list(METHODS).index(r["method"])))
 
 
 def judge(rows: list[dict]) -> list[str]:
