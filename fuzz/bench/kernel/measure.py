@@ -113,6 +113,11 @@ def pick_ids(n: int, num_blocks: int, order: str = "random") -> list[int]:
     return random.Random(n).sample(range(1, num_blocks), n)
 
 
+def pages_zeroed(cache: KVCache, ids: torch.Tensor) -> bool:
+    """Whether every page of the blocks ``ids`` reads zero, in every segment."""
+    return all(bool(cache.pages(s).index_select(0, ids).eq(0).all()) for s in range(len(cache.segments)))
+
+
 def run_row(ctx: Context, section: str, row: dict, measure: Callable[[dict], None]) -> dict:
     """Fill `row` with `measure`, or record why not: over budget, or the exception it raised."""
     if ctx.budget.exhausted:
@@ -195,8 +200,7 @@ def bandwidth_rows(ctx: Context, name: str) -> tuple[list[dict], dict]:
         cache.poison(ids)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=ctx.device)
         row["kernel_us"], row["gpu_timer"] = ctx.timer.gpu_us(lambda: zero_blocks(cache.table, ids_t))
-        row["pages_zeroed"] = all(bool(cache.pages(s).index_select(0, ids_t).eq(0).all())
-                                  for s in range(len(cache.segments)))
+        row["pages_zeroed"] = pages_zeroed(cache, ids_t)
         words = nbytes // 4
         zero_view, src = buf[:words], buf[words:2 * words]
         row["zero_us"], _ = ctx.timer.gpu_us(zero_view.zero_)

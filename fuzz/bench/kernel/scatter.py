@@ -50,7 +50,7 @@ from racecheck.atomic_file import write_json_atomically
 from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
 from fuzz.bench.kernel.caches import BENCH_BLOCKS, QUICK_BLOCKS, _llama, bytes_per_block
 from fuzz.bench.kernel.cli import _int_list
-from fuzz.bench.kernel.measure import pick_ids
+from fuzz.bench.kernel.measure import pages_zeroed, pick_ids
 from fuzz.bench.kernel.report import versions
 from fuzz.bench.kernel.timing import Timer
 from zeroer.cache.layout import CacheSpec, KVCache, build_cache
@@ -143,11 +143,6 @@ class Scatter:
         t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         self.emit(cache, n, variant, self.time(lambda: zero_blocks(cache.table, t)), z)
 
-    def pages_zeroed(self, cache: KVCache, ids: list[int]) -> bool:
-        self.sync()
-        t = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return all(bool(cache.pages(s).index_select(0, t).eq(0).all()) for s in range(len(cache.segments)))
-
     def on_one_cache(self, cache: KVCache, n: int) -> None:
         """Every id set and writer on ``cache`` (the benchmark's), ``n`` blocks each."""
         blocks = cache.spec.num_blocks
@@ -185,7 +180,8 @@ class Scatter:
         cache.poison(scattered)
         self.sync()
         seg_fastest()
-        self.emit(cache, n, "scattered, segment-fastest grid", us, z, pages_zeroed=self.pages_zeroed(cache, scattered))
+        self.sync()
+        self.emit(cache, n, "scattered, segment-fastest grid", us, z, pages_zeroed=pages_zeroed(cache, rows))
 
     def footprint(self, cache: KVCache, counts: Sequence[int]) -> None:
         """The same counts of scattered ids in ``cache``, a cache of another size."""
