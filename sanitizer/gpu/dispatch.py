@@ -34,7 +34,7 @@ from racecheck.ops import op_info, op_name
 from sanitizer.gpu import custom
 from sanitizer.dynamo_guard import GUARD
 from sanitizer.gpu.copies import copy
-from sanitizer.host_ops import written_tensors
+from sanitizer.host_ops import tensors_of, written_tensors
 from sanitizer.sites import Site, caller_site
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
@@ -91,22 +91,10 @@ class Handler:
         if info.custom:  # an extension's op: its effect model says what it touches (sanitizer.gpu.custom)
             return custom.on_op(self, func, args, kwargs)
         device = self.device
-        is_device = device.is_device
-        tensors: list[torch.Tensor] = []
-        on_device: list[torch.Tensor] = []
-        for value in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(value, torch.Tensor):
-                found = (value,)
-            elif isinstance(value, (list, tuple)):
-                found = tuple(v for v in value if isinstance(v, torch.Tensor))
-            else:
-                continue
-            for tensor in found:
-                if isinstance(tensor, SimCudaTensor):
-                    return func(*args, **kwargs)  # kvzero's simulator at work (its "cuda" is CPU memory)
-                tensors.append(tensor)
-                if is_device(tensor):
-                    on_device.append(tensor)
+        tensors = tensors_of(args, kwargs)
+        if any(isinstance(tensor, SimCudaTensor) for tensor in tensors):
+            return func(*args, **kwargs)  # kvzero's simulator at work (its "cuda" is CPU memory)
+        on_device = [tensor for tensor in tensors if device.is_device(tensor)]
         if not on_device:
             target = kwargs.get("device") if kwargs else None
             if target is None or not _is_cuda(target):
@@ -182,16 +170,10 @@ def _is_cuda(device: Any) -> bool:
 
 def fresh_outputs(func: Any, result: Any, device: Any, on_device: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The device tensors ``func`` returned that alias none of its arguments (new memory it wrote)."""
-    if isinstance(result, torch.Tensor):  # the common case: one return
-        aliased = op_info(func).aliased
-        if aliased and aliased[0] is not None:
-            return []
-        fresh = [result]
-    else:
-        aliased = op_info(func).aliased
-        outputs = result if isinstance(result, (tuple, list)) else (result,)
-        fresh = [o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)
-                 and (i >= len(aliased) or aliased[i] is None)]
+    aliased = op_info(func).aliased
+    outputs = result if isinstance(result, (tuple, list)) else (result,)
+    fresh = [o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)
+             and (i >= len(aliased) or aliased[i] is None)]
     if on_device:
         for out in fresh:
             device.adopt(out)

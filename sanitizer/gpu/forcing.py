@@ -24,7 +24,7 @@ Example (needs a GPU)::
     forcing = Forcing()
     held = forcing.hold(torch.cuda.current_stream())     # before the copy is issued
     dst.copy_(pinned, non_blocking=True)                  # queued behind the gate
-    forcing.watch(held, snapshot)                         # the bytes it will read (racecheck.pinned.Snapshot)
+    held.reads.append(snapshot)                           # the bytes it will read (racecheck.pinned.Snapshot)
     delivered = forcing.release()                         # [(snapshot, bytes it read)] that differ
 """
 
@@ -85,14 +85,6 @@ class Forcing:
                 self._timer._kvz_own = True  # type: ignore[attr-defined]  # the sanitizer's own: not followed
                 self._timer.start()
         return held
-
-    def watch(self, held: Held, snapshot: Any) -> None:
-        """``snapshot`` (a read of pinned bytes, :class:`racecheck.pinned.Snapshot`) is queued behind ``held``."""
-        held.reads.append(snapshot)
-
-    def watch_write(self, held: Held, region: Any, access: Any) -> None:
-        """A device-to-host copy into ``region`` (``access``: what and where) is queued behind ``held``."""
-        held.writes.append((region, access))
 
     def held_writes(self) -> list[tuple[Any, Any]]:
         """The device-to-host copies held behind a gate now, not yet released: (region, access).

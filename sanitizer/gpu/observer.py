@@ -24,9 +24,10 @@ Example (needs a GPU)::
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -142,9 +143,15 @@ class Observer(HostWatch):
         notes, self.unfollowed = self.unfollowed, []
         return notes
 
-    def own_work(self) -> "_OwnWork":
+    @contextlib.contextmanager
+    def own_work(self) -> Iterator[None]:
         """A scope of the sanitizer's own CUDA work, which no window may take for the program's."""
-        return _OwnWork(self)
+        own = self._own
+        own.busy = getattr(own, "busy", 0) + 1
+        try:
+            yield
+        finally:
+            own.busy -= 1
 
     # -- streams and labels ------------------------------------------------------------------------
     def stream_thread(self, stream: int) -> int:
@@ -250,14 +257,14 @@ class Observer(HostWatch):
                 keep = view.detach()
         snapshot = self.pinned.note_read(region, view, stamp, keep=keep)
         if held is not None and snapshot is not None:
-            self.forcing.watch(held, snapshot)
+            held.reads.append(snapshot)
 
     def queued_write(self, region: Region, view: torch.Tensor, stamp: OpStamp, held: Any) -> None:
         """``stamp`` (a device-to-host copy, a kernel storing into pinned memory) writes ``view`` of
         ``region`` when it runs: pending until the host has seen it, watched by force mode's ``held``."""
         self.pinned.note_device_write(region, view, stamp)
         if held is not None:
-            self.forcing.watch_write(held, region, stamp.label.access)
+            held.writes.append((region, stamp.label.access))
 
     def register_host_range(self, address: int, nbytes: int, site: Site) -> None:
         """``cudaHostRegister(address, nbytes)``: pinned memory outside the caching allocator."""
@@ -330,8 +337,6 @@ class Observer(HostWatch):
 
 def _custom_ops(obs: Observer) -> Any:
     """Custom ops' models routed to ``obs`` while it runs; the scope to close at its stop."""
-    import contextlib
-
     from racecheck import custom_ops
     from sanitizer.gpu import custom
 
@@ -357,20 +362,6 @@ def _collector_relaxed(relaxed: bool) -> None:
         gc.set_threshold(max(saved[0], GC_THRESHOLD), *saved[1:])
     elif not relaxed and _SAVED_THRESHOLDS:
         gc.set_threshold(*_SAVED_THRESHOLDS.pop())
-
-
-class _OwnWork:
-    __slots__ = ("_obs",)
-
-    def __init__(self, obs: Observer) -> None:
-        self._obs = obs
-
-    def __enter__(self) -> None:
-        own = self._obs._own
-        own.busy = getattr(own, "busy", 0) + 1
-
-    def __exit__(self, *exc: object) -> None:
-        self._obs._own.busy -= 1
 
 
 def _address_of(hazard: Any) -> int | None:

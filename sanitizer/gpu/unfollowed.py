@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sanitizer.sites import Site
 
 
+@dataclass
 class Unfollowed:
     """Something the program did that the sanitizer cannot follow, and where."""
 
-    def __init__(self, what: str, site: Site) -> None:
-        self.what, self.site = what, site
+    what: str
+    site: Site
 
     def message(self) -> str:
         return f"kvz-sanitize cannot follow {self.what} at {self.site}"
