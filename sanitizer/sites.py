@@ -96,15 +96,11 @@ def _is_library(code: CodeType) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _shown(filename: str) -> str:
+def _display(filename: str) -> str:
     try:
-        return os.path.relpath(filename)
+        shown = os.path.relpath(filename)
     except ValueError:  # another drive (Windows)
         return filename
-
-
-def _display(filename: str) -> str:
-    shown = _shown(filename)
     return filename if shown.startswith("..") else shown
 
 

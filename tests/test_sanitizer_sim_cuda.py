@@ -1,7 +1,7 @@
 """What engines and their tests call runs on the sanitizer's simulator as it runs on CUDA.
 
 Each test is a small program in the shape of an engine's own code (vLLM's CPU offload handler and
-its unit test, LMCache's transfer path), run in-process with :func:`sanitizer.sim.session.run_simulated`:
+its unit test, LMCache's transfer path), run in-process with :func:`sanitizer.sim.session.simulate`:
 ``torch.cuda.cudart()``'s results, ``set_`` onto a storage, ``.cpu()`` under ``torch.inference_mode()``,
 and pinned memory recycled by a model of torch's caching host allocator.
 """
@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from sanitizer.bench.programs import marked_lines
-from sanitizer.sim.session import run_simulated
+from sanitizer.sim.session import simulate
 
 
 def simulated(main: Callable[[], Any]) -> tuple[list, Any]:
     """The races of ``main`` on the simulator and what it returned; what it raised is raised."""
     box: list[Any] = []
-    races, error, _notes = run_simulated(lambda: box.append(main()))
+    races, error, _notes, _ = simulate(lambda: box.append(main()))
     if error is not None:
         raise error
     return races, box[0] if box else None
@@ -153,7 +153,7 @@ def test_a_block_a_non_blocking_copy_used_waits_for_the_copys_stream_before_reus
 
 def test_lmcache_4830_temporaries_read_by_a_kernel_and_dropped_on_return_are_a_race_at_both_lines():
     module = _example()
-    races, error, _ = run_simulated(lambda: module.main(steps=3))
+    races, error, _, _ = simulate(lambda: module.main(steps=3))
     assert isinstance(error, AssertionError)  # the next pin_memory() overwrote what the kernel read
     lines = marked_lines(EXAMPLE)
     found = {(race.kind, race.queued.site.line, race.later.site.line) for race in races}
@@ -164,7 +164,7 @@ def test_lmcache_4830_temporaries_read_by_a_kernel_and_dropped_on_return_are_a_r
 @pytest.mark.parametrize("twin", ["fixed", "copy"])
 def test_lmcache_4830_twins_synchronizing_or_copying_with_copy_are_clean(twin):
     module = _example()
-    races, error, _ = run_simulated(lambda: module.main(steps=3, **{twin: True}))
+    races, error, _, _ = simulate(lambda: module.main(steps=3, **{twin: True}))
     assert (races, error) == ([], None)
 
 

@@ -21,7 +21,7 @@ import torch
 import triton_swap_offload as swap
 from fake_cuda import FakeCuda
 from racecheck.triton_stores import address_tables
-from sanitizer.sim.session import run_simulated
+from sanitizer.sim.session import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 OFFLOADER = "tests/triton_swap_offload.py"
@@ -72,7 +72,7 @@ def _program(direction: str, beside: str):
     ("store", "host", "host-read-vs-pending-copy"),
 ])
 def test_on_the_simulator_a_table_kernel_reads_and_writes_what_its_loads_and_stores_touch(direction, beside, kind):
-    races, error, _ = run_simulated(_program(direction, beside))
+    races, error, _, _ = simulate(_program(direction, beside))
     assert error is None
     assert [r.kind for r in races] == ([kind] if kind else [])
     if kind:

@@ -13,6 +13,7 @@ CPU generator), memory statistics, NVTX marks; a timing event's ``elapsed_time``
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -131,23 +132,14 @@ def device_api(session: Any) -> dict[str, Any]:
     return table
 
 
-class _Range:
-    """``with torch.cuda.nvtx.range(...)``: nothing to mark on the simulator."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def nvtx_api() -> dict[str, Any]:
     """``torch.cuda.nvtx`` on the simulator: profiler marks, which change nothing the sanitizer sees."""
     def mark(*args: Any, **kwargs: Any) -> int:
         return 0
 
+    def nothing_marked(*args: Any, **kwargs: Any) -> contextlib.nullcontext:
+        """``with torch.cuda.nvtx.range(...)``: nothing to mark on the simulator."""
+        return contextlib.nullcontext()
+
     return {"range_push": mark, "range_pop": mark, "mark": mark, "range_start": mark, "range_end": mark,
-            "range": _Range}
+            "range": nothing_marked}

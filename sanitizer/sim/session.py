@@ -22,7 +22,7 @@ same the GPU observer uses.
 
 Example::
 
-    races, error, notes = run_simulated(program.main)    # races: [Race(...)] on a racy program
+    races, error, notes, unfollowed = simulate(program.main)    # races: [Race(...)] on a racy program
 """
 
 from __future__ import annotations
@@ -333,16 +333,10 @@ def sanitized(session: ProgramSession, what: str) -> Iterator[None]:
         session.watch.deactivate_host_hooks()
 
 
-def run_simulated(main: Callable[[], Any], name: str = "program") -> tuple[list[Race], BaseException | None, list[str]]:
-    """Run ``main`` with its ``cuda`` work on the simulator; its races, what it raised (if anything,
-    ``KeyboardInterrupt`` and ``SystemExit`` included: the races seen before are not lost), and the
-    notes (what was assumed, not followed)."""
-    races, raised, notes, _ = simulate(main, name)
-    return races, raised, notes
-
-
 def simulate(main: Callable[[], Any], name: str = "program") -> tuple[list[Race], BaseException | None, list[str], list[str]]:
-    """:func:`run_simulated`, and the lines of what could not be followed."""
+    """Run ``main`` with its ``cuda`` work on the simulator; its races, what it raised (if anything,
+    ``KeyboardInterrupt`` and ``SystemExit`` included: the races seen before are not lost), the
+    notes (what was assumed) and the lines of what could not be followed."""
     session = ProgramSession(name)
     raised: BaseException | None = None
     with sanitized(session, "main"):
@@ -353,4 +347,4 @@ def simulate(main: Callable[[], Any], name: str = "program") -> tuple[list[Race]
     return session.watch.races, raised, session.watch.notes, session.unfollowed
 
 
-__all__ = ["ProgramSession", "Site", "run_simulated", "sanitized", "simulate"]
+__all__ = ["ProgramSession", "Site", "sanitized", "simulate"]
