@@ -149,12 +149,18 @@ def load_zeroer(spec: str) -> LoadedZeroer:
             f"unknown zeroer {spec!r}; use a built-in name ({', '.join(zeroer_names())}), "
             f"'module:attr' or 'path/to/file.py:attr'"
         )
+    factory = _factory(spec)
+    return LoadedZeroer(spec, factory, check_factory(factory, spec))
+
+
+def _factory(spec: str, what: str = "zeroer") -> Any:
+    """The factory that ``spec`` (``module:attr`` or ``path/to/file.py:attr``) names."""
     target, _, attr = spec.rpartition(":")
-    module = _import_file(spec, target) if target.endswith(".py") else _import_module(spec, target)
+    module = _import_file(spec, target, what) if target.endswith(".py") else _import_module(spec, target, what)
     factory = getattr(module, attr, None)
     if factory is None:
-        raise ZeroerSpecError(f"zeroer {spec!r}: {target!r} has no attribute {attr!r}")
-    return LoadedZeroer(spec, factory, check_factory(factory, spec))
+        raise ZeroerSpecError(f"{what} {spec!r}: {target!r} has no attribute {attr!r}")
+    return factory
 
 
 def _import_file(spec: str, target: str, what: str = "zeroer") -> Any:
@@ -177,7 +183,8 @@ def _import_file(spec: str, target: str, what: str = "zeroer") -> Any:
     if directory not in sys.path:
         sys.path.append(directory)
     try:
-        _exec_module(loader_spec.loader, module)
+        with _import_scope():
+            loader_spec.loader.exec_module(module)
     except Exception as exc:  # the user's module failed: say which and why
         del sys.modules[module_name]
         raise ZeroerSpecError(f"{what} {spec!r}: importing {target!r} failed: {exc!r}") from exc
@@ -190,11 +197,6 @@ def _import_module(spec: str, target: str, what: str = "zeroer") -> Any:
             return importlib.import_module(target)
     except Exception as exc:
         raise ZeroerSpecError(f"{what} {spec!r}: cannot import module {target!r}: {exc!r}") from exc
-
-
-def _exec_module(loader: Any, module: Any) -> None:
-    with _import_scope():
-        loader.exec_module(module)
 
 
 def _import_scope() -> Any:
@@ -226,12 +228,8 @@ def load_offloader(spec: str) -> LoadedOffloader:
     (:func:`zeroer.offload.check_offloader_factory`)."""
     if not isinstance(spec, str) or ":" not in spec:
         raise OffloaderSpecError(f"offloader {spec!r}: name its factory as 'module:attr' or 'path/to/file.py:attr'")
-    target, _, attr = spec.rpartition(":")
     try:
-        module = _import_file(spec, target, "offloader") if target.endswith(".py") else _import_module(spec, target, "offloader")
+        factory = _factory(spec, "offloader")
     except ZeroerSpecError as error:
         raise OffloaderSpecError(str(error)) from None
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise OffloaderSpecError(f"offloader {spec!r}: {target!r} has no attribute {attr!r}")
     return LoadedOffloader(spec, factory, check_offloader_factory(factory, spec))
