@@ -151,6 +151,18 @@ class Race:
                    access(data["later"]), data.get("values", ""), data.get("where", ""))
 
 
+@dataclass
+class Unfollowed:
+    """Something the program did that the sanitizer cannot follow, and where (one line, and the run
+    is partial)."""
+
+    what: str
+    site: Site
+
+    def message(self) -> str:
+        return f"kvz-sanitize cannot follow {self.what} at {self.site}"
+
+
 def distinct(races: list[Race]) -> list[tuple[Race, list[Race]]]:
     """Races grouped by :meth:`Race.signature`, in the order each was first seen: (first, all)."""
     groups: dict[tuple, list[Race]] = {}

@@ -109,22 +109,17 @@ class HostWatch:
             return self.host_label("host write through the buffer's numpy view", numpy_site, until=site)
         return self.host_label("host write", self.last_site or site, until=site)
 
-    def note_numpy(self, tensor: torch.Tensor, site: Site) -> Region | None:
-        """``tensor.numpy()`` was called at ``site``: a pinned tensor's view is watched."""
-        region = self.region_of(tensor)
-        if region is not None:
-            self.boundary(site)
-            self._numpy_at[region.id] = site
-        return region
-
     # -- the host hooks both backends call (the GPU's patches, the simulator's modes) ----------------
     def numpy_taken(self, tensor: torch.Tensor, array: Any, site: Site) -> Any:
         """``tensor.numpy()`` returned ``array`` at ``site``: a pinned tensor's view is watched (its
         writes are host writes), any other's is handed back as it is."""
         with self.lock:
-            if self.note_numpy(tensor, site) is not None:
-                return numpy_views.watched(array)
-        return array
+            region = self.region_of(tensor)
+            if region is None:
+                return array
+            self.boundary(site)
+            self._numpy_at[region.id] = site
+        return numpy_views.watched(array)
 
     def tolist_read(self, tensor: torch.Tensor, site: Site) -> None:
         """``tensor.tolist()`` at ``site``: a host read of its bytes, if they are pinned."""

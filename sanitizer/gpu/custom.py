@@ -24,7 +24,7 @@ from racecheck.ranges import merge
 from sanitizer.sites import Site, caller_site
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
-from sanitizer.gpu.unfollowed import Unfollowed
+from sanitizer.races import Unfollowed
 
 
 @forwarding

@@ -28,7 +28,7 @@ from sanitizer.sites import caller_site
 from zeroer.intercept.kernel_accesses import TableUnresolved, trace_tables
 from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
-from sanitizer.gpu.unfollowed import Unfollowed
+from sanitizer.races import Unfollowed
 
 
 def patch(obs: Any, patch_fn: Callable[..., None], active: Callable[[], bool]) -> None:

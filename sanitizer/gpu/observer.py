@@ -40,8 +40,7 @@ from racecheck.pinned import PinnedWatch, Region, Snapshot
 from racecheck.ranges import byte_runs
 from racecheck.threads import HostThreads
 from sanitizer.gpu.device import CudaDevice
-from sanitizer.gpu.unfollowed import Unfollowed
-from sanitizer.races import Access, Label, Race
+from sanitizer.races import Access, Label, Race, Unfollowed
 from sanitizer.sites import Site, caller_site
 from sanitizer.watch import HostWatch
 

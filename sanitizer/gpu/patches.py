@@ -34,7 +34,7 @@ from sanitizer.gpu import trace
 from sanitizer.sites import caller_site
 from zeroer.intercept.unroutable import binding_entry_points
 from zeroer.origin import forwarding
-from sanitizer.gpu.unfollowed import Unfollowed
+from sanitizer.races import Unfollowed
 
 
 def install(obs: Any) -> Callable[[], None]:

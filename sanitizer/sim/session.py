@@ -176,18 +176,6 @@ class ProgramSession(InterceptSession):
     def modes(self) -> list[Any]:
         return [self.mode, HostOps(self)]
 
-    def thread_modes(self) -> Callable[[], None]:
-        """Enter this session's modes in a thread the program started; the function that leaves them."""
-        modes = [ProgramMode(self), HostOps(self)]
-        for mode in modes:
-            mode.__enter__()
-
-        def leave() -> None:
-            for mode in reversed(modes):
-                mode.__exit__(None, None, None)
-
-        return leave
-
     def query_event(self, event: Any) -> bool:
         """The program's ``Event.query()``: a polled event completes, as a GPU's does while the host
         polls.
@@ -317,7 +305,16 @@ class SimWatch(HostWatch):
         self.session = session
 
     def _setup_thread(self) -> Callable[[], None] | None:
-        return self.session.thread_modes()
+        """Enter the session's modes in a thread the program started; the function that leaves them."""
+        modes = [ProgramMode(self.session), HostOps(self.session)]
+        for mode in modes:
+            mode.__enter__()
+
+        def leave() -> None:
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)
+
+        return leave
 
 
 @contextlib.contextmanager
