@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import linecache
 import sys
+import traceback
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,16 +111,6 @@ def _kind(frame: types.FrameType) -> str:
     return "zeroer"
 
 
-def _frames(error: BaseException) -> list[tuple[types.FrameType, int]]:
-    """The traceback's frames with their line numbers, outermost first."""
-    frames = []
-    tb = error.__traceback__
-    while tb is not None:
-        frames.append((tb.tb_frame, tb.tb_lineno))
-        tb = tb.tb_next
-    return frames
-
-
 def describe_frame(frame: types.FrameType, line: int) -> str:
     """``path/file.py:41 (the line's code)``: where a user reads it (relative to the working
     directory when it lies below it)."""
@@ -132,13 +123,9 @@ def describe_frame(frame: types.FrameType, line: int) -> str:
     return f"{path}:{line}" + (f" ({source})" if source else "")
 
 
-def _instance_of(value: Any, classes: list[type]) -> bool:
-    return any(isinstance(value, cls) for cls in classes)
-
-
 def blame(error: BaseException) -> Blame:
     """Whose ``error`` is (see the module docstring)."""
-    frames = _frames(error)
+    frames = list(traceback.walk_tb(error.__traceback__))  # (frame, line), outermost first
     kinds = [_kind(frame) for frame, _ in frames]
     decisive = next((i for i in range(len(frames) - 1, -1, -1) if kinds[i] != "library"), None)
     zeroer_frames = [i for i, kind in enumerate(kinds) if kind == "zeroer"]
@@ -151,9 +138,9 @@ def blame(error: BaseException) -> Blame:
         return Blame(False, None, where)
     if kind == "zeroer":
         owner = getattr(error, "obj", None) if isinstance(error, AttributeError) else None
-        if _instance_of(owner, _DOCUMENTED):
+        if isinstance(owner, tuple(_DOCUMENTED)):
             return Blame(True, USER_FIXABLE, where)
-        if _instance_of(owner, _STAND_INS):
+        if isinstance(owner, tuple(_STAND_INS)):
             return Blame(True, HARNESS_BUG, where)
         return Blame(False, None, where)
     return Blame(True, _status(error, frames, kinds, decisive), where)
