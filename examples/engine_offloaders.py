@@ -43,6 +43,7 @@ issued it.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections import deque
@@ -281,41 +282,14 @@ class CopyThreadOffloader:
         self.load_stream.synchronize()
 
 
-def store_without_compute_event(cache, host_pool, runtime=None) -> CpuOffloadHandler:
-    return CpuOffloadHandler(cache, host_pool, store_waits_compute=False)
-
-
-def store_after_compute_event(cache, host_pool, runtime=None) -> CpuOffloadHandler:
-    return CpuOffloadHandler(cache, host_pool)
-
-
-def load_unfenced(cache, host_pool, runtime=None) -> CpuOffloadHandler:
-    return CpuOffloadHandler(cache, host_pool, load_waits_forward=False)
-
-
-def load_waits_forward(cache, host_pool, runtime=None) -> CpuOffloadHandler:
-    return CpuOffloadHandler(cache, host_pool)
-
-
-def load_acked_on_issue(cache, host_pool, runtime=None) -> CpuOffloadHandler:
-    return CpuOffloadHandler(cache, host_pool, ack_on_issue=True)
-
-
-def load_acked_on_event(cache, host_pool, runtime=None) -> CpuOffloadHandler:
-    return CpuOffloadHandler(cache, host_pool)
-
-
-def staging_freed_on_return(cache, host_pool, runtime=None) -> StagedLoadOffloader:
-    return StagedLoadOffloader(cache, host_pool, free_on_return=True)
-
-
-def staging_freed_after_event(cache, host_pool, runtime=None) -> StagedLoadOffloader:
-    return StagedLoadOffloader(cache, host_pool, free_on_return=False)
-
-
-def copy_thread_without_compute_event(cache, host_pool, runtime=None) -> CopyThreadOffloader:
-    return CopyThreadOffloader(cache, host_pool, store_waits_compute=False)
-
-
-def copy_thread_after_compute_event(cache, host_pool, runtime=None) -> CopyThreadOffloader:
-    return CopyThreadOffloader(cache, host_pool)
+# The factories (cache, host_pool, runtime): each racy one beside its race-free twin.
+store_without_compute_event = functools.partial(CpuOffloadHandler, store_waits_compute=False)
+store_after_compute_event = functools.partial(CpuOffloadHandler)
+load_unfenced = functools.partial(CpuOffloadHandler, load_waits_forward=False)
+load_waits_forward = functools.partial(CpuOffloadHandler)
+load_acked_on_issue = functools.partial(CpuOffloadHandler, ack_on_issue=True)
+load_acked_on_event = functools.partial(CpuOffloadHandler)
+staging_freed_on_return = functools.partial(StagedLoadOffloader, free_on_return=True)
+staging_freed_after_event = functools.partial(StagedLoadOffloader, free_on_return=False)
+copy_thread_without_compute_event = functools.partial(CopyThreadOffloader, store_waits_compute=False)
+copy_thread_after_compute_event = functools.partial(CopyThreadOffloader)

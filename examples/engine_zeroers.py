@@ -353,36 +353,23 @@ class SideStreamCopyEventOnCaller(SideStreamCopy):
 # -- factories: build the zeroer for the cache, bind the warm-up's block count --------------------
 
 
-def _with_block_count(zeroer, cache):
-    """``zeroer`` with ``warmup`` bound to the cache's block count, as vLLM's runner passes
-    ``kv_cache_config.num_blocks``: the harness then calls ``warmup()``."""
-    zeroer.warmup = functools.partial(zeroer.warmup, cache.spec.num_blocks)
-    return zeroer
+def _factory(zeroer_class):
+    """The factory ``(cache, runtime)`` of ``zeroer_class``: the zeroer with ``warmup`` bound to the
+    cache's block count, as vLLM's runner passes ``kv_cache_config.num_blocks``: the harness then
+    calls ``warmup()``."""
+
+    def factory(cache, runtime):
+        zeroer = zeroer_class(cache)
+        zeroer.warmup = functools.partial(zeroer.warmup, cache.spec.num_blocks)
+        return zeroer
+
+    return factory
 
 
-def single_pinned_buffer(cache, runtime) -> SinglePinnedBuffer:
-    return _with_block_count(SinglePinnedBuffer(cache), cache)
-
-
-def fresh_pinned_per_call(cache, runtime) -> FreshPinnedPerCall:
-    return _with_block_count(FreshPinnedPerCall(cache), cache)
-
-
-def pinned_ring(cache, runtime) -> PinnedRing:
-    return _with_block_count(PinnedRing(cache), cache)
-
-
-def event_guarded_ring(cache, runtime) -> EventGuardedRing:
-    return _with_block_count(EventGuardedRing(cache), cache)
-
-
-def side_stream_copy_no_record(cache, runtime) -> SideStreamCopyNoRecord:
-    return _with_block_count(SideStreamCopyNoRecord(cache), cache)
-
-
-def side_stream_copy_event_on_caller(cache, runtime) -> SideStreamCopyEventOnCaller:
-    return _with_block_count(SideStreamCopyEventOnCaller(cache), cache)
-
-
-def side_stream_copy(cache, runtime) -> SideStreamCopy:
-    return _with_block_count(SideStreamCopy(cache), cache)
+single_pinned_buffer = _factory(SinglePinnedBuffer)
+fresh_pinned_per_call = _factory(FreshPinnedPerCall)
+pinned_ring = _factory(PinnedRing)
+event_guarded_ring = _factory(EventGuardedRing)
+side_stream_copy_no_record = _factory(SideStreamCopyNoRecord)
+side_stream_copy_event_on_caller = _factory(SideStreamCopyEventOnCaller)
+side_stream_copy = _factory(SideStreamCopy)
