@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import traceback
 
-from racecheck.cli import register_exit_status
+from racecheck.cli import one_line, register_exit_status
 from racecheck.resources import raise_if_device_fault
 from zeroer.origin import HARNESS_BUG, USER_FIXABLE, blame
 
@@ -56,10 +56,6 @@ class HarnessError(BaseException):
 register_exit_status(HarnessError, lambda error, prog: (error.status, f"{prog}: {error.message}", error.details))
 
 
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
 def harness_error(error: BaseException, during: str, *, step: int | None = None, where: str | None = None,
                   status: int | None = None) -> HarnessError:
     """The :class:`HarnessError` for ``error``, raised ``during`` (the zeroer's call, or the op).
@@ -74,7 +70,7 @@ def harness_error(error: BaseException, during: str, *, step: int | None = None,
     at = f" at step {step}" if step is not None else ""
     place = f", called at {where}" if where else ""
     fix = "" if status == USER_FIXABLE else f"; {REPORT}"
-    message = _one_line(f"harness error{at} in {during}{place}, not a finding: {type(error).__name__}: {error}{fix}")
+    message = one_line(f"harness error{at} in {during}{place}, not a finding: {type(error).__name__}: {error}{fix}")
     details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     return HarnessError(message, status, details)
 
@@ -95,7 +91,7 @@ def factory_error(error: BaseException, component: str, spec: str, signature: st
     where = blame(error).where
     at = f" at {where}" if where else ""
     name = spec.rpartition(":")[2] if ":" in spec else "factory"
-    message = _one_line(
+    message = one_line(
         f"the {component} factory {spec!r} raised{at}: {type(error).__name__}: {error}; it built no {component}, so "
         f"nothing was fuzzed and this is not a finding: fix the factory so that {name}{signature} returns the {component}")
     details = "".join(traceback.format_exception(type(error), error, error.__traceback__))

@@ -63,9 +63,9 @@ class Minimized:
 def _shows(config: EpisodeConfig, ops: list[dict], kind: str) -> list[Finding] | None:
     try:
         findings = run_ops(config, ops, caches=_POOL if config.backend == "sim" else None)
-    except ValueError:  # no longer a valid program (an op on a block nothing allocated)
-        return None
-    except HarnessError:  # a smaller program the harness cannot run shows nothing: keep the larger one
+    # No longer a valid program (an op on a block nothing allocated: ValueError), or one the harness
+    # cannot run: it shows nothing, so the larger one is kept.
+    except (ValueError, HarnessError):
         return None
     return findings if findings and findings[0].kind == kind else None
 
@@ -154,15 +154,10 @@ class _Search:
         index = 0
         while index < len(self.refs):  # a merge makes the list shorter
             ref = self.refs[index]
-            variants = []
-            if ref.allocation is not None:
-                variants += [v for v in (compact(self.refs, index), merge(self.refs, index), self._joined(index))
-                             if v is not None]
+            variants = [compact(self.refs, index), merge(self.refs, index), self._joined(index)] if ref.allocation is not None else []
             variants += [self.refs[:index] + [replace(ref, op=op)] + self.refs[index + 1:] for op in _smaller(ref.op)]
-            fused = self._fused(index)
-            if fused is not None:
-                variants.append(fused)
-            for variant in variants:
+            variants.append(self._fused(index))
+            for variant in filter(None, variants):
                 if self.attempt(variant):
                     break
             index += 1

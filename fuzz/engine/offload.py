@@ -102,8 +102,7 @@ class OffloadSide:
     keeps_cache_tensors = True  # an engine's handler keeps the cache tensors it was built with
 
     def ops(self) -> dict[str, Any]:
-        return {"store": self._op_store, "load": self._op_load, "evict": self.evict, "wait": self.wait_for,
-                "poll": self._op_poll}
+        return {"store": self.store, "load": self.load, "evict": self.evict, "wait": self.wait_for, "poll": self._op_poll}
 
     def holding(self, block: int) -> str | None:
         job = self.busy.get(block)
@@ -114,14 +113,6 @@ class OffloadSide:
     def abandon(self) -> None:
         if self.offloader is not None:
             self.offloader.close()
-
-    def _op_store(self, block: int, stream: int = 0) -> int:
-        self.episode.stream_of(stream)  # checked before anything changes
-        return self.store(block, stream)
-
-    def _op_load(self, slot: int, stream: int = 0, oldest: int = 0) -> int:
-        self.episode.stream_of(stream)
-        return self.load(slot, stream, bool(oldest))
 
     def _op_poll(self, sync: int = 0) -> list[int]:
         if sync:  # the caller waits for the whole device first
@@ -146,22 +137,19 @@ class OffloadSide:
         with rt.block_space(0):
             with self._call("warmup"):
                 self.offloader.warmup()
-            with self._call(self.offloader.spelled("store", WARMUP_JOBS[0], [0], [0]) + " (the warm-up)"):
-                self.offloader.store(WARMUP_JOBS[0], [0], [0])
-            episode.device_work(rt.synchronize)
             # The store reported before its slot is loaded (caller promise c): an offloader may put
             # a store's bytes in the slot only as it reports the job (LMCache's objects are).
-            with self._call("get_finished() (the warm-up)"):
-                self.offloader.get_finished()
-            with self._call(self.offloader.spelled("load", WARMUP_JOBS[1], [0], [0]) + " (the warm-up)"):
-                self.offloader.load(WARMUP_JOBS[1], [0], [0])
-            episode.device_work(rt.synchronize)
-            with self._call("get_finished() (the warm-up)"):
-                self.offloader.get_finished()  # warm-up jobs: whatever it says of them is ignored
+            for kind, job in zip(("store", "load"), WARMUP_JOBS):
+                with self._call(self.offloader.spelled(kind, job, [0], [0]) + " (the warm-up)"):
+                    getattr(self.offloader, kind)(job, [0], [0])
+                episode.device_work(rt.synchronize)
+                with self._call("get_finished() (the warm-up)"):
+                    self.offloader.get_finished()  # warm-up jobs: whatever it says of them is ignored
 
     # -- ops ------------------------------------------------------------------------------------------
-    def store(self, block: int, stream: int) -> int:
+    def store(self, block: int, stream: int = 0) -> int:
         episode = self.episode
+        episode.stream_of(stream)  # checked before anything changes
         group = episode.groups[0]
         episode.check_live(group, block, "store")
         if block in self.busy:
@@ -180,8 +168,9 @@ class OffloadSide:
         group.shadow.noted(block, episode.note(f"store job {job.id} into slot {slot} on stream {stream}"))
         return slot
 
-    def load(self, slot: int, stream: int, oldest: bool = False) -> int:
+    def load(self, slot: int, stream: int = 0, oldest: int = 0) -> int:
         episode = self.episode
+        episode.stream_of(stream)  # checked before anything changes
         group = episode.groups[0]
         shadow = self._slot(slot, "load")
         if shadow.state != "stored":
@@ -190,7 +179,7 @@ class OffloadSide:
             raise ValueError("load: no device block is free")
         # Which free block is the caller's choice: the one freed last (a block whose last tenant may
         # still be queued: the default, so shrinking keeps to it), or the queue's head.
-        block = episode.hand_out(group, stream, oldest=oldest)  # promise (a): its last tenant is ordered before
+        block = episode.hand_out(group, stream, oldest=bool(oldest))  # promise (a): its last tenant is ordered before
         job = self._new_job("load", block, slot, shadow.expect)
         shadow.loads += 1
         shadow.history.append(episode.note(f"load job {job.id} into block {block} on stream {stream}"))
