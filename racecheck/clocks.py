@@ -11,7 +11,7 @@ first host thread is :data:`HOST` (index 0). Each has a vector clock, one entry 
 * A host thread learns a snapshot only when it *observes* completion (a synchronisation, a query
   that answered True, an allocator that waited for an event): its clock joins the snapshot.
 * Host threads learn from each other through hand-offs (a thread started or joined, a queue, an
-  event, a future): the receiver joins the sender's clock (:meth:`Clocks.host_snapshot`,
+  event, a future): the receiver joins the sender's clock (:meth:`Clocks.snapshot`,
   :meth:`Clocks.host_join`).
 
 :attr:`Clocks.union` is the join of every host thread's clock: what *some* host thread has seen.
@@ -94,6 +94,7 @@ class Clocks:
         return self._vc[thread]
 
     def snapshot(self, thread: int) -> tuple[int, ...]:
+        """What ``thread`` knows now: what an event recorded on a stream, or a hand-off from a host thread, carries."""
         return tuple(self._vc[thread])
 
     def tick(self, stream: int, label: str, host: int = HOST) -> OpStamp:
@@ -113,10 +114,6 @@ class Clocks:
         """Host thread ``host`` learns ``snapshot`` (an observed completion, or a hand-off)."""
         if snapshot is not None and _join(self._vc[host], snapshot):
             _join(self.union, self._vc[host])
-
-    def host_snapshot(self, host: int) -> tuple[int, ...]:
-        """What host thread ``host`` knows now: what a hand-off from it carries."""
-        return tuple(self._vc[host])
 
     @property
     def stamped(self) -> int:

@@ -37,7 +37,7 @@ Example::
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from racecheck.clocks import HOST, Clocks, OpStamp, ordered
@@ -93,12 +93,12 @@ class HappensBefore:
 
     def __init__(self) -> None:
         self.clocks = Clocks()
-        self._shadows: dict[Key, RangeShadow] = {}
+        self._shadows: defaultdict[Key, RangeShadow] = defaultdict(RangeShadow)
         self._host_readers: dict[Key, list[_Pending]] = {}  # queued copies that read host memory
         self._host_writers: dict[Key, list[_Pending]] = {}  # queued copies that write host memory
         # Recent host accesses, kept only once an op may declare its host accesses as it runs
         # (expect_late_host_accesses): None until then, so the GPU observer's host ops pay nothing.
-        self._host_log: dict[Key, deque[_HostAccess]] | None = None
+        self._host_log: defaultdict[Key, deque[_HostAccess]] | None = None
         self._resource_names: dict[Key, str] = {}
         self.hazards: list[Hazard] = []
         self.notes: list[Hazard] = []
@@ -148,7 +148,7 @@ class HappensBefore:
 
     def host_snapshot(self, host: int = HOST) -> tuple[int, ...]:
         """What a hand-off from host thread ``host`` carries (:meth:`host_acquires` on the other side)."""
-        return self.clocks.host_snapshot(host)
+        return self.clocks.snapshot(host)
 
     def host_acquires(self, host: int, snapshot: tuple[int, ...] | None) -> None:
         """Host thread ``host`` received a hand-off carrying ``snapshot``."""
@@ -214,16 +214,13 @@ class HappensBefore:
         """An op about to be queued declares its host accesses only as it runs (:meth:`late_host_access`):
         from now on host accesses are kept for it (one made before its enqueue never concerns it)."""
         if self._host_log is None:
-            self._host_log = {}
+            self._host_log = defaultdict(lambda: deque(maxlen=MAX_HOST_LOG_PER_KEY))
 
     def _log_host(self, kind: str, key: Key, label: str, host: int, ranges: Ranges) -> None:
         if self._host_log is None:
             return
-        log = self._host_log.get(key)
-        if log is None:
-            log = self._host_log[key] = deque(maxlen=MAX_HOST_LOG_PER_KEY)
         clocks = self.clocks
-        log.append(_HostAccess(kind, label, tuple(clocks.vc(host)), clocks.stamped, ranges,
+        self._host_log[key].append(_HostAccess(kind, label, tuple(clocks.vc(host)), clocks.stamped, ranges,
                                tuple(clocks.union) if clocks.several_hosts else None))
 
     def late_host_access(self, key: Key, stamp: OpStamp, *, write: bool, ranges: Ranges = None) -> None:
@@ -258,10 +255,9 @@ class HappensBefore:
                     kept.append(item)
                     continue
                 writes = table is self._host_writers
-                if ordered(item.stamp, self.clocks.union):
-                    self.notes.append(self._host_hazard(kind, key, item.stamp, label, writes, assumed=True))
-                else:
-                    self.hazards.append(self._host_hazard(kind, key, item.stamp, label, writes))
+                assumed = ordered(item.stamp, self.clocks.union)
+                (self.notes if assumed else self.hazards).append(
+                    self._host_hazard(kind, key, item.stamp, label, writes, assumed=assumed))
                 # reported (or noted) once: the same pair is not reported again
             table[key] = kept
 
@@ -290,10 +286,7 @@ class HappensBefore:
         """``stamp`` reads or writes ``ranges`` of device resource ``key``; flag unordered conflicts.
         ``late``: declared after the host saw the op run (an indexed op's rows): what host threads
         have seen since says nothing of a hand-off at its enqueue, so no conflict becomes a note."""
-        shadow = self._shadows.get(key)
-        if shadow is None:
-            shadow = self._shadows[key] = RangeShadow()
-        for other, verb, _, _ in shadow.access(ranges, stamp, write=write):
+        for other, verb, _, _ in self._shadows[key].access(ranges, stamp, write=write):
             mine = "writes" if write else "reads"
             first, second = (other, stamp) if other.seq <= stamp.seq else (stamp, other)  # in enqueue order
             first_verb, second_verb = (verb, mine) if first is other else (mine, verb)

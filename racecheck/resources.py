@@ -27,6 +27,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class ResourceExhausted(BaseException):
     """The GPU ran out of memory. A BaseException, like an interruption: Hypothesis lets it
@@ -53,11 +55,15 @@ def is_out_of_memory(error: BaseException) -> bool:
     the :class:`ResourceExhausted` that says so)?"""
     import torch  # here, not at import: commands that only catch ResourceExhausted need no torch (racecheck.cli)
 
+    return _in_chain(error, lambda e: isinstance(e, (ResourceExhausted, torch.cuda.OutOfMemoryError)) or (
+        isinstance(e, RuntimeError) and any(text in str(e) for text in _OOM_TEXT)))
+
+
+def _in_chain(error: BaseException | None, test: Callable[[BaseException], bool]) -> bool:
+    """Whether ``test`` holds for ``error`` or one of the first errors it was raised from."""
     seen = 0
     while error is not None and seen < 8:
-        if isinstance(error, (ResourceExhausted, torch.cuda.OutOfMemoryError)):
-            return True
-        if isinstance(error, RuntimeError) and any(text in str(error) for text in _OOM_TEXT):
+        if test(error):
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False
@@ -93,12 +99,7 @@ def raise_if_out_of_memory(error: BaseException, where: str = "") -> None:
 def is_device_fault(error: BaseException) -> bool:
     """Is ``error`` (or an error it was raised from) a sticky CUDA fault (or the :class:`DeviceFault`
     that says so)?"""
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, DeviceFault) or any(text in str(error) for text in _FAULT_TEXT):
-            return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
+    return _in_chain(error, lambda e: isinstance(e, DeviceFault) or any(text in str(e) for text in _FAULT_TEXT))
 
 
 def raise_if_device_fault(error: BaseException, where: str = "") -> None:

@@ -52,7 +52,7 @@ def started(runtime: Any, what: str) -> None:
     with _LOCK:
         if key in _LIVE:
             return
-        finalizer = weakref.finalize(runtime, _dropped, key)
+        finalizer = weakref.finalize(runtime, _end, key, None)
         _LIVE[key] = (weakref.ref(runtime), what, finalizer)
         subscribers = list(_SUBSCRIBERS)
     for on_start, _ in subscribers:
@@ -61,14 +61,7 @@ def started(runtime: Any, what: str) -> None:
 
 def ended(runtime: Any) -> None:
     """``runtime`` closed: it has synchronised its work."""
-    with _LOCK:
-        entry = _LIVE.pop(id(runtime), None)
-        subscribers = list(_SUBSCRIBERS)
-    if entry is None:
-        return
-    entry[2].detach()
-    for _, on_end in subscribers:
-        on_end(runtime)
+    _end(id(runtime), runtime)
 
 
 def running() -> int:
@@ -76,11 +69,13 @@ def running() -> int:
     return len(_LIVE)
 
 
-def _dropped(key: int) -> None:
-    """A runtime dropped without closing: its subscribers count it gone."""
+def _end(key: int, runtime: Any) -> None:
+    """The runtime with ``id`` ``key`` ended: closed, or dropped without closing (``runtime`` None:
+    its subscribers count it gone)."""
     with _LOCK:
         entry = _LIVE.pop(key, None)
         subscribers = list(_SUBSCRIBERS)
     if entry is not None:
+        entry[2].detach()  # nothing to do where its finalizer is what runs this
         for _, on_end in subscribers:
-            on_end(None)
+            on_end(runtime)

@@ -83,15 +83,6 @@ class RangeShadow:
         self.starts: list[int] = [0]  # segment i covers [starts[i], starts[i + 1]), the last one to the end
         self.states: list[_State] = [_EMPTY]
 
-    def _split(self, at: int) -> int:
-        """Index of the segment that starts at ``at``, splitting one if needed."""
-        i = bisect.bisect_right(self.starts, at) - 1
-        if self.starts[i] == at:
-            return i
-        self.starts.insert(i + 1, at)
-        self.states.insert(i + 1, self.states[i])
-        return i + 1
-
     def access(self, ranges: Ranges, stamp: OpStamp, *, write: bool) -> list[tuple[OpStamp, str, int, int]]:
         """Record ``stamp``'s access to ``ranges``; the unordered conflicts it meets:
         (other access, "writes" or "reads", first byte, end byte), one per other access."""

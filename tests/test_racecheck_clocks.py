@@ -148,7 +148,7 @@ def test_a_hand_off_carries_what_the_sender_knew_when_it_was_made():
     worker = clocks.add("worker", host=True)
     first = clocks.tick(side, "copy#1")
     clocks.host_join(worker, clocks.snapshot(side))
-    hand_off = clocks.host_snapshot(worker)
+    hand_off = clocks.snapshot(worker)
     second = clocks.tick(side, "copy#2")
     clocks.host_join(worker, clocks.snapshot(side))  # after the hand-off was made
     clocks.host_join(HOST, hand_off)
@@ -159,7 +159,7 @@ def test_a_hand_off_carries_what_the_sender_knew_when_it_was_made():
 def test_a_host_snapshot_is_a_copy_not_a_live_view():
     clocks = Clocks()
     side = clocks.add("side")
-    before = clocks.host_snapshot(HOST)
+    before = clocks.snapshot(HOST)
     clocks.tick(side, "copy#1")
     clocks.host_join(HOST, clocks.snapshot(side))
     assert before == (0, 0)
