@@ -136,11 +136,11 @@ class StreamProxy:
         return f"<torch.cuda.Stream (intercepted) runtime stream '{self.runtime_stream.name}'>"
 
     def __enter__(self) -> "StreamProxy":  # ``with s:``, as ``with torch.cuda.stream(s):``
-        self._api._with_scopes.append(self._api.open_scope(self.runtime_stream, "with"))
+        self._api._threads.with_scopes.append(self._api.open_scope(self.runtime_stream, "with"))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._api.close_scope(self._api._with_scopes.pop())
+        self._api.close_scope(self._api._threads.with_scopes.pop())
 
 
 @stand_in
@@ -237,6 +237,15 @@ class _Opened:
         self.kind, self.scope, self.previous = kind, scope, previous
 
 
+class _ThreadScopes(threading.local):
+    """Per thread, as CUDA's current stream is: the streams the thread made current, innermost
+    last (``opened``), and its ``with s:`` scopes on stream objects (``with_scopes``)."""
+
+    def __init__(self) -> None:
+        self.opened: list[_Opened] = []
+        self.with_scopes: list[_Opened] = []
+
+
 class CudaApi:
     """The stand-ins of one session, and the patches that install them (see the module docstring)."""
 
@@ -247,28 +256,12 @@ class CudaApi:
         self._proxies: dict[int, StreamProxy] = {}
         self.priorities: dict[int, int] = {}  # id(runtime stream) -> the priority it was made with
         self._made = itertools.count(1)
-        self._local = threading.local()  # per thread, as CUDA's current stream is
+        self._threads = _ThreadScopes()
         # What the zeroer sees as torch.cuda.Stream and torch.cuda.Event: classes bound to this session.
         # torch.Stream() is the same class: on the current accelerator, CUDA, it makes a CUDA stream.
         self.Stream: type[StreamProxy] = type("Stream", (StreamProxy,), {"_api": self, "__module__": "torch.cuda"})
         self.Event: type[EventProxy] = type("Event", (EventProxy,), {"_api": self, "__module__": "torch.cuda"})
         self.GenericEvent: type[EventProxy] = type("Event", (_GenericEvent, self.Event), {"_api": self, "__module__": "torch"})
-
-    @property
-    def _opened(self) -> list[_Opened]:
-        """The streams the calling thread made current, innermost last."""
-        opened = getattr(self._local, "opened", None)
-        if opened is None:
-            opened = self._local.opened = []
-        return opened
-
-    @property
-    def _with_scopes(self) -> list[_Opened]:
-        """The calling thread's ``with s:`` scopes on stream objects."""
-        scopes = getattr(self._local, "with_scopes", None)
-        if scopes is None:
-            scopes = self._local.with_scopes = []
-        return scopes
 
     def boundary(self, what: str) -> None:
         self.session.boundary(what)
@@ -364,7 +357,7 @@ class CudaApi:
         """``torch.cuda.set_stream(s)``: ``s`` is current until the next switch, or the call's end."""
         target = self.stream_of(stream)
         self.boundary("torch.cuda.set_stream")
-        top = self._opened[-1] if self._opened else None
+        top = self._threads.opened[-1] if self._threads.opened else None
         if top is not None and top.kind == "set" and top.previous is target:
             self.close_scope(top)  # switching back (vLLM's helper, in its finally): the switch is undone
         elif target is not self.rt.current_stream():
@@ -376,20 +369,20 @@ class CudaApi:
         scope = self.rt.use_stream(stream)
         scope.__enter__()
         opened = _Opened(kind, scope, previous)
-        self._opened.append(opened)
+        self._threads.opened.append(opened)
         return opened
 
     def close_scope(self, opened: _Opened) -> None:
         """Leave ``opened``: as CUDA's stream scope restores the stream current at its entry, the
         switches made inside it are undone first (the runtime's scopes nest)."""
-        while opened in self._opened:
-            self._opened.pop().scope.__exit__(None, None, None)
+        while opened in self._threads.opened:
+            self._threads.opened.pop().scope.__exit__(None, None, None)
 
     def restore_streams(self) -> None:
         """At the end of a zeroer's call: every stream it made current is undone, innermost first."""
-        self._with_scopes.clear()
-        while self._opened:
-            self._opened.pop().scope.__exit__(None, None, None)
+        self._threads.with_scopes.clear()
+        while self._threads.opened:
+            self._threads.opened.pop().scope.__exit__(None, None, None)
 
     def synchronize(self, device: Any = None) -> None:
         """``torch.cuda.synchronize()`` and ``torch.accelerator.synchronize()``: every stream's work."""
