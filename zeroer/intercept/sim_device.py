@@ -81,19 +81,12 @@ class _DeviceContext:
         return None
 
 
-def _name(device: Any = None) -> str:
-    _one_device(device)
-    return NAME
-
-
-def _capability(device: Any = None) -> tuple[int, int]:
-    _one_device(device)
-    return CAPABILITY
-
-
-def _properties(device: Any = None) -> SimDeviceProperties:
-    _one_device(device)
-    return _PROPERTIES
+def _query(answer: Any) -> Any:
+    """A device query (``get_device_name(device=None)``, ...) that answers ``answer`` for the one device."""
+    def query(device: Any = None) -> Any:
+        _one_device(device)
+        return answer
+    return query
 
 
 def _sleep(cycles: int) -> None:
@@ -109,9 +102,9 @@ CUDA_DEVICE: dict[str, Any] = {
     "current_device": lambda: 0,
     "set_device": _one_device,
     "device": _DeviceContext,
-    "get_device_name": _name,
-    "get_device_capability": _capability,
-    "get_device_properties": _properties,
+    "get_device_name": _query(NAME),
+    "get_device_capability": _query(CAPABILITY),
+    "get_device_properties": _query(_PROPERTIES),
     "_sleep": _sleep,
 }
 
