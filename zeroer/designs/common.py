@@ -77,21 +77,6 @@ def validate_block_ids(block_ids: Iterable[int] | None, num_blocks: int) -> list
     return ids
 
 
-def check_same_device(cache: KVCache, runtime: Runtime) -> None:
-    """A zeroer's cache and runtime must be on one kind of device, or ValueError says how to fix it."""
-    if cache.device.type != runtime.device.type:
-        raise ValueError(
-            f"the cache lives on {cache.device} but the runtime runs on {runtime.device}; "
-            f"build the cache with build_cache(spec, device=runtime.device)"
-        )
-
-
-def call_label(name: str, number: int, ids: list[int]) -> str:
-    """What a zeroer's call is called in race reports: ``event_ring.zero_block_ids#3([4, 5])``."""
-    shown = ids if len(ids) <= 8 else ids[:8] + ["..."]
-    return f"{name}.zero_block_ids#{number}({shown})"
-
-
 def zero_blocks_torch(cache: KVCache, ids: torch.Tensor) -> None:
     """The zero kernel's job done with torch indexing through the same segment views.
 
@@ -120,7 +105,11 @@ class StagedZeroer:
     def __init__(self, cache: KVCache, runtime: Runtime, *, kernel: str = "triton") -> None:
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
-        check_same_device(cache, runtime)
+        if cache.device.type != runtime.device.type:
+            raise ValueError(
+                f"the cache lives on {cache.device} but the runtime runs on {runtime.device}; "
+                f"build the cache with build_cache(spec, device=runtime.device)"
+            )
         self.cache = cache
         self.rt = runtime
         self.kernel = kernel
@@ -131,7 +120,8 @@ class StagedZeroer:
         return validate_block_ids(block_ids, self.num_blocks)
 
     def _origin(self, ids: list[int]) -> str:
-        return call_label(self.name, next(self._calls), ids)
+        shown = ids if len(ids) <= 8 else ids[:8] + ["..."]
+        return f"{self.name}.zero_block_ids#{next(self._calls)}({shown})"
 
     def _launch_zero(self, dev: DeviceBuffer, n: int, ids: list[int]) -> None:
         """Enqueue the zero kernel that reads ``dev[:n]`` when it runs."""

@@ -27,7 +27,6 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from zeroer.designs.common import call_label, check_same_device
 from zeroer.designs.per_call import PerCallZeroer
 from zeroer.kernel import zero_blocks
 from zeroer.protocol import Capabilities, IDS_CONTAINERS
@@ -61,14 +60,19 @@ class ModelledGraphRing(GraphRingProtocol):
     def __init__(self, cache: KVCache, runtime: Runtime, *, slots: int = DEFAULT_SLOTS,
                  max_slots: int = DEFAULT_MAX_SLOTS, max_graph_ids: int = DEFAULT_MAX_GRAPH_IDS) -> None:
         super().__init__(cache, slots=slots, max_slots=max_slots, max_graph_ids=max_graph_ids)
-        check_same_device(cache, runtime)
+        if cache.device.type != runtime.device.type:
+            raise ValueError(
+                f"the cache lives on {cache.device} but the runtime runs on {runtime.device}; "
+                f"build the cache with build_cache(spec, device=runtime.device)"
+            )
         self.rt = runtime
         self._calls = itertools.count(1)
         self._unstaged = PerCallZeroer(cache, runtime)  # calls of more than max_graph_ids ids
         self._open_slots()
 
     def _zero_ids(self, ids: list[int]) -> None:
-        with self.rt.annotate(call_label(self.name, next(self._calls), ids)):
+        shown = ids if len(ids) <= 8 else [*ids[:8], "..."]
+        with self.rt.annotate(f"{self.name}.zero_block_ids#{next(self._calls)}({shown})"):
             super()._zero_ids(ids)
 
     # -- slot operations (ring_protocol) ----------------------------------------------------------
