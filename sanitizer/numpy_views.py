@@ -116,13 +116,11 @@ class WatchedArray(np.ndarray):
 
     def __getitem__(self, index: Any) -> Any:
         result = super().__getitem__(index)
-        if _ACTIVE:
-            if isinstance(result, np.ndarray) and _overlap(result, self):
-                return result  # a view: nothing read yet
-            if isinstance(result, np.ndarray):  # fancy indexing: a copy of the elements it names
-                _report(self, False, "read through the buffer's numpy view", _selected(self, index))
-            else:
-                _report(self, False, "read through the buffer's numpy view", _element(self, index))
+        is_array = isinstance(result, np.ndarray)
+        if _ACTIVE and not (is_array and _overlap(result, self)):  # a view: nothing read yet
+            # an array elsewhere: fancy indexing copied the elements it names; else one element was read
+            _report(self, False, "read through the buffer's numpy view",
+                    _selected(self, index) if is_array else _element(self, index))
         return result
 
     def __setitem__(self, index: Any, value: Any) -> None:

@@ -30,8 +30,8 @@ import torch
 
 from racecheck.cli import UsageError
 from sanitizer.races import Access, Race
+from zeroer.runtime import BACKENDS, resolve_backend as runtime_backend
 
-BACKENDS = ("auto", "cuda", "sim")
 MODES = ("observe", "force")
 
 
@@ -59,15 +59,14 @@ def prepare(mode: str) -> None:
 
 
 def resolve_backend(choice: str) -> str:
-    """``auto`` is ``cuda`` on a machine with a GPU and ``sim`` elsewhere."""
+    """``auto`` is ``cuda`` on a machine with a GPU and ``sim`` elsewhere (as the runtime's
+    :func:`zeroer.runtime.resolve_backend`; the errors are the command's)."""
     if choice not in BACKENDS:
         raise UsageError(f"backend {choice!r} is not one of {', '.join(BACKENDS)}")
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "sim"
     if choice == "cuda" and not torch.cuda.is_available():
         raise UsageError("backend 'cuda' needs a GPU and torch with CUDA, and this machine has none; "
                          "use --backend sim to run the program's cuda work on the simulator")
-    return choice
+    return runtime_backend(choice)
 
 
 class GpuSanitizer:

@@ -104,12 +104,10 @@ def _display(filename: str) -> str:
     return filename if shown.startswith("..") else shown
 
 
-def caller_site(skip: int = 1, *, beyond: str | None = None) -> Site:
-    """The innermost frame of the program's own code above the caller (``skip`` frames up);
-    with ``beyond`` (a directory), the first frame outside it too."""
+def caller_site(skip: int = 1) -> Site:
+    """The innermost frame of the program's own code above the caller (``skip`` frames up)."""
     frame: FrameType | None = sys._getframe(skip)
-    while frame is not None and (_is_library(frame.f_code)
-                                 or (beyond is not None and frame.f_code.co_filename.startswith(beyond))):
+    while frame is not None and _is_library(frame.f_code):
         frame = frame.f_back
     if frame is None:
         return UNKNOWN

@@ -13,13 +13,6 @@ from typing import Any
 import torch
 
 
-def _raw_stream(index: int) -> int:
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(index))
-    return int(torch.cuda.current_stream(index).cuda_stream)
-
-
 class CudaDevice:
     """The real thing: torch's CUDA."""
 
@@ -35,7 +28,9 @@ class CudaDevice:
 
     def current_stream(self, index: int | None = None) -> int:
         """The calling thread's current stream (``cudaStream_t``) on device ``index``."""
-        return _raw_stream(torch.cuda.current_device() if index is None else index)
+        index = torch.cuda.current_device() if index is None else index
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        return int(raw(index)) if raw is not None else int(torch.cuda.current_stream(index).cuda_stream)
 
     def stream_object(self, index: int | None = None) -> Any:
         """The calling thread's current stream as a ``torch.cuda.Stream`` (force mode's gates)."""

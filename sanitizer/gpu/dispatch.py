@@ -23,6 +23,7 @@ it (:class:`sanitizer.dynamo_guard.DynamoGuard`), so dynamo never traces the san
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +45,6 @@ _PIN = {getattr(packet, "default") for packet in (getattr(aten, "_pin_memory", N
         if packet is not None and hasattr(packet, "default")}
 _SCALAR = aten._local_scalar_dense.default
 _RECORD_STREAM = aten.record_stream.default
-_CUDA_DEVICES: dict[Any, bool] = {}
 
 
 class Ops(TorchDispatchMode):
@@ -154,18 +154,12 @@ class Handler:
 
 # -- what an op touches --------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _is_cuda(device: Any) -> bool:
-    found = _CUDA_DEVICES.get(device)
-    if found is None:
-        try:
-            found = torch.device(device).type == "cuda"
-        except (RuntimeError, TypeError):
-            found = False
-        try:
-            _CUDA_DEVICES[device] = found
-        except TypeError:
-            pass
-    return found
+    try:
+        return torch.device(device).type == "cuda"
+    except (RuntimeError, TypeError):
+        return False
 
 
 def fresh_outputs(func: Any, result: Any, device: Any, on_device: list[torch.Tensor] | None = None) -> list[torch.Tensor]:

@@ -38,14 +38,12 @@ def install(observer: Any) -> None:
     import torch.cuda._gpu_trace as gpu_trace
 
     torch._C._activate_gpu_trace()
-    gpu_trace.register_callback_for_stream_creation(_forward(stream_created))
-    gpu_trace.register_callback_for_event_record(_forward(event_recorded))
-    gpu_trace.register_callback_for_event_wait(_forward(event_waited))
-    gpu_trace.register_callback_for_event_deletion(_forward(event_deleted))
-    gpu_trace.register_callback_for_event_synchronization(_forward(event_synchronized))
-    gpu_trace.register_callback_for_stream_synchronization(_forward(stream_synchronized))
-    gpu_trace.register_callback_for_device_synchronization(_forward(device_synchronized))
-    gpu_trace.register_callback_for_memory_allocation(_forward(memory_allocated))
+    for name, handler in (("stream_creation", stream_created), ("event_record", event_recorded),
+                          ("event_wait", event_waited), ("event_deletion", event_deleted),
+                          ("event_synchronization", event_synchronized),
+                          ("stream_synchronization", stream_synchronized),
+                          ("device_synchronization", device_synchronized), ("memory_allocation", memory_allocated)):
+        getattr(gpu_trace, f"register_callback_for_{name}")(_forward(handler))
     _INSTALLED = True
 
 

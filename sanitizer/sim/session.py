@@ -93,7 +93,6 @@ class ProgramSession(InterceptSession):
         self.watch = SimWatch(self)
         self.host.on_reuse = self._pinned_reused
         self.lock = self.watch.lock
-        self._stream_sites: dict[int, Site] = {}
         self.mode = ProgramMode(self)
         self._polls: set[tuple] = set()  # what a query of the program found not done (query_event)
         self.unfollowed: list[str] = []  # one line each: what the program did that could not be followed
