@@ -80,45 +80,37 @@ class ControlledCudaRuntime(ModelledStreams, CudaRuntimeBase):
         return self._enqueue(stream, QueuedOp(kind, label, **fields), issue)
 
     def _enqueue(self, stream: Stream, op: QueuedOp, issue: Callable[[], None] | None = None) -> int:
-        """Issue ``op`` behind a fresh closed gate and queue it in the model."""
-        if self._ungated:
-            return self._run_ungated(stream, op, issue)
-        with self._guarded(op.label), self._on(stream):
-            gate = self.gates.acquire()
-            self.gates.launch(gate, stream.handle)
-            try:
-                if issue is not None:
-                    issue()
-            except BaseException as exc:
-                # The op never reaches the model, so nothing would open its gate: open it now;
-                # whatever it issued runs in stream order.
-                self.gates.open(gate)
-                with contextlib.suppress(Exception):
-                    marker = real_cuda.Event()
-                    marker.record(stream.handle)
-                    self.gates.retire(gate, marker)
-                exc.add_note(f"{op.label} was not queued; its gate was opened")
-                raise
-            done = real_cuda.Event()
-            done.record(stream.handle)
-        op.payload["gate"], op.payload["done"] = gate, done
-        return self.queues.enqueue(stream.index, op)
-
-    def _run_ungated(self, stream: Stream, op: QueuedOp, issue: Callable[[], None] | None) -> int:
-        """Inside :meth:`ungated`: issue ``op`` with no gate and let the model execute it at once."""
-        if op.kind == "hold":
+        """Issue ``op`` behind a fresh closed gate and queue it in the model. Inside :meth:`ungated`
+        it has no gate, and the model executes it at once."""
+        ungated = self._ungated
+        if ungated and op.kind == "hold":
             raise RuntimeUsageError(
                 f"{op.label}: a hold inside ungated() could never stop anything; place it outside"
             )
         with self._guarded(op.label), self._on(stream):
-            if issue is not None:
-                issue()
+            gate = None if ungated else self.gates.acquire()
+            if gate is not None:
+                self.gates.launch(gate, stream.handle)
+            try:
+                if issue is not None:
+                    issue()
+            except BaseException as exc:
+                if gate is not None:
+                    # The op never reaches the model, so nothing would open its gate: open it now;
+                    # whatever it issued runs in stream order.
+                    self.gates.open(gate)
+                    with contextlib.suppress(Exception):
+                        marker = real_cuda.Event()
+                        marker.record(stream.handle)
+                        self.gates.retire(gate, marker)
+                    exc.add_note(f"{op.label} was not queued; its gate was opened")
+                raise
             done = real_cuda.Event()
             done.record(stream.handle)
-        op.payload["gate"], op.payload["done"] = None, done
+        op.payload["gate"], op.payload["done"] = gate, done
         position = self.queues.enqueue(stream.index, op)
-        # Every stream was idle on entry and each op runs at once, so nothing can block this one.
-        self.queues.advance(stream.index, op.remaining)
+        if ungated:  # every stream was idle on entry and each op runs at once: nothing can block it
+            self.queues.advance(stream.index, op.remaining)
         return position
 
     @contextlib.contextmanager
