@@ -90,14 +90,9 @@ def _of_type(hint: Any) -> set[str] | None:
         return _of_type(typing.get_args(hint)[0])
     if not isinstance(base, type):
         return None
-    if issubclass(base, torch.Tensor):
-        return {"tensor"}
-    if issubclass(base, np.ndarray):
-        return {"array"}
-    if issubclass(base, list):
-        return {"list"}
-    if issubclass(base, tuple):
-        return {"tuple"}
+    for cls, name in ((torch.Tensor, "tensor"), (np.ndarray, "array"), (list, "list"), (tuple, "tuple")):
+        if issubclass(base, cls):
+            return {name}
     if base in _SEQUENCES:
         return {"list", "tuple"}
     return None
