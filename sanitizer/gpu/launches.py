@@ -27,27 +27,21 @@ from racecheck.triton_stores import address_tables, stored_params
 from sanitizer.sites import caller_site
 from zeroer.intercept.kernel_accesses import TableUnresolved, trace_tables
 from zeroer.intercept.sim_tensor import SimCudaTensor
-from zeroer.origin import forwarding
 from sanitizer.races import Unfollowed
 
 
-def patch(obs: Any, patch_fn: Callable[..., None], active: Callable[[], bool]) -> None:
+def patch(obs: Any, patch_fn: Callable[..., None], wrap: Callable[..., Any]) -> None:
+    """Wrap ``JITFunction.run`` (:func:`sanitizer.gpu.patches.install` gives ``patch_fn`` and ``wrap``)."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:  # pragma: no cover - triton is a dependency
         return
 
-    def wrap(run: Any) -> Any:
-        @forwarding
-        def launch(jit: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-            if not warmup and active() and not is_gate_kernel(jit):
-                with obs.lock:
-                    on_launch(obs, jit, args, kwargs, grid)
-            return run(jit, *args, grid=grid, warmup=warmup, **kwargs)
+    def launching(jit: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        if not warmup and not is_gate_kernel(jit):
+            on_launch(obs, jit, args, kwargs, grid)
 
-        return launch
-
-    patch_fn(JITFunction, "run", wrap)
+    patch_fn(JITFunction, "run", wrap(launching))
 
 
 def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any = None) -> None:

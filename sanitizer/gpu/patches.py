@@ -56,8 +56,8 @@ def install(obs: Any) -> Callable[[], None]:
 
     def wrap(before: Callable[..., None] | None = None,
              after: Callable[[tuple, Any], None] | None = None) -> Callable[[Any], Any]:
-        """A wrapper: while the observer is active, ``before(*args)`` is told of the call before it
-        runs and ``after(args, result)`` after it, each under the observer's lock."""
+        """A wrapper: while the observer is active, ``before(*args, **kwargs)`` is told of the call
+        before it runs and ``after(args, result)`` after it, each under the observer's lock."""
 
         def make(original: Any) -> Any:
             @forwarding
@@ -65,7 +65,7 @@ def install(obs: Any) -> Callable[[], None]:
             def call(*args: Any, **kwargs: Any) -> Any:
                 if before is not None and active():
                     with obs.lock:
-                        before(*args)
+                        before(*args, **kwargs)
                 result = original(*args, **kwargs)
                 if after is not None and active():
                     with obs.lock:
@@ -76,7 +76,7 @@ def install(obs: Any) -> Callable[[], None]:
 
         return make
 
-    def host_waits(*args: Any) -> None:
+    def host_waits(*args: Any, **kwargs: Any) -> None:
         """A call where the host may wait for the GPU: host writes are checked and force mode's
         gates opened before it."""
         obs.boundary(caller_site())
@@ -111,7 +111,7 @@ def install(obs: Any) -> Callable[[], None]:
 
         return call
 
-    def tolist(tensor: torch.Tensor, *args: Any) -> None:
+    def tolist(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if tensor.device.type == "cpu" and obs.pinned.regions:
             obs.tolist_read(tensor, caller_site())
 
@@ -120,7 +120,7 @@ def install(obs: Any) -> Callable[[], None]:
 
     from sanitizer.gpu import launches
 
-    launches.patch(obs, patch, active)
+    launches.patch(obs, patch, wrap)
     _patch_graphs(obs, patch, wrap)
     _patch_cudart(obs, patch, wrap, active)
     _patch_bindings(obs, patch, wrap)
@@ -156,10 +156,10 @@ def _patch_graphs(obs: Any, patch: Callable[..., None], wrap: Callable[..., Any]
 
         return call
 
-    def begin(graph: Any, *args: Any) -> None:
+    def begin(graph: Any, *args: Any, **kwargs: Any) -> None:
         obs.graphs.begin(graph, caller_site())
 
-    def replay(graph: Any, *args: Any) -> None:
+    def replay(graph: Any, *args: Any, **kwargs: Any) -> None:
         site = caller_site()
         obs.boundary(site)
         obs.graphs.replay(graph, site)
@@ -189,7 +189,7 @@ def _patch_cudart(obs: Any, patch: Callable[..., None], wrap: Callable[..., Any]
 
         return call
 
-    def unregister(address: int, *args: Any) -> None:
+    def unregister(address: int, *args: Any, **kwargs: Any) -> None:
         obs.boundary(caller_site())
         obs.pinned.unregister_range(int(address))
 
@@ -206,7 +206,7 @@ def _patch_bindings(obs: Any, patch: Callable[..., None], wrap: Callable[..., An
                 if name == "cuGetProcAddress" else f"{module_name}.{name} (a copy or launch around torch: "
                                                    f"the bytes it moves are not checked)")
 
-        def called(*args: Any) -> None:
+        def called(*args: Any, **kwargs: Any) -> None:
             site = caller_site()
             if (what, str(site)) not in seen:
                 seen.add((what, str(site)))
