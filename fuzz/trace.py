@@ -138,7 +138,7 @@ def _config(path: Path, raw: dict[str, Any]) -> EpisodeConfig:
     for name, low, high in (("streams", 1, 8), ("zeroers", 1, MAX_ZEROERS), ("device", 0, None)):
         value = raw.get(name)
         if name in raw and not (name == "device" and value is None) and (
-                not _is_int(value) or value < low or (high is not None and value > high)):
+                isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high)):
             raise bad(name, f"it must be an integer from {low} to {high}" if high else f"it must be null or an integer >= {low}")
     presets = sorted({*GEOMETRIES, *LARGE_GEOMETRIES})
     if "geometry" in raw and raw["geometry"] not in presets:
@@ -172,10 +172,6 @@ def _config(path: Path, raw: dict[str, Any]) -> EpisodeConfig:
         raise TraceError(f"{path}: field 'config.backend' is {config.backend!r}; zeroer {config.zeroer!r} "
                          f"runs on {', '.join(capabilities.backends)} only")
     return config
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_op(path: Path, index: int, op: object, config: EpisodeConfig) -> None:

@@ -308,18 +308,16 @@ class Episode:
         """Run a runtime call that may execute queued device work. An op of the zeroer's that
         raises there (the runtime notes which op it was) is the zeroer's finding; one of the
         harness's own is an internal error."""
-        try:
+        with _Scope(self._raised_in_device_work):
             return fn(*args)
-        except ZeroerRaised:
-            raise
-        except Exception as error:
-            _stop_if_interrupted(error)
-            origin = _failing_op(error)
-            raise_if_resource(error, f"running queued device work ({origin or 'op unknown'})")
-            if origin is None or origin.startswith(_HARNESS_OPS):  # the caller's own device work
-                raise harness_error(error, f"the harness's queued op {origin or '(unknown)'}", step=self.step) from error
-            raise_if_harness(error, f"the zeroer's queued op {origin}", step=self.step)
-            raise ZeroerRaised(_raised_finding(self, "zeroer", f"its queued op {origin}", error)) from error
+
+    def _raised_in_device_work(self, error: Exception) -> None:
+        origin = _failing_op(error)
+        raise_if_resource(error, f"running queued device work ({origin or 'op unknown'})")
+        if origin is None or origin.startswith(_HARNESS_OPS):  # the caller's own device work
+            raise harness_error(error, f"the harness's queued op {origin or '(unknown)'}", step=self.step) from error
+        raise_if_harness(error, f"the zeroer's queued op {origin}", step=self.step)
+        raise ZeroerRaised(_raised_finding(self, "zeroer", f"its queued op {origin}", error)) from error
 
     # -- ops ---------------------------------------------------------------------------------
     def _op_start(self, in_flight: int = 1) -> None:

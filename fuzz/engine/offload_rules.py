@@ -28,9 +28,8 @@ class OffloadPart:
         self.disabled = disabled
         self._apply(op="start", in_flight=in_flight)
 
-    def _slots(self, *, evictable: bool = False) -> list[int]:
-        slots = self.episode.component.slots
-        return [i for i, s in enumerate(slots) if s.state == "stored" and not (evictable and s.loads)]
+    def _evictable(self) -> list[int]:
+        return [i for i, s in enumerate(self.episode.component.slots) if s.state == "stored" and not s.loads]
 
     @precondition(lambda self: bool(self.episode.component.free_slots))
     @rule(block=BLOCKS, stream=st.integers(0, 2))
@@ -39,8 +38,7 @@ class OffloadPart:
             self._apply(op="store", block=block.block, stream=self._n_streams(stream))
 
     def _loadable(self) -> list[int]:
-        slots = self.episode.component.slots
-        return [i for i, s in enumerate(slots) if s.state in ("stored", "storing")]
+        return [i for i, s in enumerate(self.episode.component.slots) if s.state in ("stored", "storing")]
 
     # A slot whose store is still in flight may be chosen too: the caller then waits for it first,
     # as an engine resuming a request waits for its KV to be saved (the offloader's wait(job_ids)).
@@ -58,10 +56,10 @@ class OffloadPart:
         block = self._apply(op="load", slot=chosen, stream=self._n_streams(stream), **({"oldest": 1} if oldest else {}))
         return BlockRef(block, 0, self.episode.owners)
 
-    @precondition(lambda self: self._enabled("evict_slot") and bool(self._slots(evictable=True)))
+    @precondition(lambda self: self._enabled("evict_slot") and bool(self._evictable()))
     @rule(slot=st.integers(0, 7))
     def evict_slot(self, slot: int) -> None:
-        evictable = self._slots(evictable=True)
+        evictable = self._evictable()
         self._apply(op="evict", slot=evictable[slot % len(evictable)])
 
     @rule(sync=st.booleans())
