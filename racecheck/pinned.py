@@ -326,13 +326,11 @@ class PinnedWatch:
     def host_write(self, region: Region, view: torch.Tensor | None, label: str) -> None:
         """The host writes ``view`` of ``region`` (None: all of it) now, through a call seen (the
         snapshots of those bytes are dropped: what they would find is reported here)."""
-        runs = self._runs(region, view)
-        self.hb.host_write(region.key, label, self.host(), runs)
-        self.pending.drop(region, runs)
+        self.host_access_runs(region, self._runs(region, view), label, write=True)
 
     def host_read(self, region: Region, view: torch.Tensor | None, label: str) -> None:
         """The host reads ``view`` of ``region`` (None: all of it) now, through a call seen."""
-        self.hb.host_read(region.key, label, self.host(), self._runs(region, view))
+        self.host_access_runs(region, self._runs(region, view), label, write=False)
 
     def host_access_runs(self, region: Region, runs: Runs, label: str, *, write: bool) -> None:
         """The host reads or writes ``runs`` of ``region`` now (a numpy view's bytes, say)."""

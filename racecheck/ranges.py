@@ -48,14 +48,7 @@ def _runs(start: int, sizes: Sequence[int], strides: Sequence[int], itemsize: in
     starts = [start]
     for size, stride in outer:
         starts = [s + i * stride for s in starts for i in range(size)]
-    starts.sort()
-    merged: Runs = []
-    for s in starts:
-        if merged and merged[-1][1] >= s:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], s + run))
-        else:
-            merged.append((s, s + run))
-    return merged
+    return merge((s, s + run) for s in starts)
 
 
 def extent(tensor: torch.Tensor) -> Runs:
