@@ -133,17 +133,15 @@ class WatchedArray(np.ndarray):
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, out: Any = None, **kwargs: Any) -> Any:
         if _ACTIVE:
-            written = _watched_in(out) if out is not None else []
             what = f"np.{ufunc.__name__}"
+            read = inputs
             if method == "at" and isinstance(inputs[0], WatchedArray):  # np.add.at(a, indices, v): those elements
                 at = _selected(inputs[0], inputs[1]) if len(inputs) > 1 else None
                 _report(inputs[0], True, f"host write through the buffer's numpy view ({what}.at)", at)
-                inputs_read = list(inputs[1:])
-            else:
-                inputs_read = list(inputs)
-            for array in _watched_in(inputs_read):
+                read = inputs[1:]
+            for array in _watched_in(read):
                 _report(array, False, f"read through the buffer's numpy view ({what})")
-            for array in written:
+            for array in _watched_in(out):
                 _report(array, True, f"host write through the buffer's numpy view ({what})")
         args = _plain(inputs)
         if out is not None:
@@ -156,8 +154,7 @@ class WatchedArray(np.ndarray):
     def __array_function__(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
         read: list[WatchedArray] = []
         if _ACTIVE and func not in _METADATA:
-            out = kwargs.get("out")
-            written = _watched_in(out) if out is not None else []
+            written = _watched_in(kwargs.get("out"))
             what = f"np.{func.__name__}"
             if func in _WRITES_FIRST and args and isinstance(args[0], WatchedArray):
                 target = args[0]

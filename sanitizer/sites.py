@@ -25,6 +25,7 @@ from types import CodeType, FrameType
 
 import numpy
 import torch
+import triton
 
 import racecheck
 
@@ -32,22 +33,11 @@ _SANITIZER = str(Path(__file__).resolve().parent) + os.sep
 # The benchmark's programs live inside the package but are programs, not the sanitizer's plumbing.
 _PROGRAMS = _SANITIZER + "bench" + os.sep
 # racecheck's frames too: a custom op's call reaches the tool through its router (racecheck.effects).
-_LIBRARIES = tuple(
+_SKIPPED = tuple(
     str(Path(module.__file__).resolve().parent) + os.sep
-    for module in (torch, contextlib, threading, numpy, racecheck)
+    for module in (torch, contextlib, threading, numpy, racecheck, triton)
     if getattr(module, "__file__", None)
 ) + (_SANITIZER,)
-
-
-def _triton_root() -> tuple[str, ...]:
-    try:
-        import triton
-    except ImportError:  # pragma: no cover - triton is a dependency
-        return ()
-    return (str(Path(triton.__file__).resolve().parent) + os.sep,)
-
-
-_SKIPPED = _LIBRARIES + _triton_root()
 _STDLIB_PLUMBING = {functools.__file__, contextlib.__file__}
 _ALSO: list[str] = []
 

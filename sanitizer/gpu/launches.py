@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from triton.runtime.jit import JITFunction
 
 from racecheck.gate import is_gate_kernel
 from racecheck.custom_ops import host_values
@@ -32,11 +33,6 @@ from sanitizer.races import Unfollowed
 
 def patch(obs: Any, patch_fn: Callable[..., None], wrap: Callable[..., Any]) -> None:
     """Wrap ``JITFunction.run`` (:func:`sanitizer.gpu.patches.install` gives ``patch_fn`` and ``wrap``)."""
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:  # pragma: no cover - triton is a dependency
-        return
-
     def launching(jit: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         if not warmup and not is_gate_kernel(jit):
             on_launch(obs, jit, args, kwargs, grid)
