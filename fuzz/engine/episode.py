@@ -144,8 +144,9 @@ class _Capture:
 class CacheGroup:
     """One KV cache, the zeroer built for it, and the caller's book of its blocks."""
 
-    def __init__(self, index: int, cache: KVCache) -> None:
+    def __init__(self, index: int, cache: KVCache, many: bool) -> None:
         self.index = index
+        self.label = f"cache {index}: " if many else ""  # how a message names it, where there are several
         self.cache = cache
         self.zeroer: BoundZeroer | None = None
         num_blocks = cache.spec.num_blocks
@@ -154,9 +155,6 @@ class CacheGroup:
         self.last: dict[int, _Access] = {}
         self.captures: list[_Capture] = []
         self.retired: list[KVCache] = []  # what reallocations replaced, recycled at close()
-
-    def label(self, many: bool) -> str:
-        return f"cache {self.index}: " if many else ""
 
     def live_blocks(self) -> list[int]:
         return [b for b, s in enumerate(self.shadow.blocks) if s.state == "live"]
@@ -200,7 +198,7 @@ class Episode:
         self._caches = caches if self.rt.backend == "sim" else None
         self.loaded = load_zeroer(config.zeroer)
         spec = geometry(config.geometry)
-        self.groups = [CacheGroup(i, self._new_cache(spec)) for i in range(config.zeroers)]
+        self.groups = [CacheGroup(i, self._new_cache(spec), config.zeroers > 1) for i in range(config.zeroers)]
         self.trace: list[dict] = []
         self.findings: list[Finding] = []
         self.in_flight = 1
@@ -275,12 +273,11 @@ class Episode:
 
     def _raised_in_call(self, group: CacheGroup, what: str, error: Exception) -> None:
         raise_if_resource(error, f"in {what}")
-        many = len(self.groups) > 1
         who, call = code_of(what)  # the code under test that made the call
         # An unroutable call, a simulator gap, a clash in the runtime: the harness's, not a finding.
         during = what if who != "zeroer" else f"the zeroer's {what.removeprefix('its ')}"
-        raise_if_harness(error, during + (f" (cache {group.index})" if many else ""), step=self.step)
-        raise ZeroerRaised(_raised_finding(self, who, group.label(many) + call, error)) from error
+        raise_if_harness(error, during + (f" (cache {group.index})" if group.label else ""), step=self.step)
+        raise ZeroerRaised(_raised_finding(self, who, group.label + call, error)) from error
 
     def factory_call(self, component: str, spec: str, signature: str) -> _Scope:
         """What a factory raises is a usage error (exit status 2), never a finding. Code that cannot
@@ -379,8 +376,7 @@ class Episode:
             _scribble(handed, [others[i % len(others)] for i in range(n)])
         elif then == "drop":
             del handed
-        many = len(self.groups) > 1
-        note = self.note(f"allocate_blocks: {group.label(many)}zero_block_ids({ids}) on stream {stream}")
+        note = self.note(f"allocate_blocks: {group.label}zero_block_ids({ids}) on stream {stream}")
         for block in ids:
             group.shadow.zeroed(block, self.owners, note)
         self._accessed(group, ids, stream, "zero")
@@ -546,11 +542,9 @@ class Episode:
             self.device_work(self.rt.synchronize)
             self.new_hazard_findings()
         fault = self.config.caller_fault is not None
-        many = len(self.groups) > 1
         for group in self.groups:
             for finding in _verify(group):
-                message = group.label(many) + finding.message
-                self.findings.append(Finding(finding.kind, finding.block, message, fault))
+                self.findings.append(Finding(finding.kind, finding.block, group.label + finding.message, fault))
 
     def close(self) -> None:
         """Let every queued op run, release the runtime and give the caches back to the pool."""
