@@ -35,18 +35,6 @@ from fuzz.trace import Trace
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the directory that holds fuzz/, zeroer/ and repro/
 
 
-# The comment on an op of the script, filled from the op record and what the op returned.
-NOTES = {
-    "allocate": "zero_block_ids({result}) on stream {stream}",
-    "write": "write block {block} on stream {stream}",
-    "read": "read block {block} on stream {stream}",
-    "free": "free block {block}; its page is poisoned (NaN bytes)",
-    "store": "store block {block} into host slot {result} on stream {stream}",
-    "load": "load host slot {slot} into block {result} on stream {stream}",
-    "poll": "get_finished() -> jobs {result}",
-}
-
-
 def _annotations(trace: Trace) -> dict[int, str]:
     """Per op index, a short comment from a replay on the simulator (best effort)."""
     notes: dict[int, str] = {}
@@ -54,8 +42,18 @@ def _annotations(trace: Trace) -> dict[int, str]:
         episode = Episode(dataclasses.replace(trace.config, backend="sim", device=None))
         for index, op in enumerate(trace.ops):
             result = episode.apply(op)
-            if op["op"] in NOTES:
-                notes[index] = NOTES[op["op"]].format_map({**op, "stream": op.get("stream", 0), "result": result})
+            if op["op"] == "allocate":
+                notes[index] = f"zero_block_ids({result}) on stream {op.get('stream', 0)}"
+            elif op["op"] in ("write", "read"):
+                notes[index] = f"{op['op']} block {op['block']} on stream {op.get('stream', 0)}"
+            elif op["op"] == "free":
+                notes[index] = f"free block {op['block']}; its page is poisoned (NaN bytes)"
+            elif op["op"] == "store":
+                notes[index] = f"store block {op['block']} into host slot {result} on stream {op.get('stream', 0)}"
+            elif op["op"] == "load":
+                notes[index] = f"load host slot {op['slot']} into block {result} on stream {op.get('stream', 0)}"
+            elif op["op"] == "poll":
+                notes[index] = f"get_finished() -> jobs {result}"
             if episode.new_hazard_findings():
                 notes[index] = notes.get(index, op["op"]) + "  <-- the happens-before checker fires here"
                 break
