@@ -160,15 +160,9 @@ class CacheGroup:
         return [b for b, s in enumerate(self.shadow.blocks) if s.state == "live"]
 
 
-def _container(ids: list[int], ids_as: str) -> Any:
-    """The ids as the caller hands them over (an engine passes lists, arrays and tensors)."""
-    if ids_as == "tuple":
-        return tuple(ids)
-    if ids_as == "array":
-        return np.array(ids, dtype=np.int64)
-    if ids_as == "tensor":
-        return torch.tensor(ids, dtype=torch.int64)
-    return list(ids)
+# ids_as -> the ids as the caller hands them over (an engine passes lists, arrays and tensors).
+_CONTAINERS = {"list": list, "tuple": tuple, "array": lambda ids: np.array(ids, dtype=np.int64),
+               "tensor": lambda ids: torch.tensor(ids, dtype=torch.int64)}
 
 
 def _scribble(container: Any, values: list[int]) -> None:
@@ -366,7 +360,7 @@ class Episode:
         for block in ids:
             self.order_before(group, block, stream, skip)  # caller promise (a)
         self.owners += 1
-        handed = _container(ids, ids_as)
+        handed = _CONTAINERS[ids_as](ids)
         with self.rt.use_stream(self.stream_of(stream)), self.rt.annotate(f"step {self.step} allocate_blocks"), \
                 self.rt.block_space(group.index), self.component_call(group, f"zero_block_ids({ids})"):
             group.zeroer.zero_block_ids(handed)

@@ -44,6 +44,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from hypothesis.database import ExampleDatabase
 
@@ -93,16 +94,8 @@ class OutboxDatabase(ExampleDatabase):
 
     # -- the database ------------------------------------------------------------------------
     def fetch(self, key: bytes) -> Iterable[bytes]:
-        if self._may_try():
-            try:
-                self.flush()
-                values = list(self.shared.fetch(key))
-            except self._unreachable as error:
-                self._lost(error)
-            else:
-                self._offline_until = None
-                return values
-        return []
+        went, values = self._through(lambda: list(self.shared.fetch(key)))
+        return values if went else []
 
     def save(self, key: bytes, value: bytes) -> None:
         self._write("save", key, value)
@@ -149,16 +142,23 @@ class OutboxDatabase(ExampleDatabase):
 
     # -- plumbing ----------------------------------------------------------------------------
     def _write(self, op: str, *args: bytes) -> None:
+        went, _ = self._through(lambda: getattr(self.shared, op)(*args))
+        if not went:
+            self._enqueue(op, args)
+
+    def _through(self, call: Callable[[], Any]) -> tuple[bool, Any]:
+        """``call()`` on ``shared`` unless it is offline, after the outbox (first the older ops, so
+        they keep their order): whether it went through, and what it returned."""
         if self._may_try():
             try:
-                self.flush()  # first the older ops, so they keep their order
-                getattr(self.shared, op)(*args)
+                self.flush()
+                result = call()
             except self._unreachable as error:
                 self._lost(error)
             else:
                 self._offline_until = None
-                return
-        self._enqueue(op, args)
+                return True, result
+        return False, None
 
     def _may_try(self) -> bool:
         return self._offline_until is None or self._clock() >= self._offline_until
