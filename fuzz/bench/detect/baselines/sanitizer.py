@@ -161,9 +161,13 @@ def run_child(command: list[str], env: dict[str, str], limit_s: float) -> tuple[
 
 # -- the child ------------------------------------------------------------------------------------
 class CsanHooks(EpisodeHooks):
-    """Make the harness read to CSAN like a plain torch program (see the module docstring)."""
+    """Make the harness read to CSAN like a plain torch program (see the module docstring), and
+    remember the current episode (to name streams and tensors in a report)."""
+
+    episode: Episode | None = None
 
     def created(self, episode: Episode) -> None:
+        self.episode = episode
         rt = episode.rt
         sync_all, sync_stream, sync_event = rt.synchronize, rt.synchronize_stream, rt.synchronize_event
 
@@ -246,7 +250,7 @@ def child_main(config: EpisodeConfig, budget_s: float, seed: int, repro_dir: Pat
 
 
 def _run_under_csan(config: EpisodeConfig, budget_s: float, seed: int, repro_dir: Path, errors: type) -> DetectionOutcome:
-    hooks = _EpisodeTracker()
+    hooks = CsanHooks()
     result = stress_loop(config, budget_s, seed, stop_on_finding=False, hooks=hooks)
     oracle = f"; our value oracle: {one_line(str(result.first))}" if result.first is not None else ""
     exc = result.exception
@@ -271,12 +275,3 @@ def _run_under_csan(config: EpisodeConfig, budget_s: float, seed: int, repro_dir
     )
     return DetectionOutcome(True, result.exception_s, result.episodes, result.steps, len(trace), str(path), message + oracle)
 
-
-class _EpisodeTracker(CsanHooks):
-    """CsanHooks that also remember the current episode (to name streams and tensors in a report)."""
-
-    episode: Episode | None = None
-
-    def created(self, episode: Episode) -> None:
-        self.episode = episode
-        super().created(episode)
