@@ -4,45 +4,43 @@ The sanitizer's dispatch modes opt out of torch's dynamo hook (``_should_skip_dy
 importing ``torch._dynamo`` (seconds) and a guard on every op (microseconds). But once a program
 imports it to ``torch.compile``, dynamo would trace a mode's handler whenever an op runs inside a
 compiled region (seen on torch 2.13: dozens of the sanitizer's frames compiled for one small
-function). From the first op after that import, every mode registered here is wrapped as torch wraps
-modes by default (``torch._disable_dynamo``).
+function). From the first op after that import, every mode of the sanitizer (a :class:`SanitizerMode`)
+is wrapped as torch wraps modes by default (``torch._disable_dynamo``).
 
 Example::
 
-    GUARD.add(MyMode)                             # at class definition
-    if not GUARD.done and "torch._dynamo" in sys.modules:   # first thing in __torch_dispatch__
-        GUARD.apply()
+    class MyMode(SanitizerMode):
+        def on_dispatch(self, func, args, kwargs):    # every op, kwargs always a dict
+            return func(*args, **kwargs)
 """
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zeroer.origin import forwarding
 
 
-class DynamoGuard:
-    """The modes to wrap, and whether they are (see the module docstring)."""
+class SanitizerMode(TorchDispatchMode):
+    """A dispatch mode of the sanitizer's (see the module docstring)."""
 
-    def __init__(self, *modes: type) -> None:
-        self.modes: list[type] = list(modes)
-        self.done = False
+    guarded = False  # whether __torch_dispatch__ is wrapped by torch._disable_dynamo yet
 
-    def add(self, mode: type) -> None:
-        self.modes.append(mode)
-        if self.done:
-            self._wrap(mode)
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no torch._dynamo import, no per-op dynamo guard (module docstring)
 
-    def apply(self) -> None:
-        self.done = True
-        for mode in self.modes:
-            self._wrap(mode)
+    @forwarding  # the program's own call, handed on: what torch raises under it is the program's
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not SanitizerMode.guarded and "torch._dynamo" in sys.modules:
+            SanitizerMode.guarded = True
+            raw = SanitizerMode.__dict__["__torch_dispatch__"]
+            SanitizerMode.__torch_dispatch__ = torch._disable_dynamo(raw, recursive=True)  # type: ignore[method-assign]
+        return self.on_dispatch(func, args, kwargs or {})
 
-    @staticmethod
-    def _wrap(mode: type) -> None:
-        raw = mode.__dict__["__torch_dispatch__"]
-        if not getattr(raw, "_kvz_dynamo_disabled", False):
-            wrapped = torch._disable_dynamo(raw, recursive=True)
-            wrapped._kvz_dynamo_disabled = True  # type: ignore[attr-defined]
-            mode.__torch_dispatch__ = wrapped  # type: ignore[method-assign]
-
-
-GUARD = DynamoGuard()
+    def on_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError

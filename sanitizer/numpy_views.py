@@ -261,11 +261,8 @@ MAX_CACHED_OFFSETS = 1 << 16  # at most 16 layouts of 512 KiB of offsets each ar
 
 @functools.lru_cache(maxsize=16)  # a buffer's view is indexed step after step with the same layout
 def _offsets_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
-    offsets = np.zeros(shape, dtype=np.int64)
-    for dim, (size, stride) in enumerate(zip(shape, strides)):
-        layout = [1] * len(shape)
-        layout[dim] = size
-        offsets = offsets + (np.arange(size, dtype=np.int64) * stride).reshape(layout)
+    indices = np.indices(shape, dtype=np.int64, sparse=True)  # one broadcastable index per dimension
+    offsets = sum((index * stride for index, stride in zip(indices, strides)), np.zeros(shape, dtype=np.int64))
     offsets.flags.writeable = False
     return offsets
 

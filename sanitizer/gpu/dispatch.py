@@ -18,22 +18,20 @@ A ``TorchDispatchMode`` is entered in every thread the program runs torch in (mo
 The mode opts out of torch's compiler hook (``_should_skip_dynamo``): nothing here needs
 ``torch._dynamo``, whose import costs seconds and whose per-call guard costs microseconds per op;
 once the program itself imports it (``torch.compile``), the handler is wrapped as torch would wrap
-it (:class:`sanitizer.dynamo_guard.DynamoGuard`), so dynamo never traces the sanitizer's frames.
+it (:class:`sanitizer.dynamo_guard.SanitizerMode`), so dynamo never traces the sanitizer's frames.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from racecheck.ops import op_info, op_name
 from sanitizer.gpu import custom
-from sanitizer.dynamo_guard import GUARD
+from sanitizer.dynamo_guard import SanitizerMode
 from sanitizer.gpu.copies import copy
 from sanitizer.host_ops import tensors_of, written_tensors
 from sanitizer.sites import Site, caller_site
@@ -47,28 +45,19 @@ _SCALAR = aten._local_scalar_dense.default
 _RECORD_STREAM = aten.record_stream.default
 
 
-class Ops(TorchDispatchMode):
+class Ops(SanitizerMode):
     """The mode (see the module docstring); one instance per thread."""
 
     def __init__(self, observer: Any) -> None:
         super().__init__()
         self.handler = Handler(observer)
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # no torch._dynamo import, no per-op dynamo guard (module docstring)
-
     @forwarding  # the program's own call, handed on: what torch raises under it is the program's
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if not GUARD.done and "torch._dynamo" in sys.modules:
-            GUARD.apply()
+    def on_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         handler = self.handler
         if handler.obs.paused:
-            return func(*args, **(kwargs or {}))
-        return handler.on_op(func, args, kwargs or {})
-
-
-GUARD.add(Ops)
+            return func(*args, **kwargs)
+        return handler.on_op(func, args, kwargs)
 
 
 def enter(observer: Any) -> Callable[[], None]:

@@ -88,7 +88,8 @@ class Observer(HostWatch):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        from sanitizer.gpu import dispatch, patches, trace
+        from racecheck import custom_ops
+        from sanitizer.gpu import custom, dispatch, patches, trace
 
         # torch imports its compiler stack on the first op through a Python dispatch mode unless the
         # mode opts out (dispatch.Ops does); nothing here needs torch._dynamo.
@@ -96,7 +97,10 @@ class Observer(HostWatch):
         self._unpatch = patches.install(self)
         self._unschedule = schedules.subscribe(self._schedule_started, self._schedule_ended)
         self.activate_host_hooks()
-        self._custom = _custom_ops(self)  # pybind functions with effect models (sanitizer.gpu.custom)
+        custom_ops.define_references()  # custom ops' and pybind functions' effect models, routed here
+        self._custom = contextlib.ExitStack()
+        self._custom.enter_context(custom_ops.routing(custom.router(self)))
+        self._custom.enter_context(custom_ops.extension_modules())
         self._exit_mode = dispatch.enter(self)
         self.mark_set_up()
         self._started = True
@@ -332,18 +336,6 @@ class Observer(HostWatch):
         if address is not None:
             return self._device_sites.get(address)
         return super().allocated_at(hazard)
-
-
-def _custom_ops(obs: Observer) -> Any:
-    """Custom ops' models routed to ``obs`` while it runs; the scope to close at its stop."""
-    from racecheck import custom_ops
-    from sanitizer.gpu import custom
-
-    custom_ops.define_references()
-    scope = contextlib.ExitStack()
-    scope.enter_context(custom_ops.routing(custom.router(obs)))
-    scope.enter_context(custom_ops.extension_modules())
-    return scope
 
 
 _RUNNING: list[Any] = [None]  # the observers started and not stopped, innermost last

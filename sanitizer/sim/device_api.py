@@ -118,18 +118,16 @@ def device_api(session: Any) -> dict[str, Any]:
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
 
-    table: dict[str, Any] = {"cudart": cudart, "_sleep": sleep, "check_error": check_error,
-                             "manual_seed": seed, "manual_seed_all": seed, "seed": nothing, "seed_all": nothing,
-                             "initial_seed": torch.initial_seed, "get_rng_state": lambda device="cuda": torch.get_rng_state(),
-                             "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
-                             "get_rng_state_all": lambda: [torch.get_rng_state()],
-                             "set_rng_state_all": lambda states: torch.set_rng_state(states[0]),
-                             "memory_reserved": lambda device=None: 0, "max_memory_reserved": lambda device=None: 0,
-                             "memory_stats": lambda device=None: {}, "set_per_process_memory_fraction": nothing}
-    for name in ("reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
-                 "reset_accumulated_memory_stats"):
-        table[name] = nothing
-    return table
+    return {"cudart": cudart, "_sleep": sleep, "check_error": check_error,
+            "manual_seed": seed, "manual_seed_all": seed, "seed": nothing, "seed_all": nothing,
+            "initial_seed": torch.initial_seed, "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+            "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+            "get_rng_state_all": lambda: [torch.get_rng_state()],
+            "set_rng_state_all": lambda states: torch.set_rng_state(states[0]),
+            "memory_reserved": lambda device=None: 0, "max_memory_reserved": lambda device=None: 0,
+            "memory_stats": lambda device=None: {}, "set_per_process_memory_fraction": nothing,
+            **dict.fromkeys(("reset_peak_memory_stats", "reset_max_memory_allocated",
+                             "reset_max_memory_cached", "reset_accumulated_memory_stats"), nothing)}
 
 
 def nvtx_api() -> dict[str, Any]:

@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from racecheck.hb import OpStamp
 from racecheck.pinned import Region
-from sanitizer.dynamo_guard import GUARD
+from sanitizer.dynamo_guard import SanitizerMode
 from sanitizer.host_ops import tensors_of
 from sanitizer.races import HANDED_OUT_AGAIN, Access, Label, Race
 from sanitizer.sites import Site, also_skip, caller_site
@@ -264,7 +262,7 @@ class ProgramMode(InterceptMode):
         return self._tolist(func, args, kwargs)
 
 
-class HostOps(TorchDispatchMode):
+class HostOps(SanitizerMode):
     """Aten ops on the CPU side of a program session: host reads and writes of pinned memory
     (:mod:`sanitizer.host_ops`). The simulated device's own work, run on the CPU when a stream gets
     there, is not the host's and passes through."""
@@ -273,15 +271,8 @@ class HostOps(TorchDispatchMode):
         super().__init__()
         self.session = session
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # no torch._dynamo import (sanitizer.gpu.dispatch says why)
-
     @forwarding
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if not GUARD.done and "torch._dynamo" in sys.modules:
-            GUARD.apply()
-        kwargs = kwargs or {}
+    def on_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         session = self.session
         if session.rt.executing or not session.host.regions:
             return func(*args, **kwargs)
@@ -289,9 +280,6 @@ class HostOps(TorchDispatchMode):
         if not tensors or any(isinstance(t, SimCudaTensor) for t in tensors):
             return func(*args, **kwargs)
         return session.watch.host_op(func, args, kwargs, tensors)
-
-
-GUARD.add(HostOps)
 
 
 class SimWatch(HostWatch):
