@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -33,8 +32,6 @@ from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig, count_shown
 from fuzz.engine.harness_error import HarnessError
 from racecheck.resources import ResourceExhausted, is_out_of_memory
-
-Method = Callable[[EpisodeConfig, float, int], DetectionOutcome]
 
 FUZZ = "fuzz"
 RUN_EXAMPLES = 200  # examples per Hypothesis run: the budget is checked between runs
@@ -82,20 +79,6 @@ def _repro_rate(violation: Any) -> dict[str, int]:
     return {"replays": REPLAYS, "reproduced": count_shown(violation.config, violation.trace, REPLAYS)}
 
 
-def run_quick_campaign(config: EpisodeConfig, shard: int, repro_dir: Path) -> DetectionOutcome:
-    """One campaign exactly as ``pytest fuzz --zeroer ENTRY`` runs it in the quick profile."""
-    result = run_campaign(Campaign(config, shard=shard, expect="finds"), PROFILES[QUICK], repro_dir)
-    return _outcome(result, replay=False)
-
-
-def resolve_method(name: str, repro_dir: Path) -> Method:
-    if name == FUZZ:
-        return FuzzMethod(repro_dir)
-    if name not in METHODS:
-        raise KeyError(f"method {name!r} is not available; choose {FUZZ} or one of {', '.join(sorted(METHODS))}")
-    return functools.partial(METHODS[name], repro_dir=repro_dir)
-
-
 @dataclass(frozen=True)
 class Job:
     """One method on one zeroer with one seed."""
@@ -112,14 +95,17 @@ class Job:
 
 def run_job(job: Job) -> dict[str, Any]:
     """Run ``job``; a method that raises is recorded as an error, never a finding."""
-    started = time.perf_counter()
+    started, repro_dir = time.perf_counter(), Path(job.repro_dir)
     try:
-        if job.profile == QUICK:
-            outcome = run_quick_campaign(job.config, job.seed, Path(job.repro_dir))
-        elif job.budget_s is None:  # the clean-steps soak: one fixed-size fuzz run, counted in steps
-            outcome = FuzzMethod(Path(job.repro_dir))(job.config, None, job.seed)
+        if job.profile == QUICK:  # one campaign exactly as ``pytest fuzz --zeroer ENTRY`` runs it in the quick profile
+            result = run_campaign(Campaign(job.config, shard=job.seed, expect="finds"), PROFILES[QUICK], repro_dir)
+            outcome = _outcome(result, replay=False)
+        elif job.budget_s is None or job.method == FUZZ:  # no budget: the clean-steps soak's one fixed-size run
+            outcome = FuzzMethod(repro_dir)(job.config, job.budget_s, job.seed)
+        elif job.method not in METHODS:
+            raise KeyError(f"method {job.method!r} is not available; choose {FUZZ} or one of {', '.join(sorted(METHODS))}")
         else:
-            outcome = resolve_method(job.method, Path(job.repro_dir))(job.config, job.budget_s, job.seed)
+            outcome = METHODS[job.method](job.config, job.budget_s, job.seed, repro_dir=repro_dir)
     except HarnessError as error:  # the harness could not build or run the entry (a factory that raises): no verdict
         outcome = DetectionOutcome(False, None, None, 0, None, None, "harness error", error=error.message)
     except (Exception, ResourceExhausted) as error:  # report and go on: one broken entry must not hide the others
