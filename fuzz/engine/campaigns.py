@@ -192,14 +192,9 @@ def campaign_geometries(spec: str, backend: str, requested: tuple[str, ...] | No
         names = list(CUDA_GEOMETRIES if backend == "cuda" else SIM_GEOMETRIES)
     else:
         names = geometry_names()
-    result = []
-    for name in names:
-        if not capabilities.supports_geometry(name):
-            supported = ", ".join(capabilities.geometries or ())
-            result.append((name, f"{spec} declares Capabilities(geometries=({supported})), not {name}"))
-        else:
-            result.append((name, None))
-    return result
+    supported = ", ".join(capabilities.geometries or ())
+    return [(name, None if capabilities.supports_geometry(name) else
+             f"{spec} declares Capabilities(geometries=({supported})), not {name}") for name in names]
 
 
 def offload_campaigns(backends: list[str], offloader: str, geometries: tuple[str, ...] | None = None,

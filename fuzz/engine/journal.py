@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fuzz.engine.episode import EpisodeConfig
-from fuzz.engine.trace import read_trace, trace_data, trace_name, write_trace_data
+from fuzz.engine.trace import read_trace, trace_data, trace_name
+from racecheck.atomic_file import write_json_atomically
 
 JOURNAL_MODES = ("auto", "on", "off")
 
@@ -50,7 +51,7 @@ class Journal:
     def record(self, config: EpisodeConfig, ops: list[dict]) -> None:
         data = trace_data(config, ops, [], seed=self.seed, campaign=self.campaign)
         data["status"] = "in-flight"
-        write_trace_data(self.path, data)
+        write_json_atomically(self.path, data)
 
     def discard(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -79,6 +80,6 @@ def rescue(repro_dir: Path, worker: str, campaign: str) -> Path | None:
         "caller_fault": False,
     }]
     config = EpisodeConfig(**data["config"])
-    target = write_trace_data(repro_dir / trace_name(config, data["ops"]), data)
+    target = write_json_atomically(repro_dir / trace_name(config, data["ops"]), data)
     path.unlink()
     return target

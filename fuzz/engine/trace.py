@@ -78,15 +78,10 @@ def trace_data(
     return data
 
 
-def write_trace_data(path: Path, data: dict[str, Any]) -> Path:
-    """Write a trace object (:func:`trace_data`, or one read back) to ``path`` atomically."""
-    return write_json_atomically(path, data)
-
-
 def write_trace(directory: Path, config: EpisodeConfig, ops: list[dict], findings: list[Finding], **fields: Any) -> Path:
     """Save a finding under ``directory`` with its content-hash name; returns the path. ``fields``:
     :func:`trace_data`'s keywords (``seed``, ``campaign``, ``reproduction``, ``shrink``, ``probe``)."""
-    return write_trace_data(directory / trace_name(config, ops), trace_data(config, ops, findings, **fields))
+    return write_json_atomically(directory / trace_name(config, ops), trace_data(config, ops, findings, **fields))
 
 
 def read_trace(path: Path) -> dict[str, Any]:
