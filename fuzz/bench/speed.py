@@ -77,16 +77,12 @@ class BenchConfig:
     quick: bool = False
 
 
-def _kernel(backend: str, zeroer: str) -> str | None:
+def _campaign(bench: BenchConfig, zeroer: str, expect: str) -> Campaign:
     # The simulator runs the staged designs with the torch kernel, as default_campaigns does:
     # the Triton interpreter would time itself, not the fuzzer.
-    return "torch" if backend == "sim" and zeroer != "reference" else None
-
-
-def _campaign(bench: BenchConfig, zeroer: str, expect: str) -> Campaign:
     config = EpisodeConfig(
         zeroer=zeroer, geometry=GEOMETRY, backend=bench.backend, mode=bench.mode,
-        kernel=_kernel(bench.backend, zeroer),
+        kernel="torch" if bench.backend == "sim" and zeroer != "reference" else None,
     )
     return Campaign(config, shard=0, expect=expect)
 

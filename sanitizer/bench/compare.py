@@ -57,10 +57,6 @@ TITLES = {"truth": "GPU truth (--sleep)", "torch": "TORCH_CUDA_SANITIZER=1", "ob
           "force": "kvz force"}
 
 
-def _tools(backend: str) -> tuple[str, ...]:
-    return ("truth", "torch", "observe", "force") if backend == "cuda" else ("observe",)
-
-
 def _command(tool: str, program: Program, steps: int, report: Path, backend: str) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if tool == "truth":
@@ -181,7 +177,7 @@ def _main(argv: list[str]) -> int:
         raise UsageError(f"--steps {args.steps} must be a positive number of steps")
     if args.jobs < 1:
         raise UsageError(f"-j {args.jobs} must be a positive number of programs run at once")
-    tools = _tools(args.backend)
+    tools = ("truth", "torch", "observe", "force") if args.backend == "cuda" else ("observe",)
     if args.tools:
         wanted = tuple(args.tools.split(","))
         unknown = [t for t in wanted if t not in tools]

@@ -83,7 +83,7 @@ def _name_list(option: str, what: str, choices: Callable[[], Sequence[str]]) -> 
 _seconds = positive(float, "seconds", "--max-seconds 240")
 
 
-def run_parser() -> argparse.ArgumentParser:
+def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
     p = ArgumentParser(
         prog=PROG,
         description="Zeroer performance: kernel bandwidth against measured ceilings, and the host "
@@ -107,32 +107,19 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--png-dir", type=Path, help="draw the figures here (needs matplotlib)")
     p.add_argument("--max-seconds", type=_seconds, default=DEFAULT_MAX_SECONDS,
                    help=f"overall budget; rows past it are skipped and recorded (default {DEFAULT_MAX_SECONDS:g})")
-    return p
-
-
-def plot_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=f"{PROG} plot",
-                                description="Draw the figures of a result written by --json.")
-    p.add_argument("result", type=Path, help="a JSON file written by python -m fuzz.bench.kernel --json")
-    p.add_argument("--png-dir", type=Path, required=True, help="where to write the PNG files")
-    return p
-
-
-def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = run_parser()
-    args = parser.parse_args(argv)
+    args = p.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
-        parser.error("no CUDA GPU here (torch.cuda.is_available() is False) and the full benchmark "
-                     "measures a GPU; run python -m fuzz.bench.kernel --quick for the CPU smoke test")
+        p.error("no CUDA GPU here (torch.cuda.is_available() is False) and the full benchmark "
+                "measures a GPU; run python -m fuzz.bench.kernel --quick for the CPU smoke test")
     args.blocks = args.blocks or list(QUICK_BLOCKS if args.quick else DEFAULT_BLOCKS)
     args.ids = args.ids or list(QUICK_IDS if args.quick else DEFAULT_IDS)
     args.zeroers = args.zeroers or benched_zeroers()
     limit = bench_cache(HOST_CACHE, args.quick).num_blocks - 1
     for option, values in (("--blocks", args.blocks), ("--ids", args.ids)):
         if max(values) > limit:
-            parser.error(f"argument {option}: {max(values)} is more than the {limit} blocks a benchmark "
-                         f"cache{' (--quick)' if args.quick else ''} can zero (block 0 is the null "
-                         f"block); use at most {limit}")
+            p.error(f"argument {option}: {max(values)} is more than the {limit} blocks a benchmark "
+                    f"cache{' (--quick)' if args.quick else ''} can zero (block 0 is the null "
+                    f"block); use at most {limit}")
     return args
 
 
@@ -233,7 +220,9 @@ def draw(result: dict[str, Any], png_dir: Path) -> bool:
 
 
 def plot_main(argv: Sequence[str]) -> int:
-    parser = plot_parser()
+    parser = ArgumentParser(prog=f"{PROG} plot", description="Draw the figures of a result written by --json.")
+    parser.add_argument("result", type=Path, help="a JSON file written by python -m fuzz.bench.kernel --json")
+    parser.add_argument("--png-dir", type=Path, required=True, help="where to write the PNG files")
     args = parser.parse_args(argv)
     try:
         result = json.loads(args.result.read_text())
