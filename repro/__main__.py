@@ -33,33 +33,6 @@ from fuzz.timeline import write_timeline
 PROG = "python -m repro"
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("replay", help="replay a trace file")
-    run.add_argument("trace", type=Path)
-    run.add_argument("--backend", choices=("sim", "cuda"), default=None, help="default: the trace's backend")
-    run.add_argument("--mode", choices=("controlled", "free"), default=None, help="cuda: gates (default) or real timing")
-    run.add_argument("--repeat", type=int, default=1)
-    export = sub.add_parser("export", help="write a standalone script of a trace")
-    export.add_argument("trace", type=Path)
-    export.add_argument("-o", "--output", type=Path, required=True, help="e.g. repro/cases/ring_overrun.py")
-    export.add_argument("--title", default=None, help="the script's first line (default: zeroer, geometry and findings)")
-    again = sub.add_parser("regenerate", help="rerun a campaign with a seed from a summary")
-    again.add_argument("campaign", nargs="?", help="campaign id, e.g. single_buffer-tiny-sim-k-torch-shard0")
-    again.add_argument("--seed", type=int, default=None, help="the seed the summary lists")
-    again.add_argument("--profile", default="quick", help="the profile the run used (the summary's totals.profile)")
-    again.add_argument("--summary", type=Path, default=None, help="regenerate every finding of this summary JSON")
-    again.add_argument("--zeroer", default=None, help="the --zeroer SPEC of the run, for a campaign of an outside zeroer")
-    again.add_argument("--offloader", default=None, help="the --offloader SPEC of the run, for an offload campaign (a summary names it itself)")
-    again.add_argument("--repro-dir", type=Path, default=Path("repro/failures"))
-    picture = sub.add_parser("timeline", help="draw a trace's host and stream tracks (Perfetto JSON and HTML)")
-    picture.add_argument("trace", type=Path)
-    picture.add_argument("-o", "--output", type=Path, default=None, help="default: timelines/<trace stem>.json beside the trace")
-    picture.add_argument("--html", type=Path, default=None, help="default: timelines/<trace stem>.html beside the trace")
-    return parser
-
-
 def _replay(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise UsageError(f"--repeat {args.repeat} must be at least 1")
@@ -159,7 +132,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("replay", help="replay a trace file")
+    run.add_argument("trace", type=Path)
+    run.add_argument("--backend", choices=("sim", "cuda"), default=None, help="default: the trace's backend")
+    run.add_argument("--mode", choices=("controlled", "free"), default=None, help="cuda: gates (default) or real timing")
+    run.add_argument("--repeat", type=int, default=1)
+    export = sub.add_parser("export", help="write a standalone script of a trace")
+    export.add_argument("trace", type=Path)
+    export.add_argument("-o", "--output", type=Path, required=True, help="e.g. repro/cases/ring_overrun.py")
+    export.add_argument("--title", default=None, help="the script's first line (default: zeroer, geometry and findings)")
+    again = sub.add_parser("regenerate", help="rerun a campaign with a seed from a summary")
+    again.add_argument("campaign", nargs="?", help="campaign id, e.g. single_buffer-tiny-sim-k-torch-shard0")
+    again.add_argument("--seed", type=int, default=None, help="the seed the summary lists")
+    again.add_argument("--profile", default="quick", help="the profile the run used (the summary's totals.profile)")
+    again.add_argument("--summary", type=Path, default=None, help="regenerate every finding of this summary JSON")
+    again.add_argument("--zeroer", default=None, help="the --zeroer SPEC of the run, for a campaign of an outside zeroer")
+    again.add_argument("--offloader", default=None, help="the --offloader SPEC of the run, for an offload campaign (a summary names it itself)")
+    again.add_argument("--repro-dir", type=Path, default=Path("repro/failures"))
+    picture = sub.add_parser("timeline", help="draw a trace's host and stream tracks (Perfetto JSON and HTML)")
+    picture.add_argument("trace", type=Path)
+    picture.add_argument("-o", "--output", type=Path, default=None, help="default: timelines/<trace stem>.json beside the trace")
+    picture.add_argument("--html", type=Path, default=None, help="default: timelines/<trace stem>.html beside the trace")
+    args = parser.parse_args(argv)
     handlers = {"replay": _replay, "export": _export, "regenerate": _regenerate, "timeline": _timeline}
     return handlers[args.command](args)
 

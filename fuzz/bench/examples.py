@@ -263,7 +263,7 @@ def _geometries(value: str | None) -> tuple[str, ...] | None:
     return names
 
 
-def parser() -> ArgumentParser:
+def _main(argv: list[str]) -> int:
     p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("file", nargs="?", default=DEFAULT_FILE, help=f"a file of factories with a VERDICTS dict (default {DEFAULT_FILE})")
     p.add_argument("--backend", choices=("sim", "cuda"), default="sim")
@@ -275,11 +275,7 @@ def parser() -> ArgumentParser:
     p.add_argument("-j", "--jobs", type=positive(int, "worker processes", "4"), default=None, help="worker processes (default: every core; cuda: what the free GPU memory holds, at most 8)")
     p.add_argument("--repro-dir", type=Path, default=None, help="where traces of findings go (default: a temporary directory)")
     p.add_argument("--json", type=Path, default=None, help="write every record and the table's rows here")
-    return p
-
-
-def _main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    args = p.parse_args(argv)
     check_output("--json", args.json)
     check_output("--repro-dir", args.repro_dir, "directory")
     if args.soak_steps < 0:

@@ -32,7 +32,6 @@ Run it::
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import runpy
@@ -98,7 +97,17 @@ def verdicts(file: str = DEFAULT_FILE) -> dict[str, str]:
     return dict(found)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _positive(flag: str, text: str, example: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise OffloadBenchUsageError(f"{flag} {text!r} must be a positive integer, e.g. {example}")
+    return value
+
+
+def parse_args(argv: list[str], cuda_available: bool) -> Args:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--file", default=DEFAULT_FILE, help=f"the offloader factories and their VERDICTS (default {DEFAULT_FILE})")
     parser.add_argument("--backend", default="sim", help="sim (fuzz-sim and stress on the simulator) or cuda (every method)")
@@ -112,21 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-j", "--jobs", default="1", help="worker processes (default 1)")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--repro-dir", default=str(DEFAULT_REPRO_DIR), help="where traces of findings go")
-    return parser
-
-
-def _positive(flag: str, text: str, example: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise OffloadBenchUsageError(f"{flag} {text!r} must be a positive integer, e.g. {example}")
-    return value
-
-
-def parse_args(argv: list[str], cuda_available: bool) -> Args:
-    options = _parser().parse_args(argv)
+    options = parser.parse_args(argv)
     if options.backend not in ("sim", "cuda"):
         raise OffloadBenchUsageError(f"--backend {options.backend!r} is not a backend; choose sim or cuda")
     if options.backend == "cuda" and not cuda_available:

@@ -24,7 +24,6 @@ The exit status (:mod:`racecheck.cli`) is 1 when a self-check missed on any seed
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import shlex
 import sys
@@ -103,7 +102,12 @@ def render(rows: list[dict[str, Any]]) -> str:
 _positive = positive(int, "seeds", "--seeds 10")
 
 
-def parser() -> argparse.ArgumentParser:
+def main(argv: Sequence[str] | None = None) -> int:
+    """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv: list[str]) -> int:
     p = ArgumentParser(
         prog=PROG,
         description="Run every self-check campaign of the simulator (a campaign that must find a known "
@@ -116,16 +120,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--campaigns", default="",
                    help="only self-checks whose id contains one of these comma-separated texts, e.g. -k ring,no-free-fence")
     p.add_argument("--json", type=Path, default=None, help="also write the report as JSON to this file")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
-    return run_main(_main, argv, PROG)
-
-
-def _main(argv: list[str]) -> int:
-    p = parser()
     args = p.parse_args(argv)
     patterns = [t.strip() for t in args.campaigns.split(",") if t.strip()]
     available = self_checks()

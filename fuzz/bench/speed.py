@@ -25,7 +25,6 @@ Run it (``--quick``: tiny budgets, for CI to check that the script still runs)::
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -288,23 +287,18 @@ def run_bench(bench: BenchConfig, argv: list[str]) -> dict[str, Any]:
 PROG = "python -m fuzz.bench.speed"
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default="sim", help="sim (CPU simulator, default) or cuda")
-    parser.add_argument("--mode", choices=("controlled", "free"), default="controlled", help="cuda: gates or real timing")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds 1..N per known race (default 5; 1 with --quick)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the report as JSON to this file")
-    parser.add_argument("--quick", action="store_true", help="tiny budgets: checks that the script runs, measures little")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
     return run_main(_main, argv, PROG)
 
 
 def _main(argv: list[str]) -> int:
-    parser = _parser()
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="sim", help="sim (CPU simulator, default) or cuda")
+    parser.add_argument("--mode", choices=("controlled", "free"), default="controlled", help="cuda: gates or real timing")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds 1..N per known race (default 5; 1 with --quick)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the report as JSON to this file")
+    parser.add_argument("--quick", action="store_true", help="tiny budgets: checks that the script runs, measures little")
     args = parser.parse_args(argv)
     if args.backend not in ("sim", "cuda"):
         parser.error(f"--backend {args.backend!r} is not a backend; choose sim or cuda")

@@ -159,7 +159,7 @@ def shares(rows: list[dict[str, Any]], tools: tuple[str, ...]) -> list[str]:
     return lines
 
 
-def parser() -> ArgumentParser:
+def _main(argv: list[str]) -> int:
     p = ArgumentParser(prog="python -m sanitizer.bench.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("cuda", "sim"), default="cuda")
     p.add_argument("--steps", type=int, default=16, help="steps each program runs (default 16)")
@@ -167,11 +167,7 @@ def parser() -> ArgumentParser:
     p.add_argument("--json", help="write the rows, summary and environment here")
     p.add_argument("--only", help="comma-separated program names (default: all)")
     p.add_argument("--tools", help="comma-separated tools to run (default: all the backend has)")
-    return p
-
-
-def _main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    args = p.parse_args(argv)
     out = check_output("--json", args.json)
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} must be a positive number of steps")

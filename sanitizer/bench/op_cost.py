@@ -78,17 +78,13 @@ def observed(steps: int, profile: cProfile.Profile | None = None) -> float:
     return seconds
 
 
-def parser() -> ArgumentParser:
+def _main(argv: list[str]) -> int:
     p = ArgumentParser(prog="python -m sanitizer.bench.op_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the measurements here")
     p.add_argument("--profile", help="write the observed run's profile (top functions by own time) here")
-    return p
-
-
-def _main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    args = p.parse_args(argv)
     out = check_output("--json", args.json)
     profile_out = check_output("--profile", args.profile)
     if args.steps < 1 or args.rounds < 1:

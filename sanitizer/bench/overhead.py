@@ -53,16 +53,12 @@ def run_suite(suite: str, flags: list[str], scratch: Path) -> dict[str, float]:
     return {"wall": wall, "tests": tests}
 
 
-def parser() -> ArgumentParser:
+def _main(argv: list[str]) -> int:
     p = ArgumentParser(prog="python -m sanitizer.bench.overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--flags", default="--kvz-sanitize", help="the sanitizer's flags (default --kvz-sanitize)")
     p.add_argument("--json", help="write the measurements here")
-    return p
-
-
-def _main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    args = p.parse_args(argv)
     out = check_output("--json", args.json)
     import torch
 

@@ -28,7 +28,6 @@ Run it::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -122,7 +121,8 @@ def _names(flag: str, value: str) -> list[str]:
     return names
 
 
-def _parser() -> argparse.ArgumentParser:
+def parse_args(argv: list[str], cuda_available: bool) -> DetectArgs:
+    """Check the command line; every bad value is a :class:`DetectUsageError`."""
     parser = ArgumentParser(
         prog=PROG, description=__doc__.split("\n\n")[0],
         epilog="python -m fuzz.bench.detect plot REPORT.json --png FILE draws a saved report.")
@@ -140,12 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     add("-j", "--jobs", default=None,
         help="worker processes, or auto (default: 1 on sim; auto on cuda: as many as the free GPU memory holds, "
              "at most one per CPU core); on cuda never more than the free GPU memory holds")
-    return parser
-
-
-def parse_args(argv: list[str], cuda_available: bool) -> DetectArgs:
-    """Check the command line; every bad value is a :class:`DetectUsageError`."""
-    options = {k.replace("_", "-"): v for k, v in vars(_parser().parse_args(argv)).items()}
+    options = {k.replace("_", "-"): v for k, v in vars(parser.parse_args(argv)).items()}
     backend = options["backend"]
     if backend not in ("sim", "cuda"):
         raise DetectUsageError(f"--backend {backend!r} is not a backend; choose sim or cuda")

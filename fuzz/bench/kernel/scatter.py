@@ -231,7 +231,12 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parser() -> argparse.ArgumentParser:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (see the module docstring)."""
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv: list[str]) -> int:
     p = ArgumentParser(
         prog=PROG,
         description="What limits the zero kernel on scattered pages: the kernel against zero_() of the same "
@@ -248,16 +253,6 @@ def parser() -> argparse.ArgumentParser:
                         f"{','.join(map(str, DEFAULT_CACHE_GIB))}; --quick: caches of "
                         f"{' and '.join(map(str, QUICK_FOOTPRINTS))} blocks instead)")
     p.add_argument("--json", type=Path, help="write the rows, versions and command here")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (see the module docstring)."""
-    return run_main(_main, argv, PROG)
-
-
-def _main(argv: list[str]) -> int:
-    p = parser()
     args = p.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
         p.error("no CUDA GPU here (torch.cuda.is_available() is False) and this measures a GPU; "

@@ -64,7 +64,12 @@ def run_method(
     return METHODS[name](config, budget_s, seed, repro_dir=repro_dir)
 
 
-def _parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
+    """The exit status (:mod:`racecheck.cli`): 1 when the method found something, 0 when not."""
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv: list[str]) -> int:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("method", help=f"one of: {', '.join(sorted(METHODS))}")
     parser.add_argument("--zeroer", default="reference", help="a built-in name, module:attr or path/file.py:attr")
@@ -75,16 +80,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repro-dir", type=Path, default=DEFAULT_REPRO_DIR)
     parser.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # the sanitizer's child
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The exit status (:mod:`racecheck.cli`): 1 when the method found something, 0 when not."""
-    return run_main(_main, argv, PROG)
-
-
-def _main(argv: list[str]) -> int:
-    parser = _parser()
     args = parser.parse_args(argv)
     if args.config_json is not None:  # the sanitizer's child: its parent built and checked the config
         config = EpisodeConfig(**json.loads(args.config_json))
