@@ -99,9 +99,6 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-_positive = positive(int, "seeds", "--seeds 10")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
     return run_main(_main, argv, PROG)
@@ -113,7 +110,8 @@ def _main(argv: list[str]) -> int:
         description="Run every self-check campaign of the simulator (a campaign that must find a known "
                     "bug) over seeds 1..N, and report how often each found its bug and the most "
                     "examples it needed. CPU only.")
-    p.add_argument("--seeds", type=_positive, default=DEFAULT_SEEDS, help=f"seeds 1..N per campaign (default {DEFAULT_SEEDS})")
+    p.add_argument("--seeds", type=positive(int, "seeds", "--seeds 10"), default=DEFAULT_SEEDS,
+                   help=f"seeds 1..N per campaign (default {DEFAULT_SEEDS})")
     p.add_argument("--profile", choices=SWEEP_PROFILES, default=DEFAULT_PROFILE,
                    help=f"the pytest fuzz profile each run uses (default {DEFAULT_PROFILE})")
     p.add_argument("--geometry", default=None, help="only the self-checks on this geometry, e.g. tiny (default: every one)")

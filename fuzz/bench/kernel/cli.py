@@ -80,9 +80,6 @@ def _name_list(option: str, what: str, choices: Callable[[], Sequence[str]]) -> 
     return parse
 
 
-_seconds = positive(float, "seconds", "--max-seconds 240")
-
-
 def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
     p = ArgumentParser(
         prog=PROG,
@@ -105,7 +102,7 @@ def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
                    default=list(SECTIONS), help=f"what to measure (default {','.join(SECTIONS)})")
     p.add_argument("--json", type=Path, help="write the result here (rewritten after every section)")
     p.add_argument("--png-dir", type=Path, help="draw the figures here (needs matplotlib)")
-    p.add_argument("--max-seconds", type=_seconds, default=DEFAULT_MAX_SECONDS,
+    p.add_argument("--max-seconds", type=positive(float, "seconds", "--max-seconds 240"), default=DEFAULT_MAX_SECONDS,
                    help=f"overall budget; rows past it are skipped and recorded (default {DEFAULT_MAX_SECONDS:g})")
     args = p.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
