@@ -33,7 +33,7 @@ does not shrink.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import target
 from hypothesis.control import currently_in_test_context
@@ -114,10 +114,7 @@ class BlockRef:
 
     block: int
     cache: int
-    owner: int
-
-    def __repr__(self) -> str:
-        return f"BlockRef(block={self.block}, cache={self.cache})"
+    owner: int = field(repr=False)
 
 
 class CallerMachine(RuleBasedStateMachine):

@@ -94,7 +94,8 @@ class OffloadSide:
         self.next_job = WARMUP_JOBS[-1] + 1
         self.offloader: Any = None
         group = episode.groups[0]
-        with episode.rt.block_space(group.index), episode.factory_call("offloader", self.spec, "(cache, host_pool, runtime)"):
+        with episode.rt.block_space(group.index), \
+                episode.factory_call("offloader", self.loaded.spec, "(cache, host_pool, runtime)"):
             self.offloader = self.loaded.build(group.cache, self.pool, episode.rt)
 
     # -- fuzz.engine.component.Component ---------------------------------------------------------------
@@ -102,7 +103,7 @@ class OffloadSide:
     keeps_cache_tensors = True  # an engine's handler keeps the cache tensors it was built with
 
     def ops(self) -> dict[str, Any]:
-        return {"store": self.store, "load": self.load, "evict": self.evict, "wait": self.wait_for, "poll": self._op_poll}
+        return {"store": self.store, "load": self.load, "evict": self.evict, "wait": self.wait_for, "poll": self.poll}
 
     def holding(self, block: int) -> str | None:
         job = self.busy.get(block)
@@ -114,16 +115,7 @@ class OffloadSide:
         if self.offloader is not None:
             self.offloader.close()
 
-    def _op_poll(self, sync: int = 0) -> list[int]:
-        if sync:  # the caller waits for the whole device first
-            self.episode.device_work(self.episode.rt.synchronize)
-        return self.poll()
-
     # -- labels ---------------------------------------------------------------------------------------
-    @property
-    def spec(self) -> str:
-        return self.loaded.spec
-
     def _call(self, what: str) -> Any:
         return self.episode.component_call(self.episode.groups[0], OFFLOADER_CALL + what)
 
@@ -218,9 +210,11 @@ class OffloadSide:
             episode.device_work(episode.rt.synchronize)
         return self.poll()
 
-    def poll(self) -> list[int]:
+    def poll(self, sync: int = 0) -> list[int]:
         """``get_finished()``; each finished job is checked and its memory handed back to the caller."""
         episode = self.episode
+        if sync:  # the caller waits for the whole device first
+            episode.device_work(episode.rt.synchronize)
         with episode.rt.block_space(0), self._call("get_finished()"):
             reported = self.offloader.get_finished()
         done = []
