@@ -209,10 +209,8 @@ def offload_campaigns(backends: list[str], offloader: str, geometries: tuple[str
             if not capabilities.runs_on(backend, mode):
                 continue
             for name in geometries if geometries is not None else geometry_names():
-                skipped = None
-                if not capabilities.supports_geometry(name):
-                    skipped = (f"{offloader} declares OffloaderCapabilities(geometries=({', '.join(capabilities.geometries or ())})), "
-                               f"not {name}")
+                skipped = None if capabilities.supports_geometry(name) else (
+                    f"{offloader} declares OffloaderCapabilities(geometries=({', '.join(capabilities.geometries or ())})), not {name}")
                 for memory in host_memory:
                     why = skipped or (None if memory in capabilities.host_memory else
                                       f"{offloader} declares OffloaderCapabilities(host_memory=({', '.join(capabilities.host_memory)})), "

@@ -63,11 +63,6 @@ _ALL = {name: frozenset(required) | frozenset(optional) for name, (required, opt
 _REQUIRED = {name: frozenset(required) for name, (required, _) in FIELDS.items()}
 
 
-def field_names(op: str) -> tuple[str, ...]:
-    required, optional = FIELDS[op]
-    return (*required, *optional)
-
-
 class OpError(ValueError):
     """An op record that is not valid. ``field`` names the bad field (``None``: the record itself)
     and ``problem`` says what is wrong with it, so a trace reader can name ``ops[3].n``."""
@@ -90,7 +85,7 @@ def check_op(op: Any) -> tuple[str, dict[str, Any]]:
     if not (args.keys() <= _ALL[name] and _REQUIRED[name] <= args.keys()):  # set views: cheap on the hot path
         unknown = sorted(args.keys() - _ALL[name])
         missing = sorted(_REQUIRED[name] - args.keys())
-        fields = f"its fields are: {', '.join(field_names(name)) or 'none'}"
+        fields = f"its fields are: {', '.join((*FIELDS[name][0], *FIELDS[name][1])) or 'none'}"
         problem = f"has unknown field {unknown[0]!r}" if unknown else f"is missing field {missing[0]!r}"
         where = f"is not a field of op {name!r}" if unknown else f"is missing; op {name!r} needs it"
         raise OpError(f"op {name!r} {problem}; {fields}", unknown[0] if unknown else missing[0], f"{where} ({fields})")

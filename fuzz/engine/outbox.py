@@ -149,7 +149,7 @@ class OutboxDatabase(ExampleDatabase):
     def _through(self, call: Callable[[], Any]) -> tuple[bool, Any]:
         """``call()`` on ``shared`` unless it is offline, after the outbox (first the older ops, so
         they keep their order): whether it went through, and what it returned."""
-        if self._may_try():
+        if self._offline_until is None or self._clock() >= self._offline_until:  # online, or time to retry
             try:
                 self.flush()
                 result = call()
@@ -159,9 +159,6 @@ class OutboxDatabase(ExampleDatabase):
                 self._offline_until = None
                 return True, result
         return False, None
-
-    def _may_try(self) -> bool:
-        return self._offline_until is None or self._clock() >= self._offline_until
 
     def _lost(self, error: BaseException) -> None:
         self._offline_until = self._clock() + self._retry_s
