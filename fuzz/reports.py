@@ -83,17 +83,12 @@ def _detail(record: dict, bug: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def _counts(record: dict) -> str:
-    return (f"examples {record['examples']}, steps {record['steps']}, {record['seconds']} s, "
-            f"seeds {record.get('seeds', [])}")
-
-
 def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
     """``summary`` as JUnit XML; ``sources`` maps a campaign id to the file it came from (one
     ``testsuite`` each; all in one suite named ``fuzz`` without it)."""
     sources = sources or {}
     records = {r["campaign"]: r for r in summary["campaigns"]}
-    bug_of = _bug_of(summary)
+    bug_of = {campaign: bug for bug in distinct_bugs(summary["campaigns"]) for campaign in bug["campaigns"]}
     saved = {s["campaign"]: s for s in summary.get("saved_at_interruption", [])}
     cases = ([(c, "record") for c in records] + [(c, "crashed") for c in summary["crashed"]]
              + [(c, "not_run") for c in summary["not_run"]])
@@ -120,7 +115,8 @@ def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
             ET.SubElement(case, "skipped", message="not run (skipped, or its shard was interrupted)")
         else:
             verdict, detail = outcome(record), _detail(record, bug_of.get(campaign))
-            out = f"{verdict}: {_counts(record)}"
+            out = (f"{verdict}: examples {record['examples']}, steps {record['steps']}, {record['seconds']} s, "
+                   f"seeds {record.get('seeds', [])}")
             if verdict == "RESOURCE ERROR":
                 ET.SubElement(case, "error", type="resource error", message=detail[:300])
             elif verdict == "HARNESS ERROR":
@@ -148,11 +144,6 @@ def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
         root.set(name, f"{value:.3f}" if name == "time" else str(value))
     ET.indent(root)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
-
-
-def _bug_of(summary: dict) -> dict[str, dict]:
-    """Each campaign with a finding -> its distinct bug (fuzz.engine.bugs)."""
-    return {campaign: bug for bug in distinct_bugs(summary["campaigns"]) for campaign in bug["campaigns"]}
 
 
 def _bug_campaigns(bug: dict) -> str:

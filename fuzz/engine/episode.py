@@ -156,9 +156,6 @@ class CacheGroup:
         self.captures: list[_Capture] = []
         self.retired: list[KVCache] = []  # what reallocations replaced, recycled at close()
 
-    def live_blocks(self) -> list[int]:
-        return [b for b, s in enumerate(self.shadow.blocks) if s.state == "live"]
-
 
 # ids_as -> the ids as the caller hands them over (an engine passes lists, arrays and tensors).
 _CONTAINERS = {"list": list, "tuple": tuple, "array": lambda ids: np.array(ids, dtype=np.int64),
@@ -303,7 +300,8 @@ class Episode:
             return fn(*args)
 
     def _raised_in_device_work(self, error: Exception) -> None:
-        origin = _failing_op(error)
+        notes = [n for n in getattr(error, "__notes__", ()) if n.startswith("while running ")]
+        origin = notes[0][len("while running "):] if notes else None  # the op the runtime noted
         raise_if_resource(error, f"running queued device work ({origin or 'op unknown'})")
         if origin is None or origin.startswith(_HARNESS_OPS):  # the caller's own device work
             raise harness_error(error, f"the harness's queued op {origin or '(unknown)'}", step=self.step) from error
@@ -366,7 +364,7 @@ class Episode:
             group.zeroer.zero_block_ids(handed)
         # The list is the caller's again (promise 3): reuse it for something else, or let it go.
         if then == "scribble":
-            others = [b for b in group.live_blocks() if b not in ids] or [0]
+            others = [b for b, s in enumerate(group.shadow.blocks) if s.state == "live" and b not in ids] or [0]
             _scribble(handed, [others[i % len(others)] for i in range(n)])
         elif then == "drop":
             del handed
@@ -641,13 +639,6 @@ def _stop_if_interrupted(error: BaseException) -> None:
     KeyboardInterrupt (the zeroer's, a library's) may have turned it into this one."""
     if interrupted():
         raise KeyboardInterrupt("the run was interrupted") from error
-
-
-def _failing_op(error: BaseException) -> str | None:
-    for note in getattr(error, "__notes__", ()):
-        if note.startswith("while running "):
-            return note[len("while running "):]
-    return None
 
 
 def _raised_finding(episode: Episode, who: str, call: str, error: BaseException) -> Finding:
