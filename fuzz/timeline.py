@@ -189,12 +189,6 @@ def _replay(trace: Trace) -> _Replay:
 
 # -- the trace-event JSON --------------------------------------------------------------------
 
-def _device_name(op: QueuedOp, stream_name: str) -> str:
-    """``copy#3 (ring.zero_block_ids#2([1]) [slot 1])``: the op's label less its stream, which
-    the track already says."""
-    return op.label.replace(f" on stream '{stream_name}'", "", 1)
-
-
 def _finding_place(message: str, replay: _Replay) -> tuple[int, int]:
     """(tid, ts) of the instant for a finding: the read it judged, the host op it names, or the
     teardown where the oracle found it."""
@@ -243,7 +237,9 @@ def build_timeline(trace: Trace) -> dict[str, Any]:
                 "queued at tick": queued_by.start if queued_by else 0, "ran at tick": run.tick}
         if run.failed:
             args["failed"] = True
-        events.append({"ph": "X", "name": _device_name(run.op, replay.streams[run.stream]), "cat": run.op.kind,
+        # ``copy#3 (ring.zero_block_ids#2([1]) [slot 1])``: the label less its stream, which the track says
+        name = run.op.label.replace(f" on stream '{replay.streams[run.stream]}'", "", 1)
+        events.append({"ph": "X", "name": name, "cat": run.op.kind,
                        "pid": PID, "tid": stream_tid(run.stream), "ts": run.tick * TICK_US, "dur": TICK_US, "args": args})
     flow = 0
     for run in replay.runs:

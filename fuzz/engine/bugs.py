@@ -27,10 +27,6 @@ from __future__ import annotations
 import hashlib
 
 
-def _backend(record: dict) -> str:
-    return record["backend"] if record.get("backend") in ("sim", None) else f"cuda-{record.get('mode')}"
-
-
 def bug_id(signature: str) -> str:
     """The id of the bug with ``signature`` (the key its run's registry files it under)."""
     return hashlib.sha256(signature.encode()).hexdigest()[:16]
@@ -83,7 +79,7 @@ def _bug(key: str, members: list[dict]) -> dict:
         "shrunk_by": first.get("same_as") or first["campaign"],
         "campaigns": sorted(r["campaign"] for r in members),
         "geometries": sorted({r.get("geometry") for r in members if r.get("geometry")}),
-        "backends": sorted({_backend(r) for r in members}),
+        "backends": sorted({r["backend"] if r.get("backend") in ("sim", None) else f"cuda-{r.get('mode')}" for r in members}),
         "traces": [{"campaign": r["campaign"], "trace": r["trace"], "trace_ops": r.get("trace_ops")} for r in shrunk],
         # stopped at the bug without shrinking it: their records' same_as names who did
         "not_shrunk": sorted(r["campaign"] for r in members if r.get("same_as")),
