@@ -629,16 +629,10 @@ class _Scope:
 
     def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
         if isinstance(error, Exception) and not isinstance(error, ZeroerRaised):
-            _stop_if_interrupted(error)
+            if interrupted():  # after Ctrl-C, not the code's error: what caught the KeyboardInterrupt made it
+                raise KeyboardInterrupt("the run was interrupted") from error
             self._handle(error)
         return False
-
-
-def _stop_if_interrupted(error: BaseException) -> None:
-    """After Ctrl-C or SIGTERM an error is not the zeroer's finding: code that caught the
-    KeyboardInterrupt (the zeroer's, a library's) may have turned it into this one."""
-    if interrupted():
-        raise KeyboardInterrupt("the run was interrupted") from error
 
 
 def _raised_finding(episode: Episode, who: str, call: str, error: BaseException) -> Finding:
