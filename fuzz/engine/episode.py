@@ -230,16 +230,13 @@ class Episode:
         name, args = check_op(op)
         self.trace.append(dict(op))
         self.in_op = True
-        own = getattr(self, f"_op_{name}", None)
-        result = own(**args) if own is not None else self._component_op(name)(**args)
-        self.in_op = False
-        return result
-
-    def _component_op(self, name: str) -> Any:
-        if name not in self._component_ops:
+        run = getattr(self, f"_op_{name}", None) or self._component_ops.get(name)
+        if run is None:
             kind = self.component.noun if self.component is not None else "none"
             raise ValueError(f"op {name!r} needs a component that has it: this episode's is {kind}")
-        return self._component_ops[name]
+        result = run(**args)
+        self.in_op = False
+        return result
 
     @property
     def step(self) -> int:
