@@ -286,9 +286,6 @@ class SideStreamCopy(_KVBlockZeroerBase):
     from going back to the copy stream's pool until the caller's stream has run the kernel.
     """
 
-    record_stream = True  # False: SideStreamCopyNoRecord
-    event_on_copy_stream = True  # False: SideStreamCopyEventOnCaller
-
     def __init__(self, cache) -> None:
         super().__init__(cache)
         self._copy_stream = torch.cuda.Stream()
@@ -306,15 +303,11 @@ class SideStreamCopy(_KVBlockZeroerBase):
         caller = torch.cuda.current_stream()
         ids_cpu = torch.tensor(block_ids, dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(self._copy_stream):
-            idx = ids_cpu.to(self.device, non_blocking=True)  # allocated on the copy stream; race[side_stream_copy_no_record]: later; race[side_stream_copy_event_on_caller]: queued
-            if self.event_on_copy_stream:
-                self._ids_copied.record()  # on the copy stream, behind the copy
-        if not self.event_on_copy_stream:
-            self._ids_copied.record()  # on the caller's stream: orders nothing after the copy
+            idx = ids_cpu.to(self.device, non_blocking=True)  # allocated on the copy stream
+            self._ids_copied.record()  # on the copy stream, behind the copy
         caller.wait_event(self._ids_copied)
         self._launch(idx)
-        if self.record_stream:
-            idx.record_stream(caller)  # freed, the block waits for the caller's stream too
+        idx.record_stream(caller)  # freed, the block waits for the caller's stream too
 
 
 class SideStreamCopyNoRecord(SideStreamCopy):
@@ -325,7 +318,16 @@ class SideStreamCopyNoRecord(SideStreamCopy):
     that reads it.
     """
 
-    record_stream = False  # idx is dropped with no record_stream(caller)
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        caller = torch.cuda.current_stream()
+        ids_cpu = torch.tensor(block_ids, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(self._copy_stream):
+            idx = ids_cpu.to(self.device, non_blocking=True)  # race[side_stream_copy_no_record]: later
+            self._ids_copied.record()
+        caller.wait_event(self._ids_copied)
+        self._launch(idx)  # and idx is dropped with no record_stream(caller)
 
 
 class SideStreamCopyEventOnCaller(SideStreamCopy):
@@ -335,7 +337,17 @@ class SideStreamCopyEventOnCaller(SideStreamCopy):
     for itself: nothing orders the kernel after the copy that writes the ids it reads.
     """
 
-    event_on_copy_stream = False
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        caller = torch.cuda.current_stream()
+        ids_cpu = torch.tensor(block_ids, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(self._copy_stream):
+            idx = ids_cpu.to(self.device, non_blocking=True)  # race[side_stream_copy_event_on_caller]: queued
+        self._ids_copied.record()  # on the caller's stream: orders nothing after the copy
+        caller.wait_event(self._ids_copied)
+        self._launch(idx)
+        idx.record_stream(caller)
 
 
 # -- factories: build the zeroer for the cache, bind the warm-up's block count --------------------
