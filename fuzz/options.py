@@ -78,19 +78,22 @@ def parse_zeroer(value: str | None) -> str | None:
 
 def check_zeroer_runs_here(value: str | None, backend: str, cuda_modes: tuple[str, ...]) -> None:
     """A zeroer that cannot run on the chosen backend or cuda mode is a usage error, not 0 tests."""
-    if value is None:
-        return
-    capabilities = load_zeroer(value).capabilities
-    backends = capabilities.backends
+    if value is not None:
+        _check_runs_here("--zeroer", value, load_zeroer(value).capabilities, backend, cuda_modes, gpu_hint=True)
+
+
+def _check_runs_here(flag: str, value: str, capabilities, backend: str, cuda_modes: tuple[str, ...], *,
+                     gpu_hint: bool = False) -> None:
+    """``flag value`` names a component that runs on ``backend`` and in one of ``cuda_modes``."""
+    backends, modes = capabilities.backends, capabilities.cuda_modes
     if backend not in backends:
         raise pytest.UsageError(
-            f"--zeroer {value!r} runs on the {' and '.join(backends)} backend only, not {backend!r}; "
-            f"pass --backend {backends[0]}" + (" on a machine with a GPU" if backends == ("cuda",) else "")
+            f"{flag} {value!r} runs on the {' and '.join(backends)} backend only, not {backend!r}; "
+            f"pass --backend {backends[0]}" + (" on a machine with a GPU" if gpu_hint and backends == ("cuda",) else "")
         )
-    modes = capabilities.cuda_modes
     if backend == "cuda" and not set(modes) & set(cuda_modes):
         raise pytest.UsageError(
-            f"--zeroer {value!r} runs in the {' and '.join(modes)} cuda mode only, not "
+            f"{flag} {value!r} runs in the {' and '.join(modes)} cuda mode only, not "
             f"{' or '.join(cuda_modes)}; pass --cuda-mode {modes[0]}"
         )
 
@@ -106,12 +109,7 @@ def parse_offloader(value: str | None, zeroer: str | None, backend: str, cuda_mo
         capabilities = load_offloader(value).capabilities
     except ZeroerError as error:
         raise pytest.UsageError(f"--offloader {value!r}: {error}") from None
-    if backend not in capabilities.backends:
-        raise pytest.UsageError(f"--offloader {value!r} runs on the {' and '.join(capabilities.backends)} backend only, "
-                                f"not {backend!r}; pass --backend {capabilities.backends[0]}")
-    if backend == "cuda" and not set(capabilities.cuda_modes) & set(cuda_modes):
-        raise pytest.UsageError(f"--offloader {value!r} runs in the {' and '.join(capabilities.cuda_modes)} cuda mode only, "
-                                f"not {' or '.join(cuda_modes)}; pass --cuda-mode {capabilities.cuda_modes[0]}")
+    _check_runs_here("--offloader", value, capabilities, backend, cuda_modes)
     return value
 
 

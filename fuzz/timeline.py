@@ -171,12 +171,10 @@ def _replay(trace: Trace) -> _Replay:
                 {"does": "synchronise once, then the oracle checks every read and every block"})
     except ZeroerRaised:
         pass  # a finding of its own, already in episode.findings
-    except HarnessError as error:  # what the simulator cannot run (a Triton kernel its interpreter cannot): draw what ran
-        where = f" at op {hosts[-1].index} ({hosts[-1].name})" if hosts else ""
-        stopped = f"replay stopped{where}: {error.message}"
     except Exception as error:  # noqa: BLE001 - draw what ran; the reason goes in the picture
-        where = f" at op {hosts[-1].index} ({hosts[-1].name})" if hosts else ""
-        stopped = f"replay stopped{where}: {type(error).__name__}: {error}"
+        # A HarnessError: what the simulator cannot run (a Triton kernel its interpreter cannot).
+        why = error.message if isinstance(error, HarnessError) else f"{type(error).__name__}: {error}"
+        stopped = f"replay stopped{f' at op {hosts[-1].index} ({hosts[-1].name})' if hosts else ''}: {why}"
     finally:
         if not episode.finished:  # what is still queued runs now: draw it inside a teardown too
             host_op(len(trace.ops), TEARDOWN, episode.abandon,
@@ -214,15 +212,11 @@ def build_timeline(trace: Trace) -> dict[str, Any]:
     replay = _replay(trace)
     config = trace.config
     title = f"{config.offloader or config.zeroer} on {config.geometry}: {trace.path.name} (simulator replay)"
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": PID, "tid": HOST_TID, "args": {"name": title}},
-        {"ph": "M", "name": "thread_name", "pid": PID, "tid": HOST_TID, "args": {"name": "host"}},
-        {"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": HOST_TID, "args": {"sort_index": 0}},
-    ]
-    for index, name in enumerate(replay.streams):
-        tid = stream_tid(index)
-        events.append({"ph": "M", "name": "thread_name", "pid": PID, "tid": tid, "args": {"name": f"stream {index} '{name}'"}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": index + 1}})
+    events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": PID, "tid": HOST_TID, "args": {"name": title}}]
+    tracks = [(HOST_TID, "host")] + [(stream_tid(i), f"stream {i} '{name}'") for i, name in enumerate(replay.streams)]
+    for sort_index, (tid, name) in enumerate(tracks):
+        events.append({"ph": "M", "name": "thread_name", "pid": PID, "tid": tid, "args": {"name": name}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": sort_index}})
     hosts = {h.index: h for h in replay.hosts}
     for host in replay.hosts:
         events.append({"ph": "X", "name": host.name, "cat": "host", "pid": PID, "tid": HOST_TID,
