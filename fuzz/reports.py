@@ -94,7 +94,6 @@ def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
              + [(c, "not_run") for c in summary["not_run"]])
     root = ET.Element("testsuites", name="kvzero-fuzz")
     suites: dict[str, ET.Element] = {}
-    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time": 0.0}
     for campaign, kind in sorted(cases, key=lambda case: (sources.get(case[0], "fuzz"), case[0])):
         source = sources.get(campaign, "fuzz")
         if source not in suites:
@@ -129,19 +128,12 @@ def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
             elif detail:  # an expected finding: its trace, for the curious
                 out += f"\n{detail}"
             ET.SubElement(case, "system-out").text = out
-    for suite in suites.values():
-        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time": 0.0}
-        for case in suite.iter("testcase"):
-            counts["tests"] += 1
-            counts["failures"] += case.find("failure") is not None
-            counts["errors"] += case.find("error") is not None
-            counts["skipped"] += case.find("skipped") is not None
-            counts["time"] += float(case.get("time"))
-        for name, value in counts.items():
-            suite.set(name, f"{value:.3f}" if name == "time" else str(value))
-            totals[name] += value
-    for name, value in totals.items():
-        root.set(name, f"{value:.3f}" if name == "time" else str(value))
+    for element in [*suites.values(), root]:  # each suite's counts, then the run's
+        cases = list(element.iter("testcase"))
+        element.set("tests", str(len(cases)))
+        for name, tag in (("failures", "failure"), ("errors", "error"), ("skipped", "skipped")):
+            element.set(name, str(sum(case.find(tag) is not None for case in cases)))
+        element.set("time", f"{sum(float(case.get('time')) for case in cases):.3f}")
     ET.indent(root)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
