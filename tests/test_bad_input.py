@@ -165,7 +165,7 @@ ROWS: list[Row] = [
     Row("python -m fuzz.bench.detect --budget 0", 2, "error: --budget 0 must be positive; give seconds per entry and seed, e.g. 60"),
     Row("python -m fuzz.bench.detect --budget inf", 2, "error: --budget inf must be positive; give seconds per entry and seed, e.g. 60"),
     Row("python -m fuzz.bench.detect --budget abc", 2, "error: --budget 'abc' is not a number of seconds; give a positive number, e.g. 60"),
-    Row("python -m fuzz.bench.detect --seeds 0", 2, "error: --seeds '0' must be a positive int, e.g. 5"),
+    Row("python -m fuzz.bench.detect --seeds 0", 2, "error: --seeds '0' must be a positive integer, e.g. 5"),
     Row("python -m fuzz.bench.detect --entries zoo.nope", 2, "error: --entries: unknown entry 'zoo.nope'; choose from: event_ring, ..."),
     Row("python -m fuzz.bench.detect --backend cuda", 2,
         "error: --backend cuda needs a CUDA GPU and none is visible here; use --backend sim", needs_no_gpu=True),

@@ -5,4 +5,38 @@
 * ``python -m fuzz.bench.kernel``: the zero kernel's bandwidth and each design's host cost;
   ``python -m fuzz.bench.kernel.scatter``: what limits it on scattered pages;
 * ``python -m fuzz.bench.selfcheck``: every self-check campaign over many seeds.
+
+What their commands share: :func:`command` makes a ``main(argv)`` the entry point, and
+:func:`positive_int` reads a count given on the command line.
 """
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+from racecheck.cli import UsageError, run_main
+
+
+def command(prog: str) -> Callable[[Callable[[list[str]], int]], Callable[..., int]]:
+    """``@command(PROG)`` over ``main(argv)``: the entry point ``main(argv=None)`` (None: ``sys.argv[1:]``),
+    run under :func:`racecheck.cli.run_main`, which turns errors into its exit statuses and one-line messages."""
+
+    def entry(main: Callable[[list[str]], int]) -> Callable[..., int]:
+        def run(argv: Sequence[str] | None = None) -> int:
+            return run_main(main, argv, prog)
+
+        return functools.wraps(main)(run)
+
+    return entry
+
+
+def positive_int(flag: str, text: str, example: str, error: type[UsageError]) -> int:
+    """``text`` as an int of 1 or more, else ``error('FLAG 'TEXT' must be a positive integer, e.g. EXAMPLE')``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise error(f"{flag} {text!r} must be a positive integer, e.g. {example}")
+    return value

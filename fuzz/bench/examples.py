@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from racecheck.atomic_file import write_json_atomically
-from fuzz.bench.pool import completed
+from fuzz.bench.pool import completed, gpu_workers
 from fuzz.bench.speed import machine
 from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive, run_main
 from fuzz.engine.campaigns import PROFILES, Campaign, default_campaigns, run_campaign
@@ -241,15 +241,7 @@ def table(rows: list[dict], backend: str) -> str:
 def _workers(requested: int | None, backend: str, jobs: list[Job]) -> int:
     if backend != "cuda":
         return requested or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    from fuzz.engine.gpu_workers import plan_for
-
-    try:
-        plan = plan_for(requested or 8, [job.campaign.config for job in jobs if job.campaign is not None])
-    except (OSError, RuntimeError, ValueError) as error:
-        print(f"{PROG}: could not size the GPU workers ({error}); running 1", file=sys.stderr)
-        return 1
-    print(f"{PROG}: {plan.describe()}", file=sys.stderr)
-    return plan.chosen
+    return gpu_workers(PROG, requested or 8, [job.campaign.config for job in jobs if job.campaign is not None])
 
 
 def _geometries(value: str | None) -> tuple[str, ...] | None:

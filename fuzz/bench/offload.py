@@ -33,6 +33,7 @@ Run it::
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import runpy
 import sys
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from racecheck.atomic_file import write_json_atomically
+from fuzz.bench import positive_int
 from fuzz.bench.detect.run import FUZZ, Job, run_jobs
 from fuzz.bench.stats import median
 from racecheck.cli import ArgumentParser, UsageError, check_output, run_main
@@ -67,6 +69,9 @@ DEFAULT_REPRO_DIR = Path("repro/failures/offload")
 
 class OffloadBenchUsageError(UsageError, ValueError):
     """A bad command line; the message names the value and the fix (exit status 2)."""
+
+
+_positive = functools.partial(positive_int, error=OffloadBenchUsageError)  # a count of 1 or more, else OffloadBenchUsageError
 
 
 @dataclass(frozen=True)
@@ -95,16 +100,6 @@ def verdicts(file: str = DEFAULT_FILE) -> dict[str, str]:
     if not isinstance(found, dict) or not found or not set(found.values()) <= {"racy", "race-free"}:
         raise OffloadBenchUsageError(f"--file {file!r} has no VERDICTS dict of factory name -> 'racy' or 'race-free'")
     return dict(found)
-
-
-def _positive(flag: str, text: str, example: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise OffloadBenchUsageError(f"{flag} {text!r} must be a positive integer, e.g. {example}")
-    return value
 
 
 def parse_args(argv: list[str], cuda_available: bool) -> Args:

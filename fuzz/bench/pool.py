@@ -1,5 +1,6 @@
 """Benchmark jobs in spawned worker processes (a forked torch can hang in its thread pools),
-each record yielded as it completes. Example::
+each record yielded as it completes; on cuda, as many workers as the free GPU memory holds
+(:func:`gpu_workers`). Example::
 
     jobs = iter(my_jobs)
     for record in completed(run_job, lambda: next(jobs, None), workers=4, initializer=init):
@@ -9,6 +10,7 @@ each record yielded as it completes. Example::
 from __future__ import annotations
 
 import multiprocessing
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
@@ -37,3 +39,17 @@ def completed(run: Callable[[Any], dict], next_job: Callable[[], Any], workers: 
             for future in finished:
                 running.discard(future)
                 yield future.result()
+
+
+def gpu_workers(prog: str, requested: int, configs: list) -> int:
+    """How many of ``requested`` GPU workers the free GPU memory holds for jobs of ``configs``
+    (fuzz.engine.gpu_workers), said on stderr; 1 when that memory cannot be read."""
+    from fuzz.engine.gpu_workers import plan_for
+
+    try:
+        plan = plan_for(requested, configs)
+    except (OSError, RuntimeError, ValueError) as error:
+        print(f"{prog}: could not size the workers by the free GPU memory ({error}); running 1", file=sys.stderr, flush=True)
+        return 1
+    print(f"{prog}: {plan.describe()}", file=sys.stderr, flush=True)
+    return plan.chosen

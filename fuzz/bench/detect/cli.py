@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import itertools
 import math
@@ -46,11 +47,13 @@ from zeroer.cache.geometries import GEOMETRIES
 from zeroer.registry import RACE_FREE, ZOO, default_geometry, load_zeroer
 
 from racecheck.atomic_file import write_json_atomically
+from fuzz.bench import positive_int
 from racecheck.cli import ArgumentParser, UsageError, check_output, run_main
 from fuzz.engine.campaigns import SIM_GEOMETRIES, default_campaigns
 from fuzz.bench.detect.report import TARGET_CLEAN_STEPS, judge, plot, render_soak, render_summary, render_table, summarize
 from fuzz.bench.detect.baselines import METHODS
 from fuzz.bench.detect.run import FUZZ, QUICK, Job, run_jobs
+from fuzz.bench.pool import gpu_workers
 from fuzz.engine.episode import EpisodeConfig
 
 PROG = "python -m fuzz.bench.detect"
@@ -65,6 +68,9 @@ CLEAN_GEOMETRIES = tuple(sorted({*SIM_GEOMETRIES, *(g for z in ZOO if (g := defa
 
 class DetectUsageError(UsageError, ValueError):
     """A bad command line; the message names the value and the fix (exit status 2)."""
+
+
+_positive_int = functools.partial(positive_int, error=DetectUsageError)  # a count of 1 or more, else DetectUsageError
 
 
 @dataclass(frozen=True)
@@ -93,25 +99,7 @@ def workers_for(args: DetectArgs, jobs: list[Job]) -> int:
     requested = args.jobs or os.cpu_count() or 1
     if args.backend != "cuda" or not jobs:
         return requested
-    from fuzz.engine.gpu_workers import plan_for
-
-    try:
-        plan = plan_for(requested, [job.config for job in jobs])
-    except (OSError, RuntimeError, ValueError) as error:
-        print(f"{PROG}: could not size the workers by the free GPU memory ({error}); running 1", file=sys.stderr, flush=True)
-        return 1
-    print(f"{PROG}: {plan.describe()}", file=sys.stderr, flush=True)
-    return plan.chosen
-
-
-def _positive_int(flag: str, value: str, example: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise DetectUsageError(f"{flag} {value!r} must be a positive int, e.g. {example}")
-    return number
+    return gpu_workers(PROG, requested, [job.config for job in jobs])
 
 
 def _names(flag: str, value: str) -> list[str]:
@@ -159,7 +147,8 @@ def parse_args(argv: list[str], cuda_available: bool) -> DetectArgs:
     seeds = _positive_int("--seeds", options["seeds"], "5")
     jobs_text = options["jobs"] if options["jobs"] is not None else ("auto" if backend == "cuda" else "1")
     jobs = AUTO_JOBS if jobs_text == "auto" else _positive_int("-j", jobs_text, "2, or auto")
-    steps_clean = None if options["steps-clean"] is None else _positive_int("--steps-clean", options["steps-clean"], "1000000")
+    steps_clean = (None if options["steps-clean"] is None
+                   else _positive_int("--steps-clean", options["steps-clean"], "1000000"))
 
     known = sorted(ZOO + RACE_FREE)
     entries, skipped = [], []
