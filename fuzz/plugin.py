@@ -149,13 +149,10 @@ def pytest_configure(config: pytest.Config) -> None:
     request_eager_module_loading()  # and no kernel's first launch may wait for gated streams to drain
     try:
         config._fuzz_options = fuzz_options(config)
+        if not hasattr(config, "workerinput"):
+            _check_something_runs(config._fuzz_options)
     except (pytest.UsageError, ZeroerError) as error:
         _usage_exit(config, error)
-    if not hasattr(config, "workerinput"):
-        try:
-            _check_something_runs(config._fuzz_options)
-        except pytest.UsageError as error:
-            _usage_exit(config, error)
     config._fuzz_run = _Run(config)
     config.pluginmanager.register(config._fuzz_run, "fuzz-run")
     config._fuzz_bugs = _bug_registry(config)
