@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from dataclasses import dataclass, replace
@@ -132,14 +133,8 @@ class _Search:
     def truncate(self) -> None:
         """Binary search for the shortest prefix that shows it (exact for a hazard, which stops
         the program at its op; for a value finding every kept prefix was replayed anyway)."""
-        base = self.refs
-        low, high = 1, len(base)
-        while low < high:
-            middle = (low + high) // 2
-            if self.attempt(base[:middle]):
-                high = middle
-            else:
-                low = middle + 1
+        base = self.refs  # bisect asks for the prefixes of 1 .. len - 1 ops in a binary search's order
+        bisect.bisect_left(range(1, len(base)), True, key=lambda end: self.attempt(base[:end]))
 
     def drop_chunks(self) -> None:
         size = max(1, (len(self.refs) - 1) // 2)
