@@ -19,7 +19,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +53,7 @@ class Journal:
         write_json_atomically(self.path, data)
 
     def discard(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        self.path.unlink(missing_ok=True)
 
 
 def rescue(repro_dir: Path, worker: str, campaign: str) -> Path | None:

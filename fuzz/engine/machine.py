@@ -178,9 +178,7 @@ class CallerMachine(RuleBasedStateMachine):
         findings = episode.new_hazard_findings()
         if findings:
             self._fail(list(episode.findings), list(episode.trace))
-        queued = episode.queued()
-        if queued > self._deepest:
-            self._deepest = queued
+        self._deepest = max(self._deepest, episode.queued())
         return result
 
     def _fail(self, findings: list[Finding], trace: list[dict]) -> None:
