@@ -176,39 +176,24 @@ class WatchedArray(np.ndarray):
             return out[0] if isinstance(out, tuple) else out
         return result
 
-    # Methods that read or write every element without passing through the hooks above.
-    def _touches(name: str, write: bool = False) -> Callable[..., Any]:  # noqa: N805 - run at class creation
-        method = getattr(np.ndarray, name)
-        what = "host write through" if write else "read through"
 
-        def call(self: "WatchedArray", *args: Any, **kwargs: Any) -> Any:
-            if _ACTIVE:
-                _report(self, write, f"{what} the buffer's numpy view (.{name})")
-            return method(self.view(np.ndarray), *args, **kwargs)
+def _touches(name: str, write: bool) -> Callable[..., Any]:
+    method = getattr(np.ndarray, name)
+    what = "host write through" if write else "read through"
 
-        call.__name__ = name
-        return call
+    def call(self: WatchedArray, *args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE:
+            _report(self, write, f"{what} the buffer's numpy view (.{name})")
+        return method(self.view(np.ndarray), *args, **kwargs)
 
-    tolist = _touches("tolist")
-    item = _touches("item")
-    copy = _touches("copy")
-    astype = _touches("astype")
-    tobytes = _touches("tobytes")
-    flatten = _touches("flatten")
-    take = _touches("take")
-    __int__ = _touches("__int__")
-    __float__ = _touches("__float__")
-    __index__ = _touches("__index__")
-    __bool__ = _touches("__bool__")
-    __iter__ = _touches("__iter__")
-    __reduce__ = _touches("__reduce__")
-    __copy__ = _touches("__copy__")
-    __deepcopy__ = _touches("__deepcopy__")
-    __repr__ = _touches("__repr__")
-    __str__ = _touches("__str__")
-    fill = _touches("fill", write=True)
-    sort = _touches("sort", write=True)
-    del _touches
+    call.__name__ = name
+    return call
+
+
+# Methods that read or write every element without passing through the hooks above.
+for _name in ("tolist", "item", "copy", "astype", "tobytes", "flatten", "take", "__int__", "__float__", "__index__",
+              "__bool__", "__iter__", "__reduce__", "__copy__", "__deepcopy__", "__repr__", "__str__", "fill", "sort"):
+    setattr(WatchedArray, _name, _touches(_name, write=_name in ("fill", "sort")))
 
 
 def watched(array: np.ndarray) -> WatchedArray:

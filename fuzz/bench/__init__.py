@@ -13,7 +13,7 @@ What their commands share: :func:`command` makes a ``main(argv)`` the entry poin
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from racecheck.cli import UsageError, run_main
 
@@ -23,10 +23,7 @@ def command(prog: str) -> Callable[[Callable[[list[str]], int]], Callable[..., i
     run under :func:`racecheck.cli.run_main`, which turns errors into its exit statuses and one-line messages."""
 
     def entry(main: Callable[[list[str]], int]) -> Callable[..., int]:
-        def run(argv: Sequence[str] | None = None) -> int:
-            return run_main(main, argv, prog)
-
-        return functools.wraps(main)(run)
+        return functools.wraps(main)(lambda argv=None: run_main(main, argv, prog))
 
     return entry
 

@@ -42,7 +42,8 @@ from typing import Any
 from racecheck.atomic_file import write_json_atomically
 from fuzz.bench.pool import completed, gpu_workers
 from fuzz.bench.speed import machine
-from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive, run_main
+from fuzz.bench import command
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive
 from fuzz.engine.campaigns import PROFILES, Campaign, default_campaigns, run_campaign
 from fuzz.engine.episode import count_shown
 from racecheck.resources import ResourceExhausted
@@ -255,7 +256,8 @@ def _geometries(value: str | None) -> tuple[str, ...] | None:
     return names
 
 
-def _main(argv: list[str]) -> int:
+@command(PROG)
+def main(argv: list[str]) -> int:
     p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("file", nargs="?", default=DEFAULT_FILE, help=f"a file of factories with a VERDICTS dict (default {DEFAULT_FILE})")
     p.add_argument("--backend", choices=("sim", "cuda"), default="sim")
@@ -323,10 +325,6 @@ def _main(argv: list[str]) -> int:
     if harness:
         return harness
     return CLEAN if all(row["met"] for row in rows) else FINDING
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_main(_main, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from racecheck.atomic_file import write_json_atomically
-from racecheck.cli import CLEAN, ArgumentParser, check_output, run_main
+from fuzz.bench import command
+from racecheck.cli import CLEAN, ArgumentParser, check_output
 from fuzz.bench.stats import median
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig
@@ -79,12 +80,9 @@ def run(backend: str, mode: str, geometries: tuple[str, ...], rounds: int, examp
             "command": "python -m fuzz.bench.intercept " + " ".join(sys.argv[1:])}
 
 
-def main(argv: list[str] | None = None) -> int:
+@command(PROG)
+def main(argv: list[str]) -> int:
     """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
-    return run_main(_main, argv, PROG)
-
-
-def _main(argv: list[str]) -> int:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("sim", "cuda"), default="sim")
     parser.add_argument("--mode", choices=("controlled", "free"), default="controlled", help="cuda only")

@@ -46,7 +46,8 @@ from racecheck.atomic_file import write_json_atomically
 from fuzz.bench import positive_int
 from fuzz.bench.detect.run import FUZZ, Job, run_jobs
 from fuzz.bench.stats import median
-from racecheck.cli import ArgumentParser, UsageError, check_output, run_main
+from fuzz.bench import command
+from racecheck.cli import ArgumentParser, UsageError, check_output
 from fuzz.engine.episode import EpisodeConfig
 from racecheck.environment import environment
 
@@ -262,7 +263,8 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _main(argv: list[str]) -> int:
+@command(PROG)
+def main(argv: list[str]) -> int:
     import torch
 
     args = parse_args(argv, torch.cuda.is_available())
@@ -317,10 +319,6 @@ def _write(args: Args, argv: list[str], body: dict) -> None:
     report = {"command": f"{PROG} {' '.join(argv)}", "date": datetime.date.today().isoformat(),
               "environment": environment(), "geometry": args.geometry, "host_memory": args.host_memory, **body}
     write_json_atomically(args.json, report)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_main(_main, argv, PROG)
 
 
 if __name__ == "__main__":

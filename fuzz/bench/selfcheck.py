@@ -29,12 +29,12 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from racecheck.atomic_file import write_json_atomically
-from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output, positive, run_main
+from fuzz.bench import command
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output, positive
 from fuzz.bench.speed import machine
 from fuzz.engine.campaigns import FINDS_BUDGET_FACTOR, PROFILES, Campaign, default_campaigns, run_campaign
 
@@ -99,12 +99,9 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@command(PROG)
+def main(argv: list[str]) -> int:
     """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
-    return run_main(_main, argv, PROG)
-
-
-def _main(argv: list[str]) -> int:
     p = ArgumentParser(
         prog=PROG,
         description="Run every self-check campaign of the simulator (a campaign that must find a known "

@@ -41,7 +41,8 @@ import torch
 
 from racecheck.atomic_file import write_json_atomically
 from fuzz.bench.stats import spread
-from racecheck.cli import ArgumentParser, check_output, run_main
+from fuzz.bench import command
+from racecheck.cli import ArgumentParser, check_output
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig
 
@@ -287,12 +288,9 @@ def run_bench(bench: BenchConfig, argv: list[str]) -> dict[str, Any]:
 PROG = "python -m fuzz.bench.speed"
 
 
-def main(argv: list[str] | None = None) -> int:
+@command(PROG)
+def main(argv: list[str]) -> int:
     """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
-    return run_main(_main, argv, PROG)
-
-
-def _main(argv: list[str]) -> int:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="sim", help="sim (CPU simulator, default) or cuda")
     parser.add_argument("--mode", choices=("controlled", "free"), default="controlled", help="cuda: gates or real timing")

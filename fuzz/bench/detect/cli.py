@@ -48,7 +48,8 @@ from zeroer.registry import RACE_FREE, ZOO, default_geometry, load_zeroer
 
 from racecheck.atomic_file import write_json_atomically
 from fuzz.bench import positive_int
-from racecheck.cli import ArgumentParser, UsageError, check_output, run_main
+from fuzz.bench import command
+from racecheck.cli import ArgumentParser, UsageError, check_output
 from fuzz.engine.campaigns import SIM_GEOMETRIES, default_campaigns
 from fuzz.bench.detect.report import TARGET_CLEAN_STEPS, judge, plot, render_soak, render_summary, render_table, summarize
 from fuzz.bench.detect.baselines import METHODS
@@ -369,12 +370,9 @@ def plot_main(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+@command(PROG)
+def main(argv: list[str]) -> int:
     """The exit status (:mod:`racecheck.cli`; see the module docstring)."""
-    return run_main(_main, argv, PROG)
-
-
-def _main(argv: list[str]) -> int:
     if argv[:1] == ["plot"]:
         return plot_main(argv[1:])
     import torch

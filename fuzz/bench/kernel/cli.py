@@ -25,7 +25,8 @@ import torch
 
 from zeroer.registry import BUILTINS, DIRECT, RACE_FREE, RACY
 from racecheck.atomic_file import write_json_atomically
-from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive, run_main
+from fuzz.bench import command
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive
 from fuzz.bench.kernel import measure, report
 from fuzz.bench.kernel.caches import NAMES, bench_cache
 from fuzz.bench.kernel.measure import HOST_CACHE, Context
@@ -240,12 +241,9 @@ def plot_main(argv: Sequence[str]) -> int:
     return CLEAN
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@command(PROG)
+def main(argv: list[str]) -> int:
     """Entry point; returns the exit status (1 when a row failed, 2 for bad arguments; :mod:`racecheck.cli`)."""
-    return run_main(_main, argv, PROG)
-
-
-def _main(argv: list[str]) -> int:
     if argv[:1] == ["plot"]:
         return plot_main(argv[1:])
     args = parse_run_args(argv)

@@ -47,7 +47,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from racecheck.atomic_file import write_json_atomically
-from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
+from fuzz.bench import command
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output
 from fuzz.bench.kernel.caches import BENCH_BLOCKS, QUICK_BLOCKS, _llama, bytes_per_block
 from fuzz.bench.kernel.cli import _int_list
 from fuzz.bench.kernel.measure import pages_zeroed, pick_ids
@@ -231,12 +232,9 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@command(PROG)
+def main(argv: list[str]) -> int:
     """Entry point; returns the exit status (see the module docstring)."""
-    return run_main(_main, argv, PROG)
-
-
-def _main(argv: list[str]) -> int:
     p = ArgumentParser(
         prog=PROG,
         description="What limits the zero kernel on scattered pages: the kernel against zero_() of the same "

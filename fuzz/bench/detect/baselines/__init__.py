@@ -36,7 +36,8 @@ from fuzz.bench.detect.baselines.handwritten import handwritten
 from fuzz.bench.detect.baselines.sanitizer import child_main, sanitizer
 from fuzz.bench.detect.baselines.stress import DEFAULT_REPRO_DIR, BaselineUsageError, check_budget, stress
 from fuzz.bench.detect.outcome import DetectionOutcome
-from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output, run_main
+from fuzz.bench import command
+from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output
 from fuzz.engine.episode import EpisodeConfig
 from zeroer.cache.geometries import geometry
 from zeroer.designs.common import KERNELS
@@ -64,12 +65,9 @@ def run_method(
     return METHODS[name](config, budget_s, seed, repro_dir=repro_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
+@command(PROG)
+def main(argv: list[str]) -> int:
     """The exit status (:mod:`racecheck.cli`): 1 when the method found something, 0 when not."""
-    return run_main(_main, argv, PROG)
-
-
-def _main(argv: list[str]) -> int:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("method", help=f"one of: {', '.join(sorted(METHODS))}")
     parser.add_argument("--zeroer", default="reference", help="a built-in name, module:attr or path/file.py:attr")
