@@ -68,10 +68,6 @@ def merge(summaries: list[tuple[str, dict]]) -> tuple[str, dict, dict[str, str]]
     if not summaries:
         raise MergeError("no summaries to merge")
     sources: dict[str, str] = {}
-    records: list[dict] = []
-    crashed: list[str] = []
-    not_run: list[str] = []
-    saved: list[dict] = []
     for name, data in summaries:
         ids = [r["campaign"] for r in data["campaigns"]] + list(data["crashed"]) + list(data["not_run"])
         for campaign in ids:
@@ -80,10 +76,8 @@ def merge(summaries: list[tuple[str, dict]]) -> tuple[str, dict, dict[str, str]]
                 raise MergeError(f"campaign {campaign!r} is {where}: a campaign belongs to one shard (shards of "
                                  f"different --fuzz-shard i/N, or one summary given twice?)")
             sources[campaign] = name
-        records += data["campaigns"]
-        crashed += data["crashed"]
-        not_run += data["not_run"]
-        saved += data.get("saved_at_interruption", [])
+    records, crashed, not_run, saved = ([item for _, data in summaries for item in data.get(part, [])]
+                                        for part in ("campaigns", "crashed", "not_run", "saved_at_interruption"))
     profiles = {data["totals"]["profile"] for _, data in summaries}
     if len(profiles) > 1:
         each = ", ".join(f"{data['totals']['profile']} in {name}" for name, data in summaries)

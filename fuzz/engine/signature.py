@@ -148,10 +148,8 @@ def _instances(text: str) -> str:
     """Zeroer instances (``spec[1].zero_block_ids``, ``of zeroer 1``, stream ``zeroer[1]-2``)
     named by their order of appearance; dropped when only one takes part."""
     patterns = (r"\[(\d+)\](?=\.)", r"\bzeroer (\d+)\b", r"\bzeroer\[(\d+)\](?=-)")
-    seen: list[str] = []
-    for match in sorted((m for p in patterns for m in re.finditer(p, text)), key=lambda m: m.start()):
-        if match.group(1) not in seen:
-            seen.append(match.group(1))
+    matches = sorted((m for p in patterns for m in re.finditer(p, text)), key=lambda m: m.start())
+    seen = list(dict.fromkeys(m.group(1) for m in matches))  # in order of first appearance
     if not seen:
         return text
     names = {index: ("" if len(seen) == 1 else chr(ord("A") + position)) for position, index in enumerate(seen)}
