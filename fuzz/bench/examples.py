@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from racecheck.atomic_file import write_json_atomically
-from fuzz.bench.pool import completed, gpu_workers
+from fuzz.bench.pool import completed, gpu_workers, init_worker
 from fuzz.bench.speed import machine
 from fuzz.bench import command
 from racecheck.cli import CLEAN, FINDING, ArgumentParser, UsageError, check_output, positive
@@ -132,14 +132,6 @@ def run_job(job: Job) -> dict[str, Any]:
     return record
 
 
-def _init_worker(device: int | None) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    if device is not None:
-        torch.cuda.set_device(device)
-
-
 def run_jobs(jobs: Iterable[Job], workers: int, follow_up: Callable[[dict], list[Job]], device: int | None,
              deadline: float | None = None) -> Iterator[dict]:
     """Yield each job's record as it completes, in ``workers`` spawned processes (1: in this
@@ -148,10 +140,10 @@ def run_jobs(jobs: Iterable[Job], workers: int, follow_up: Callable[[dict], list
     ``not run`` record."""
     queue = list(jobs)
     if workers <= 1:
-        _init_worker(device)
+        init_worker(device)
     # On cuda each job gets a process of its own: a GPU fault (racecheck.resources.DeviceFault)
     # leaves a process's CUDA context unusable, and must not take the jobs after it down too.
-    for record in completed(run_job, lambda: queue.pop(0) if queue else None, workers, initializer=_init_worker,
+    for record in completed(run_job, lambda: queue.pop(0) if queue else None, workers,
                             initargs=(device,), may_start=lambda: deadline is None or time.monotonic() < deadline,
                             process_per_job=device is not None):
         queue.extend(follow_up(record))

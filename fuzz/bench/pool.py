@@ -16,9 +16,18 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from typing import Any
 
 
+def init_worker(device: int | None = None) -> None:
+    """A worker process's set-up: one torch thread (the simulator's tensors are tiny), on GPU ``device`` if given."""
+    import torch
+
+    torch.set_num_threads(1)
+    if device is not None:
+        torch.cuda.set_device(device)
+
+
 def completed(run: Callable[[Any], dict], next_job: Callable[[], Any], workers: int, *,
-              initializer: Callable[..., None], initargs: tuple = (), may_start: Callable[[], bool] = lambda: True,
-              process_per_job: bool = False) -> Iterator[dict]:
+              initializer: Callable[..., None] = init_worker, initargs: tuple = (),
+              may_start: Callable[[], bool] = lambda: True, process_per_job: bool = False) -> Iterator[dict]:
     """Yield ``run(job)`` for each job ``next_job()`` gives (None: none now; asked again after each
     record, so the caller may queue more) in ``workers`` processes set up by ``initializer(*initargs)``
     (1: in this one, as it is). No job starts once ``may_start()`` is false; running ones finish."""

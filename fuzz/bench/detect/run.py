@@ -128,12 +128,6 @@ def run_job(job: Job) -> dict[str, Any]:
     return record
 
 
-def _init_worker() -> None:
-    import torch
-
-    torch.set_num_threads(1)  # one core per worker: the simulator's tensors are tiny
-
-
 def run_jobs(jobs: Iterable[Job], workers: int, *, stop: Callable[[list[dict]], bool] | None = None) -> Iterator[dict]:
     """Yield each job's record as it completes, in ``workers`` processes (1: in this one).
 
@@ -142,7 +136,7 @@ def run_jobs(jobs: Iterable[Job], workers: int, *, stop: Callable[[list[dict]], 
     """
     done: list[dict] = []
     pending = iter(jobs)
-    for record in completed(run_job, lambda: next(pending, None), workers, initializer=_init_worker,
+    for record in completed(run_job, lambda: next(pending, None), workers,
                             may_start=lambda: stop is None or not stop(done)):
         done.append(record)
         yield record
