@@ -38,7 +38,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
+from unittest import mock
 
 import torch
 
@@ -140,19 +141,12 @@ def cache_as_seen(cache: KVCache, session: Any) -> Any:
     return cache
 
 
-@contextlib.contextmanager
-def import_scope() -> Iterator[None]:
+def import_scope() -> contextlib.AbstractContextManager:
     """Import a zeroer's module as its code will run: on a machine without a GPU,
     ``torch.cuda.is_available()`` says True (vLLM decides ``PIN_MEMORY`` with it at import)."""
     if torch.cuda.is_available():
-        yield
-        return
-    original = torch.cuda.is_available
-    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.cuda.is_available = original  # type: ignore[assignment]
+        return contextlib.nullcontext()
+    return mock.patch.object(torch.cuda, "is_available", lambda: True)
 
 
 __all__ = ["InterceptError", "InterceptedZeroer", "bind", "import_scope", "unroutable"]

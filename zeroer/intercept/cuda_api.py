@@ -38,7 +38,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from typing import Any, Iterator
+from typing import Any
+from unittest import mock
 
 import torch
 
@@ -426,19 +427,6 @@ class CudaApi:
         return [(torch.cuda, cuda), (torch, generic), (torch.accelerator, accelerator)]
 
 
-@contextlib.contextmanager
-def patched(module: Any, table: dict[str, Any]) -> Iterator[None]:
+def patched(module: Any, table: dict[str, Any]) -> contextlib.AbstractContextManager:
     """Set ``module.<name>`` to each stand-in inside, and put every original back on exit, even on error."""
-    saved: dict[str, Any] = {}
-    missing = object()
-    try:
-        for name, value in table.items():
-            saved[name] = getattr(module, name, missing)
-            setattr(module, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is missing:
-                delattr(module, name)
-            else:
-                setattr(module, name, value)
+    return mock.patch.multiple(module, create=True, **table)
