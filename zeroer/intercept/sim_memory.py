@@ -94,16 +94,16 @@ class SimDeviceMemory:
         """A block of at least ``nbytes`` on ``stream``."""
         self._collect()
         size = size_class(max(nbytes, 1))
-        free = self._free.get((stream.index, size))
-        if free:
-            for i, block in enumerate(free):
-                if all(self.rt.query_event(e) for e in block.waits):  # the allocator looked: the host knows
-                    free.pop(i)
-                    block.waits, block.uses, block.name, block.nbytes = [], set(), name, nbytes
-                    block.generation += 1
-                    self.reused += 1
-                    self.rt.hb.name_resource(block.key, f"device block d{block.id} (reused for {name})")
-                    return self._track(block)
+        free = self._free.get((stream.index, size), [])
+        # the oldest block whose events have completed (the allocator looked: the host knows)
+        block = next((b for b in free if all(self.rt.query_event(e) for e in b.waits)), None)
+        if block is not None:
+            free.remove(block)
+            block.waits, block.uses, block.name, block.nbytes = [], set(), name, nbytes
+            block.generation += 1
+            self.reused += 1
+            self.rt.hb.name_resource(block.key, f"device block d{block.id} (reused for {name})")
+            return self._track(block)
         block = Block(next(self._ids), torch.zeros(size, dtype=torch.uint8), stream, name, nbytes=nbytes)
         self._add_range(block)
         self.rt.hb.name_resource(block.key, f"device block d{block.id} ({name})")

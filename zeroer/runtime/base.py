@@ -62,19 +62,17 @@ class _NoHappensBefore:
         self.hazards: list[Hazard] = []
         self._threads = 0
 
-    def add_stream(self, name: str) -> int:
+    def add_stream(self, name: str, parent: int | None = HOST) -> int:
         self._threads += 1
         return self._threads
+
+    add_host = add_stream  # a host thread is one more clock index, as a stream is
 
     def enqueue(self, thread: int, label: str, host: int = HOST) -> OpStamp:
         return UNCHECKED_STAMP
 
     def snapshot(self, thread: int) -> tuple[int, ...]:
         return ()
-
-    def add_host(self, name: str, parent: int | None = HOST) -> int:
-        self._threads += 1
-        return self._threads
 
     def pending_writes(self, *args: object, **kwargs: object) -> list[OpStamp]:
         return []
@@ -478,23 +476,23 @@ class Runtime(ABC):
         logical block id.
         """
         stream = self._resolve(stream)
-        stamp = self.hb.enqueue(stream.thread, self._label(name, stream), self.host_thread())
-        if self.checked:  # unchecked: even no-op calls would cost ~0.1 us per block
-            self._declare(stamp, reads, writes, blocks_read, blocks_written)
+        stamp = self._stamp(name, stream, reads, writes, blocks_read, blocks_written)
         self._launch(fn, stream, stamp)
         return stamp
 
-    def _declare(self, stamp: OpStamp, reads: Iterable[DeviceBuffer], writes: Iterable[DeviceBuffer],
-                 blocks_read: Iterable[int], blocks_written: Iterable[int]) -> None:
-        """Tell the happens-before checker what the op ``stamp`` reads and writes."""
-        for buf in reads:
-            self.hb.device_access(buf.key, stamp, write=False, ranges=getattr(buf, "ranges", None))
-        for buf in writes:
-            self.hb.device_access(buf.key, stamp, write=True, ranges=getattr(buf, "ranges", None))
-        for block in blocks_read:
-            self.hb.device_access(("block", self._block_space, int(block)), stamp, write=False)
-        for block in blocks_written:
-            self.hb.device_access(("block", self._block_space, int(block)), stamp, write=True)
+    def _stamp(self, what: str, stream: Stream, reads: Iterable[DeviceBuffer], writes: Iterable[DeviceBuffer],
+               blocks_read: Iterable[int], blocks_written: Iterable[int]) -> OpStamp:
+        """Enqueue the op ``what`` on ``stream`` with the happens-before checker; tell it what it reads and writes."""
+        stamp = self.hb.enqueue(stream.thread, self._label(what, stream), self.host_thread())
+        if not self.checked:  # unchecked: even no-op calls would cost ~0.1 us per block
+            return stamp
+        for buffers, write in ((reads, False), (writes, True)):
+            for buf in buffers:
+                self.hb.device_access(buf.key, stamp, write=write, ranges=getattr(buf, "ranges", None))
+        for blocks, write in ((blocks_read, False), (blocks_written, True)):
+            for block in blocks:
+                self.hb.device_access(("block", self._block_space, int(block)), stamp, write=write)
+        return stamp
 
     def run_now(
         self,
@@ -514,12 +512,9 @@ class Runtime(ABC):
         :meth:`launch`."""
         stream = self._resolve(stream)
         self.synchronize_stream(stream)
-        host = self.host_thread()
-        stamp = self.hb.enqueue(stream.thread, self._label(name, stream), host)
-        if self.checked:
-            self._declare(stamp, reads, writes, blocks_read, blocks_written)
+        stamp = self._stamp(name, stream, reads, writes, blocks_read, blocks_written)
         self._run_now(fn, stream, stamp)
-        self.hb.host_observes_stream(stream.thread, host)
+        self.hb.host_observes_stream(stream.thread, self.host_thread())
 
     def query_stream(self, stream: Stream | None = None) -> bool:
         """True when every op queued on ``stream`` has run; the host then knows they did."""

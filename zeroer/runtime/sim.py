@@ -102,36 +102,27 @@ class SimHostAllocator:
         self._next_block = 1
         self._free: dict[tuple[bool, int], list[int]] = {}  # (protected, size) -> block ids
         self._storage: dict[int, torch.Tensor] = {}  # block id -> its bytes
-        self._events: dict[int, list[Event]] = {}
+        self.events: dict[int, list[Event]] = {}  # protected block id -> events of the copies that read it
         self.reused = 0  # blocks handed out again (tests read this)
 
     def alloc(self, n: int, dtype: torch.dtype, protected: bool) -> HostBuffer:
         nbytes = n * dtype.itemsize
         size = size_class(nbytes)
         free = self._free.setdefault((protected, size), [])
-        chosen = None
-        if protected:
-            for i, block in enumerate(free):
-                events = self._events.get(block, [])
-                if all(self._rt._event_done(e) for e in events):
-                    chosen = free.pop(i)
-                    for event in events:  # the allocator looked: the host now knows they ran
-                        self._rt.hb.host_observes(event.hb_snapshot, self._rt.host_thread())
-                    self._events.pop(block, None)
-                    break
-        elif free:
-            chosen = free.pop()
+        if protected:  # the oldest block whose events have all completed
+            chosen = next((b for b in free if all(self._rt._event_done(e) for e in self.events.get(b, []))), None)
+        else:  # no events: the newest, at once
+            chosen = free[-1] if free else None
         if chosen is None:
             chosen = self._next_block
             self._next_block += 1
             self._storage[chosen] = torch.zeros(size, dtype=torch.uint8)
         else:
+            free.remove(chosen)
+            for event in self.events.pop(chosen, []):  # the allocator looked: the host now knows they ran
+                self._rt.hb.host_observes(event.hb_snapshot, self._rt.host_thread())
             self.reused += 1
         return HostBuffer(chosen, self._storage[chosen][:nbytes].view(dtype), protected)
-
-    def record_copy(self, buf: HostBuffer, event: Event) -> None:
-        if buf.protected:
-            self._events.setdefault(buf.block, []).append(event)
 
     def free(self, buf: HostBuffer) -> None:
         size = self._storage[buf.block].numel()
@@ -218,7 +209,7 @@ class SimRuntime(ModelledStreams, Runtime):
             # is not part of the program's happens-before order.
             marker = Event(0, stream=stream, position=self.queues.enqueued[stream.index])
             marker.hb_snapshot = stamp.vc
-            self.allocator.record_copy(src, marker)
+            self.allocator.events.setdefault(src.block, []).append(marker)
         self._after_host_call()
 
     def _launch(self, fn: Callable[[], None], stream: Stream, stamp: OpStamp) -> None:
