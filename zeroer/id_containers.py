@@ -58,10 +58,6 @@ class IdsContractError(ZeroerError, ValueError):
     user_fixable = True
 
 
-def _order(names: set[str]) -> tuple[str, ...]:
-    return tuple(name for name in IDS_CONTAINERS if name in names)
-
-
 def _of_type(hint: Any) -> set[str] | None:
     """The containers ``hint`` admits; None when it is not a type this reads."""
     if hint is Any or hint is object or hint is inspect.Parameter.empty:
@@ -108,18 +104,13 @@ def _of_text(text: str) -> set[str] | None:
     return found or None
 
 
-def _ids_parameter(call: Any) -> inspect.Parameter | None:
-    try:
-        parameters = list(inspect.signature(call).parameters.values())
-    except (TypeError, ValueError):  # a builtin without a signature
-        return None
-    return parameters[0] if parameters else None
-
-
 def accepted_containers(call: Any, spec: str = "zeroer") -> tuple[str, ...]:
     """The containers ``call`` (a bound ``zero_block_ids``) takes its ids in, from its annotation
     (see the module docstring); :class:`IdsContractError` when the annotation admits none of them."""
-    parameter = _ids_parameter(call)
+    try:
+        parameter = next(iter(inspect.signature(call).parameters.values()), None)
+    except (TypeError, ValueError):  # a builtin without a signature
+        parameter = None
     if parameter is None or parameter.annotation is inspect.Parameter.empty:
         return DEFAULT_CONTAINERS
     hint: Any = parameter.annotation
@@ -136,7 +127,7 @@ def accepted_containers(call: Any, spec: str = "zeroer") -> tuple[str, ...]:
         found = _of_text(str(hint))
     if hint is Any or (isinstance(hint, str) and hint.strip() in ("Any", "typing.Any", "object")):
         found = set(DEFAULT_CONTAINERS)
-    names = _order(found or set())
+    names = tuple(name for name in IDS_CONTAINERS if name in (found or ()))
     if not names:
         raise IdsContractError(
             f"zeroer {spec!r}: zero_block_ids({parameter.name}: {written}) takes none of the containers the fuzzer's "

@@ -143,13 +143,13 @@ def load_zeroer(spec: str) -> LoadedZeroer:
     """A built-in name, ``module:attr`` or ``path/to/file.py:attr`` -> a checked :class:`LoadedZeroer`."""
     if spec in BUILTINS:
         factory = BUILTINS[spec].factory
-        return LoadedZeroer(spec, factory, check_factory(factory, spec))
-    if ":" not in spec:
+    elif ":" not in spec:
         raise ZeroerSpecError(
             f"unknown zeroer {spec!r}; use a built-in name ({', '.join(zeroer_names())}), "
             f"'module:attr' or 'path/to/file.py:attr'"
         )
-    factory = _factory(spec)
+    else:
+        factory = _factory(spec)
     return LoadedZeroer(spec, factory, check_factory(factory, spec))
 
 

@@ -13,6 +13,7 @@ Checking happens before anything is enqueued, so bad input writes nothing (contr
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 from collections.abc import Iterable
@@ -126,18 +127,10 @@ class StagedZeroer:
     def _launch_zero(self, dev: DeviceBuffer, n: int, ids: list[int]) -> None:
         """Enqueue the zero kernel that reads ``dev[:n]`` when it runs."""
         view = dev.tensor[:n]
-        cache = self.cache
         if self.kernel == "triton":
-            table = cache.table
-
-            def run() -> None:
-                zero_blocks(table, view)
-
+            run = functools.partial(zero_blocks, self.cache.table, view)
         else:
-
-            def run() -> None:
-                zero_blocks_torch(cache, view)
-
+            run = functools.partial(zero_blocks_torch, self.cache, view)
         self.rt.launch(run, name="zero_kernel", reads=[dev], blocks_written=ids)
 
     def warmup(self) -> None:

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -98,11 +99,7 @@ class ModelledGraphRing(GraphRingProtocol):
     def _launch(self, slot: _Slot, graph: object, ids: list[int]) -> None:
         assert isinstance(graph, _Graph)
         self.rt.copy_h2d(slot.dev, slot.host, graph.count)
-        view, table = slot.dev.tensor[: graph.count], graph.table
-
-        def run() -> None:
-            zero_blocks(table, view, skip_negative=True)
-
+        run = functools.partial(zero_blocks, graph.table, slot.dev.tensor[: graph.count], skip_negative=True)
         self.rt.launch(run, name="zero_kernel (graph)", reads=[slot.dev], blocks_written=ids)
 
     def _record(self, slot: _Slot) -> None:
