@@ -323,19 +323,11 @@ def zero_blocks_reference(cache: KVCache, block_ids: Sequence[int]) -> None:
     For every distinct tensor and every part, logical block b is kernel-block rows
     b*ratio .. b*ratio + ratio - 1; the first `page_words` words of each row are its page.
     """
-    ids = [int(b) for b in block_ids]
-    for b in ids:
-        if not 0 <= b < cache.spec.num_blocks:
-            raise RuntimeUsageError(
-                f"block id {b} is out of range for a cache of {cache.spec.num_blocks} blocks "
-                f"(valid: 0..{cache.spec.num_blocks - 1})"
-            )
-    if not ids:
+    ids = cache.check_blocks(block_ids)
+    if not ids.numel():
         return
     ratio = cache.spec.ratio
-    rows = device_index(
-        torch.tensor([b * ratio + j for b in ids for j in range(ratio)], dtype=torch.int64), cache.device
-    )
+    rows = device_index((ids[:, None] * ratio + torch.arange(ratio)).reshape(-1), cache.device)
     for t, tensor in enumerate(cache.spec.tensors):  # one raw buffer per tensor: shared once
         # index_fill_: an index_put_ (``[:, rows] = 0``) blocks the host on CUDA (seen on an H200)
         cache.word_rows(t)[:, :, : tensor.page_words].index_fill_(1, rows, 0)

@@ -281,22 +281,19 @@ class KVCache:
         self.num_kernel_blocks = spec.num_kernel_blocks
         self.raws: list[torch.Tensor] = []
         self._guard_masks: list[torch.Tensor] = []
-        for tensor in spec.tensors:
+        self.layer_tensors: dict[str, torch.Tensor] = {}
+        for t, tensor in enumerate(spec.tensors):
             # A part past the last one starts where the buffer ends: its words are the buffer's size.
             raw = torch.full((self._part_start(tensor, tensor.parts),), GUARD_WORD, dtype=torch.int32,
                              device=device, pin_memory=pin_memory)
-            mask = torch.ones_like(raw, dtype=torch.bool)
             self.raws.append(raw)
-            self._guard_masks.append(mask)
-        self.device = self.raws[0].device
-        for t, tensor in enumerate(spec.tensors):
+            self._guard_masks.append(torch.ones_like(raw, dtype=torch.bool))
             self._rows_of(self._guard_masks[t], t)[:, :, : tensor.page_words] = False
             self.word_rows(t)[:, :, : tensor.page_words] = POISON_WORD if fill == "poison" else 0
-        self.layer_tensors: dict[str, torch.Tensor] = {}
-        for t, tensor in enumerate(spec.tensors):
             view = self._typed_view(t)
             for layer in tensor.layers:
                 self.layer_tensors[layer] = view  # shared layers: the very same view object
+        self.device = self.raws[0].device
         self.segments = self._build_segments()
         self.table = SegmentTable.from_rows(
             [s.addr for s in self.segments], [s.block_stride for s in self.segments],
@@ -329,12 +326,9 @@ class KVCache:
     def _typed_view(self, t: int) -> torch.Tensor:
         tensor = self.spec.tensors[t]
         per_word = WORD_BYTES // tensor.element_size
-        inner = [1] * len(tensor.block_shape)
-        for d in range(len(tensor.block_shape) - 2, -1, -1):
-            inner[d] = inner[d + 1] * tensor.block_shape[d + 1]
-        row_el = tensor.row_words * per_word
+        inner = torch.empty(tensor.block_shape, device="meta").stride()  # a page is contiguous
         shape = (self.num_kernel_blocks, *tensor.block_shape)
-        stride = (row_el, *inner)
+        stride = (tensor.row_words * per_word, *inner)
         if tensor.kv_outer:
             # The K/V stride skips the guard between the parts.
             part_el = (self.num_kernel_blocks * tensor.row_words + self.spec.guard_words) * per_word
@@ -385,10 +379,11 @@ class KVCache:
     def block_words(self, block: int) -> list[torch.Tensor]:
         """One int32 1-D view per segment of the words logical block `block` owns."""
         if not _is_int(block) or not 0 <= block < self.spec.num_blocks:
-            self._check_blocks([block])  # raises the usual message (or a TypeError for non-ints)
+            self.check_blocks([block])  # raises the usual message (or a TypeError for non-ints)
         return [self.pages(s)[block] for s in range(len(self.segments))]
 
-    def _check_blocks(self, blocks: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def check_blocks(self, blocks: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """``blocks`` as an int64 CPU tensor; an id out of range raises, naming it."""
         if type(blocks) in (list, tuple) and all(_is_int(b) and 0 <= b < self.spec.num_blocks for b in blocks):
             # What the fuzzer passes on every write, free and poison: checked in Python, one
             # tensor made (five tensor ops and a mask index otherwise, per call).
@@ -409,7 +404,7 @@ class KVCache:
                 f"value={value!r} is not an int32 word; use an int in -2**31 .. 2**32 - 1"
             )
         word = value - 2**32 if value >= 2**31 else value
-        ids = device_index(self._check_blocks(blocks), self.device)
+        ids = device_index(self.check_blocks(blocks), self.device)
         for s in range(len(self.segments)):
             self.pages(s).index_fill_(0, ids, word)  # no host sync, unlike index_put_ on CUDA
 
