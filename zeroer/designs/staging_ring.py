@@ -49,19 +49,15 @@ class RingSlot:
 SlotT = TypeVar("SlotT", bound=RingSlot)
 
 
-def check_ring_size(slots: int, max_slots: int) -> None:
-    for name, value in (("slots", slots), ("max_slots", max_slots)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int")
-    if max_slots < slots:
-        raise ValueError(f"max_slots={max_slots} is below slots={slots}; raise max_slots")
-
-
 class StagingRing(Generic[SlotT]):
     """Slots, and which one a call may stage into (see the module docstring)."""
 
     def __init__(self, *, slots: int = DEFAULT_SLOTS, max_slots: int = DEFAULT_MAX_SLOTS) -> None:
-        check_ring_size(slots, max_slots)
+        for name, value in (("slots", slots), ("max_slots", max_slots)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if max_slots < slots:
+            raise ValueError(f"max_slots={max_slots} is below slots={slots}; raise max_slots")
         self.max_slots = max_slots
         self._initial_slots = slots
         self._slots: list[SlotT] = []
