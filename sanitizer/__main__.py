@@ -31,22 +31,6 @@ from sanitizer.runner import BACKENDS, Outcome, prepare, sanitize
 PROG = "kvzero-sanitize" if os.path.basename(sys.argv[0]) == "kvzero-sanitize" else "python -m sanitizer"
 
 
-def parser() -> ArgumentParser:
-    p = ArgumentParser(prog=PROG, description="Run a Python program under the race sanitizer for GPU memory traffic "
-                                                   "(pinned memory, streams, threads, CUDA graphs).")
-    p.add_argument("--force", action="store_true",
-                   help="hold queued copies to and from pinned memory until the host next synchronises, so a race "
-                        "also shows as wrong values (on the simulator every run already does: accepted, changes nothing)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="cuda: the observer on this machine's GPU; sim: the program's cuda work on the CPU "
-                        "simulator; auto (default): cuda when there is a GPU")
-    p.add_argument("--partial", action="store_true",
-                   help="report what cannot be followed (a CUDA graph replay) as a note, not an error")
-    p.add_argument("--json", metavar="PATH", help="also write the races as JSON to PATH")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS] or -- python -m MODULE [ARGS]")
-    return p
-
-
 def _program(command: list[str]) -> tuple[str, str, list[str]]:
     """(``"path"`` or ``"module"``, target, argv) from ``python SCRIPT ...`` / ``python -m MOD ...``."""
     if command and command[0] == "--":
@@ -129,7 +113,19 @@ def report(outcome: Outcome, name: str, *, partial: bool, forced: bool = False, 
 
 def _main(argv: list[str]) -> int:
     interrupts.install()  # SIGTERM stops the program as Ctrl-C does
-    args = parser().parse_args(argv)
+    p = ArgumentParser(prog=PROG, description="Run a Python program under the race sanitizer for GPU memory traffic "
+                                                   "(pinned memory, streams, threads, CUDA graphs).")
+    p.add_argument("--force", action="store_true",
+                   help="hold queued copies to and from pinned memory until the host next synchronises, so a race "
+                        "also shows as wrong values (on the simulator every run already does: accepted, changes nothing)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="cuda: the observer on this machine's GPU; sim: the program's cuda work on the CPU "
+                        "simulator; auto (default): cuda when there is a GPU")
+    p.add_argument("--partial", action="store_true",
+                   help="report what cannot be followed (a CUDA graph replay) as a note, not an error")
+    p.add_argument("--json", metavar="PATH", help="also write the races as JSON to PATH")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS] or -- python -m MODULE [ARGS]")
+    args = p.parse_args(argv)
     json_path = check_output("--json", args.json)
     kind, target, program_argv = _program(args.command)
     mode = "force" if args.force else "observe"
