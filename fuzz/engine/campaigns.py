@@ -357,12 +357,6 @@ def run_campaign(
             run_state_machine_as_test(seed(run_seed)(machine), settings=run_settings)
     except ZeroerViolation as error:
         result.violation = error
-    except ShrinkBoundReached as stop:
-        if interrupted():  # Ctrl-C came too: an interruption, whatever else was due
-            interruption = KeyboardInterrupt("the run was interrupted")
-            _save_interrupted(interruption, stats.smallest, repro_dir, run_seed, campaign)
-            raise interruption from stop
-        result.violation, cut_off = stats.smallest, True  # the smallest program so far: still the finding
     except BudgetSpent:
         pass  # the clock ran out with nothing found
     except SameBug as same:  # another campaign of the run has shrunk this bug: not a second time
@@ -371,9 +365,6 @@ def run_campaign(
         result.resource_error = str(error)
     except HarnessError as error:  # no verdict either way (fuzz.engine.harness_error)
         result.harness_error, result.harness_status, result.harness_details = error.message, error.status, error.details
-    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM, maybe while shrinking: keep what was found
-        _save_interrupted(stop, stats.smallest, repro_dir, run_seed, campaign)
-        raise
     except Flaky as error:
         # Found once, gone when Hypothesis replayed it: a timing-dependent finding (the
         # free-running cuda mode). Still a finding, kept with the program that showed it.
@@ -381,15 +372,21 @@ def run_campaign(
         if original is None:
             raise
         result.violation, result.reproduced = original, False
-    except Exception as error:
+    except (ShrinkBoundReached, Exception) as error:
         if interrupted():
-            # The signal's KeyboardInterrupt landed inside Hypothesis's own bookkeeping, which
-            # then failed on its own (seen once in CI: a bare AssertionError from its stateful
-            # runner, SIGTERM 0.74 s into a run of a race-free zeroer). After Ctrl-C nothing is
-            # a verdict (racecheck.interrupts): an interruption, never a failed campaign.
+            # Ctrl-C came too: an interruption, whatever else was due. Or the signal's
+            # KeyboardInterrupt landed inside Hypothesis's own bookkeeping, which then failed on its
+            # own (seen once in CI: a bare AssertionError from its stateful runner, SIGTERM 0.74 s
+            # into a run of a race-free zeroer). After Ctrl-C nothing is a verdict
+            # (racecheck.interrupts): an interruption, never a failed campaign.
             interruption = KeyboardInterrupt("the run was interrupted")
             _save_interrupted(interruption, stats.smallest, repro_dir, run_seed, campaign)
             raise interruption from error
+        if not isinstance(error, ShrinkBoundReached):
+            raise
+        result.violation, cut_off = stats.smallest, True  # the smallest program so far: still the finding
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM, maybe while shrinking: keep what was found
+        _save_interrupted(stop, stats.smallest, repro_dir, run_seed, campaign)
         raise
     finally:
         gc.unfreeze()
