@@ -83,7 +83,7 @@ class Context:
     def cache(self, name: str) -> KVCache:
         if name not in self.caches:
             self.caches[name] = build_cache(bench_cache(name, self.quick), device=self.device)
-            self.sync()  # filled on torch's stream; the runtimes' streams must not overtake that
+            self.timer.sync()  # filled on torch's stream; the runtimes' streams must not overtake that
         return self.caches[name]
 
     def drop(self, name: str) -> None:
@@ -93,10 +93,6 @@ class Context:
 
     def describe(self, name: str) -> dict:
         return describe(bench_cache(name, self.quick), self.quick)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
 
 
 ORDERS = ("random", "ascending")  # how the zeroed ids lie in the cache (bandwidth table)
@@ -155,7 +151,7 @@ def launch_rows(ctx: Context) -> list[dict]:
         def empty(row: dict, path: str = path) -> None:
             fn = _empty_launch(path, ctx.device)
             fn()  # compile outside the timing
-            ctx.sync()
+            ctx.timer.sync()
             row["host"] = summarize(host_samples(fn, samples))
             us, row["gpu_timer"] = ctx.timer.gpu_us(fn)
             row["gpu_us"] = round(us, 2)
@@ -168,7 +164,7 @@ def launch_rows(ctx: Context) -> list[dict]:
                 ids = torch.tensor(pick_ids(n, cache.spec.num_blocks), dtype=torch.int64, device=ctx.device)
                 fn = lambda: zero_blocks(cache.table, ids, cached=path == "cached")  # noqa: E731
                 fn()
-                ctx.sync()
+                ctx.timer.sync()
                 row["host"] = summarize(host_samples(fn, samples))
 
             rows.append(run_row(ctx, "launch", {"what": f"zero_blocks ({HOST_CACHE})", "path": path,

@@ -108,10 +108,6 @@ class Scatter:
         self.timer = Timer(device)
         self.rows: list[dict[str, Any]] = []
 
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
     def emit(self, cache: KVCache, n: int, variant: str, writer_us: float | None, zero_us: float,
              **extra: Any) -> None:
         blocks = cache.spec.num_blocks
@@ -179,9 +175,9 @@ class Scatter:
 
         us = self.time(seg_fastest)
         cache.poison(scattered)
-        self.sync()
+        self.timer.sync()
         seg_fastest()
-        self.sync()
+        self.timer.sync()
         self.emit(cache, n, "scattered, segment-fastest grid", us, z, pages_zeroed=pages_zeroed(cache, rows))
 
     def footprint(self, cache: KVCache, counts: Sequence[int]) -> None:
@@ -203,7 +199,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     # The benchmark's cache first (every id set and writer), then caches of other sizes, one at a time.
     for index, blocks in enumerate([QUICK_BLOCKS if args.quick else BENCH_BLOCKS, *footprints]):
         cache = build_cache(cache_spec(blocks, args.quick), device=device, fill="zero")
-        bench.sync()
+        bench.timer.sync()
         if index == 0:
             for n in args.blocks:
                 bench.on_one_cache(cache, n)

@@ -59,6 +59,11 @@ class Timer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    def sync(self) -> None:
+        """Wait for the device's queued work (none on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def gpu_us(self, fn: Callable[[], object]) -> tuple[float, str]:
         """(median microseconds, how it was measured)."""
         if self.device.type != "cuda":
