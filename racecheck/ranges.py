@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -40,11 +41,8 @@ def _runs(start: int, sizes: Sequence[int], strides: Sequence[int], itemsize: in
     if any(s == 0 for s in sizes):
         return []
     run, outer = _layout(sizes, strides, itemsize)
-    count = 1
-    for size, _ in outer:
-        count *= size
-        if count > limit:
-            return None
+    if math.prod(size for size, _ in outer) > limit:
+        return None
     starts = [start]
     for size, stride in outer:
         starts = [s + i * stride for s in starts for i in range(size)]
