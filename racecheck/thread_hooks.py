@@ -108,6 +108,14 @@ class _Hooked:
         _HOOKED.busy = self._was
 
 
+def _hand_off(obj: Any, *, release: bool) -> None:
+    """``obj`` is released (a put, a set, a notify) or acquired (a get, a wait) by the calling thread."""
+    watch = _watch()
+    if watch is not None:
+        with _Hooked():
+            (watch.release if release else watch.acquire)(obj)
+
+
 def unwatched() -> _Hooked:
     """Inside, the calling thread's primitives are not hooked: the tool's own work (a scheduler
     letting the simulated device run while every thread waits) is not the program's."""
@@ -221,10 +229,8 @@ def install() -> None:
         if _turn(self, lambda: not self.is_alive(), timeout) is False:
             return  # timed out: still alive
         join(self, timeout)
-        watch = _watch()
-        if watch is not None and not self.is_alive():
-            with _Hooked():
-                watch.acquire(self)
+        if not self.is_alive():
+            _hand_off(self, release=False)
 
     threading.Thread.start = thread_start  # type: ignore[method-assign]
     threading.Thread._bootstrap_inner = thread_bootstrap  # type: ignore[attr-defined]
@@ -235,10 +241,7 @@ def install() -> None:
 
         @functools.wraps(original)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            watch = _watch()
-            if watch is not None:
-                with _Hooked():
-                    watch.release(self)
+            _hand_off(self, release=True)
             return original(self, *args, **kwargs)
 
         setattr(cls, name, call)
@@ -249,10 +252,8 @@ def install() -> None:
         @functools.wraps(original)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, *args, **kwargs)
-            watch = _watch()
-            if watch is not None and when(result):
-                with _Hooked():
-                    watch.acquire(self)
+            if when(result):
+                _hand_off(self, release=False)
             return result
 
         setattr(cls, name, call)
@@ -385,10 +386,7 @@ class FollowedSimpleQueue(queue.SimpleQueue):
     scheduling watch, whose ``get`` waits for its turn), as ``queue.Queue``'s are."""
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        watch = _watch()
-        if watch is not None:
-            with _Hooked():
-                watch.release(self)
+        _hand_off(self, release=True)
         super().put(item, block, timeout)
 
     def put_nowait(self, item: Any) -> None:
@@ -398,10 +396,7 @@ class FollowedSimpleQueue(queue.SimpleQueue):
         if block and _turn(self, lambda: not self.empty(), timeout) is False:
             raise queue.Empty
         item = super().get(block, timeout)
-        watch = _watch()
-        if watch is not None:
-            with _Hooked():
-                watch.acquire(self)
+        _hand_off(self, release=False)
         return item
 
     def get_nowait(self) -> Any:
