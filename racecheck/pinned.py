@@ -213,10 +213,8 @@ class PendingReads:
                 continue
             if snapshot.changed():
                 found.append(snapshot)
-                continue
-            if gone is not None and gone(snapshot):
-                continue
-            kept.append(snapshot)
+            elif gone is None or not gone(snapshot):
+                kept.append(snapshot)
         self._items = kept
         return found
 
