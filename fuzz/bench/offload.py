@@ -44,7 +44,7 @@ from typing import Any
 
 from racecheck.atomic_file import write_json_atomically
 from fuzz.bench import positive_int
-from fuzz.bench.detect.run import FUZZ, Job, run_jobs
+from fuzz.bench.detect.run import FUZZ, REPLAYS, Job, run_jobs
 from fuzz.bench.stats import median
 from fuzz.bench import command
 from racecheck.cli import ArgumentParser, UsageError, check_output
@@ -63,7 +63,6 @@ METHODS: dict[str, tuple[str, str, str]] = {
 }
 FUZZ_METHODS = ("fuzz-sim", "fuzz-controlled", "fuzz-free")
 MAX_TRACE = 6  # ops, start included: what a found race must shrink to
-REPLAYS = 20  # a finding's shrunk trace is replayed this many times (fuzz.bench.detect.run)
 MIN_FORCED = 19  # of 20 forced replays in the controlled mode; every other fuzz method, all 20
 DEFAULT_REPRO_DIR = Path("repro/failures/offload")
 

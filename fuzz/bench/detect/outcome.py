@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 QUICK = "quick"  # the profile of a quick-profile campaign job, as ``pytest fuzz`` runs it
+FUZZ = "fuzz"  # the fuzzer's method, beside the baselines
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from racecheck.atomic_file import write_bytes_atomically
-from fuzz.bench.detect.outcome import QUICK
+from fuzz.bench.detect.outcome import FUZZ, QUICK
 from fuzz.bench.stats import spread
 
 TARGET_FIRST_FINDING_S = 60.0  # median seconds to the first finding, per zoo entry (issue 5)
 TARGET_DETECTION_RATE = 1.0  # every zoo entry, on every seed
 TARGET_MEDIAN_EXAMPLES = 12  # median examples to the first finding, per zoo entry (16x the PCT bound of 1/200)
 TARGET_CLEAN_STEPS = 1_000_000  # steps on race-free implementations without a finding (simulator)
-FUZZ = "fuzz"
 
 
 def summarize(records: list[dict]) -> list[dict[str, Any]]:

@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.bench.detect.baselines import METHODS
-from fuzz.bench.detect.outcome import QUICK, DetectionOutcome
+from fuzz.bench.detect.outcome import FUZZ, QUICK, DetectionOutcome
 from fuzz.bench.pool import completed
 from fuzz.engine.campaigns import PROFILES, Campaign, Profile, run_campaign
 from fuzz.engine.episode import EpisodeConfig, count_shown
 from fuzz.engine.harness_error import HarnessError
 from racecheck.resources import ResourceExhausted, is_out_of_memory
 
-FUZZ = "fuzz"
 RUN_EXAMPLES = 200  # examples per Hypothesis run: the budget is checked between runs
 STEPS = 25  # rules per example, as the quick and ci profiles
 REPLAYS = 20  # a finding's shrunk trace is replayed this many times: its repro rate
