@@ -45,7 +45,7 @@ from fuzz.engine.journal import Journal
 from fuzz.engine.known_bugs import KnownBug, KnownBugs, SameBug
 from fuzz.engine.machine import BudgetSpent, CampaignStats, ShrinkBoundReached, machine_for
 from racecheck.resources import ResourceExhausted
-from fuzz.engine.shrink import ShrinkPlan, plan_for, shrink_bound, shrink_finding
+from fuzz.engine.shrink import ShrinkPlan, plan_for, shrink_bound, shrink_finding, where
 from fuzz.engine.trace import write_trace
 from fuzz.engine.violation import ZeroerViolation
 from racecheck.interrupts import interrupted
@@ -117,20 +117,11 @@ class Campaign:
     @property
     def id(self) -> str:
         c = self.config
-        backend = c.backend if c.backend == "sim" else f"cuda-{c.mode}"
-        parts = [spec_label(c.offloader or c.zeroer).replace("/", "_"), c.geometry, backend]
-        if c.offloader is not None and c.host_memory != "pinned":
-            parts.append(f"host-{c.host_memory}")
-        if not c.warmup_sync:
-            parts.append("strict")
-        if c.kernel:
-            parts.append(f"k-{c.kernel}")
-        if c.caller_fault:
-            parts.append(f"fault-{c.caller_fault}")
-        if c.zeroers > 1:
-            parts.append(f"x{c.zeroers}")
-        parts.append(f"shard{self.shard}")
-        return "-".join(parts)
+        optional = ((c.offloader is not None and c.host_memory != "pinned", f"host-{c.host_memory}"),
+                    (not c.warmup_sync, "strict"), (c.kernel, f"k-{c.kernel}"),
+                    (c.caller_fault, f"fault-{c.caller_fault}"), (c.zeroers > 1, f"x{c.zeroers}"))
+        return "-".join([spec_label(c.offloader or c.zeroer).replace("/", "_"), c.geometry, where(c),
+                         *(part for wanted, part in optional if wanted), f"shard{self.shard}"])
 
     @property
     def seed(self) -> int:
