@@ -70,16 +70,15 @@ def _set_up(campaign: Campaign) -> CampaignResult | None:
     import torch
 
     try:
+        torch.cuda.set_device(campaign.config.device)
+    except Exception as error:
         try:
-            torch.cuda.set_device(campaign.config.device)
-        except Exception as error:
             raise_if_out_of_memory(error, "selecting the campaign's GPU")
-            raise harness_error(error, f"selecting GPU {campaign.config.device} for the campaign") from error
-    except ResourceExhausted as error:
-        return CampaignResult(campaign, resource_error=str(error))
-    except HarnessError as error:
-        return CampaignResult(campaign, harness_error=error.message, harness_status=error.status,
-                              harness_details=error.details)
+        except ResourceExhausted as exhausted:
+            return CampaignResult(campaign, resource_error=str(exhausted))
+        failed = harness_error(error, f"selecting GPU {campaign.config.device} for the campaign")
+        return CampaignResult(campaign, harness_error=failed.message, harness_status=failed.status,
+                              harness_details=failed.details)
     return None
 
 
