@@ -34,10 +34,10 @@ import torch
 
 from fuzz.bench.detect.baselines.stress import (
     DEFAULT_REPRO_DIR,
+    NEEDS_CUDA,
     NO_FINDING,
     check_budget,
     check_seed,
-    needs_cuda_outcome,
     one_line,
     resolve_config,
     value_findings,
@@ -78,7 +78,7 @@ def handwritten(
     check_seed(seed)
     config = resolve_config(config)
     if config.backend == "cuda" and not torch.cuda.is_available():
-        return needs_cuda_outcome()
+        return NEEDS_CUDA
     start = time.perf_counter()
     episode = Episode(config)
     try:

@@ -44,11 +44,11 @@ import torch
 
 from fuzz.bench.detect.baselines.stress import (
     DEFAULT_REPRO_DIR,
+    NEEDS_CUDA,
     NO_FINDING,
     EpisodeHooks,
     check_budget,
     check_seed,
-    needs_cuda_outcome,
     one_line,
     stress_loop,
 )
@@ -134,7 +134,7 @@ def sanitizer(
     """Baseline (c): the stress loop under CSAN on cuda (free mode), in a child process."""
     budget_s, seed = check_budget(budget_s), check_seed(seed)
     if not torch.cuda.is_available():
-        return needs_cuda_outcome()
+        return NEEDS_CUDA
     config = dataclasses.replace(config, backend="cuda", mode="free")
     repro_dir = (repro_dir or DEFAULT_REPRO_DIR).resolve()
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")

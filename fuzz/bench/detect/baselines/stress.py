@@ -44,7 +44,8 @@ SMALL_ALLOCATE, MAX_ALLOCATE = 3, 8
 MAX_IN_FLIGHT = 3  # as the fuzzer's start rule draws it
 DEFAULT_REPRO_DIR = Path("repro/failures/baselines")
 NO_FINDING = "no finding"
-NEEDS_CUDA = "needs CUDA"
+# What a method reports where it needs a GPU and there is none (a frozen record: one serves every run).
+NEEDS_CUDA = DetectionOutcome(False, None, None, 0, None, None, NO_FINDING, error="needs CUDA")
 # The fuzzer's ops minus the two that steer the device ("advance", "delay") and "start".
 STRESS_OPS = ("allocate", "end_step", "free", "read", "sync_device", "sync_stream", "write")
 
@@ -73,10 +74,6 @@ def resolve_config(config: EpisodeConfig) -> EpisodeConfig:
     if config.backend == "cuda":
         config = replace(config, mode="free")
     return config
-
-
-def needs_cuda_outcome() -> DetectionOutcome:
-    return DetectionOutcome(False, None, None, 0, None, None, NO_FINDING, error=NEEDS_CUDA)
 
 
 def value_findings(findings: list[Finding]) -> list[Finding]:
@@ -229,7 +226,7 @@ def stress(
     budget_s, seed = check_budget(budget_s), check_seed(seed)
     config = resolve_config(config)
     if config.backend == "cuda" and not torch.cuda.is_available():
-        return needs_cuda_outcome()
+        return NEEDS_CUDA
     result = stress_loop(config, budget_s, seed)
     if result.exception is not None:
         return DetectionOutcome(
