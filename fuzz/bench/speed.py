@@ -181,16 +181,12 @@ def judge(backend: str, throughput: list[dict], races: list[dict]) -> list[dict[
 
 def machine(backend: str) -> dict[str, Any]:
     """Where the numbers were taken: versions, CPU, core count and the GPU on cuda."""
-    try:
-        import triton
+    import triton  # a dependency; imported here, as these campaigns on the simulator never load it
 
-        triton_version = triton.__version__
-    except ImportError:  # the simulator never needs it for these campaigns
-        triton_version = None
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "triton": triton_version,
+        "triton": triton.__version__,
         "hypothesis": hypothesis.__version__,
         "platform": platform.platform(),
         "processor": platform.processor() or _cpu_model() or platform.machine(),
