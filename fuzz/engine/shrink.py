@@ -90,11 +90,7 @@ def confirm_on_device(config: EpisodeConfig, ops: list[dict]) -> list[Finding]:
     """Replay ``ops`` where the campaign runs: the findings of the first replay that shows any
     (controlled or simulator: one replay, exact; free-running: up to :data:`FREE_CONFIRM_REPLAYS`)."""
     tries = FREE_CONFIRM_REPLAYS if config.backend == "cuda" and config.mode == "free" else 1
-    for _ in range(tries):
-        findings = _replay(config, ops)
-        if findings:
-            return findings
-    return []
+    return next(filter(None, (_replay(config, ops) for _ in range(tries))), [])  # replays stop at the first
 
 
 @dataclass(frozen=True)
@@ -120,9 +116,7 @@ def simulator_config(config: EpisodeConfig) -> EpisodeConfig:
     """``config`` on the simulator. A built-in staged design found with its default (Triton) kernel
     is replayed with its torch kernel, as the simulator campaigns run it: the Triton one runs under
     its interpreter on the CPU, and the GPU confirms the result with the kernel that found it."""
-    kernel = config.kernel
-    if kernel is None and kernel_options(config.zeroer, "torch"):
-        kernel = "torch"
+    kernel = config.kernel if config.kernel is not None or not kernel_options(config.zeroer, "torch") else "torch"
     return dataclasses.replace(config, backend="sim", mode="controlled", device=None, kernel=kernel)
 
 
