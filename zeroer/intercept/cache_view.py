@@ -69,11 +69,6 @@ class SimCacheView:
         allocation = self._allocation(self._cache.raws[t], f"KV cache tensor {t} ({layers})", t)
         return SimCudaTensor(tensor, allocation, self._session)
 
-    def _adopt_cache(self) -> None:
-        """Make the cache's memory the simulator's device memory (for address checks and the checker)."""
-        for t, raw in enumerate(self._cache.raws):
-            self._wrap(raw, t)
-
     @property
     def raws(self) -> list[SimCudaTensor]:
         return [self._wrap(raw, t) for t, raw in enumerate(self._cache.raws)]
@@ -95,7 +90,9 @@ class SimCacheView:
         table = self._cache.table
         wrapped = self._tables.get(id(table))
         if wrapped is None:
-            self._adopt_cache()  # the table's addresses point into it: a kernel following them must find it
+            # the cache becomes device memory: the table's addresses point into it, and a kernel follows them
+            for t, raw in enumerate(self._cache.raws):
+                self._wrap(raw, t)
             def on_device(column: torch.Tensor, name: str) -> SimCudaTensor:
                 return SimCudaTensor(column, self._allocation(column, f"segment table {name}", None), self._session)
 

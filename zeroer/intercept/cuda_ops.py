@@ -199,8 +199,6 @@ class CudaOps(TorchDispatchMode):
         device_src = src.is_cuda
         host_side = src if device_dst and not device_src else dst if device_src and not device_dst else None
         pinned = self.session.host.lookup(host_side) if host_side is not None else None
-        if host_side is None and dst is None and not device_src and not to_device:
-            pinned = None
         temporary = non_blocking and device_dst != device_src and host_temporary(dst, src, to_device=device_dst)
         how = copy_kind(device_dst=device_dst, device_src=device_src, non_blocking=non_blocking,
                         pinned=pinned is not None or (pin and not device_dst), temporary=temporary)

@@ -83,12 +83,8 @@ class InterceptedOffloader(BoundOffloader):
         host = self.session.host
         host.check(f"the host, before {label}")
         region = host.lookup(view)
-        if region is None:
-            return
-        if write:
-            host.host_write(region, view, label)
-        else:
-            host.host_read(region, view, label)
+        if region is not None:
+            (host.host_write if write else host.host_read)(region, view, label)
 
 
 class OffloaderSession(InterceptSession):

@@ -165,20 +165,16 @@ class SimOps:
         block and the runs of its bytes the tensor covers, so that two views of one allocation that
         do not meet (``kv[3]`` and ``kv[7]``) are not taken for one memory. An offloader's session
         gets the cache's bytes apart, as a :class:`CacheAccess` the session maps to blocks."""
-        if self.session.block_map is not None:
-            written_ids = {id(t) for t in written}
-            on_cache = [t for t in tensors + written if t._alloc.block.cache_tensor is not None]
-            cache_access = CacheAccess(merge([r for t in on_cache if id(t) not in written_ids for r in byte_runs(t._inner)]),
-                                       merge([r for t in on_cache if id(t) in written_ids for r in byte_runs(t._inner)]))
-            tensors = [t for t in tensors if t._alloc.block.cache_tensor is None]
-            written = [t for t in written if t._alloc.block.cache_tensor is None]
-            reads = _spans(t for t in tensors if id(t) not in written_ids)
-            return reads, _spans(written), cache_access
-        writes = _spans(t for t in written if t._alloc.block.cache_tensor is None)
-        cache = any(t._alloc.block.cache_tensor is not None for t in written)
         written_ids = {id(t) for t in written}
+        if self.session.block_map is not None:
+            on_cache = [t for t in tensors + written if t._alloc.block.cache_tensor is not None]
+            cache: Any = CacheAccess(merge([r for t in on_cache if id(t) not in written_ids for r in byte_runs(t._inner)]),
+                                     merge([r for t in on_cache if id(t) in written_ids for r in byte_runs(t._inner)]))
+            tensors = [t for t in tensors if t._alloc.block.cache_tensor is None]
+        else:
+            cache = any(t._alloc.block.cache_tensor is not None for t in written)
         reads = _spans(t for t in tensors if id(t) not in written_ids)
-        return reads, writes, cache
+        return reads, _spans(t for t in written if t._alloc.block.cache_tensor is None), cache
 
     def _queued(self, func: Any, args: tuple, kwargs: dict) -> Any:
         try:

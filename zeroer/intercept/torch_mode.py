@@ -109,19 +109,14 @@ class InterceptMode(TorchFunctionMode):
         handler = self._handlers.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        device = kwargs.get("device")
-        if device is not None and _is_cuda(device) and self.sim:
+        cuda = kwargs.get("device") is not None and _is_cuda(kwargs["device"])
+        route = (self._device_factory if cuda and self.sim
+                 else self._host_data_to_cuda if cuda and func in _HOST_DATA and not _tensor_data(args, kwargs)
+                 else self._pinned_factory if kwargs.get("pin_memory")
+                 else self._on_sim_tensors if self.sim and _has_sim(args, kwargs) else None)
+        if route is not None:  # each a boundary
             self.session.boundary(_name(func))
-            return self._device_factory(func, args, kwargs)
-        if device is not None and _is_cuda(device) and func in _HOST_DATA and not _tensor_data(args, kwargs):
-            self.session.boundary(_name(func))
-            return self._host_data_to_cuda(func, args, kwargs)
-        if kwargs.get("pin_memory"):
-            self.session.boundary(_name(func))
-            return self._pinned_factory(func, args, kwargs)
-        if self.sim and _has_sim(args, kwargs):
-            self.session.boundary(_name(func))
-            return self._on_sim_tensors(func, args, kwargs)
+            return route(func, args, kwargs)
         if self.session.block_map is not None:  # an offloader's host op on pinned memory: checked at the op
             return self._host_op(func, args, kwargs)
         return forward(func, *args, **kwargs)
@@ -318,8 +313,7 @@ class InterceptMode(TorchFunctionMode):
         tensor, index = args[0], args[1]
         if not (self.sim and isinstance(tensor, SimCudaTensor)):
             return forward(func, *args, **kwargs)
-        index = tree_map(lambda v: cloak(v) if isinstance(v, SimCudaTensor) else v, index)
-        return tree_map(uncloak, forward(func, cloak(tensor), index))
+        return tree_map(uncloak, forward(func, cloak(tensor), _cloaked(index)))
 
     def _setitem(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensor, index, value = args
@@ -330,9 +324,8 @@ class InterceptMode(TorchFunctionMode):
                     self._host_op(torch.Tensor.copy_, (tensor[index], value), {})  # the rows it writes
             return forward(func, *args, **kwargs)
         self.session.boundary("Tensor.__setitem__")
-        index = tree_map(lambda v: cloak(v) if isinstance(v, SimCudaTensor) else v, index)
         value = cloak(value) if isinstance(value, SimCudaTensor) else value
-        return forward(func, cloak(tensor), index, value)
+        return forward(func, cloak(tensor), _cloaked(index), value)
 
     def _numpy(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.sim and isinstance(args[0], SimCudaTensor):
