@@ -131,12 +131,10 @@ def blame(error: BaseException) -> Blame:
     zeroer_frames = [i for i, kind in enumerate(kinds) if kind == "zeroer"]
     where_index = max((i for i in zeroer_frames if decisive is None or i <= decisive), default=None)
     where = describe_frame(*frames[where_index]) if where_index is not None else None
-    if decisive is None:
-        return Blame(False, None, where)  # raised by a library called from outside any frame we know
-    kind = kinds[decisive]
-    if kind == "forwarding":
+    # a library called from outside any frame we know, or forwarding the zeroer's own call: the zeroer's
+    if decisive is None or kinds[decisive] == "forwarding":
         return Blame(False, None, where)
-    if kind == "zeroer":
+    if kinds[decisive] == "zeroer":
         owner = getattr(error, "obj", None) if isinstance(error, AttributeError) else None
         if isinstance(owner, tuple(_DOCUMENTED)):
             return Blame(True, USER_FIXABLE, where)

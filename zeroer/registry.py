@@ -93,8 +93,7 @@ def zeroer_names() -> list[str]:
 
 def default_geometry(spec: str) -> str | None:
     """The geometry a zoo entry's bug shows on (``zoo.ratio_ignored`` -> ``ratio2``), else None."""
-    entry = BUILTINS.get(spec)
-    return entry.zoo_geometry if entry is not None else None
+    return getattr(BUILTINS.get(spec), "zoo_geometry", None)
 
 
 @dataclass(frozen=True)
@@ -131,8 +130,7 @@ def make_zeroer(name: str, cache: KVCache, runtime: Runtime, **options: Any) -> 
 
 def kernel_options(spec: str, kernel: str | None) -> dict[str, Any]:
     """The ``kernel=`` option for the built-in staged designs (torch or triton), else nothing."""
-    entry = BUILTINS.get(spec)
-    factory = entry.factory if entry is not None else None
+    factory = getattr(BUILTINS.get(spec), "factory", None)
     if kernel is None or not (isinstance(factory, type) and issubclass(factory, StagedZeroer)):
         return {}
     return {"kernel": kernel}

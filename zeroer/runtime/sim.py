@@ -66,9 +66,8 @@ class EagerSchedule:
     """Run every runnable op after each host call: a device that is never behind."""
 
     def after_host_call(self, rt: "SimRuntime") -> None:
-        progressed = True
-        while progressed:
-            progressed = any(rt.queues.advance(s.index, 1 << 30) for s in rt.streams)
+        while any(rt.queues.advance(s.index, 1 << 30) for s in rt.streams):
+            pass  # again, until no stream can progress
 
 
 class RandomSchedule:
