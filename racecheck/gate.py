@@ -162,8 +162,7 @@ class GatePool:
         still: list[tuple[Gate, object]] = []
         for gate, event in self._retiring:
             if event.query():
-                self._free.append(gate)
-                self.in_use -= 1
+                self.recycle(gate)
             else:
                 still.append((gate, event))
         self._retiring = still
