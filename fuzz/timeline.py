@@ -199,8 +199,7 @@ def _finding_place(message: str, replay: _Replay) -> tuple[int, int]:
     step = re.search(r"(?:hazard|zeroer raised|offloader raised) at step (\d+)", message)
     crash = re.search(r"(?:while running|replay stopped at) op (\d+)", message)
     index = int(step[1]) - 1 if step else int(crash[1]) if crash else None
-    hosts = {h.index: h for h in replay.hosts}
-    host = hosts.get(index) if index is not None else None
+    host = {h.index: h for h in replay.hosts}.get(index)  # None: no op named, or none with that index
     if host is None and replay.hosts:
         host = replay.hosts[-1]  # the teardown, or the op where the replay stopped
     ts = (host.end - 1) * TICK_US + HALF if host is not None else 0
