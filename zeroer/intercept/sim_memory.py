@@ -116,13 +116,13 @@ class SimDeviceMemory:
         block = Block(next(self._ids), raw, None, name, cache_tensor=cache_tensor, nbytes=storage.nbytes())
         self._add_range(block)
         self.rt.hb.name_resource(block.key, name)
-        return self._track(block, freed=False)
-
-    def _track(self, block: Block, *, freed: bool = True) -> Allocation:
-        """The allocation of ``block``; ``freed``: its block goes back to the allocator when it dies."""
         allocation = Allocation(block)
-        if freed:
-            weakref.finalize(allocation, self._released.append, block)  # only a list append: safe in any GC
+        self._live[block.id] = allocation
+        return allocation
+
+    def _track(self, block: Block) -> Allocation:
+        allocation = Allocation(block)
+        weakref.finalize(allocation, self._released.append, block)  # only a list append: safe in any GC
         self._live[block.id] = allocation
         return allocation
 
