@@ -96,7 +96,9 @@ class GpuSanitizer:
         from sanitizer.sites import caller_site
 
         obs = self.observer
-        held = self._held_at_failure(failed)
+        # The device-to-host copies force mode still holds as the scope's code failed (taken before
+        # the scope's end releases them).
+        held = obs.forcing.held_writes() if failed and obs.forcing is not None else []
         if stop:
             races = obs.stop()
         else:
@@ -105,12 +107,6 @@ class GpuSanitizer:
         if held and not races:  # a race seen explains the failure already
             races = unseen_reads(held, races)
         return races, [u.message() for u in obs.take_unfollowed()], obs.take_notes()
-
-    def _held_at_failure(self, failed: bool) -> list[tuple[Any, Any]]:
-        """The device-to-host copies force mode still holds as the scope's code failed (taken
-        before the scope's end releases them)."""
-        forcing = self.observer.forcing
-        return forcing.held_writes() if failed and forcing is not None else []
 
     @property
     def timeouts(self) -> int:
