@@ -51,9 +51,8 @@ from fuzz.engine.violation import ZeroerViolation
 from racecheck.interrupts import interrupted
 from racecheck.environment import environment
 from zeroer.cache.geometries import geometry_names
-from zeroer.designs import StagedZeroer
 from zeroer.offload import HOST_MEMORY
-from zeroer.registry import BUILTINS, builtin_names, default_geometry, load_offloader, load_zeroer
+from zeroer.registry import BUILTINS, builtin_names, default_geometry, kernel_options, load_offloader, load_zeroer
 
 SIM_GEOMETRIES = ("mixed_dtypes", "ratio2", "tiny")
 CUDA_GEOMETRIES = ("mixed_dtypes", "tiny")
@@ -234,9 +233,7 @@ def default_campaigns(backends: list[str], zeroer: str | None = None,
                 expect = "finds" if (zeroer is None and BUILTINS[name].verdict == "racy") else "clean"
                 # On the simulator the staged designs use the torch kernel (no interpreter, fast);
                 # the Triton kernel itself is fuzzed in the k-triton campaigns below.
-                builtin = BUILTINS.get(name)
-                staged = (builtin is not None and not builtin.is_zoo and isinstance(builtin.factory, type)
-                          and issubclass(builtin.factory, StagedZeroer))
+                staged = not getattr(BUILTINS.get(name), "is_zoo", True) and kernel_options(name, "torch")
                 kernel = "torch" if backend == "sim" and staged else None
                 chosen = campaign_geometries(name, backend, geometries)
                 for geometry, skipped in chosen:
