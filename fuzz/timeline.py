@@ -132,17 +132,14 @@ class _Replay:
     stopped: str | None  # why the replay stopped early (an op the program cannot run), if it did
 
 
-def _stream_names(count: int) -> list[str]:
-    return ["main"] + [f"s{i}" for i in range(1, count)]  # as Episode names them
-
-
 def _replay(trace: Trace) -> _Replay:
     """Run the trace's ops as :func:`fuzz.engine.episode.run_ops` does, on the simulator, observed."""
     config = dataclasses.replace(trace.config, backend="sim", device=None)
     try:  # a factory that raises is a usage error (HarnessError, exit status 2): nothing to draw
         episode = Episode(config)
     except Exception as error:  # noqa: BLE001 - e.g. a zeroer that needs a GPU
-        return _Replay(_stream_names(config.streams), [], [], [], f"replay stopped: {type(error).__name__}: {error}")
+        streams = ["main"] + [f"s{i}" for i in range(1, config.streams)]  # as Episode names them
+        return _Replay(streams, [], [], [], f"replay stopped: {type(error).__name__}: {error}")
     recorder = _Recorder()
     # Attached once the episode exists: device work its zeroer factory queued shows as queued
     # "before the first op". (Episode builds its own runtime; no hook is needed before that.)
