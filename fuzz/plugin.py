@@ -242,10 +242,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     run = getattr(config, "_fuzz_run", None)
     if run is not None:
         run.deselection_done = True
-    campaigns = [item for item in items if "campaign" in getattr(item, "fixturenames", ())]
-    if not campaigns:
-        return
-    if not hasattr(config, "workerinput"):
+    # Only when campaigns will run, and not again in each xdist worker.
+    if any("campaign" in getattr(item, "fixturenames", ()) for item in items) and not hasattr(config, "workerinput"):
         try:
             check_output_paths(config._fuzz_options)
         except pytest.UsageError as error:
