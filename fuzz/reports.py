@@ -116,11 +116,10 @@ def junit_xml(summary: dict, sources: dict[str, str] | None = None) -> str:
             verdict, detail = outcome(record), _detail(record, bug_of.get(campaign))
             out = (f"{verdict}: examples {record['examples']}, steps {record['steps']}, {record['seconds']} s, "
                    f"seeds {record.get('seeds', [])}")
-            if verdict == "RESOURCE ERROR":
-                ET.SubElement(case, "error", type="resource error", message=detail[:300])
-            elif verdict == "HARNESS ERROR":
-                error = ET.SubElement(case, "error", type="harness error", message=detail[:300])
-                error.text = record.get("harness_details") or detail
+            if verdict in ("RESOURCE ERROR", "HARNESS ERROR"):
+                error = ET.SubElement(case, "error", type=verdict.lower(), message=detail[:300])
+                if verdict == "HARNESS ERROR":
+                    error.text = record.get("harness_details") or detail
             elif verdict in ("VIOLATION", "MISSED"):
                 kind_of = "finding" if verdict == "VIOLATION" else "missed self-check"
                 failure = ET.SubElement(case, "failure", type=kind_of, message=(detail.splitlines() or [verdict])[0][:300])
