@@ -264,18 +264,13 @@ class HappensBefore:
     def _host_hazard(self, kind: str, key: Key, stamp: OpStamp, label: str, copy_writes: bool, *,
                      assumed: bool = False) -> Hazard:
         resource = self.name(key)
-        if kind == HOST_READ:
-            text = (f"host read of {resource} by {label} while {stamp.label} may not have written it yet: "
-                    f"no event or synchronisation observed by the host orders the copy before the read "
-                    f"(the vLLM #36013 hazard)")
-        elif copy_writes:
-            text = (f"host write to {resource} by {label} while {stamp.label} may not have written it yet "
-                    f"(the copy would overwrite the host's bytes): no event or synchronisation observed by the "
-                    f"host orders the copy before the write")
-        else:
-            text = (f"host write to {resource} by {label} while {stamp.label} may not have read it yet: "
-                    f"no event or synchronisation observed by the host orders the copy before the write "
-                    f"(the vLLM #48085 hazard)")
+        verb = "read" if kind == HOST_READ else "write"
+        # (of or to, what the copy may not have done yet, why that matters, the upstream issue)
+        to, done, why, issue = (("of", "written", "", " (the vLLM #36013 hazard)") if kind == HOST_READ else
+                                ("to", "written", " (the copy would overwrite the host's bytes)", "") if copy_writes else
+                                ("to", "read", "", " (the vLLM #48085 hazard)"))
+        text = (f"host {verb} {to} {resource} by {label} while {stamp.label} may not have {done} it yet{why}: no "
+                f"event or synchronisation observed by the host orders the copy before the {verb}{issue}")
         if assumed:
             text = (f"{text}; another host thread saw the copy complete first, and a hand-off the checker "
                     f"does not follow may order it")
