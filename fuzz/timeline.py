@@ -265,13 +265,11 @@ def _findings(trace: Trace, replay: _Replay) -> list[tuple[str, dict[str, Any]]]
         message = finding.get("message", "")
         out[message] = {"kind": finding.get("kind", "finding"), "block": finding.get("block"),
                         "recorded in the trace": True, "found by this replay": message in replayed}
-    for message, finding in replayed.items():
-        if message not in out:
-            out[message] = {"kind": finding.kind, "block": finding.block,
-                            "recorded in the trace": False, "found by this replay": True}
+    found_here = {message: (f.kind, f.block) for message, f in replayed.items() if message not in out}
     if replay.stopped:
-        out[replay.stopped] = {"kind": "replay stopped", "block": None,
-                               "recorded in the trace": False, "found by this replay": True}
+        found_here[replay.stopped] = ("replay stopped", None)
+    for message, (kind, block) in found_here.items():
+        out[message] = {"kind": kind, "block": block, "recorded in the trace": False, "found by this replay": True}
     return list(out.items())
 
 
