@@ -81,11 +81,10 @@ class PinnedMemory:
 
     def add(self, start: int, end: int, name: str = "", **details: Any) -> Region:
         """A pinned region ``[start, end)``; regions it overlaps are forgotten (the memory is new)."""
-        i = bisect.bisect_left(self._starts, end)  # regions starting before ``end``: [0, i)
-        while i > 0 and self._regions[i - 1].end > start:
-            del self._starts[i - 1]
-            del self._regions[i - 1]
-            i -= 1
+        i = j = bisect.bisect_left(self._starts, end)  # regions starting before ``end``: [0, i)
+        while j > 0 and self._regions[j - 1].end > start:  # [j, i): the regions it overlaps
+            j -= 1
+        del self._starts[j:i], self._regions[j:i]
         region = Region(next(self._ids), start, end, name, **details)
         i = bisect.bisect(self._starts, start)
         self._starts.insert(i, start)
@@ -101,8 +100,7 @@ class PinnedMemory:
     def remove(self, region: Region) -> None:
         if region in self._regions:
             i = self._regions.index(region)
-            del self._starts[i]
-            del self._regions[i]
+            del self._starts[i], self._regions[i]
 
     def find(self, address: int) -> Region | None:
         """The region holding ``address``, if any."""
