@@ -27,35 +27,26 @@ def result_record(result: CampaignResult) -> dict:
     return {
         "campaign": result.campaign.id,
         "expect": result.campaign.expect,
-        "zeroer": result.campaign.config.zeroer,
-        "offloader": result.campaign.config.offloader,  # an offload campaign's component under test
-        "geometry": result.campaign.config.geometry,
-        "backend": result.campaign.config.backend,
-        "mode": result.campaign.config.mode,
-        "examples": result.examples,
-        "steps": result.steps,
-        "runs": result.runs,
-        "deepest_queue": result.deepest_queue,
-        "shrunk_by_hypothesis": result.shrunk_by_hypothesis,
-        "shrink": result.shrink,  # where it was shrunk, confirmed where, cut off by the bound (fuzz.engine.shrink)
+        # offloader: an offload campaign's component under test
+        **_fields(result.campaign.config, "zeroer", "offloader", "geometry", "backend", "mode"),
+        # shrink: where it was shrunk, confirmed where, cut off by the bound (fuzz.engine.shrink)
+        **_fields(result, "examples", "steps", "runs", "deepest_queue", "shrunk_by_hypothesis", "shrink"),
         "seconds": round(result.seconds, 3),
         "seeds": result.seeds,
         "first_finding_s": None if result.first_finding_s is None else round(result.first_finding_s, 3),
-        "first_finding_examples": result.first_finding_examples,
-        "found": result.found,
-        "found_in_phase": result.found_in_phase,
-        "reproduced": result.reproduced,
-        "reproduction": result.reproduction,
+        **_fields(result, "first_finding_examples", "found", "found_in_phase", "reproduced", "reproduction"),
         "trace": same.trace if same else None if result.trace_path is None else str(result.trace_path),
         "trace_ops": same.trace_ops if same else None if violation is None else len(violation.trace),
         "signature": None if signature is None else str(signature),
         "same_as": None if same is None else same.campaign,
         "findings": [] if violation is None else [str(f) for f in violation.findings[:5]],
-        "resource_error": result.resource_error,
-        "harness_error": result.harness_error,
-        "harness_status": result.harness_status,
-        "harness_details": result.harness_details,
+        **_fields(result, "resource_error", "harness_error", "harness_status", "harness_details"),
     }
+
+
+def _fields(source: object, *names: str) -> dict:
+    """The attributes ``names`` of ``source``, under their own names (what a record copies as is)."""
+    return {name: getattr(source, name) for name in names}
 
 
 def shrink_note(shrink: dict | None) -> str:
