@@ -38,9 +38,12 @@ class SanitizerMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if not SanitizerMode.guarded and "torch._dynamo" in sys.modules:
             SanitizerMode.guarded = True
-            raw = SanitizerMode.__dict__["__torch_dispatch__"]
-            SanitizerMode.__torch_dispatch__ = torch._disable_dynamo(raw, recursive=True)  # type: ignore[method-assign]
+            # Wrap the unwrapped handler: two threads here at once wrap it alike, never twice.
+            SanitizerMode.__torch_dispatch__ = torch._disable_dynamo(_UNGUARDED, recursive=True)  # type: ignore[method-assign]
         return self.on_dispatch(func, args, kwargs or {})
 
     def on_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
+
+
+_UNGUARDED = SanitizerMode.__dict__["__torch_dispatch__"]

@@ -94,7 +94,7 @@ def _host_values(index: torch.Tensor) -> list[int] | None:
 def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors among an aten op's arguments (lists of tensors included)."""
     found: list[torch.Tensor] = []
-    for value in (*args, *kwargs.values()):
+    for value in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(value, torch.Tensor):
             found.append(value)
         elif isinstance(value, (list, tuple)):

@@ -81,9 +81,12 @@ class Handler:
             return custom.on_op(self, func, args, kwargs)
         device = self.device
         tensors = tensors_of(args, kwargs)
-        if any(isinstance(tensor, SimCudaTensor) for tensor in tensors):
-            return func(*args, **kwargs)  # kvzero's simulator at work (its "cuda" is CPU memory)
-        on_device = [tensor for tensor in tensors if device.is_device(tensor)]
+        on_device = []  # one pass: this runs for every op of the program
+        for tensor in tensors:
+            if isinstance(tensor, SimCudaTensor):
+                return func(*args, **kwargs)  # kvzero's simulator at work (its "cuda" is CPU memory)
+            if device.is_device(tensor):
+                on_device.append(tensor)
         if not on_device:
             target = kwargs.get("device") if kwargs else None
             if target is None or not _is_cuda(target):

@@ -55,15 +55,17 @@ def install(obs: Any) -> Callable[[], None]:
         return obs._started and not obs.paused
 
     def wrap(before: Callable[..., None] | None = None,
-             after: Callable[[tuple, Any], None] | None = None) -> Callable[[Any], Any]:
-        """A wrapper: while the observer is active, ``before(*args, **kwargs)`` is told of the call
-        before it runs and ``after(args, result)`` after it, each under the observer's lock."""
+             after: Callable[[tuple, Any], None] | None = None,
+             when: Callable[[], bool] = lambda: True) -> Callable[[Any], Any]:
+        """A wrapper: while the observer is active (and ``when()``, checked without the lock),
+        ``before(*args, **kwargs)`` is told of the call before it runs and ``after(args, result)``
+        after it, each under the observer's lock."""
 
         def make(original: Any) -> Any:
             @forwarding
             @functools.wraps(original)
             def call(*args: Any, **kwargs: Any) -> Any:
-                if before is not None and active():
+                if before is not None and active() and when():
                     with obs.lock:
                         before(*args, **kwargs)
                 result = original(*args, **kwargs)
@@ -116,7 +118,8 @@ def install(obs: Any) -> Callable[[], None]:
             obs.tolist_read(tensor, caller_site())
 
     patch(torch.Tensor, "numpy", numpy)
-    patch(torch.Tensor, "tolist", wrap(tolist))
+    # Programs call tolist() often and most have no pinned memory: take no lock for those.
+    patch(torch.Tensor, "tolist", wrap(tolist, when=lambda: bool(obs.pinned.regions)))
 
     from sanitizer.gpu import launches
 
