@@ -13,17 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-Event = torch.cuda.Event
-Stream = torch.cuda.Stream
-device = torch.cuda.device
-synchronize = torch.cuda.synchronize
-current_device = torch.cuda.current_device
-current_stream = torch.cuda.current_stream
-device_count = torch.cuda.device_count
-is_available = torch.cuda.is_available
-is_initialized = torch.cuda.is_initialized
-_sleep = torch.cuda._sleep
+from torch.cuda import (Event, Stream, _sleep, current_device, current_stream, device, device_count,
+                        is_available, is_initialized, synchronize)
 
 
 class stream:  # noqa: N801 - named as the torch.cuda.stream it replaces
