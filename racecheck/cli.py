@@ -11,7 +11,7 @@ sanitizer``; the pytest plugins keep the same numbers through ``pytest.exit``) e
   so, with the exception, and how to see the traceback.
 
 :func:`run_main` maps exceptions to those statuses: a :class:`UsageError` (which ``TraceError``,
-``RegenerateError``, ``DetectUsageError`` and ``BaselineUsageError`` are) or a
+``RegenerateError`` and ``fuzz.bench.BenchUsageError`` are) or a
 :class:`racecheck.errors.KvzeroError` (``zeroer.errors.ZeroerError``: an unknown geometry, zeroer
 spec or backend) is a usage error; the GPU out of memory or out of hardware queues
 (:mod:`racecheck.resources`) is one too, the user's to free; an error type a tool registered with

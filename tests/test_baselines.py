@@ -19,7 +19,8 @@ from fuzz.bench.detect.baselines.sanitizer import (
     parse_csan_report,
     run_child,
 )
-from fuzz.bench.detect.baselines.stress import STRESS_OPS, BaselineUsageError, value_findings
+from fuzz.bench import BenchUsageError
+from fuzz.bench.detect.baselines.stress import STRESS_OPS, value_findings
 from fuzz.bench.detect.baselines import METHODS, main, run_method
 from fuzz.engine.episode import Episode, EpisodeConfig
 from fuzz.engine.oracle import Finding
@@ -182,17 +183,17 @@ def test_a_csan_report_names_the_tensor_it_is_about(zeroer, where):
 @pytest.mark.parametrize("method", sorted(METHODS))
 @pytest.mark.parametrize("budget", [0, -1.5, float("inf"), True, "10"])
 def test_a_budget_that_is_not_a_positive_number_of_seconds_is_refused(method, budget):
-    with pytest.raises(BaselineUsageError, match=rf"^budget_s={budget!r} must be a positive, finite number of seconds \(e\.g\. 10\)$"):
+    with pytest.raises(BenchUsageError, match=rf"^budget_s={budget!r} must be a positive, finite number of seconds \(e\.g\. 10\)$"):
         METHODS[method](SINGLE_BUFFER, budget, 0)
 
 
 def test_a_seed_that_is_not_an_int_is_refused():
-    with pytest.raises(BaselineUsageError, match=r"^seed='1' must be an int \(e\.g\. 0\)$"):
+    with pytest.raises(BenchUsageError, match=r"^seed='1' must be an int \(e\.g\. 0\)$"):
         METHODS["stress"](SINGLE_BUFFER, 1.0, "1")
 
 
 def test_an_unknown_method_is_refused_with_the_choices():
-    with pytest.raises(BaselineUsageError, match=r"^unknown baseline method 'fuzzer'; choose one of: handwritten, sanitizer, stress$"):
+    with pytest.raises(BenchUsageError, match=r"^unknown baseline method 'fuzzer'; choose one of: handwritten, sanitizer, stress$"):
         run_method("fuzzer", SINGLE_BUFFER, 1.0, 0)
 
 

@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from fuzz.bench.detect.cli import CLEAN_GEOMETRIES, DetectUsageError, entry_config, main, parse_args
+from fuzz.bench import BenchUsageError
+from fuzz.bench.detect.cli import CLEAN_GEOMETRIES, entry_config, main, parse_args
 from fuzz.bench.detect.report import TARGET_FIRST_FINDING_S, judge, render_table, summarize
 from fuzz.bench.detect.run import Job, run_job
 from fuzz.engine.episode import EpisodeConfig
@@ -56,12 +57,12 @@ def record(entry: str, seed: int, found: bool, *, kind: str = "zoo", seconds: fl
     ],
 )
 def test_bad_command_lines_are_usage_errors_that_name_the_value(argv, message):
-    with pytest.raises(DetectUsageError, match=exactly(message)):
+    with pytest.raises(BenchUsageError, match=exactly(message)):
         parse_args(argv, cuda_available=False)
 
 
 def test_an_unknown_method_lists_the_available_ones():
-    with pytest.raises(DetectUsageError, match=r"^--methods: unknown method 'magic'; available here: fuzz"):
+    with pytest.raises(BenchUsageError, match=r"^--methods: unknown method 'magic'; available here: fuzz"):
         parse_args(["--methods", "magic"], cuda_available=False)
 
 

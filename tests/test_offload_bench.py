@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fuzz.bench.offload import OffloadBenchUsageError, judge, jobs_for, parse_args, render, summarize
+from fuzz.bench import BenchUsageError
+from fuzz.bench.offload import judge, jobs_for, parse_args, render, summarize
 
 KNOWN = {"racy_one": "racy", "clean_one": "race-free"}
 
@@ -52,13 +53,13 @@ def test_each_way_to_fail_is_named(records: list[dict], why: str) -> None:
 
 
 def test_bad_command_lines_name_the_value() -> None:
-    with pytest.raises(OffloadBenchUsageError, match="--backend cuda needs a CUDA GPU"):
+    with pytest.raises(BenchUsageError, match="--backend cuda needs a CUDA GPU"):
         parse_args(["--backend", "cuda"], cuda_available=False)
-    with pytest.raises(OffloadBenchUsageError, match="'fuzz-controlled' needs --backend cuda"):
+    with pytest.raises(BenchUsageError, match="'fuzz-controlled' needs --backend cuda"):
         parse_args(["--methods", "fuzz-controlled"], cuda_available=False)
-    with pytest.raises(OffloadBenchUsageError, match="--budget '0' must be a positive number"):
+    with pytest.raises(BenchUsageError, match="--budget '0' must be a positive number"):
         parse_args(["--budget", "0"], cuda_available=False)
-    with pytest.raises(OffloadBenchUsageError, match="--seeds 'x' must be a positive integer"):
+    with pytest.raises(BenchUsageError, match="--seeds 'x' must be a positive integer"):
         parse_args(["--seeds", "x"], cuda_available=False)
 
 

@@ -7,7 +7,7 @@
 * ``python -m fuzz.bench.selfcheck``: every self-check campaign over many seeds.
 
 What their commands share: :func:`command` makes a ``main(argv)`` the entry point, and
-:func:`positive_int` reads a count given on the command line.
+:func:`positive_int` reads a count given on the command line, and a bad one is a :class:`BenchUsageError`.
 """
 
 from __future__ import annotations
@@ -28,12 +28,16 @@ def command(prog: str) -> Callable[[Callable[[list[str]], int]], Callable[..., i
     return entry
 
 
-def positive_int(flag: str, text: str, example: str, error: type[UsageError]) -> int:
-    """``text`` as an int of 1 or more, else ``error('FLAG 'TEXT' must be a positive integer, e.g. EXAMPLE')``."""
+class BenchUsageError(UsageError, ValueError):
+    """A bad command line or argument; the message names the value and the fix (exit status 2)."""
+
+
+def positive_int(flag: str, text: str, example: str) -> int:
+    """``text`` as an int of 1 or more, else ``BenchUsageError('FLAG 'TEXT' must be a positive integer, e.g. EXAMPLE')``."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise error(f"{flag} {text!r} must be a positive integer, e.g. {example}")
+        raise BenchUsageError(f"{flag} {text!r} must be a positive integer, e.g. {example}")
     return value

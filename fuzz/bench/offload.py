@@ -33,7 +33,6 @@ Run it::
 from __future__ import annotations
 
 import datetime
-import functools
 import math
 import runpy
 import sys
@@ -43,11 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from racecheck.atomic_file import write_json_atomically
-from fuzz.bench import positive_int
 from fuzz.bench.detect.run import FUZZ, REPLAYS, Job, run_jobs
 from fuzz.bench.stats import median
-from fuzz.bench import command
-from racecheck.cli import ArgumentParser, UsageError, check_output
+from fuzz.bench import BenchUsageError, command, positive_int
+from racecheck.cli import ArgumentParser, check_output
 from fuzz.engine.episode import EpisodeConfig
 from racecheck.environment import environment
 
@@ -66,12 +64,6 @@ MAX_TRACE = 6  # ops, start included: what a found race must shrink to
 MIN_FORCED = 19  # of 20 forced replays in the controlled mode; every other fuzz method, all 20
 DEFAULT_REPRO_DIR = Path("repro/failures/offload")
 
-
-class OffloadBenchUsageError(UsageError, ValueError):
-    """A bad command line; the message names the value and the fix (exit status 2)."""
-
-
-_positive = functools.partial(positive_int, error=OffloadBenchUsageError)  # a count of 1 or more, else OffloadBenchUsageError
 
 
 @dataclass(frozen=True)
@@ -94,11 +86,11 @@ def verdicts(file: str = DEFAULT_FILE) -> dict[str, str]:
     """The ``VERDICTS`` of a file of offloaders (factory name -> "racy" or "race-free")."""
     path = Path(file)
     if not path.is_file():
-        raise OffloadBenchUsageError(f"--file {file!r} does not exist; run from the kvzero-fuzz checkout, or name a file "
-                                     f"of offloader factories with a VERDICTS dict")
+        raise BenchUsageError(f"--file {file!r} does not exist; run from the kvzero-fuzz checkout, or name a file "
+                              f"of offloader factories with a VERDICTS dict")
     found = runpy.run_path(str(path)).get("VERDICTS")
     if not isinstance(found, dict) or not found or not set(found.values()) <= {"racy", "race-free"}:
-        raise OffloadBenchUsageError(f"--file {file!r} has no VERDICTS dict of factory name -> 'racy' or 'race-free'")
+        raise BenchUsageError(f"--file {file!r} has no VERDICTS dict of factory name -> 'racy' or 'race-free'")
     return dict(found)
 
 
@@ -118,39 +110,39 @@ def parse_args(argv: list[str], cuda_available: bool) -> Args:
     parser.add_argument("--repro-dir", default=str(DEFAULT_REPRO_DIR), help="where traces of findings go")
     options = parser.parse_args(argv)
     if options.backend not in ("sim", "cuda"):
-        raise OffloadBenchUsageError(f"--backend {options.backend!r} is not a backend; choose sim or cuda")
+        raise BenchUsageError(f"--backend {options.backend!r} is not a backend; choose sim or cuda")
     if options.backend == "cuda" and not cuda_available:
-        raise OffloadBenchUsageError("--backend cuda needs a CUDA GPU and none is visible here; use --backend sim")
+        raise BenchUsageError("--backend cuda needs a CUDA GPU and none is visible here; use --backend sim")
     known = verdicts(options.file)
     entries = tuple(known) if options.entries is None else tuple(n.strip() for n in options.entries.split(",") if n.strip())
     for name in entries or ("",):
         if name not in known:
-            raise OffloadBenchUsageError(f"--entries: {name!r} is not an example; choose from {', '.join(known)}")
-    steps_clean = None if options.steps_clean is None else _positive("--steps-clean", options.steps_clean, "20000")
+            raise BenchUsageError(f"--entries: {name!r} is not an example; choose from {', '.join(known)}")
+    steps_clean = None if options.steps_clean is None else positive_int("--steps-clean", options.steps_clean, "20000")
     if options.methods is None:
         methods = (("fuzz-free",) if steps_clean else tuple(METHODS)) if options.backend == "cuda" else ("fuzz-sim",) + (() if steps_clean else ("stress",))
     else:
         methods = tuple(m.strip() for m in options.methods.split(",") if m.strip())
         for name in methods or ("",):
             if name not in METHODS:
-                raise OffloadBenchUsageError(f"--methods: {name!r} is not a method; choose from {', '.join(METHODS)}")
+                raise BenchUsageError(f"--methods: {name!r} is not a method; choose from {', '.join(METHODS)}")
             if METHODS[name][1] == "cuda" and options.backend != "cuda" and name != "stress":
-                raise OffloadBenchUsageError(f"--methods: {name!r} needs --backend cuda")
+                raise BenchUsageError(f"--methods: {name!r} needs --backend cuda")
     try:
         budget = float(options.budget)
     except ValueError:
         budget = -1.0
     if not (budget > 0 and math.isfinite(budget)):
-        raise OffloadBenchUsageError(f"--budget {options.budget!r} must be a positive number of seconds, e.g. 60")
+        raise BenchUsageError(f"--budget {options.budget!r} must be a positive number of seconds, e.g. 60")
     if options.host_memory not in ("pinned", "registered"):
-        raise OffloadBenchUsageError(f"--host-memory {options.host_memory!r}; choose pinned or registered")
+        raise BenchUsageError(f"--host-memory {options.host_memory!r}; choose pinned or registered")
     from zeroer.cache.geometries import GEOMETRIES
 
     if options.geometry not in GEOMETRIES:
-        raise OffloadBenchUsageError(f"--geometry {options.geometry!r}; choose one of {', '.join(sorted(GEOMETRIES))}")
+        raise BenchUsageError(f"--geometry {options.geometry!r}; choose one of {', '.join(sorted(GEOMETRIES))}")
     json_path = None if options.json is None else check_output("--json", Path(options.json), "file path")
-    return Args(options.file, options.backend, methods, entries, _positive("--seeds", options.seeds, "3"), budget, steps_clean,
-                options.geometry, options.host_memory, _positive("-j", options.jobs, "4"), json_path, Path(options.repro_dir))
+    return Args(options.file, options.backend, methods, entries, positive_int("--seeds", options.seeds, "3"), budget, steps_clean,
+                options.geometry, options.host_memory, positive_int("-j", options.jobs, "4"), json_path, Path(options.repro_dir))
 
 
 def _config(args: Args, entry: str, method: str) -> EpisodeConfig:

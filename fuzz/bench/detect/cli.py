@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import json
 import itertools
 import math
@@ -47,9 +46,8 @@ from zeroer.cache.geometries import GEOMETRIES
 from zeroer.registry import RACE_FREE, ZOO, default_geometry, load_zeroer
 
 from racecheck.atomic_file import write_json_atomically
-from fuzz.bench import positive_int
-from fuzz.bench import command
-from racecheck.cli import ArgumentParser, UsageError, check_output
+from fuzz.bench import BenchUsageError, command, positive_int
+from racecheck.cli import ArgumentParser, check_output
 from fuzz.engine.campaigns import SIM_GEOMETRIES, default_campaigns
 from fuzz.bench.detect.report import TARGET_CLEAN_STEPS, judge, plot, render_soak, render_summary, render_table, summarize
 from fuzz.bench.detect.baselines import METHODS
@@ -66,12 +64,6 @@ SOAK_SEED_BASE = 1000  # soak seeds 1001, 1002...: distinct from the detection r
 # Race-free implementations run on every small geometry a zoo entry uses, and the campaigns'.
 CLEAN_GEOMETRIES = tuple(sorted({*SIM_GEOMETRIES, *(g for z in ZOO if (g := default_geometry(z)) in GEOMETRIES)}))
 
-
-class DetectUsageError(UsageError, ValueError):
-    """A bad command line; the message names the value and the fix (exit status 2)."""
-
-
-_positive_int = functools.partial(positive_int, error=DetectUsageError)  # a count of 1 or more, else DetectUsageError
 
 
 @dataclass(frozen=True)
@@ -106,12 +98,12 @@ def workers_for(args: DetectArgs, jobs: list[Job]) -> int:
 def _names(flag: str, value: str) -> list[str]:
     names = [n.strip() for n in value.split(",") if n.strip()]
     if not names:
-        raise DetectUsageError(f"{flag} {value!r} names nothing; give comma-separated names, e.g. zoo.single_buffer,per_call")
+        raise BenchUsageError(f"{flag} {value!r} names nothing; give comma-separated names, e.g. zoo.single_buffer,per_call")
     return names
 
 
 def parse_args(argv: list[str], cuda_available: bool) -> DetectArgs:
-    """Check the command line; every bad value is a :class:`DetectUsageError`."""
+    """Check the command line; every bad value is a :class:`BenchUsageError`."""
     parser = ArgumentParser(
         prog=PROG, description=__doc__.split("\n\n")[0],
         epilog="python -m fuzz.bench.detect plot REPORT.json --png FILE draws a saved report.")
@@ -132,38 +124,38 @@ def parse_args(argv: list[str], cuda_available: bool) -> DetectArgs:
     options = {k.replace("_", "-"): v for k, v in vars(parser.parse_args(argv)).items()}
     backend = options["backend"]
     if backend not in ("sim", "cuda"):
-        raise DetectUsageError(f"--backend {backend!r} is not a backend; choose sim or cuda")
+        raise BenchUsageError(f"--backend {backend!r} is not a backend; choose sim or cuda")
     if backend == "cuda" and not cuda_available:
-        raise DetectUsageError("--backend cuda needs a CUDA GPU and none is visible here; use --backend sim")
+        raise BenchUsageError("--backend cuda needs a CUDA GPU and none is visible here; use --backend sim")
     mode = options["mode"]
     if mode not in ("controlled", "free"):
-        raise DetectUsageError(f"--mode {mode!r} is not a cuda mode; choose controlled (gates) or free (real timing)")
+        raise BenchUsageError(f"--mode {mode!r} is not a cuda mode; choose controlled (gates) or free (real timing)")
     budget_text = options["budget"]
     try:
         budget = float(budget_text)
     except ValueError:
-        raise DetectUsageError(f"--budget {budget_text!r} is not a number of seconds; give a positive number, e.g. 60") from None
+        raise BenchUsageError(f"--budget {budget_text!r} is not a number of seconds; give a positive number, e.g. 60") from None
     if not (budget > 0 and math.isfinite(budget)):
-        raise DetectUsageError(f"--budget {budget_text} must be positive; give seconds per entry and seed, e.g. 60")
-    seeds = _positive_int("--seeds", options["seeds"], "5")
+        raise BenchUsageError(f"--budget {budget_text} must be positive; give seconds per entry and seed, e.g. 60")
+    seeds = positive_int("--seeds", options["seeds"], "5")
     jobs_text = options["jobs"] if options["jobs"] is not None else ("auto" if backend == "cuda" else "1")
-    jobs = AUTO_JOBS if jobs_text == "auto" else _positive_int("-j", jobs_text, "2, or auto")
+    jobs = AUTO_JOBS if jobs_text == "auto" else positive_int("-j", jobs_text, "2, or auto")
     steps_clean = (None if options["steps-clean"] is None
-                   else _positive_int("--steps-clean", options["steps-clean"], "1000000"))
+                   else positive_int("--steps-clean", options["steps-clean"], "1000000"))
 
     known = sorted(ZOO + RACE_FREE)
     entries, skipped = [], []
     wanted = _names("--entries", options["entries"]) if options["entries"] is not None else (list(RACE_FREE) if steps_clean else known)
     for name in wanted:
         if name not in known:
-            raise DetectUsageError(f"--entries: unknown entry {name!r}; choose from: {', '.join(known)}")
+            raise BenchUsageError(f"--entries: unknown entry {name!r}; choose from: {', '.join(known)}")
         if steps_clean and name in ZOO:
-            raise DetectUsageError(f"--entries: {name!r} is a zoo entry; --steps-clean soaks race-free implementations only ({', '.join(RACE_FREE)})")
+            raise BenchUsageError(f"--entries: {name!r} is a zoo entry; --steps-clean soaks race-free implementations only ({', '.join(RACE_FREE)})")
         backends = load_zeroer(name).capabilities.backends
         if name in ZOO and backend not in backends:
             reason = f"runs on {', '.join(backends)} only (geometry {default_geometry(name)!r})"
             if options["entries"] is not None:
-                raise DetectUsageError(f"--entries: {name!r} {reason}; use --backend cuda")
+                raise BenchUsageError(f"--entries: {name!r} {reason}; use --backend cuda")
             skipped.append({"entry": name, "reason": reason})
             continue
         if name not in entries:
@@ -176,9 +168,9 @@ def parse_args(argv: list[str], cuda_available: bool) -> DetectArgs:
         methods = _names("--methods", options["methods"])
         for name in methods:
             if name not in choices:
-                raise DetectUsageError(f"--methods: unknown method {name!r}; available here: {', '.join(choices)}")
+                raise BenchUsageError(f"--methods: unknown method {name!r}; available here: {', '.join(choices)}")
         if steps_clean and methods != [FUZZ]:
-            raise DetectUsageError("--steps-clean soaks with the fuzz method only; drop --methods or use --methods fuzz")
+            raise BenchUsageError("--steps-clean soaks with the fuzz method only; drop --methods or use --methods fuzz")
     return DetectArgs(
         backend=backend, mode=mode, budget_s=budget, seeds=seeds, entries=tuple(sorted(entries)), skipped=tuple(skipped),
         methods=tuple(methods), json=Path(options["json"]) if options["json"] else None,
@@ -353,19 +345,19 @@ def plot_main(argv: list[str]) -> int:
         print(f"usage: {PROG} plot REPORT.json --png FILE: draw a report written by --json")
         return 0
     if len(argv) != 3 or argv[1] != "--png":
-        raise DetectUsageError(f"usage: {PROG} plot REPORT.json --png FILE (got: {' '.join(argv) or 'nothing'})")
+        raise BenchUsageError(f"usage: {PROG} plot REPORT.json --png FILE (got: {' '.join(argv) or 'nothing'})")
     source, png = Path(argv[0]), Path(argv[2])
     try:
         report = json.loads(source.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DetectUsageError(f"cannot read the report {source}: {error}; give a JSON file written by --json") from None
+        raise BenchUsageError(f"cannot read the report {source}: {error}; give a JSON file written by --json") from None
     if not isinstance(report, dict) or report.get("kind") != "detection":
         kind = report.get("kind") if isinstance(report, dict) else type(report).__name__
-        raise DetectUsageError(f"{source} is a {kind!r} report; only detection reports have times to plot")
+        raise BenchUsageError(f"{source} is a {kind!r} report; only detection reports have times to plot")
     check_output("--png", png)
     why = _try_plot(report, png)
     if why:
-        raise DetectUsageError(why)
+        raise BenchUsageError(why)
     print(f"plot written to {png}")
     return 0
 

@@ -34,9 +34,9 @@ from typing import Callable
 
 from fuzz.bench.detect.baselines.handwritten import handwritten
 from fuzz.bench.detect.baselines.sanitizer import child_main, sanitizer
-from fuzz.bench.detect.baselines.stress import DEFAULT_REPRO_DIR, BaselineUsageError, check_budget, stress
+from fuzz.bench.detect.baselines.stress import DEFAULT_REPRO_DIR, check_budget, stress
 from fuzz.bench.detect.outcome import DetectionOutcome
-from fuzz.bench import command
+from fuzz.bench import BenchUsageError, command
 from racecheck.cli import CLEAN, FINDING, ArgumentParser, check_output
 from fuzz.engine.episode import EpisodeConfig
 from zeroer.cache.geometries import geometry
@@ -59,9 +59,9 @@ PROG = "python -m fuzz.bench.detect.baselines"
 def run_method(
     name: str, config: EpisodeConfig, budget_s: float, seed: int, *, repro_dir: Path | None = None
 ) -> DetectionOutcome:
-    """Run the baseline called ``name``; an unknown name is a :class:`BaselineUsageError`."""
+    """Run the baseline called ``name``; an unknown name is a :class:`BenchUsageError`."""
     if name not in METHODS:
-        raise BaselineUsageError(f"unknown baseline method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
+        raise BenchUsageError(f"unknown baseline method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
     return METHODS[name](config, budget_s, seed, repro_dir=repro_dir)
 
 
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
         return child_main(config, args.budget, args.seed, args.repro_dir)
     try:
         config = _checked_config(args)
-    except (BaselineUsageError, ZeroerError) as exc:
+    except (BenchUsageError, ZeroerError) as exc:
         parser.error(str(exc))  # exit status 2, the message names the value
     check_output("--repro-dir", args.repro_dir, "directory")
     outcome = run_method(args.method, config, args.budget, args.seed, repro_dir=args.repro_dir)
@@ -98,17 +98,17 @@ def main(argv: list[str]) -> int:
 def _checked_config(args: argparse.Namespace) -> EpisodeConfig:
     """Every option checked before the method runs; a bad one names itself and the choices."""
     if args.method not in METHODS:
-        raise BaselineUsageError(f"unknown baseline method {args.method!r}; choose one of: {', '.join(sorted(METHODS))}")
+        raise BenchUsageError(f"unknown baseline method {args.method!r}; choose one of: {', '.join(sorted(METHODS))}")
     check_budget(args.budget)
     if args.backend not in BACKENDS:
-        raise BaselineUsageError(f"--backend {args.backend!r} is not a backend; choose one of: {', '.join(BACKENDS)}")
+        raise BenchUsageError(f"--backend {args.backend!r} is not a backend; choose one of: {', '.join(BACKENDS)}")
     if args.kernel not in (None, *KERNELS):
-        raise BaselineUsageError(f"--kernel {args.kernel!r} is not a kernel; choose one of: {', '.join(KERNELS)}")
+        raise BenchUsageError(f"--kernel {args.kernel!r} is not a kernel; choose one of: {', '.join(KERNELS)}")
     import torch
 
     if (args.backend == "cuda" or args.method == "sanitizer") and not torch.cuda.is_available():
         who = "the sanitizer method runs on cuda and" if args.method == "sanitizer" else "--backend cuda"
-        raise BaselineUsageError(f"{who} needs a CUDA GPU, and none is visible here; use --backend sim with stress or handwritten")
+        raise BenchUsageError(f"{who} needs a CUDA GPU, and none is visible here; use --backend sim with stress or handwritten")
     geometry(args.geometry)  # an unknown name lists the known ones
     load_zeroer(args.zeroer)  # an unknown spec says what a spec looks like
     return EpisodeConfig(zeroer=args.zeroer, geometry=args.geometry, backend=args.backend, kernel=args.kernel)

@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
+from fuzz.bench import BenchUsageError
 from fuzz.bench.detect.outcome import DetectionOutcome
-from racecheck.cli import UsageError, one_line  # noqa: F401 - one_line: re-exported to the other baselines
+from racecheck.cli import one_line  # noqa: F401 - one_line: re-exported to the other baselines
 from fuzz.engine.episode import Episode, EpisodeConfig
 from fuzz.engine.oracle import Finding
 from fuzz.engine.trace import write_trace
@@ -50,20 +51,16 @@ NEEDS_CUDA = DetectionOutcome(False, None, None, 0, None, None, NO_FINDING, erro
 STRESS_OPS = ("allocate", "end_step", "free", "read", "sync_device", "sync_stream", "write")
 
 
-class BaselineUsageError(UsageError, ValueError):
-    """A baseline called with an argument that makes no sense (the message names it; exit status 2)."""
-
-
 def check_budget(budget_s: object) -> float:
-    """``budget_s`` as a float, or a :class:`BaselineUsageError` that names the value."""
+    """``budget_s`` as a float, or a :class:`BenchUsageError` that names the value."""
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0 or not math.isfinite(budget_s):
-        raise BaselineUsageError(f"budget_s={budget_s!r} must be a positive, finite number of seconds (e.g. 10)")
+        raise BenchUsageError(f"budget_s={budget_s!r} must be a positive, finite number of seconds (e.g. 10)")
     return float(budget_s)
 
 
 def check_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise BaselineUsageError(f"seed={seed!r} must be an int (e.g. 0)")
+        raise BenchUsageError(f"seed={seed!r} must be an int (e.g. 0)")
     return seed
 
 
