@@ -24,10 +24,10 @@ Example::
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from zeroer.designs.common import StagedZeroer
 from zeroer.designs.per_call import PerCallZeroer
 from zeroer.kernel import zero_blocks
 from zeroer.protocol import Capabilities, IDS_CONTAINERS
@@ -53,28 +53,20 @@ class _Graph:
     count: int
 
 
-class ModelledGraphRing(GraphRingProtocol):
+class ModelledGraphRing(StagedZeroer, GraphRingProtocol):
     """graph_ring's protocol on ``runtime`` (see the module docstring)."""
 
+    name = GraphRingProtocol.name
     capabilities = Capabilities(api="runtime", ids_as=IDS_CONTAINERS, follows_reallocation=True)
 
     def __init__(self, cache: KVCache, runtime: Runtime, *, slots: int = DEFAULT_SLOTS,
                  max_slots: int = DEFAULT_MAX_SLOTS, max_graph_ids: int = DEFAULT_MAX_GRAPH_IDS) -> None:
-        super().__init__(cache, slots=slots, max_slots=max_slots, max_graph_ids=max_graph_ids)
-        if cache.device.type != runtime.device.type:
-            raise ValueError(
-                f"the cache lives on {cache.device} but the runtime runs on {runtime.device}; "
-                f"build the cache with build_cache(spec, device=runtime.device)"
-            )
-        self.rt = runtime
-        self._calls = itertools.count(1)
+        GraphRingProtocol.__init__(self, cache, slots=slots, max_slots=max_slots, max_graph_ids=max_graph_ids)
+        StagedZeroer.__init__(self, cache, runtime)  # checks the devices; labels each call in zero_block_ids
         self._unstaged = PerCallZeroer(cache, runtime)  # calls of more than max_graph_ids ids
         self._open_slots()
 
-    def _zero_ids(self, ids: list[int]) -> None:
-        shown = ids if len(ids) <= 8 else [*ids[:8], "..."]
-        with self.rt.annotate(f"{self.name}.zero_block_ids#{next(self._calls)}({shown})"):
-            super()._zero_ids(ids)
+    _zero = GraphRingProtocol._zero_ids  # called by StagedZeroer.zero_block_ids with checked, non-empty ids
 
     # -- slot operations (ring_protocol) ----------------------------------------------------------
     def _new_slot(self) -> _Slot:
