@@ -13,8 +13,8 @@ wiped, or the zero runs before the fence:
 * ``zoo.captured_stream``: every zero on the stream captured at construction;
 * ``zoo.deferred_zero``: each call launches the previous call's ids, one call late.
 
-They stage ids race-free (a fresh protected pinned buffer per call, as vLLM after #48399) and
-default to the torch kernel; ``kernel="triton"`` works too.
+They stage ids race-free, as ``per_call`` does (a fresh protected pinned buffer per call, as vLLM
+after #48399), and default to the torch kernel; ``kernel="triton"`` works too.
 
 Example::
 
@@ -31,15 +31,7 @@ from zeroer.runtime import DeviceBuffer, Runtime
 from zeroer.zoo.entry import ZooEntry, advance, allocate, start, write
 
 
-class _FreshHostStaging(PerCallZeroer):
-    """Race-free host staging (``per_call``'s fresh protected pinned buffer per call) on the torch
-    kernel; subclasses pick the device buffer and the stream."""
-
-    def __init__(self, cache: KVCache, runtime: Runtime, *, kernel: str = "torch") -> None:
-        super().__init__(cache, runtime, kernel=kernel)
-
-
-class SharedDeviceIds(ZooEntry, _FreshHostStaging):
+class SharedDeviceIds(ZooEntry, PerCallZeroer):
     """Fresh pinned memory per call, but one persistent device id buffer for every call.
 
     Safe while every call is on one stream: stream order puts each copy after the previous
@@ -67,7 +59,7 @@ class SharedDeviceIds(ZooEntry, _FreshHostStaging):
         return self._dev  # whichever stream is current: no event orders the reuse
 
 
-class SideStream(ZooEntry, _FreshHostStaging):
+class SideStream(ZooEntry, PerCallZeroer):
     """The zero on a private side stream that waits for the caller's stream, but not vice versa.
 
     A zeroer that moves its copy and kernel to its own stream to overlap them with the forward,
@@ -97,7 +89,7 @@ class SideStream(ZooEntry, _FreshHostStaging):
         # ... and the caller's stream never waits for the side stream: the missing event.
 
 
-class CapturedStream(ZooEntry, _FreshHostStaging):
+class CapturedStream(ZooEntry, PerCallZeroer):
     """Every zero on the stream that was current when the zeroer was built.
 
     The zeroer captures "the compute stream" once (``torch.cuda.current_stream()`` in the
@@ -127,7 +119,7 @@ class CapturedStream(ZooEntry, _FreshHostStaging):
             super()._zero(ids)
 
 
-class DeferredZero(ZooEntry, _FreshHostStaging):
+class DeferredZero(ZooEntry, PerCallZeroer):
     """Each call launches the ids of the previous call and keeps its own for the next one.
 
     A zeroer that batches: one launch per call, always one call late (ids are "shipped" with the
