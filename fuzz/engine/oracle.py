@@ -101,9 +101,8 @@ class Shadow:
         self.blocks[0] = BlockShadow(state="null", expect=ZERO, history=["warm-up zeroed the null block 0"])
 
     def zeroed(self, block: int, owner: int, note: str) -> None:
-        shadow = self.blocks[block]
-        shadow.state, shadow.expect, shadow.owner, shadow.generation = "live", ZERO, owner, 0
-        shadow.history.append(note)
+        self.loading(block, owner, ZERO, note)
+        self.blocks[block].state = "live"
 
     def written(self, block: int, note: str) -> int:
         shadow = self.blocks[block]
