@@ -148,10 +148,7 @@ class HostWatch:
         if region is None:
             return False
         label = self.host_label(what, site)
-        if write:
-            self.pinned.host_write(region, tensor, label)
-        else:
-            self.pinned.host_read(region, tensor, label)
+        (self.pinned.host_write if write else self.pinned.host_read)(region, tensor, label)
         self.collect()
         return True
 

@@ -230,10 +230,7 @@ class OffloadSide:
                 continue
             self.reported.add(job_id)
             done.append(job_id)
-            if job.kind == "store":
-                self._store_done(job)
-            else:
-                self._load_done(job)
+            (self._store_done if job.kind == "store" else self._load_done)(job)
         return done
 
     # -- finished jobs --------------------------------------------------------------------------------

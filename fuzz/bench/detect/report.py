@@ -44,10 +44,7 @@ def summarize(records: list[dict]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     quick: dict[str, list[dict]] = defaultdict(list)
     for record in records:
-        if record.get("profile") == QUICK:
-            quick[record["entry"]].append(record)
-        else:
-            groups[(record["method"], record["entry"])].append(record)
+        (quick[record["entry"]] if record.get("profile") == QUICK else groups[(record["method"], record["entry"])]).append(record)
     rows = []
     for (method, entry), runs in sorted(groups.items()):
         runs = sorted(runs, key=lambda r: r["seed"])
