@@ -168,8 +168,8 @@ def _replay(trace: Trace) -> _Replay:
                 {"does": "synchronise once, then the oracle checks every read and every block"})
     except ZeroerRaised:
         pass  # a finding of its own, already in episode.findings
-    except Exception as error:  # noqa: BLE001 - draw what ran; the reason goes in the picture
-        # A HarnessError: what the simulator cannot run (a Triton kernel its interpreter cannot).
+    except (HarnessError, Exception) as error:  # noqa: BLE001 - draw what ran; the reason goes in the picture
+        # A HarnessError (a BaseException): what the simulator cannot run (a Triton kernel its interpreter cannot).
         why = error.message if isinstance(error, HarnessError) else f"{type(error).__name__}: {error}"
         stopped = f"replay stopped{f' at op {hosts[-1].index} ({hosts[-1].name})' if hosts else ''}: {why}"
     finally:
