@@ -351,9 +351,8 @@ ROWS: list[Row] = [
     # -- what the harness cannot follow: a harness error, never a finding -------------------------------------------
     Row("pytest --zeroer tests/bad_zeroers.py:UsesACudaGraph --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 2,
         "harness error at step 1 in the zeroer's warmup, called at tests/bad_zeroers.py:67 (torch.cuda.CUDAGraph()), not a "
-        "finding: InterceptError: torch.cuda.CUDAGraph: the harness cannot order or schedule it; run this zeroer on a GPU in "
-        "the free-running mode instead (pytest fuzz --zeroer SPEC --backend cuda --cuda-mode free), where its calls run as "
-        "they are"),
+        "finding: InterceptError: torch.cuda.CUDAGraph: the harness cannot order or schedule it; run the code on a GPU in "
+        "the free-running mode instead (--backend cuda --cuda-mode free), where its calls run as they are"),
     Row("pytest --zeroer tests/bad_zeroers.py:TakesASet --backend sim --geometry tiny -k tiny-sim-shard0 --repro-dir=out/", 2,
         "harness error at step 0 in the zeroer's factory, not a finding: ZeroerSpecError: zeroer "
         "'tests/bad_zeroers.py:TakesASet': zero_block_ids(block_ids: set[int]) takes none of the containers the fuzzer's "

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,10 @@ class StoreRaises:
 
 def store_raises(cache, host_pool, runtime=None):
     return StoreRaises(cache, host_pool, runtime)
+
+
+def uses_the_runtime(cache, host_pool, runtime=None):
+    runtime.new_stream("mine")
 '''
 
 
@@ -116,6 +121,30 @@ def test_what_a_built_offloader_raises_on_valid_input_is_still_its_finding(tmp_p
     assert finding.kind == "offloader raised"
     assert re.match(r"offloader raised at step 3 in store\(\d+, \[1\], \[\d+\]\): RuntimeError: planted: cannot store "
                     r"\[1\]$", finding.message), finding.message
+
+
+def test_an_offloader_that_uses_the_runtime_is_told_it_is_plain_torch_not_how_a_zeroer_declares_it(tmp_path):
+    path = _write(tmp_path, "my_offloader.py", OFFLOADER)
+    spec = f"{path}:uses_the_runtime"
+    with pytest.raises(HarnessError) as raised:
+        run_ops(EpisodeConfig(zeroer="reference", offloader=spec, geometry="tiny"), [START])
+    assert raised.value.status == 2
+    assert raised.value.message.endswith(
+        f"InterceptError: offloader {spec!r} uses runtime.new_stream, but an offloader is plain torch and Triton, run "
+        "under interception: its factory's runtime argument is a placeholder; queue the work with torch streams, "
+        "copies and kernels"), raised.value.message
+    assert "zeroer" not in raised.value.message.replace(str(tmp_path), "")
+
+
+def test_an_offloader_in_a_process_that_imported_cupy_is_named_an_offloader_in_the_refusal(tmp_path, monkeypatch):
+    path = _write(tmp_path, "my_offloader.py", OFFLOADER)
+    spec = f"{path}:store_raises"
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))  # as if the process had imported it
+    with pytest.raises(HarnessError) as raised:
+        run_ops(EpisodeConfig(zeroer="reference", offloader=spec, geometry="tiny"), [START])
+    assert f"InterceptError: offloader {spec!r} on the sim backend: this process has imported cupy, whose CUDA " \
+           "calls bypass torch" in raised.value.message, raised.value.message
+    assert raised.value.status == 2
 
 
 def _pytest_fuzz(tmp_path: Path, *args: str) -> tuple[int, str]:

@@ -108,7 +108,7 @@ def test_an_unroutable_call_is_a_harness_error_the_user_can_fix_naming_the_call_
     _not_a_finding(result, 2, "harness error at step 1 in the zeroer's warmup, called at ")
     assert re.search(r"called at \S*tests/test_harness_errors\.py:\d+ \(torch\.cuda\.CUDAGraph\(\) # the harness "
                      r"cannot order or schedule it\), not a finding: InterceptError: torch\.cuda\.CUDAGraph: the harness "
-                     r"cannot order or schedule it; run this zeroer on a GPU in the free-running mode instead",
+                     r"cannot order or schedule it; run the code on a GPU in the free-running mode instead",
                      result.harness_error), result.harness_error
 
 
@@ -124,7 +124,7 @@ def test_a_clash_in_the_runtime_is_a_harness_error_of_ours(tmp_path, monkeypatch
     _not_a_finding(result, 3, "harness error at step 0 in the zeroer's factory, called at ")
     assert "(self.sides = [torch.cuda.Stream(), torch.cuda.Stream()])" in result.harness_error
     assert "RuntimeUsageError: stream name 'zeroer-1' is already taken" in result.harness_error
-    assert result.harness_error.endswith("a bug of kvzero-fuzz, not of the zeroer: please report this line with the "
+    assert result.harness_error.endswith("a bug of kvzero-fuzz, not of the code under test: please report this line with the "
                                          "summary's harness_details (or rerun with --fuzz-debug for the traceback)")
 
 

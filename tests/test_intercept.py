@@ -151,23 +151,22 @@ def _refused(body):
 REFUSED = [
     (lambda z: ctypes.CDLL("libcudart.so").cudaLaunchKernel,
      "ctypes.CDLL('libcudart.so').cudaLaunchKernel: the harness follows cuMemcpyBatchAsync, cuMemcpyAsync and "
-     "cudaMemcpyAsync of the CUDA libraries, and no other raw CUDA call (it can neither simulate nor gate it); run this "
-     "zeroer on a GPU in the free-running mode instead (pytest fuzz --zeroer SPEC --backend cuda --cuda-mode free), "
-     "where its calls run as they are"),
+     "cudaMemcpyAsync of the CUDA libraries, and no other raw CUDA call (it can neither simulate nor gate it); run the "
+     "code on a GPU in the free-running mode instead (--backend cuda --cuda-mode free), where its calls run as they are"),
     (lambda z: __import__("cupy"),
-     "importing 'cupy' inside an intercepted zeroer: its CUDA calls bypass torch, so the harness can neither "
-     "simulate nor gate them; run this zeroer on a GPU in the free-running mode instead (pytest fuzz --zeroer SPEC "
-     "--backend cuda --cuda-mode free), where its calls run as they are"),
+     "importing 'cupy' inside the intercepted code under test: its CUDA calls bypass torch, so the harness can neither "
+     "simulate nor gate them; run the code on a GPU in the free-running mode instead "
+     "(--backend cuda --cuda-mode free), where its calls run as they are"),
     (lambda z: torch.cuda.CUDAGraph(),
-     "torch.cuda.CUDAGraph: the harness cannot order or schedule it; run this zeroer on a GPU in the free-running "
-     "mode instead (pytest fuzz --zeroer SPEC --backend cuda --cuda-mode free), where its calls run as they are"),
+     "torch.cuda.CUDAGraph: the harness cannot order or schedule it; run the code on a GPU in the free-running "
+     "mode instead (--backend cuda --cuda-mode free), where its calls run as they are"),
     (lambda z: torch.cuda.Event(interprocess=True),
      "torch.cuda.Event(enable_timing=False, interprocess=True): an interprocess event is waited on by another "
      "process, which the harness cannot follow; create the event with interprocess=False"),
     (lambda z: _driver().cuMemsetD8Async(0, 0, 16, 0),
      "cuda.bindings.driver.cuMemsetD8Async: a CUDA call made around torch moves or orders device work the harness can "
-     "neither simulate nor gate; run this zeroer on a GPU in the free-running mode instead (pytest fuzz --zeroer SPEC "
-     "--backend cuda --cuda-mode free), where its calls run as they are"),
+     "neither simulate nor gate; run the code on a GPU in the free-running mode instead "
+     "(--backend cuda --cuda-mode free), where its calls run as they are"),
 ]
 
 

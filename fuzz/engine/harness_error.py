@@ -31,7 +31,7 @@ from zeroer.origin import HARNESS_BUG, USER_FIXABLE, blame
 
 __all__ = ["HARNESS_BUG", "USER_FIXABLE", "HarnessError", "factory_error", "harness_error", "raise_if_harness"]
 
-REPORT = ("a bug of kvzero-fuzz, not of the zeroer: please report this line with the summary's harness_details "
+REPORT = ("a bug of kvzero-fuzz, not of the code under test: please report this line with the summary's harness_details "
           "(or rerun with --fuzz-debug for the traceback)")
 
 

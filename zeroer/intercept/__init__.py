@@ -55,12 +55,16 @@ WARMUP_SIZES = range(1, 9)  # the controlled mode compiles every id count the fu
 
 
 class _RuntimeRefused:
-    """What a plain torch zeroer's factory gets as ``runtime``: it must not need one."""
+    """What a plain torch zeroer's or an offloader's factory gets as ``runtime``: it must not need one."""
 
-    def __init__(self, spec: str) -> None:
-        self._spec = spec
+    def __init__(self, spec: str, role: str = "zeroer") -> None:
+        self._spec, self._role = spec, role
 
     def __getattr__(self, name: str) -> Any:
+        if self._role != "zeroer":  # an offloader is plain torch and Triton only (docs/offload-contract.md)
+            raise InterceptError(f"{self._role} {self._spec!r} uses runtime.{name}, but an {self._role} is plain torch "
+                                 f"and Triton, run under interception: its factory's runtime argument is a placeholder; "
+                                 f"queue the work with torch streams, copies and kernels")
         raise InterceptError(
             f"zeroer {self._spec!r} is loaded as a plain torch zeroer (its factory declares no "
             f"Capabilities(api='runtime')), but it uses runtime.{name}; a zeroer written against "
@@ -68,7 +72,7 @@ class _RuntimeRefused:
         )
 
     def __repr__(self) -> str:
-        return "<no runtime: this zeroer is intercepted>"
+        return f"<no runtime: this {self._role} is intercepted>"
 
 
 class InterceptedZeroer(BoundZeroer):

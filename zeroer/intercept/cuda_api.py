@@ -299,14 +299,14 @@ class CudaApi:
         raise unroutable(
             f"a stream argument of type {type(stream).__name__} ({stream!r})",
             "it is not a stream the harness made (torch.cuda.Stream() or torch.cuda.current_stream() "
-            "while the zeroer runs)",
+            "while the code under test runs)",
         )
 
     def event_of(self, event: Any) -> Event:
         if isinstance(event, EventProxy):
             return event.runtime_event
         raise unroutable(f"an event argument of type {type(event).__name__} ({event!r})",
-                         "it is not an event the harness made (torch.cuda.Event() while the zeroer runs)")
+                         "it is not an event the harness made (torch.cuda.Event() while the code under test runs)")
 
     def new_stream(self, device: Any = None, priority: int = 0, **kwargs: Any) -> StreamProxy:
         if kwargs:

@@ -8,8 +8,8 @@ from zeroer.errors import ZeroerError
 from zeroer.origin import forwarding
 
 FREE_MODE_HINT = (
-    "run this zeroer on a GPU in the free-running mode instead "
-    "(pytest fuzz --zeroer SPEC --backend cuda --cuda-mode free), where its calls run as they are"
+    "run the code on a GPU in the free-running mode instead (--backend cuda --cuda-mode free), where its "
+    "calls run as they are"
 )
 
 
@@ -37,7 +37,7 @@ def simulator_gap(call: str, error: BaseException) -> SimulatorGap:
     """``SimulatorGap`` for ``call`` (how the zeroer's code spells it), which failed with ``error``."""
     return SimulatorGap(
         f"the simulator could not run {call} on a simulated CUDA tensor ({type(error).__name__}: {error}), "
-        f"which CUDA runs; meanwhile a GPU runs this zeroer as it is (--backend cuda --cuda-mode free)"
+        f"which CUDA runs; meanwhile a GPU runs this code as it is (--backend cuda --cuda-mode free)"
     )
 
 

@@ -114,12 +114,12 @@ def bind_offloader(loaded: Any, cache: KVCache, pool: HostPool, runtime: Runtime
     from zeroer.intercept.unroutable import check_no_gpu_packages
 
     if runtime.scheduled:
-        check_no_gpu_packages(loaded.spec, runtime.backend)
+        check_no_gpu_packages(loaded.spec, runtime.backend, "offloader")
     session = OffloaderSession(runtime, loaded.spec)
     session.block_map = CacheBlockMap(cache)
     for raw in pool.cache.raws:
         session.host.register(raw, origin=f"the harness's host KV pool, {pool.origin()}")
     seen = cache_as_seen(cache, session)
     with session.running("__init__"):
-        offloader = loaded.factory(seen, pool.cache, _RuntimeRefused(loaded.spec))
+        offloader = loaded.factory(seen, pool.cache, _RuntimeRefused(loaded.spec, "offloader"))
     return InterceptedOffloader(offloader, loaded.spec, loaded.capabilities, session, pool)

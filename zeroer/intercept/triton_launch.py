@@ -242,6 +242,6 @@ class TritonLaunches:
 def interpreter_gap(kernel: str, error: BaseException) -> SimulatorGap:
     return SimulatorGap(
         f"Triton's interpreter could not run {kernel} on the simulator ({type(error).__name__}: {error}); the "
-        f"simulator runs kernels under it, a GPU compiles them: run this zeroer on a GPU (--backend cuda), and "
+        f"simulator runs kernels under it, a GPU compiles them: run this code on a GPU (--backend cuda), and "
         f"report the kernel to kvzero-fuzz if it runs there"
     )

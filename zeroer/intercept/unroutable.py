@@ -23,7 +23,7 @@ and every other symbol of a CUDA library.
 Example::
 
     with unroutable_guard(session):
-        import cupy            # InterceptError: importing 'cupy' inside an intercepted zeroer: ...
+        import cupy            # InterceptError: importing 'cupy' inside the intercepted code under test: ...
         from cuda.bindings import driver
         driver.cuMemcpyAsync(dst, src, n, stream)   # followed: one queued op of the session
         driver.cuMemsetD8Async(dst, 0, n, stream)   # InterceptError: cuda.bindings.driver.cuMemsetD8Async ...
@@ -78,7 +78,7 @@ def _from_torch_or_triton() -> bool:
 class _Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
         if _is_gpu_package(name) and not _from_torch_or_triton():
-            raise unroutable(f"importing {name!r} inside an intercepted zeroer",
+            raise unroutable(f"importing {name!r} inside the intercepted code under test",
                              "its CUDA calls bypass torch, so the harness can neither simulate nor gate them")
         return None
 
@@ -175,12 +175,12 @@ def _bindings_refused(session: Any) -> Iterator[None]:
             setattr(module, name, value)
 
 
-def check_no_gpu_packages(spec: str, backend: str) -> None:
+def check_no_gpu_packages(spec: str, backend: str, role: str = "zeroer") -> None:
     """Before binding on the simulator or in the controlled mode: no other GPU package may be loaded."""
     loaded = loaded_gpu_packages()
     if loaded:
         raise unroutable(
-            f"zeroer {spec!r} on the {backend} backend",
+            f"{role} {spec!r} on the {backend} backend",
             f"this process has imported {', '.join(loaded)}, whose CUDA calls bypass torch and cannot be "
             f"simulated or gated",
         )
