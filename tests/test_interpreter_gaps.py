@@ -202,3 +202,71 @@ def test_the_timeline_of_a_cuda_finding_the_interpreter_cannot_replay_draws_what
     assert re.match(r"replay stopped at op 0 \(start\(in_flight=1\)\): harness error at step 1 in the zeroer's queued op "
                     r"triton _zero_pages_looped.*Triton's interpreter could not run", timeline["otherData"]["stopped"]), \
         timeline["otherData"]["stopped"]
+
+
+# -- an offloader's queued kernel: the same two verdicts, filed under the offloader ---------------------------
+@triton.jit
+def _rewrite_page_looped(page_ptr, words_ptr, BLOCK: tl.constexpr):
+    words = tl.load(words_ptr)
+    for start in range(0, words, BLOCK):  # a loaded loop bound, as in _zero_pages_looped
+        cols = start + tl.arange(0, BLOCK)
+        tl.store(page_ptr + cols, tl.load(page_ptr + cols, mask=cols < words), mask=cols < words)
+
+
+@triton.jit
+def _rewrite_page_indexing_past_a_tuple(page_ptr, words_ptr, BLOCK: tl.constexpr):
+    chunk = CHUNKS[2]  # the offloader's own bug: CHUNKS has one entry
+    tl.store(page_ptr + tl.arange(0, BLOCK), tl.load(page_ptr + tl.arange(0, BLOCK)) + chunk)
+
+
+class _KernelOnStore:
+    """An offloader whose store queues ``kernel`` over the block's first page; it reports at once."""
+
+    def __init__(self, kernel, cache, host_pool):
+        self.kernel, self.layers = kernel, list(cache.layer_tensors.values())
+        self.words = torch.tensor([16], dtype=torch.int64, device=self.layers[0].device)
+        self.done = []
+
+    def store(self, job_id, block_ids, slot_ids):
+        if list(block_ids) != [0]:  # the harness's warm-up stores the null block 0
+            self.kernel[(1,)](self.layers[0].view(torch.int32), self.words, BLOCK=16)
+        self.done.append(job_id)
+
+    def load(self, job_id, slot_ids, block_ids):
+        self.done.append(job_id)
+
+    def get_finished(self):
+        done, self.done = self.done, []
+        return done
+
+
+def looped_offloader(cache, host_pool, runtime=None):
+    return _KernelOnStore(_rewrite_page_looped, cache, host_pool)
+
+
+def indexing_offloader(cache, host_pool, runtime=None):
+    return _KernelOnStore(_rewrite_page_indexing_past_a_tuple, cache, host_pool)
+
+
+STORE_THEN_SYNC = [START, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}, {"op": "poll", "sync": 1}]
+
+
+def _offloader(attr: str) -> EpisodeConfig:
+    return EpisodeConfig(zeroer="reference", offloader=f"{SPEC}:{attr}", geometry="tiny")
+
+
+def test_an_offloaders_queued_kernel_the_interpreter_cannot_run_is_a_harness_error_named_after_the_offloader(monkeypatch):
+    interpreter_gap(monkeypatch)
+    with pytest.raises(HarnessError) as raised:
+        run_ops(_offloader("looped_offloader"), STORE_THEN_SYNC)
+    assert re.match(rf"harness error at step 4 in the offloader's queued op triton _rewrite_page_looped#\d+ on stream "
+                    rf"'main' \({re.escape(SPEC)}:looped_offloader\.store#\d+\(\[1\]\)\), not a finding: SimulatorGap: "
+                    rf"Triton's interpreter could not run triton _rewrite_page_looped", raised.value.message), raised.value.message
+    assert raised.value.status == 3
+
+
+def test_an_error_of_an_offloaders_queued_kernel_is_the_offloaders_finding():
+    [finding] = run_ops(_offloader("indexing_offloader"), STORE_THEN_SYNC)
+    assert finding.kind == "offloader raised"
+    assert re.match(r"offloader raised at step 4 in its queued op triton _rewrite_page_indexing_past_a_tuple.*: "
+                    r"IndexError: tuple index out of range$", finding.message), finding.message

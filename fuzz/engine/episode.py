@@ -290,9 +290,9 @@ class Episode:
             group.last[block] = _Access(stream, event, kind)
 
     def device_work(self, fn: Any, *args: Any) -> Any:
-        """Run a runtime call that may execute queued device work. An op of the zeroer's that
-        raises there (the runtime notes which op it was) is the zeroer's finding; one of the
-        harness's own is an internal error."""
+        """Run a runtime call that may execute queued device work. An op of the code under test
+        that raises there (the runtime notes which op it was) is its finding; one of the harness's
+        own is an internal error."""
         with _Scope(self._raised_in_device_work):
             return fn(*args)
 
@@ -300,10 +300,14 @@ class Episode:
         notes = [n for n in getattr(error, "__notes__", ()) if n.startswith("while running ")]
         origin = notes[0][len("while running "):] if notes else None  # the op the runtime noted
         raise_if_resource(error, f"running queued device work ({origin or 'op unknown'})")
-        if origin is None or origin.startswith(_HARNESS_OPS):  # the caller's own device work
+        # Beside a component the zeroer is the harness's own; the component's ops carry its spec in
+        # their label (the intercept session annotates each call with it).
+        kinds = chosen_kinds(self.config)
+        who = kinds[0] if kinds else "zeroer"
+        if origin is None or origin.startswith(_HARNESS_OPS) or (kinds and f"({getattr(self.config, who)}" not in origin):
             raise harness_error(error, f"the harness's queued op {origin or '(unknown)'}", step=self.step) from error
-        raise_if_harness(error, f"the zeroer's queued op {origin}", step=self.step)
-        raise ZeroerRaised(_raised_finding(self, "zeroer", f"its queued op {origin}", error)) from error
+        raise_if_harness(error, f"the {who}'s queued op {origin}", step=self.step)
+        raise ZeroerRaised(_raised_finding(self, who, f"its queued op {origin}", error)) from error
 
     # -- ops ---------------------------------------------------------------------------------
     def _op_start(self, in_flight: int = 1) -> None:
