@@ -74,9 +74,11 @@ def test_each_racy_example_shows_on_its_shortest_program_and_not_on_its_twin(nam
 
 @pytest.mark.parametrize("name", RACY)
 def test_the_fuzzer_finds_each_racy_example_in_at_most_six_ops(name: str, tmp_path: Path) -> None:
-    result = run_campaign(Campaign(_config(name), shard=0, expect="finds"), PROFILES["ci"], tmp_path)
+    # What the shrinker reaches, not how fast: a loaded machine (pytest -n beside another job) once
+    # hit the simulator's 120 s bound and kept a longer trace, so the bound is lifted here.
+    result = run_campaign(Campaign(_config(name), shard=0, expect="finds"), PROFILES["ci"], tmp_path, shrink_bound_s=3600)
     assert result.found, f"{name}: not found in {result.examples} examples"
-    assert len(result.violation.trace) <= 6, result.violation.trace
+    assert not result.shrink["cut_off"] and len(result.violation.trace) <= 6, (result.shrink, result.violation.trace)
     assert run_ops(result.violation.config, result.violation.trace), "the shrunk trace does not replay"
     assert result.trace_path is not None and result.trace_path.exists()
 
