@@ -28,7 +28,6 @@ MAX_INDEX = 1 << 16  # elements of a host index whose values are read to narrow 
 _INDEX_DTYPES = {**NUMPY_INTEGERS, torch.bool: np.bool_}  # a boolean mask's values are read too
 
 
-
 def pinned_access(watch: Any, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Site | None:
     """Check ``func``'s host reads and writes of pinned memory (``watch`` is a
     :class:`~sanitizer.watch.HostWatch`); the op's site when it touches any, else None."""

@@ -65,7 +65,6 @@ MIN_FORCED = 19  # of 20 forced replays in the controlled mode; every other fuzz
 DEFAULT_REPRO_DIR = Path("repro/failures/offload")
 
 
-
 @dataclass(frozen=True)
 class Args:
     file: str

@@ -116,7 +116,9 @@ def simulator_config(config: EpisodeConfig) -> EpisodeConfig:
     """``config`` on the simulator. A built-in staged design found with its default (Triton) kernel
     is replayed with its torch kernel, as the simulator campaigns run it: the Triton one runs under
     its interpreter on the CPU, and the GPU confirms the result with the kernel that found it."""
-    kernel = config.kernel if config.kernel is not None or not kernel_options(config.zeroer, "torch") else "torch"
+    kernel = config.kernel
+    if kernel is None and kernel_options(config.zeroer, "torch"):
+        kernel = "torch"
     return dataclasses.replace(config, backend="sim", mode="controlled", device=None, kernel=kernel)
 
 

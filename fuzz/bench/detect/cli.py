@@ -65,7 +65,6 @@ SOAK_SEED_BASE = 1000  # soak seeds 1001, 1002...: distinct from the detection r
 CLEAN_GEOMETRIES = tuple(sorted({*SIM_GEOMETRIES, *(g for z in ZOO if (g := default_geometry(z)) in GEOMETRIES)}))
 
 
-
 @dataclass(frozen=True)
 class DetectArgs:
     backend: str
