@@ -3,6 +3,7 @@ torch work followed through the session (zeroer/intercept/helper_threads.py)."""
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -264,3 +265,47 @@ def test_the_cuda_runtimes_own_back_off_in_a_helper_thread_passes_no_turn(monkey
         deactivate()
         turns.close()
     assert log == ["polled"] and sleeps == ["copier"]
+
+
+def test_a_helper_thread_runs_under_the_same_torch_modes_as_the_call_that_started_it(tmp_path: Path):
+    # Torch modes are per thread, so a helper enters its session's modes itself (helper_threads).
+    # On CUDA the call also ran under the dispatch mode that routes each op on a CUDA tensor to the
+    # runtime, entered apart from the others: a copy thread's copies went straight to a gated stream,
+    # unseen, and its synchronous one waited there for a gate nothing opened (an H100 hang).
+    source = tmp_path / "modes.py"
+    source.write_text(
+        "import sys, threading\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "from torch.overrides import _get_current_function_mode_stack\n"
+        "from torch.utils._python_dispatch import _get_current_dispatch_mode_stack\n"
+        "from engine_offloaders import CopyThreadOffloader\n"
+        "import json\n"
+        f"OUT = {str(tmp_path / 'seen.json')!r}\n"
+        "SEEN = {}\n"
+        "def modes():\n"
+        "    return [type(m).__name__ for m in (*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack())]\n"
+        "class Records(CopyThreadOffloader):\n"
+        "    def store(self, job_id, block_ids, slot_ids):\n"
+        "        SEEN['caller'] = modes()\n"
+        "        super().store(job_id, block_ids, slot_ids)\n"
+        "    def close(self):\n"
+        "        super().close()\n"
+        "        open(OUT, 'w').write(json.dumps(SEEN))\n"
+        "    def _copy_loop(self):\n"
+        "        SEEN.setdefault('helper', modes())\n"
+        "        super()._copy_loop()\n"
+        "def make(cache, host_pool, runtime=None):\n"
+        "    return Records(cache, host_pool)\n")
+    run_ops(EpisodeConfig(offloader=f"{source}:make"), STORE)
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["caller"] and seen["helper"] == seen["caller"], seen
+
+
+def test_every_session_mode_is_one_a_helper_thread_enters_the_cuda_dispatch_mode_included():
+    from zeroer.intercept.session import InterceptSession
+
+    session = InterceptSession.__new__(InterceptSession)  # no runtime needed: the list alone
+    session.cuda_ops, session.mode = object(), object()
+    assert session.modes() == [session.cuda_ops, session.mode]
+    session.cuda_ops = None  # the simulator's session: its ops are routed by the function mode
+    assert session.modes() == [session.mode]

@@ -51,11 +51,13 @@ class HelperThreads:
         """Inside: the caller's thread holds the turn, and the session's threads are followed."""
         thread_hooks.install()
         self._deactivate = thread_hooks.activate(self)
-        self.turns.enter()
         try:
-            yield
-        finally:
-            self.turns.leave()
+            self.turns.enter()
+            try:
+                yield
+            finally:
+                self.turns.leave()
+        finally:  # whatever entering or leaving the turns raised: no watch stays active past the call
             self._deactivate()
 
     def settle(self) -> None:

@@ -150,8 +150,6 @@ class InterceptSession:
 
                 scope.enter_context(patched(JITFunction, self.triton.patches()))
                 scope.enter_context(patched(torch.Tensor, self.mode.patches()))
-                if self.cuda_ops is not None:
-                    scope.enter_context(self.cuda_ops)
                 for mode in self.modes():
                     scope.enter_context(mode)
                 try:
@@ -209,8 +207,12 @@ class InterceptSession:
             self.helpers.close()
 
     def modes(self) -> list[Any]:
-        """The torch modes the code runs under, outermost first."""
-        return [self.mode]
+        """The torch modes the code runs under, outermost first: the caller's thread enters them for
+        each call, and every thread the code starts enters the same ones (torch modes are per
+        thread). On CUDA that includes the dispatch mode that routes each op on a CUDA tensor to the
+        runtime: a copy thread's ops issued without it went straight to a gated stream, unseen, and
+        a blocking one waited there for a gate nothing would open (the GPU check's hang)."""
+        return [self.cuda_ops, self.mode] if self.cuda_ops is not None else [self.mode]
 
     def boundary(self, what: str) -> None:
         """The zeroer reached ``what``: check the pinned bytes pending reads will see."""
