@@ -138,7 +138,9 @@ def test_an_interrupted_run_keeps_the_races_it_saw_and_writes_no_result_file(tmp
                             "python", str(script), str(steps)], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     try:
-        assert run.stdout.readline().strip() == "ready"
+        line = run.stdout.readline()
+        # stdout closed without "ready": the run ended before the program got there; say why
+        assert line.strip() == "ready", line + run.stderr.read()
         run.send_signal(signum)
         out, err = run.communicate(timeout=60)
     finally:
