@@ -34,10 +34,10 @@ Example (a user's op, in a few lines)::
 from __future__ import annotations
 
 from racecheck import engine_ops  # noqa: F401 - the engines' models, registered at import
-from racecheck.effects import (EffectModel, Effects, ValueUnknown, define_references, effect_model,
+from racecheck.effects import (EffectModel, Effects, OpenRoute, ValueUnknown, define_references, effect_model,
                                extension_modules, host_values, is_custom, missing_model, model_for, models,
-                               op_name, register, route, routing, unregister, unrouted)
+                               op_name, open_routes, register, route, routing, unregister, unrouted)
 
-__all__ = ["EffectModel", "Effects", "ValueUnknown", "define_references", "effect_model", "extension_modules", "host_values",
-           "is_custom", "missing_model", "model_for", "models", "op_name", "register", "route", "routing", "unregister",
-           "unrouted"]
+__all__ = ["EffectModel", "Effects", "OpenRoute", "ValueUnknown", "define_references", "effect_model",
+           "extension_modules", "host_values", "is_custom", "missing_model", "model_for", "models", "op_name",
+           "open_routes", "register", "route", "routing", "unregister", "unrouted"]

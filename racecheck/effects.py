@@ -243,7 +243,7 @@ def routing(router: Router) -> Iterator[None]:
     try:
         yield
     finally:
-        _ROUTERS.remove(router)
+        _drop_router(router)  # unless an OpenRoute's close() dropped it already
 
 
 @contextlib.contextmanager
@@ -320,35 +320,85 @@ def _torch_op(namespace: str, op: str) -> Any:
 
 # -- extension modules ---------------------------------------------------------------------------
 
+class _ExtensionScope:
+    """What one :func:`extension_modules` scope changed: the real functions it wrapped and the
+    stand-in modules it put into ``sys.modules``, put back by :meth:`undo`."""
+
+    def __init__(self) -> None:
+        self.restore: list[tuple[Any, str, Any]] = []
+        self.installed: list[str] = []
+
+    def undo(self) -> None:
+        for module, function, real in reversed(self.restore):
+            setattr(module, function, real)
+        for name in reversed(self.installed):
+            sys.modules.pop(name, None)
+        self.restore, self.installed = [], []
+
+
+_SCOPES: list[_ExtensionScope] = []  # extension_modules() scopes open now, innermost last
+
+
 @contextlib.contextmanager
 def extension_modules() -> Iterator[list[str]]:
     """While inside, every modelled function of an extension module is routed (:func:`route`): the
     real module's function wrapped, or, where the module cannot be imported, a stand-in module in
     ``sys.modules`` (its parent packages too, where absent). Yields the stand-ins installed."""
-    restore: list[tuple[Any, str, Any]] = []
-    installed: list[str] = []
-    for model in models():
-        if model.is_torch_op:
-            continue
-        module_name, _, function = model.name.rpartition(".")
-        module = _import(module_name)
-        if module is None:
-            module = _stand_in(module_name, installed)
-            for key, value in model.attributes.items():
-                if not hasattr(module, key):
-                    setattr(module, key, value)
-            real = None
-        else:
-            real = getattr(module, function, None)
-            restore.append((module, function, real))
-        setattr(module, function, _routed(model, real))
-    try:
-        yield installed
+    scope = _ExtensionScope()
+    _SCOPES.append(scope)
+    try:  # set up inside: what an import raises half-way is undone as well
+        for model in models():
+            if model.is_torch_op:
+                continue
+            module_name, _, function = model.name.rpartition(".")
+            module = _import(module_name)
+            if module is None:
+                module = _stand_in(module_name, scope.installed)
+                for key, value in model.attributes.items():
+                    if not hasattr(module, key):
+                        setattr(module, key, value)
+                real = None
+            else:
+                real = getattr(module, function, None)
+                scope.restore.append((module, function, real))
+            setattr(module, function, _routed(model, real))
+        yield list(scope.installed)
     finally:
-        for module, function, real in reversed(restore):
-            setattr(module, function, real)
-        for name in reversed(installed):
-            sys.modules.pop(name, None)
+        _close_scope(scope)
+
+
+@dataclass(frozen=True)
+class OpenRoute:
+    """One route of modelled calls open now: what it is (a line of a message), what holds it open
+    (the same object for as long as it stays open) and how to undo it."""
+
+    what: str
+    owner: Any
+    close: Callable[[], None]
+
+
+def open_routes() -> list[OpenRoute]:
+    """What routes modelled calls now, outermost first: each router (:func:`routing`), then each open
+    :func:`extension_modules` scope, with the stand-in modules it put into ``sys.modules``. A tool
+    closes its own on exit; these are for finding (and undoing) one left open."""
+    routes = [OpenRoute(f"a router of modelled calls still routing ({getattr(router, '__qualname__', router)})",
+                        router, lambda router=router: _drop_router(router)) for router in _ROUTERS]
+    for scope in _SCOPES:
+        stand_ins = f", stand-in modules {', '.join(scope.installed)} in sys.modules" if scope.installed else ""
+        routes.append(OpenRoute(f"extension functions still routed ({len(scope.restore)} real ones wrapped{stand_ins})",
+                                scope, lambda scope=scope: _close_scope(scope)))
+    return routes
+
+
+def _drop_router(router: Router) -> None:
+    if router in _ROUTERS:
+        _ROUTERS.remove(router)
+
+
+def _close_scope(scope: _ExtensionScope) -> None:
+    scope.undo()
+    if scope in _SCOPES:
+        _SCOPES.remove(scope)
 
 
 def _import_if_found(name: str) -> Any:
@@ -399,6 +449,6 @@ def _routed(model: EffectModel, real: Callable[..., Any] | None) -> Callable[...
     return call
 
 
-__all__ = ["EffectModel", "Effects", "ValueUnknown", "copy_runs", "define_references", "device_runs", "effect_model",
-           "extension_modules", "host_values", "is_custom", "missing_model", "model_for", "models", "register", "route",
-           "routing", "unregister", "unrouted"]
+__all__ = ["EffectModel", "Effects", "OpenRoute", "ValueUnknown", "copy_runs", "define_references", "device_runs",
+           "effect_model", "extension_modules", "host_values", "is_custom", "missing_model", "model_for", "models",
+           "open_routes", "register", "route", "routing", "unregister", "unrouted"]

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections.abc import Callable
@@ -31,18 +32,26 @@ def subscribe(on_start: Callable[[Any, str], None], on_end: Callable[[Any], None
     """Be told of every such runtime's start and end until the returned function is called; one
     already running is told at once."""
     entry = (on_start, on_end)
-    with _LOCK:
-        _SUBSCRIBERS.append(entry)
-        live = [(ref(), what) for ref, what, _ in _LIVE.values()]
-    for runtime, what in live:
-        if runtime is not None:
-            on_start(runtime, what)
+    if _LIVE:
+        # A runtime dropped without close() stays here until the collector finalises it (runtimes
+        # hold reference cycles): collect first, so a new subscriber does not step aside for garbage.
+        gc.collect()
 
     def unsubscribe() -> None:
         with _LOCK:
             if entry in _SUBSCRIBERS:
                 _SUBSCRIBERS.remove(entry)
 
+    with _LOCK:
+        _SUBSCRIBERS.append(entry)
+        live = [(ref(), what) for ref, what, _ in _LIVE.values()]
+    try:
+        for runtime, what in live:
+            if runtime is not None:
+                on_start(runtime, what)
+    except BaseException:  # the caller gets no unsubscribe to call: nothing stays subscribed
+        unsubscribe()
+        raise
     return unsubscribe
 
 
@@ -67,6 +76,14 @@ def ended(runtime: Any) -> None:
 def running() -> int:
     """How many such runtimes are running now."""
     return len(_LIVE)
+
+
+def live() -> list[tuple[Any, str]]:
+    """The runtimes running now, each with what it is (``what`` of :func:`started`), oldest first.
+    One dropped without closing is here until the garbage collector finalises it."""
+    with _LOCK:
+        entries = list(_LIVE.values())
+    return [(runtime, what) for ref, what, _ in entries if (runtime := ref()) is not None]
 
 
 def _end(key: int, runtime: Any) -> None:

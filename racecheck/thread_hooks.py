@@ -80,12 +80,29 @@ def activate(watch: ThreadWatch) -> Callable[[], None]:
     """Follow threads for ``watch`` until the returned function is called."""
     install()
     _ACTIVE.append(watch)
+    return lambda: deactivate(watch)
 
-    def deactivate() -> None:
-        if watch in _ACTIVE:
-            _ACTIVE.remove(watch)
 
-    return deactivate
+def deactivate(watch: ThreadWatch) -> None:
+    """Stop following threads for ``watch`` (what :func:`activate`'s returned function does; a
+    watch no longer active is left alone)."""
+    if watch in _ACTIVE:
+        _ACTIVE.remove(watch)
+
+
+def watches() -> list[ThreadWatch]:
+    """The watches active now, innermost last: the patched primitives act for the last one."""
+    return list(_ACTIVE)
+
+
+def followed_threads() -> list[tuple[threading.Thread, ThreadWatch]]:
+    """The threads alive now that were started while a watch followed them, each with that watch."""
+    followed = []
+    for thread in threading.enumerate():
+        entry = getattr(thread, "_kvz_started", None)
+        if entry is not None and thread.is_alive():
+            followed.append((thread, entry[0]))
+    return followed
 
 
 _HOOKED = threading.local()  # per thread: a hook is running (what it calls is not the program's)

@@ -38,6 +38,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the directory that holds f
 def _annotations(trace: Trace) -> dict[int, str]:
     """Per op index, a short comment from a replay on the simulator (best effort)."""
     notes: dict[int, str] = {}
+    episode: Episode | None = None
     try:
         episode = Episode(dataclasses.replace(trace.config, backend="sim", device=None))
         for index, op in enumerate(trace.ops):
@@ -57,9 +58,11 @@ def _annotations(trace: Trace) -> dict[int, str]:
             if episode.new_hazard_findings():
                 notes[index] = notes.get(index, op["op"]) + "  <-- the happens-before checker fires here"
                 break
-        episode.rt.close()
     except Exception as error:  # a zeroer that cannot run here (e.g. cuda-only): no comments
         notes[-1] = f"(no step comments: replaying on the simulator failed: {error!r})"
+    finally:
+        if episode is not None:  # nothing judged here: its zeroer and runtime closed, whatever an op raised
+            episode.abandon()
     return notes
 
 

@@ -46,12 +46,18 @@ _ACTIVE: list[Watch] = []  # the watch of the running sanitizer (a stack: the in
 def activate(watch: Watch) -> Callable[[], None]:
     """Send watched arrays' accesses to ``watch`` until the returned function is called."""
     _ACTIVE.append(watch)
+    return lambda: deactivate(watch)
 
-    def deactivate() -> None:
-        if watch in _ACTIVE:
-            _ACTIVE.remove(watch)
 
-    return deactivate
+def deactivate(watch: Watch) -> None:
+    """Stop sending watched arrays' accesses to ``watch`` (a watch no longer active is left alone)."""
+    if watch in _ACTIVE:
+        _ACTIVE.remove(watch)
+
+
+def watches() -> list[Watch]:
+    """The watches active now, innermost last (the one watched arrays report to)."""
+    return list(_ACTIVE)
 
 
 def array_runs(array: np.ndarray, limit: int = 4096) -> Runs:

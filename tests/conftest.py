@@ -13,6 +13,7 @@ from gpu_budget import HELD, Slot, auto_workers, children_take_the_slot, machine
 from racecheck.gate import request_hardware_queues
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+pytest_plugins = ["state_guard"]  # no state crosses tests (-p no:state_guard turns it off)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -29,16 +29,39 @@ def backend(request) -> str:
     return request.param
 
 
+_OPENED: list = []  # the runtimes and zeroers the running test built, closed when it ends
+
+
+@pytest.fixture(autouse=True)
+def closes_what_it_opened():
+    """Every runtime a test builds (through setup() or opened()) is closed when the test ends, also
+    when it fails: on cuda an open runtime keeps its gates and its watchdog, and a sanitizer started
+    later in the process would step aside for it (racecheck.schedules). Zeroers first (graph_ring's
+    graphs go before their runtime)."""
+    yield
+    with contextlib.ExitStack() as closing:  # last made first; each closed whatever an earlier close raised
+        for made in _OPENED:
+            if hasattr(made, "close"):
+                closing.callback(made.close)
+        _OPENED.clear()
+
+
+def opened(made):
+    """``made`` (a runtime or a zeroer), closed when the running test ends."""
+    _OPENED.append(made)
+    return made
+
+
 def zeroed(cache, block: int) -> bool:
     return all(bool((words.cpu() == 0).all()) for words in cache.block_words(block))
 
 
 def setup(name: str, geometry_name: str = "tiny", schedule=None, backend: str = "sim", **options):
-    rt = SimRuntime(schedule=schedule) if backend == "sim" else make_runtime("cuda", mode="controlled")
+    rt = opened(SimRuntime(schedule=schedule) if backend == "sim" else make_runtime("cuda", mode="controlled"))
     cache = build_cache(geometry(geometry_name), device=rt.device)
     if name != "reference":
         options.setdefault("kernel", "torch")
-    zeroer = make_zeroer(name, cache, rt, **options)
+    zeroer = opened(make_zeroer(name, cache, rt, **options))
     # Warm up as an engine does (zeroes the null block 0): on controlled cuda a kernel's first
     # launch loads its module, which would wait behind a closed gate.
     with getattr(rt, "ungated", contextlib.nullcontext)():
@@ -241,7 +264,7 @@ def test_the_caller_may_reuse_its_list_after_the_call():
 
 
 def test_design_options_are_checked():
-    rt = SimRuntime()
+    rt = opened(SimRuntime())
     cache = build_cache(geometry("tiny"))
     with pytest.raises(ValueError, match=r"^max_concurrency=0 must be a positive int"):
         make_zeroer("ring", cache, rt, max_concurrency=0)
@@ -255,7 +278,7 @@ def test_design_options_are_checked():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["single_buffer", "per_call", "event_ring"])
 def test_a_delayed_stream_shows_the_single_buffer_race_on_a_gpu_and_not_the_fixes(name):
-    rt = make_runtime("cuda", mode="free")
+    rt = opened(make_runtime("cuda", mode="free"))
     cache = build_cache(geometry("tiny"), device=rt.device)
     zeroer = make_zeroer(name, cache, rt)
     zeroer.zero_block_ids([0])  # compile outside the timed window

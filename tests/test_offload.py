@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fuzz.engine.campaigns import PROFILES, Campaign, offload_campaigns, run_campaign
 from fuzz.engine.component import COMPONENT_KINDS, ComponentKind
@@ -160,13 +161,83 @@ def test_a_load_first_reported_as_the_episode_ends_is_read_and_judged(backend: s
     # (on the GPU an unrun read's words were a freed index tensor's ids: a false `wrong bytes loaded`).
     mode = {"mode": "controlled"} if backend == "cuda" else {}
     episode = Episode(_config("load_waits_forward", backend=backend, **mode))
-    for op in LOAD_LAST:
-        episode.apply(op)
-    assert episode.finish() == []
+    try:
+        for op in LOAD_LAST:
+            episode.apply(op)
+        assert episode.finish() == []
+    finally:
+        if not episode.finished:  # an op raised: its runtime still closed (on cuda, gates open)
+            episode.abandon()
     (capture,) = [c for c in episode.groups[0].captures if c.kind == "wrong bytes loaded"]
     assert [d.cpu().unique().tolist() for d in capture.data] == [[capture.expect]] * len(capture.data)
     found = run_ops(EpisodeConfig(offloader="tests/test_offload.py:LoadsNothing", backend=backend, **mode), LOAD_LAST)
     assert found and found[0].kind == "wrong bytes loaded" and "load job 3 reported finished" in found[0].message, found
+
+
+class _LateClones(TorchDispatchMode):
+    """``clone`` returns memory that holds ``tenant``'s words at once; ``copies`` fill it later."""
+
+    def __init__(self, tenant: torch.Tensor, copies: list) -> None:
+        super().__init__()
+        self.tenant, self.copies = tenant.view(torch.int32), copies
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not torch.ops.aten.clone.default:
+            return func(*args, **(kwargs or {}))
+        source, words = args[0], torch.zeros_like(args[0])
+        n = min(words.numel(), self.tenant.numel())
+        words.view(-1)[:n] = self.tenant[:n]
+        self.copies.append(lambda: words.copy_(source))
+        return words
+
+
+class _ReadsRunLate:
+    """The controlled cuda mode's read of a block, on the simulator's host tensors: its words are
+    memory the caching allocator hands out when the read is enqueued, still holding that memory's
+    last tenant's bytes, and the copy into them runs only when the stream reaches the read (its
+    gate opens). The last tenant is the last index tensor the harness staged: the row ids that
+    ``device_index`` stages for the reference zeroer's ``index_fill_``, freed on the same stream."""
+
+    def __init__(self, episode: Episode, monkeypatch: pytest.MonkeyPatch) -> None:
+        import zeroer.kernel
+
+        self.staged = torch.zeros(1, dtype=torch.int64)
+        stage, launch = zeroer.kernel.device_index, episode.rt.launch
+
+        def device_index(ids, device):
+            self.staged = ids.clone()
+            return stage(ids, device)
+
+        def late_launch(fn, *, name="kernel", **declared):
+            if name != "read":
+                return launch(fn, name=name, **declared)
+            copies = []
+            with _LateClones(self.staged, copies):
+                fn()  # enqueued: its words exist from now on
+            return launch(lambda: [copy() for copy in copies], name=name, **declared)
+
+        monkeypatch.setattr(zeroer.kernel, "device_index", device_index)
+        monkeypatch.setattr(episode.rt, "launch", late_launch)
+
+
+def test_a_read_is_judged_only_once_it_has_run_though_its_words_exist_from_its_enqueue(monkeypatch) -> None:
+    # On cuda a read's words are tensors from its enqueue on; in the controlled mode they hold their
+    # memory's last tenant until the read's gate opens. The verdict reads them on torch's current
+    # stream, which no runtime stream is ordered with, so it must wait for each read first. Judged
+    # before the read ran, the load's block read as the zeroer's staged row ids ([1] for block 1:
+    # word 0 read 1), the false `wrong bytes loaded` an H100 showed on race-free offloaders.
+    episode = Episode(_config("load_waits_forward"))
+    late = _ReadsRunLate(episode, monkeypatch)
+    try:
+        for op in LOAD_LAST:
+            episode.apply(op)
+        assert late.staged.tolist() == [1]  # the allocate's zero staged block 1's row
+        assert episode.finish() == []
+    finally:
+        if not episode.finished:
+            episode.abandon()
+    (capture,) = [c for c in episode.groups[0].captures if c.kind == "wrong bytes loaded"]
+    assert [d.unique().tolist() for d in capture.data] == [[capture.expect]] * len(capture.data)
 
 
 # -- the oracle's offload findings, on offloaders written to break one promise each ------------------

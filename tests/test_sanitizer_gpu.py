@@ -149,9 +149,11 @@ def test_the_sanitizer_steps_aside_for_kvzeros_harness_and_resumes_after_it() ->
         # Free mode: the harness issues work as it comes (its controlled mode, whose first launch of
         # a kernel behind closed gates needs warming up first, is covered by the suite's own tests).
         episode = Episode(EpisodeConfig(zeroer="single_buffer", backend="cuda", mode="free"))
-        for op in ({"op": "allocate", "n": 2}, {"op": "allocate", "n": 2, "stream": 1}, {"op": "sync_device"}):
-            episode.apply(op)
-        episode.rt.close()
+        try:
+            for op in ({"op": "allocate", "n": 2}, {"op": "allocate", "n": 2, "stream": 1}, {"op": "sync_device"}):
+                episode.apply(op)
+        finally:  # closed whatever an op raised: an open harness runtime would keep every later observer aside
+            episode.abandon()
         assert obs.take_races() == []  # the harness's gated schedule is not the program's
         notes = [u.message() for u in obs.take_unfollowed()]
         assert len(notes) == 1 and "harness runtime" in notes[0], notes

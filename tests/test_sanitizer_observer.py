@@ -381,9 +381,11 @@ def test_the_observer_steps_aside_while_a_runtime_with_its_own_schedule_runs(obs
     staging = cuda.pinned(torch.zeros(4, dtype=torch.int64))
     ids = cuda.device(torch.zeros(4, dtype=torch.int64))
     schedules.started(runtime, "a gated runtime")
-    ids.copy_(staging, non_blocking=True)
-    staging.numpy()[0] = 1  # its own work: not the program's to check
-    schedules.ended(runtime)
+    try:
+        ids.copy_(staging, non_blocking=True)
+        staging.numpy()[0] = 1  # its own work: not the program's to check
+    finally:  # ended whatever the work raised: a runtime left running would set every later observer aside
+        schedules.ended(runtime)
     notes = [u.message() for u in obs.take_unfollowed()]
     assert len(notes) == 1 and "a gated runtime" in notes[0]
     ids.copy_(staging, non_blocking=True)
@@ -427,10 +429,12 @@ def _run_an_episode_under(obs):
     # A plain torch zeroer: its device tensors are the simulator's SimCudaTensors, which call
     # themselves CUDA (CPU memory inside); none of its work is the observer's to stamp.
     episode = Episode(EpisodeConfig(zeroer=str(ROOT / "examples" / "engine_zeroers.py") + ":fresh_pinned_per_call"))
-    for op in ({"op": "start", "in_flight": 1}, {"op": "allocate", "n": 2}, {"op": "allocate", "n": 2},
-               {"op": "sync_device"}):
-        episode.apply(op)
-    episode.rt.close()
+    try:
+        for op in ({"op": "start", "in_flight": 1}, {"op": "allocate", "n": 2}, {"op": "allocate", "n": 2},
+                   {"op": "sync_device"}):
+            episode.apply(op)
+    finally:  # its zeroer and runtime closed whatever an op raised
+        episode.abandon()
     assert not obs.hb._shadows, list(obs.hb._shadows)  # no device memory access was taken for the program's
     assert obs.take_races() == [] and obs.hb.hazards == []
 

@@ -17,6 +17,7 @@ the stream, an event makes a device-to-host copy visible, ``set_stream`` is scop
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from dataclasses import dataclass
@@ -321,8 +322,10 @@ _OPEN: list[Any] = []  # runtimes made by the test running now
 def _close_runtimes():
     """Close the test's runtimes after it: on a GPU, work left gated would spin under the next test."""
     yield
-    while _OPEN:
-        _OPEN.pop().close()
+    with contextlib.ExitStack() as closing:  # last made first; each closed whatever an earlier close raised
+        for rt in _OPEN:
+            closing.callback(rt.close)
+        _OPEN.clear()
 
 
 def in_a_zeroer(body: Callable[[Any], Any], backend: str = "sim") -> tuple[Any, Any]:
@@ -737,6 +740,7 @@ def test_a_warmup_replaced_by_a_partial_of_a_bound_method_is_called_as_written()
         return z
 
     rt = make_runtime("sim")
+    _OPEN.append(rt)
     cache = build_cache(geometry("tiny"), device=rt.device)
     bound = LoadedZeroer("probe", factory, check_factory(factory, "probe")).build(cache, rt)
     bound.warmup(cache.spec.num_blocks)

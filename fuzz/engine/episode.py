@@ -139,6 +139,7 @@ class _Capture:
     history: list[str]
     data: list[torch.Tensor] = field(default_factory=list)
     kind: str | None = None  # the finding's kind if it differs (None: by the words, fuzz.engine.oracle)
+    done: Event | None = None  # recorded behind the read on its stream: its words are final once it completes
 
 
 class CacheGroup:
@@ -183,6 +184,22 @@ class Episode:
         if config.backend == "cuda":
             raise_if_gpu_lost()  # an earlier campaign's fault left this process's GPU unusable
         self.rt = make_runtime(config.backend, mode=config.mode, device=config.device)
+        self.groups: list[CacheGroup] = []
+        # The component under test beside the zeroer (an offloader's side, fuzz.engine.offload), or
+        # None: it plugs in through fuzz.engine.component.Component, and the episode knows no more of it.
+        self.component: Component | None = None
+        try:
+            self._build(caches)
+        except BaseException:
+            # A factory that raises (a usage error), caches that do not fit, Ctrl-C: nobody holds
+            # this half-built episode to close it, so its runtime goes now (on cuda its gates open,
+            # and a sanitizer in this process no longer steps aside for it), not at collection.
+            self.abandon()
+            raise
+
+    def _build(self, caches: CachePool | None) -> None:
+        """Everything of the episode but its runtime (__init__ releases that if this raises)."""
+        config = self.config
         self.streams = [self.rt.default_stream] + [self.rt.new_stream(f"s{i}") for i in range(1, config.streams)]
         # Recycled caches on the simulator only: there close() means every queued op has run,
         # while a cuda runtime that lost its schedule may close with kernels still running.
@@ -197,9 +214,6 @@ class Episode:
         self.owners = 0
         self._hazards_seen = 0
         self.fresh_findings: list[Finding] = []  # value findings made during an op (an offloader's poll)
-        # The component under test beside the zeroer (an offloader's side, fuzz.engine.offload), or
-        # None: it plugs in through fuzz.engine.component.Component, and the episode knows no more of it.
-        self.component: Component | None = None
         self.in_op = False  # an op is running: an interruption now leaves the episode unjudgeable
         self.finished = False
         for group in self.groups:
@@ -284,10 +298,11 @@ class Episode:
         if last is not None and last.stream != stream and last.kind not in skip_kinds:
             self.rt.wait_event(last.event, stream=self.stream_of(stream))
 
-    def _accessed(self, group: CacheGroup, blocks: list[int], stream: int, kind: str) -> None:
+    def _accessed(self, group: CacheGroup, blocks: list[int], stream: int, kind: str) -> Event:
         event = self.rt.record_event(stream=self.stream_of(stream))
         for block in blocks:
             group.last[block] = _Access(stream, event, kind)
+        return event
 
     def device_work(self, fn: Any, *args: Any) -> Any:
         """Run a runtime call that may execute queued device work. An op of the code under test
@@ -429,7 +444,7 @@ class Episode:
         with self.rt.annotate(f"step {self.step} read_block"), self.rt.block_space(group.index):
             self.rt.launch(read, name="read", stream=self.stream_of(stream), blocks_read=[block])
         group.captures.append(capture)
-        self._accessed(group, [block], stream, "read")
+        capture.done = self._accessed(group, [block], stream, "read")
 
     def _op_free(self, block: int, cache: int = 0) -> None:
         group = self._group(cache)
@@ -536,8 +551,22 @@ class Episode:
             self.new_hazard_findings()
         fault = self.config.caller_fault is not None
         for group in self.groups:
+            self._reads_done(group)
             for finding in _verify(group):
                 self.findings.append(Finding(finding.kind, finding.block, group.label + finding.message, fault))
+
+    def _reads_done(self, group: CacheGroup) -> None:
+        """Wait for every read of ``group`` before the verdict looks at its words.
+
+        On cuda a read's words are tensors from the moment it is enqueued (its clone allocates
+        them at the enqueue, and in the controlled mode copies into them only once the read's gate
+        opens); until then they hold their memory's last tenant's bytes. The verdict reads them on
+        torch's current stream, which no runtime stream is ordered with, so it is ordered after
+        each read here, by the event recorded behind it, wherever the read was enqueued. Unordered,
+        a load first reported by the episode's last poll was judged on a freed index tensor's
+        int64 row ids (a false 'wrong bytes loaded' on an H100: word 0 read 1)."""
+        for capture in group.captures:
+            self.device_work(self.rt.synchronize_event, capture.done)
 
     def close(self) -> None:
         """Let every queued op run, release the runtime and give the caches back to the pool."""

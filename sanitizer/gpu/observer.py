@@ -73,6 +73,7 @@ class Observer(HostWatch):
         self._accesses: dict[tuple, Access] = {}
         self._ops = 0
         self._started = False
+        self._teardown = contextlib.ExitStack()  # what start() did, undone by stop()
         from sanitizer.gpu.graphs import Graphs
         from sanitizer.gpu.indices import Indices
 
@@ -91,41 +92,42 @@ class Observer(HostWatch):
         from racecheck import custom_ops
         from sanitizer.gpu import custom, dispatch, patches, trace
 
-        # torch imports its compiler stack on the first op through a Python dispatch mode unless the
-        # mode opts out (dispatch.Ops does); nothing here needs torch._dynamo.
-        trace.install(self)
-        self._unpatch = patches.install(self)
-        self._unschedule = schedules.subscribe(self._schedule_started, self._schedule_ended)
-        self.activate_host_hooks()
-        custom_ops.define_references()  # custom ops' and pybind functions' effect models, routed here
-        self._custom = contextlib.ExitStack()
-        self._custom.enter_context(custom_ops.routing(custom.router(self)))
-        self._custom.enter_context(custom_ops.extension_modules())
-        self._exit_mode = dispatch.enter(self)
-        self.mark_set_up()
-        self._started = True
-        _RUNNING.append(self)
-        _collector_relaxed(True)
+        # Each step's undo is pushed before the step can leave anything behind: stop() runs them in
+        # reverse, and a step that raises here undoes the steps before it (no patch outlives a
+        # failed start, and a test that fails later leaves nothing installed once it stops).
+        teardown = self._teardown
+        try:
+            if self.forcing is not None:
+                teardown.callback(self.forcing.close)
+            teardown.callback(trace.uninstall, self)
+            # torch imports its compiler stack on the first op through a Python dispatch mode unless the
+            # mode opts out (dispatch.Ops does); nothing here needs torch._dynamo.
+            trace.install(self)
+            teardown.callback(patches.install(self))
+            teardown.callback(schedules.subscribe(self._schedule_started, self._schedule_ended))
+            teardown.callback(self.deactivate_host_hooks)
+            self.activate_host_hooks()
+            custom_ops.define_references()  # custom ops' and pybind functions' effect models, routed here
+            teardown.enter_context(custom_ops.routing(custom.router(self)))
+            teardown.enter_context(custom_ops.extension_modules())
+            teardown.callback(dispatch.enter(self))
+            self.mark_set_up()
+            teardown.callback(_not_running, self)
+            self._started = True
+            _RUNNING.append(self)
+            _collector_relaxed(True)
+        except BaseException:
+            self._started = False
+            teardown.close()
+            raise
 
     def stop(self) -> list[Race]:
         """Stop observing; the races seen (a final host check and the forced releases first)."""
-        from sanitizer.gpu import trace
-
         try:
             self.scope_end(caller_site())
         finally:
-            if self in _RUNNING:
-                _RUNNING.remove(self)
             self._started = False
-            _collector_relaxed(len(_RUNNING) > 1)  # put back once no observer runs, in whatever order they stop
-            self._exit_mode()
-            self._custom.close()
-            self.deactivate_host_hooks()
-            self._unschedule()
-            self._unpatch()
-            trace.uninstall(self)
-            if self.forcing is not None:
-                self.forcing.close()
+            self._teardown.close()  # every step of start() undone, in reverse, whatever one of them raises
         return self.races
 
     def _setup_thread(self) -> Callable[[], None] | None:
@@ -339,6 +341,26 @@ class Observer(HostWatch):
 
 
 _RUNNING: list[Any] = [None]  # the observers started and not stopped, innermost last
+
+
+def running_observers() -> list[Observer]:
+    """The observers started and not stopped yet, innermost last."""
+    return [obs for obs in _RUNNING if obs is not None]
+
+
+def _not_running(obs: Observer) -> None:
+    """``obs`` stopped: the collector's thresholds go back once no observer runs, in whatever order they stop."""
+    if obs in _RUNNING:
+        _RUNNING.remove(obs)
+    _collector_relaxed(len(_RUNNING) > 1)
+
+
+def races_so_far() -> list[Race]:
+    """The races every observer still running has seen (a copy, read without stopping them): what a
+    command ended by force still reports (racecheck.interrupts)."""
+    return [race for obs in running_observers() for race in list(obs.races)]
+
+
 _SAVED_THRESHOLDS: list[tuple[int, ...]] = []  # the collector's thresholds before the first observer ran
 
 

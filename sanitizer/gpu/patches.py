@@ -94,14 +94,6 @@ def install(obs: Any) -> Callable[[], None]:
         if done and handle is not None:
             trace.stream_completed(obs, int(handle))
 
-    patch(torch.cuda.Event, "query", wrap(host_waits, event_done))
-    patch(torch.cuda.Stream, "query", wrap(host_waits, stream_done))
-    if getattr(torch, "Event", None) is not None and torch.Event is not torch.cuda.Event:
-        patch(torch.Event, "query", wrap(host_waits, event_done))
-    if getattr(torch, "Stream", None) is not None and torch.Stream is not torch.cuda.Stream:
-        patch(torch.Stream, "query", wrap(host_waits, stream_done))
-    patch(torch.cuda, "empty_cache", wrap(host_waits, lambda args, result: obs.cache_emptied()))
-
     def numpy(original: Any) -> Any:
         @forwarding
         @functools.wraps(original)
@@ -117,22 +109,31 @@ def install(obs: Any) -> Callable[[], None]:
         if tensor.device.type == "cpu" and obs.pinned.regions:
             obs.tolist_read(tensor, caller_site())
 
-    patch(torch.Tensor, "numpy", numpy)
-    # Programs call tolist() often and most have no pinned memory: take no lock for those.
-    patch(torch.Tensor, "tolist", wrap(tolist, when=lambda: bool(obs.pinned.regions)))
-
-    from sanitizer.gpu import launches
-
-    launches.patch(obs, patch, wrap)
-    _patch_graphs(obs, patch, wrap)
-    _patch_cudart(obs, patch, wrap, active)
-    _patch_bindings(obs, patch, wrap)
-
     def undo() -> None:
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)
         saved.clear()
 
+    from sanitizer.gpu import launches
+
+    try:  # a patch that raises half-way puts back the ones made before it
+        patch(torch.cuda.Event, "query", wrap(host_waits, event_done))
+        patch(torch.cuda.Stream, "query", wrap(host_waits, stream_done))
+        if getattr(torch, "Event", None) is not None and torch.Event is not torch.cuda.Event:
+            patch(torch.Event, "query", wrap(host_waits, event_done))
+        if getattr(torch, "Stream", None) is not None and torch.Stream is not torch.cuda.Stream:
+            patch(torch.Stream, "query", wrap(host_waits, stream_done))
+        patch(torch.cuda, "empty_cache", wrap(host_waits, lambda args, result: obs.cache_emptied()))
+        patch(torch.Tensor, "numpy", numpy)
+        # Programs call tolist() often and most have no pinned memory: take no lock for those.
+        patch(torch.Tensor, "tolist", wrap(tolist, when=lambda: bool(obs.pinned.regions)))
+        launches.patch(obs, patch, wrap)
+        _patch_graphs(obs, patch, wrap)
+        _patch_cudart(obs, patch, wrap, active)
+        _patch_bindings(obs, patch, wrap)
+    except BaseException:
+        undo()
+        raise
     return undo
 
 

@@ -171,7 +171,7 @@ class ProgramSession(InterceptSession):
         return tables
 
     def modes(self) -> list[Any]:
-        return [self.mode, HostOps(self)]
+        return [*super().modes(), HostOps(self)]
 
     def query_event(self, event: Any) -> bool:
         """The program's ``Event.query()``: a polled event completes, as a GPU's does while the host
@@ -313,8 +313,10 @@ def sanitized(session: ProgramSession, what: str) -> Iterator[None]:
             session.watch.mark_set_up()
             yield
     finally:
-        session.watch.scope_end(caller_site())
-        session.watch.deactivate_host_hooks()
+        try:
+            session.watch.scope_end(caller_site())
+        finally:  # the hooks go whatever the final check raises: no later test is watched by this one
+            session.watch.deactivate_host_hooks()
 
 
 def simulate(main: Callable[[], Any], name: str = "program") -> tuple[list[Race], BaseException | None, list[str], list[str]]:

@@ -111,6 +111,11 @@ def active() -> "DriverCopies | None":
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+def all_active() -> list["DriverCopies"]:
+    """Every session's followed copies active now, innermost last (the innermost takes the calls)."""
+    return list(_ACTIVE)
+
+
 def _entry(symbol: str, impl: Callable[..., int]) -> Callable[..., int]:
     def call(*args: Any) -> int:
         copies = active()

@@ -26,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
@@ -85,14 +84,13 @@ def handwritten(
         play(episode)
         findings = value_findings(episode.finish())
     except Exception as exc:
-        if not episode.finished:
-            episode.finished = True
-            with contextlib.suppress(Exception):
-                episode.rt.close()
         return DetectionOutcome(
             False, None, 1, episode.step, None, None, NO_FINDING,
             error=one_line(f"the hand-written sequence raised {type(exc).__name__} at op {episode.step}: {exc}"),
         )
+    finally:
+        if not episode.finished:  # stopped by an error or Ctrl-C: its zeroer and runtime still closed
+            episode.abandon()
     seconds = time.perf_counter() - start
     if not findings:
         return DetectionOutcome(False, None, 1, episode.step, None, None, NO_FINDING)

@@ -21,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import time
@@ -197,11 +196,10 @@ def stress_loop(
         except Exception as exc:  # a zeroer that raised, CSAN's report in the sanitizer child, ...
             result.exception, result.exception_s = exc, time.perf_counter() - start
             result.exception_trace = list(episode.trace) if episode is not None else []
-            if episode is not None and not episode.finished:
-                episode.finished = True
-                with contextlib.suppress(Exception):
-                    episode.rt.close()
             break
+        finally:
+            if episode is not None and not episode.finished:  # an error or Ctrl-C: its zeroer and runtime still closed
+                episode.abandon()
         if findings and result.first is None:
             result.first, result.first_findings = findings[0], findings
             result.first_s, result.first_episodes = time.perf_counter() - start, result.episodes
