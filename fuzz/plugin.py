@@ -73,6 +73,8 @@ class _Run:
                 if name == "fuzz":
                     record = json.loads(value) if isinstance(value, str) else value
                     self.results.append(record)
+                    if record.get("found") and record.get("expect") != "finds":
+                        interrupts.note_found()  # a run ended by force after this exits 1, as one that ends does
                     self.progress(record)
 
     def progress(self, record: dict) -> None:

@@ -51,6 +51,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -58,7 +59,7 @@ from typing import Literal
 import torch
 
 from racecheck.errors import DeadlockError, RuntimeUsageError
-from racecheck import real_cuda
+from racecheck import interrupts, real_cuda
 
 try:  # triton is optional: the simulator and every CPU test must import this module without it
     import triton
@@ -139,6 +140,7 @@ class GatePool:
         self._fresh = 0  # slots of the newest chunk handed out so far
         self.in_use = 0  # gates acquired and not yet recycled
         self._grow()
+        _LIVE_POOLS.add(self)
 
     # -- flags -------------------------------------------------------------------------------
     def _grow(self) -> None:
@@ -317,6 +319,20 @@ def release_streams(keys: list[tuple[int, int]]) -> None:
 # after its owner is gone, and PyTorch's host allocator would hand freed pinned memory (with no
 # copy event on it) to the next allocation at once, which could write 0 over an opened flag.
 _ABANDONED_FLAGS: list[torch.Tensor] = []
+
+
+# Every pool not yet collected: a process ended by force opens all their gates on its way out
+# (racecheck.interrupts), so no kernel of it spins on after its host has gone.
+_LIVE_POOLS: "weakref.WeakSet[GatePool]" = weakref.WeakSet()
+
+
+def open_every_gate() -> None:
+    """Open every gate of every live pool of this process (host memory writes only, any thread)."""
+    for pool in list(_LIVE_POOLS):
+        pool.open_all()
+
+
+interrupts.on_force(open_every_gate)
 
 
 def abandon(pool: GatePool) -> None:

@@ -111,8 +111,24 @@ def report(outcome: Outcome, name: str, *, partial: bool, forced: bool = False, 
     return CLEAN
 
 
+def _forced_end() -> int:
+    """A run still stuck after Ctrl-C or SIGTERM is ended by force (racecheck.interrupts): the races
+    the GPU observer had seen are printed first, and the status is the interrupted run's."""
+    from sanitizer.gpu.observer import races_so_far
+
+    groups = distinct(races_so_far())
+    for first, _members in groups:
+        print(first.format(), file=sys.stdout)
+        print(file=sys.stdout)
+    sys.stdout.flush()
+    print(f"{PROG}: interrupted, and ended by force; "
+          + ("the races above were seen before it" if groups else "no race seen before it"), file=sys.stderr)
+    return FINDING if groups else 130
+
+
 def _main(argv: list[str]) -> int:
     interrupts.install()  # SIGTERM stops the program as Ctrl-C does
+    interrupts.set_forced_status(_forced_end)
     p = ArgumentParser(prog=PROG, description="Run a Python program under the race sanitizer for GPU memory traffic "
                                                    "(pinned memory, streams, threads, CUDA graphs).")
     p.add_argument("--force", action="store_true",

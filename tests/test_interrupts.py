@@ -928,3 +928,59 @@ def test_an_interrupt_while_plugins_still_import_ends_the_process_by_its_signal_
     after = subprocess.run([sys.executable, "-c", code, "after"], cwd=ROOT, env=clean_env(ROOT),
                            capture_output=True, text=True, timeout=60)
     assert after.returncode == 2 and after.stdout == f"KeyboardInterrupt: stopped by SIG{name} True\n", after
+
+
+STUCK_OFFLOADER = """
+import os, sys, threading
+sys.path.insert(0, {examples!r})
+from engine_offloaders import CopyThreadOffloader
+READ_END, _WRITE_END = os.pipe()  # nothing is ever written: a read of it never returns
+
+class StuckWriter(CopyThreadOffloader):
+    def store(self, job_id, block_ids, slot_ids):
+        super().store(job_id, block_ids, slot_ids)
+        # Not a daemon: the interpreter waits for it at exit.
+        threading.Thread(target=self._write_back, name="kv-writer").start()
+
+    def _write_back(self):
+        open({marker!r}, "w").close()
+        # A native call that never returns and is no hand-off the hooks see: on a GPU, a copy
+        # thread's synchronous copy waiting behind a gate kernel nobody will open.
+        os.read(READ_END, 1)
+
+def make(cache, host_pool, runtime=None):
+    return StuckWriter(cache, host_pool)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_a_run_stuck_in_a_native_call_ends_within_ten_seconds_of_a_signal_with_every_stack(tmp_path, how):
+    # The caller waits for the writer thread to settle, and the writer never comes back from its
+    # native call; the KeyboardInterrupt unwinds the caller, and the interpreter then waits for the
+    # thread at exit, for ever (on an H100 such a run was still there 440 s after SIGTERM). The
+    # interruption's deadline ends it.
+    marker = tmp_path / "stuck"
+    source = tmp_path / "stuck_offloader.py"
+    source.write_text(STUCK_OFFLOADER.format(examples=str(ROOT / "examples"), marker=str(marker)))
+    args = ["fuzz", "-p", "no:cacheprovider", "-p", "no:xdist", "--backend", "sim", "--offloader", f"{source}:make",
+            "--fuzz-profile", "quick", "-x", "--repro-dir", str(tmp_path / "traces"),
+            "--fuzz-summary", str(tmp_path / "summary.json"), "--fuzz-db", str(tmp_path / "db")]
+    run = start_subprocess(ROOT, clean_env(ROOT), args, tmp_path / "out.txt")
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and run.wait(0.1) is None:
+            pass
+        assert marker.exists(), run.text()[-3000:]
+        sent = time.monotonic()
+        os.kill(run.pid, getattr(signal, how))
+        ended = run.wait(timeout=15)
+        assert ended is not None, f"still running 15 s after {how}:\n{run.text()[-3000:]}"
+        code, at = ended
+        text = run.text()
+        assert at - sent <= 10, (at - sent, text[-3000:])
+        assert code == 2, (code, text[-3000:])  # interrupted, nothing found: never 1, never 0
+        assert f"s after {how}: ending the process by force; each thread was here:" in text
+        assert "in _write_back" in text  # the stuck thread's stack says where it was
+        assert not (tmp_path / "summary.json").exists()  # no complete summary from a run cut short
+    finally:
+        run.kill_group()
