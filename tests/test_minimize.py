@@ -81,13 +81,14 @@ def test_a_noisy_first_failing_program_minimizes_to_the_two_calls_of_the_race():
 def test_allocations_whose_blocks_later_ops_free_go_with_those_ops():
     # Found on mla_indexer (4 blocks): a device buffer of the zeroer's, dropped without
     # record_stream, reused by the next call's copy on another stream. Each free names a block of an
-    # allocation, so dropping one op at a time (ids fixed) could not get below these 6 ops.
+    # allocation, so dropping one op at a time (ids fixed) could not get below these 6 ops. The ids
+    # of a call of 3 and of a call of 1 share a 512-byte block, as on CUDA, so the first two calls
+    # show it already.
     config = EpisodeConfig(zeroer="examples/engine_zeroers.py:side_stream_copy_no_record", geometry="mla_indexer")
     ops = [{"op": "start"}, {"op": "allocate", "n": 3}, {"op": "free", "block": 3}, {"op": "allocate", "n": 1},
            {"op": "free", "block": 3}, {"op": "allocate", "n": 1, "stream": 0}]
     minimized = minimize(violation_of(config, ops))
-    assert minimized.violation.trace == [{"op": "start"}, {"op": "allocate", "n": 1},
-                                         {"op": "allocate", "n": 1, "stream": 0}]
+    assert minimized.violation.trace == [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "allocate", "n": 1}]
     assert minimized.violation.findings[0].kind == "hazard"
 
 

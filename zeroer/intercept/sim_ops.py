@@ -210,19 +210,22 @@ class SimOps:
         hb = self.session.rt.hb
 
         space = self.session.rt._block_space  # which cache "block N" means, as the op is queued
+        # What the queued op keeps of its tensors is their bytes, never the tensors: a kernel does not
+        # keep its arguments alive on CUDA, so an index dropped once the op is queued is freed at
+        # once and its block may be handed out again (SGLang #34076).
+        row_target = (rows[0]._inner, rows[0]._alloc.block, rows[1], _inner(rows[2]), rows[3]) if rows else None
 
         def declare_rows(at: Any) -> None:  # the rows its index holds as the op runs
-            target, dim, index, write = rows
-            values = (index._inner if isinstance(index, SimCudaTensor) else index).reshape(-1).tolist()
-            runs = row_runs(target._inner, dim, values)
-            if target._alloc.block.cache_tensor is not None:  # an offloader's op on the cache: its blocks
-                for block in sorted(self.session.block_map.of_runs(runs)):
-                    hb.device_access(("block", space, block), at, write=write, late=True)
+            target, block, dim, index, write = row_target
+            runs = row_runs(target, dim, index.reshape(-1).tolist())
+            if block.cache_tensor is not None:  # an offloader's op on the cache: its blocks
+                for cache_block in sorted(self.session.block_map.of_runs(runs)):
+                    hb.device_access(("block", space, cache_block), at, write=write, late=True)
                 return
-            hb.device_access(target._alloc.block.key, at, write=write, ranges=runs, late=True)
+            hb.device_access(block.key, at, write=write, ranges=runs, late=True)
 
         def run() -> None:
-            if rows is not None and not isinstance(stamp[0], CapturedOp):
+            if row_target is not None and not isinstance(stamp[0], CapturedOp):
                 declare_rows(stamp[0])
             res = forward(func, *inner_args, **inner_kwargs)
             res = res if isinstance(res, (tuple, list)) else (res,)

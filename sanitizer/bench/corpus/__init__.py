@@ -48,6 +48,9 @@ CORPUS: tuple[Program, ...] = (
     *_pair("sglang_34076_no_record_stream", "sglang_34076_record_stream", REUSE,
            "index tensor read on the forward stream, dropped without record_stream, its memory reused",
            "SGLang #34076"),
+    *_pair("sglang_34076_mixed_batch_no_record_stream", "sglang_34076_mixed_batch_record_stream", REUSE,
+           "mixed batch's running indices gathered through on the forward stream, dropped without record_stream, "
+           "their block reused by a tensor of another size", "SGLang #34076"),
     *_pair("sglang_36738_load_unfenced", "sglang_36738_load_waits_forward", DEVICE_ACCESS,
            "HiCache load-back into reused pages not ordered after the forward stream's writes", "SGLang #36738"),
     *_pair("sglang_27444_evict_in_flight_page", "sglang_27444_host_lock_until_loaded", HOST_WRITE,
