@@ -10,11 +10,15 @@ resolves every run to the memory it falls in (a KV block, a pinned host slot, a 
 and declares it to the happens-before checker, on the stream current at the call.
 
 A model may also carry a ``reference``: a plain CPU implementation the simulator runs when the
-stream reaches the op, and that is registered as the op (``torch.library``, in the op's own
-namespace, with the model's ``schema``) where the extension is absent, so the engine's own call
-resolves. A pybind function's model names its module (``lmcache.c_ops``): while a tool runs,
-:func:`extension_modules` wraps the real module's function, or installs a stand-in module whose
-function is the model's, only where the real one is absent.
+stream reaches the op. While a tool runs (:func:`extension_modules`), a name the program calls is
+the program's wherever it has one, and a stand-in only where nothing else answers to it:
+``torch.ops.<namespace>.<op>`` of a modelled op nothing defines is a stand-in that routes the call
+(nothing is registered with torch, so the program's own ``torch.library`` definition or extension
+wins, before or after the tool started); a pybind function's module (``lmcache.c_ops``) is the
+real one, its function wrapped, wherever an import finder finds it, and a stand-in module only
+where none does (a stand-in package gives way to the program's own once that can be imported).
+:func:`failed_inside` names the stand-in or model a program failed inside, so that a failure there
+is never called the program's own.
 
 A ``torch.ops`` op outside torch's own namespaces with no model is never passed silently: the
 fuzzer stops with a harness error, the sanitizer says it in one line (the run is partial);
@@ -34,10 +38,10 @@ Example (a user's op, in a few lines)::
 from __future__ import annotations
 
 from racecheck import engine_ops  # noqa: F401 - the engines' models, registered at import
-from racecheck.effects import (EffectModel, Effects, OpenRoute, ValueUnknown, define_references, effect_model,
-                               extension_modules, host_values, is_custom, missing_model, model_for, models,
-                               op_name, open_routes, register, route, routing, unregister, unrouted)
+from racecheck.effects import (EffectModel, Effects, NeedsExtension, OpenRoute, ValueUnknown, effect_model,
+                               extension_modules, failed_inside, host_values, is_custom, missing_model, model_for,
+                               models, op_name, open_routes, register, route, routing, unregister, unrouted)
 
-__all__ = ["EffectModel", "Effects", "OpenRoute", "ValueUnknown", "define_references", "effect_model",
-           "extension_modules", "host_values", "is_custom", "missing_model", "model_for", "models", "op_name",
+__all__ = ["EffectModel", "Effects", "NeedsExtension", "OpenRoute", "ValueUnknown", "effect_model", "extension_modules",
+           "failed_inside", "host_values", "is_custom", "missing_model", "model_for", "models", "op_name",
            "open_routes", "register", "route", "routing", "unregister", "unrouted"]

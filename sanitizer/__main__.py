@@ -2,9 +2,11 @@
 
 The program runs in this process, under the sanitizer (``python -m MODULE`` works too), and then
 every distinct race is printed once, with how often it happened. Exit status (racecheck/cli.py): 0 no
-race, 1 a race, 2 a usage error, a program that failed with no race, or something the sanitizer
-cannot follow, 3 a bug of the sanitizer. Interrupted (Ctrl-C, SIGTERM), it prints the races seen
-so far and exits 1, or exits 130 when it had seen none; ``--json`` is written only by a whole run.
+race, 1 a race, 2 a usage error, a program that failed on its own with no race, or something the
+sanitizer cannot follow, 3 a bug of the sanitizer (a program that failed inside one of the
+sanitizer's stand-ins, models or patches, which the line names, is never said to have failed on its
+own). Interrupted (Ctrl-C, SIGTERM), it prints the races seen so far and exits 1, or exits 130 when
+it had seen none; ``--json`` is written only by a whole run.
 
 Example::
 
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import racecheck.interrupts as interrupts
 from racecheck.atomic_file import write_json_atomically
-from racecheck.cli import CLEAN, FINDING, USAGE, ArgumentParser, UsageError, check_output, run_main
+from racecheck.cli import CLEAN, FINDING, INTERNAL, USAGE, ArgumentParser, UsageError, check_output, run_main
 from sanitizer.gpu.forcing import HOLD_LIMIT_S
 from sanitizer.races import distinct
 from sanitizer.runner import BACKENDS, Outcome, prepare, sanitize
@@ -98,8 +100,15 @@ def report(outcome: Outcome, name: str, *, partial: bool, forced: bool = False, 
         print(outcome.error_text, file=sys.stderr, end="")
         ended = (f"exited with status {outcome.exit_status}" if outcome.exit_status is not None
                  else f"failed ({type(outcome.error).__name__})")
+        if outcome.inside:  # a stand-in, model or patch of ours it met: never the program's own failure
+            ended += f" inside {outcome.inside}, not on its own"
         if groups:
             print(f"kvz-sanitize: {name} {ended} after the race{'s' if len(groups) != 1 else ''} above", file=out)
+        elif outcome.inside:
+            bug = "; a bug of kvz-sanitize, not of the program: please report this line" \
+                if outcome.inside_status == INTERNAL else ""
+            print(f"kvz-sanitize: {name} {ended}, with no race seen [{mode}]{bug}", file=sys.stderr)
+            return outcome.inside_status
         else:
             print(f"kvz-sanitize: {name} {ended} on its own with no race seen [{mode}]", file=sys.stderr)
             return USAGE
@@ -161,7 +170,8 @@ def _main(argv: list[str]) -> int:
                 "races": [r.to_json() for r in outcome.races], "unfollowed": outcome.unfollowed,
                 "notes": outcome.notes, "program_exit_status": outcome.exit_status,
                 "forced_timeouts": outcome.forced_timeouts,
-                "program_error": repr(outcome.error) if outcome.error is not None else None}
+                "program_error": repr(outcome.error) if outcome.error is not None else None,
+                "program_failed_inside": outcome.inside or None}
         write_json_atomically(json_path, data)
     return report(outcome, target, partial=args.partial, forced=args.force)
 

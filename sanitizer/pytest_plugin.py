@@ -129,7 +129,10 @@ class SanitizePlugin:
             pytest.skip.Exception))
         outcome = yield
         report = outcome.get_result()
-        if not races and not unfollowed and not notes:
+        inside = failed_inside_line(call)
+        if inside:  # never the test's own failure: said beside its failure, and in the summary
+            report.sections.append((f"kvz-sanitize ({call.when})", inside))
+        if not races and not unfollowed and not notes and not inside:
             return
         races = [Race(**{**r.__dict__, "where": item.nodeid}) for r in races]
         groups = distinct(races)
@@ -148,7 +151,8 @@ class SanitizePlugin:
             if notes:
                 report.sections.append((f"kvz-sanitize notes ({call.when})", "\n".join(notes)))
         report.user_properties.append(
-            (PROPERTY, json.dumps({"races": [r.to_json() for r in races], "unfollowed": unfollowed, "notes": notes})))
+            (PROPERTY, json.dumps({"races": [r.to_json() for r in races], "unfollowed": unfollowed, "notes": notes,
+                                   "failed_inside": inside})))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         for name, value in report.user_properties:
@@ -160,6 +164,7 @@ class SanitizePlugin:
             return
         races = [Race.from_json(r) for _, data in self.reports for r in data["races"]]
         unfollowed = [(nodeid, line) for nodeid, data in self.reports for line in data["unfollowed"]]
+        inside = [(nodeid, data["failed_inside"]) for nodeid, data in self.reports if data.get("failed_inside")]
         notes = sorted({line for _, data in self.reports for line in data.get("notes", [])})
         write = terminalreporter.write_line
         where = f"{self.mode} mode" if self.backend == "cuda" else "simulator"
@@ -171,11 +176,28 @@ class SanitizePlugin:
             write("")
         for line in notes:
             write(line)
-        for nodeid, line in unfollowed:
+        for nodeid, line in unfollowed + inside:
             write(f"{nodeid}: {line}")
         write(f"kvz-sanitize: {len(groups)} distinct race{'s' if len(groups) != 1 else ''}"
               f"{'' if not unfollowed else f', {len(unfollowed)} thing(s) not followed'}"
-              f"{'' if not notes else f', {len(notes)} note(s)'}")
+              f"{'' if not notes else f', {len(notes)} note(s)'}"
+              f"{'' if not inside else f', {len(inside)} test failure(s) inside kvz-sanitize'}")
+
+
+def failed_inside_line(call: pytest.CallInfo) -> str:
+    """The line for a test phase that failed inside one of the sanitizer's stand-ins, models or
+    patches (:func:`sanitizer.runner.inside_sanitizer`), which it names; empty where it did not."""
+    if call.excinfo is None or call.excinfo.errisinstance(pytest.skip.Exception):
+        return ""
+    from racecheck.cli import INTERNAL
+    from sanitizer.runner import inside_sanitizer
+
+    found = inside_sanitizer(call.excinfo.value)
+    if found is None:
+        return ""
+    inside, status = found
+    bug = "; a bug of kvz-sanitize, not of the test: please report this line" if status == INTERNAL else ""
+    return f"kvz-sanitize: this {call.when} failed inside {inside}, not on its own{bug}"
 
 
 def seen_in(members: list[Race]) -> str:

@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 
-from racecheck.cli import UsageError
+from racecheck.cli import INTERNAL, USAGE, UsageError
+from racecheck.custom_ops import failed_inside
 from sanitizer.races import Access, Race
+from zeroer.origin import HARNESS_MODULES, blame, describe_frame
 from zeroer.runtime import BACKENDS, resolve_backend as runtime_backend
 
 MODES = ("observe", "force")
@@ -46,6 +48,8 @@ class Outcome:
     notes: list[str] = field(default_factory=list)  # one line each: what was assumed (never a race)
     error: BaseException | None = None  # what the program itself raised
     error_text: str = ""  # its traceback, as Python would print it
+    inside: str = ""  # what of the sanitizer's the program failed inside (never "on its own": inside_sanitizer)
+    inside_status: int = 0  # the exit status that failure gives, with no race seen
     exit_status: int | None = None  # the program's own non-zero sys.exit status, if it ended so
     forced_timeouts: int = 0  # force mode: gates that opened by themselves (a window closed early)
     interrupted: bool = False  # Ctrl-C or SIGTERM stopped the program: the races are those seen before it
@@ -178,6 +182,38 @@ def _settle(outcome: Outcome, error: BaseException | None) -> None:
         return
     outcome.error = error
     outcome.error_text = program_traceback(error)
+    inside = inside_sanitizer(error)
+    if inside is not None:
+        outcome.inside, outcome.inside_status = inside
+
+
+def inside_sanitizer(error: BaseException) -> tuple[str, int] | None:
+    """What of the sanitizer's the program's failure ``error`` was raised inside, and the exit status
+    it gives: a stand-in or an effect model (:func:`racecheck.custom_ops.failed_inside`: 3, a gap of
+    ours, or 2 where it refused and said what to do: the op's extension is needed), or a patch of
+    the sanitizer or the simulator, code of ours that does not hand the program's own call on
+    (:func:`zeroer.origin.blame`: 2 for a refusal that names its fix, else 3). None where the
+    program failed on its own."""
+    inside = failed_inside(error)
+    if inside is not None:  # a refusal that names its fix (its extension is needed) is the user's to act on
+        return inside, USAGE if getattr(error, "user_fixable", False) else INTERNAL
+    frame = _innermost_of_ours(error)
+    if frame is None:
+        return None
+    verdict = blame(error)
+    if not verdict.harness:
+        return None
+    return f"kvz-sanitize's own code at {describe_frame(*frame)}", verdict.status or INTERNAL
+
+
+def _innermost_of_ours(error: BaseException) -> tuple[Any, int] | None:
+    """The innermost frame of this project's code in ``error``'s traceback that is not one of the
+    frames that ran the program (those :func:`program_traceback` leaves out)."""
+    frames = list(traceback.walk_tb(error.__traceback__))
+    start = next((i for i, (frame, _) in enumerate(frames) if not _ours(frame.f_code.co_filename)), len(frames))
+    ours = [(frame, line) for frame, line in frames[start:]
+            if str(frame.f_globals.get("__name__", "")).split(".")[0] in HARNESS_MODULES]
+    return ours[-1] if ours else None
 
 
 def program_traceback(error: BaseException) -> str:

@@ -20,8 +20,6 @@ from racecheck.engine_ops import PageBufferShapeDesc
 from sanitizer.sim.session import simulate
 from zeroer.intercept.errors import InterceptError
 
-custom_ops.define_references()
-
 
 def _swap_blocks(dev, pinned):
     src = dev(torch.arange(32, dtype=torch.float32).reshape(8, 4))
@@ -74,9 +72,9 @@ def _per_layer(dev, pinned):
 
 def _per_layer_mla(dev, pinned):
     src, dst = _kv(dev), dev(torch.zeros(6, 8))
-    si, di = dev(torch.tensor([2, -1, 3])), dev(torch.tensor([1, 4, 0]))
+    si, di = dev(torch.tensor([2, 5, 3])), dev(torch.tensor([1, 4, 0]))
     return types.SimpleNamespace(
-        read=src, written=dst, expected=lambda: _moved(src, [(2, 1), (3, 0)]),
+        read=src, written=dst, expected=lambda: _moved(src, [(2, 1), (5, 4), (3, 0)]),
         call=lambda: torch.ops.sgl_kernel.transfer_kv_per_layer_mla(src, dst, si, di, 32, 2, 1))
 
 
@@ -143,12 +141,13 @@ def test_without_its_extension_on_a_gpu_machine_the_reference_refuses_device_mem
     # The destination's bytes held by PyTorch's CUDA allocator, as on a GPU with that memory on it:
     start = case.written.data_ptr()
     monkeypatch.setattr(effects, "device_runs", lambda: [(start + 16, start + 32)])
-    with pytest.raises(RuntimeError, match=rf"address {start + 16:#x} \(16 bytes\) is device memory: kvzero's "
-                                           r"reference implementations copy CPU memory only"):
+    with custom_ops.extension_modules():  # no tool routes: the stand-in runs the reference
+        with pytest.raises(RuntimeError, match=rf"address {start + 16:#x} \(16 bytes\) is device memory: kvzero's "
+                                               r"reference implementations copy CPU memory only"):
+            case.call()
+        assert torch.equal(case.written, before)  # the first copy, to CPU memory, did not move either
+        monkeypatch.setattr(effects, "device_runs", lambda: [])
         case.call()
-    assert torch.equal(case.written, before)  # the first copy, to CPU memory, did not move either
-    monkeypatch.setattr(effects, "device_runs", lambda: [])
-    case.call()
     assert torch.equal(case.written, case.expected())
 
 
@@ -157,8 +156,12 @@ def test_without_its_extension_the_reference_refuses_a_device_tensor_argument():
     with pytest.raises(RuntimeError, match=r"_C_cache_ops::swap_blocks: its extension is not installed, and kvzero's "
                                            r"reference implementation runs on CPU memory only \(the simulator's\), "
                                            r"not on a meta tensor: install the extension, or run it under a tool"):
-        custom_ops.route(custom_ops.model_for(torch.ops._C_cache_ops.swap_blocks.default), (src, dst, 16, torch.tensor([[0, 1]])), {})
+        custom_ops.route(_model("_C_cache_ops::swap_blocks"), (src, dst, 16, torch.tensor([[0, 1]])), {})
     assert not dst.any()
+
+
+def _model(name: str) -> custom_ops.EffectModel:
+    return next(m for m in custom_ops.models() if m.name == name)
 
 
 def _program(name: str, beside: str) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import traceback
 
 from racecheck.cli import one_line, register_exit_status
+from racecheck.custom_ops import failed_inside
 from racecheck.resources import raise_if_device_fault
 from zeroer.origin import HARNESS_BUG, USER_FIXABLE, blame
 
@@ -79,6 +80,13 @@ def raise_if_harness(error: BaseException, during: str, *, step: int | None = No
     """Raise a :class:`HarnessError` from ``error`` when the harness, not the zeroer, raised it."""
     raise_if_device_fault(error, during)
     verdict = blame(error)
+    # Inside a stand-in or an effect model of the tools (racecheck.custom_ops): never the code's, even
+    # where the code's own line raised it (a name a stand-in module lacks).
+    inside = failed_inside(error)
+    if inside is not None:
+        status = USER_FIXABLE if getattr(error, "user_fixable", False) else HARNESS_BUG
+        raise harness_error(error, f"{during}, inside {inside}", step=step, where=verdict.where,
+                            status=status) from error
     if verdict.harness:
         raise harness_error(error, during, step=step, where=verdict.where, status=verdict.status) from error
 

@@ -3,7 +3,9 @@
 An op of a C++ extension (``torch.ops._C_cache_ops.swap_blocks``, ``torch.ops.sgl_kernel.
 transfer_kv_all_layer``) reaches the dispatch mode like any aten op, but its schema need not say
 what it touches; a pybind function (``lmcache.c_ops.multi_layer_block_kv_transfer``) reaches no
-mode at all, so while the observer runs it is wrapped (:func:`racecheck.custom_ops.extension_modules`).
+mode at all, so while the observer runs it is wrapped (:func:`racecheck.custom_ops.extension_modules`),
+and so is an op no extension defines here, whose stand-in routes its calls to :func:`router` (the
+program's own definition of it, whenever it comes, reaches the dispatch mode as the extension's would).
 Either way the op's model (:mod:`racecheck.custom_ops`) says the byte runs it reads and writes,
 each resolved to the device allocation or pinned region it falls in and stamped on the current
 stream. The values a model needs (indices, tables of layer addresses) are read where the host
@@ -54,6 +56,7 @@ def router(obs: Any) -> Any:
     return route
 
 
+@forwarding  # the program's own function handed on: what it raises is the program's (zeroer.origin)
 def _run(model: EffectModel, args: tuple, kwargs: dict, real: Any) -> Any:
     if real is not None:
         return real(*args, **kwargs)

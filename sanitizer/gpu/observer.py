@@ -107,7 +107,8 @@ class Observer(HostWatch):
             teardown.callback(schedules.subscribe(self._schedule_started, self._schedule_ended))
             teardown.callback(self.deactivate_host_hooks)
             self.activate_host_hooks()
-            custom_ops.define_references()  # custom ops' and pybind functions' effect models, routed here
+            # Custom ops' and pybind functions' effect models, routed here; stand-ins only for the names
+            # nothing of the program's answers to (racecheck.custom_ops).
             teardown.enter_context(custom_ops.routing(custom.router(self)))
             teardown.enter_context(custom_ops.extension_modules())
             teardown.callback(dispatch.enter(self))

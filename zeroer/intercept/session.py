@@ -47,7 +47,6 @@ from zeroer.intercept.triton_launch import TritonLaunches
 from zeroer.intercept.unroutable import unroutable_guard
 from zeroer.runtime import Runtime
 from racecheck import custom_ops
-from racecheck.custom_ops import define_references
 from racecheck.hb import OpStamp
 
 
@@ -88,7 +87,6 @@ class InterceptSession:
         from zeroer.intercept.torch_mode import InterceptMode
 
         self.custom = CustomCalls(self)  # custom ops by their effect models (racecheck.custom_ops)
-        define_references()
         self.mode = InterceptMode(self)
         self.graphs: Any = None  # CUDA graph captures, where the session supports them (zeroer.intercept.sim_graphs)
         # An offloader's session maps the KV-cache bytes its ops touch to logical blocks (the keys the
