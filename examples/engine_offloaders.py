@@ -27,12 +27,23 @@ factory                              what it does                               
 ``copy_thread_without_compute_event`` copies issued by a background thread fed by a queue (vLLM's          racy
                                      SimpleCPUOffload), the store stream not waiting for the compute stream
 ``copy_thread_after_compute_event``  the thread's store stream waits for an event the caller recorded      race-free
+``report_without_end_query``         vLLM's handler shape (``transfer_async``, two timing events per job);  racy
+                                     ``get_finished()`` reports every job it queued and times it with
+                                     ``start.elapsed_time(end)``, its end event never queried
+``report_after_end_query``           reports (and times) a job once its end event has completed            race-free
 ===================================  ====================================================================  =========
 
 The copy-thread pair also takes the idioms around engines' transfers: low-priority streams from
 ``torch.cuda.Stream.priority_range()``, two timing events per job from a pool, ``elapsed_time``
 reported as a metric, and a ``threading.Event`` per job that ``wait`` blocks on until the thread has
 issued it.
+
+The report pair is vLLM's CPU offloading handler (``SingleDirectionOffloadingHandler`` of
+``vllm/v1/kv_offload/worker/cpu_gpu.py``): ``transfer_async(job_id, (src, dst))``, a stream and two
+timing events from pools per job, ``get_finished()`` returning ``TransferResult``s with each job's
+transfer time. The racy one reports a job without asking its end event: CUDA refuses
+``start.elapsed_time(end)`` while the end event has not completed, so the early report surfaces as
+CUDA's error in the handler's own call (a ``cuda error`` finding, docs/offload-contract.md).
 
 ``VERDICTS`` says the same to the tools. Fuzz one as it is, on the CPU simulator or on a GPU
 (docs/fuzz-your-offloader.md)::
@@ -47,6 +58,7 @@ import functools
 import queue
 import threading
 from collections import deque
+from typing import NamedTuple
 
 import torch
 
@@ -61,6 +73,8 @@ VERDICTS = {
     "staging_freed_after_event": "race-free",
     "copy_thread_without_compute_event": "racy",
     "copy_thread_after_compute_event": "race-free",
+    "report_without_end_query": "racy",
+    "report_after_end_query": "race-free",
 }
 
 
@@ -282,6 +296,84 @@ class CopyThreadOffloader:
         self.load_stream.synchronize()
 
 
+class TransferResult(NamedTuple):
+    """vLLM's ``TransferResult``: the job, whether it succeeded, and the metrics it reports."""
+
+    job_id: int
+    success: bool
+    transfer_size: int  # bytes
+    transfer_time: float  # seconds
+
+
+class _Transfer(NamedTuple):
+    job_id: int
+    stream: torch.cuda.Stream
+    start_event: torch.Event
+    end_event: torch.Event
+    num_bytes: int
+
+
+class TimedTransferHandler:
+    """vLLM's CPU offloading handler shape: ``transfer_async(job_id, (src, dst))`` on a stream from a
+    pool, timed by two events from a pool, and ``get_finished()`` reporting each job with its
+    transfer time, oldest first. ``query_end=False`` reports every queued job without asking its
+    end event whether the copies have run."""
+
+    def __init__(self, cache, host_pool, runtime=None, *, query_end: bool = True) -> None:
+        self.pairs = _layers(cache, host_pool)
+        self.ratio = cache.spec.block_size // cache.spec.kernel_block_size
+        self.query_end = query_end
+        self.block_bytes = sum(_rows(device, kv_outer, 0, self.ratio).nbytes for device, _, kv_outer in self.pairs)
+        self._transfers: deque[_Transfer] = deque()
+        self._stream_pool: list[torch.cuda.Stream] = []
+        self._event_pool: list[torch.Event] = []
+
+    def transfer_async(self, job_id: int, spec) -> bool:
+        src_spec, dst_spec = spec
+        store = src_spec.medium() == "GPU"
+        stream = self._stream_pool.pop() if self._stream_pool else torch.cuda.Stream()
+        start_event = self._event_pool.pop() if self._event_pool else torch.Event(enable_timing=True)
+        end_event = self._event_pool.pop() if self._event_pool else torch.Event(enable_timing=True)
+        # A store reads what the forward wrote, a load overwrites blocks the forward may still read:
+        # both start after the compute stream's queued work (vLLM #46278).
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            start_event.record(stream)
+            for src, dst in zip(src_spec.block_ids.tolist(), dst_spec.block_ids.tolist()):
+                block, slot = (src, dst) if store else (dst, src)
+                for device, host, kv_outer in self.pairs:
+                    gpu, cpu = _rows(device, kv_outer, block, self.ratio), _rows(host, kv_outer, slot, self.ratio)
+                    (cpu.copy_(gpu, non_blocking=True) if store else gpu.copy_(cpu, non_blocking=True))
+            end_event.record(stream)
+        self._transfers.append(_Transfer(job_id, stream, start_event, end_event,
+                                         len(dst_spec.block_ids) * self.block_bytes))
+        return True
+
+    def _done(self, transfer: _Transfer) -> bool:
+        return not self.query_end or transfer.end_event.query()
+
+    def get_finished(self) -> list[TransferResult]:
+        results = []
+        while self._transfers and self._done(self._transfers[0]):
+            transfer = self._transfers.popleft()
+            # The racy twin reaches this with the copies still queued: CUDA refuses to time an end
+            # event that has not completed, and the report surfaces as that error.
+            seconds = transfer.start_event.elapsed_time(transfer.end_event) * 1e-3  # elapsed_time is in ms
+            results.append(TransferResult(transfer.job_id, True, transfer.num_bytes, seconds))
+            self._stream_pool.append(transfer.stream)
+            self._event_pool.extend((transfer.end_event, transfer.start_event))
+        return results
+
+    def wait(self, job_ids: set[int]) -> None:
+        for transfer in self._transfers:
+            if transfer.job_id in job_ids:
+                transfer.end_event.synchronize()
+
+    def close(self) -> None:
+        for transfer in self._transfers:
+            transfer.end_event.synchronize()
+
+
 # The factories (cache, host_pool, runtime): each racy one beside its race-free twin.
 store_without_compute_event = functools.partial(CpuOffloadHandler, store_waits_compute=False)
 store_after_compute_event = functools.partial(CpuOffloadHandler)
@@ -293,3 +385,5 @@ staging_freed_on_return = functools.partial(StagedLoadOffloader, free_on_return=
 staging_freed_after_event = functools.partial(StagedLoadOffloader, free_on_return=False)
 copy_thread_without_compute_event = functools.partial(CopyThreadOffloader, store_waits_compute=False)
 copy_thread_after_compute_event = functools.partial(CopyThreadOffloader)
+report_without_end_query = functools.partial(TimedTransferHandler, query_end=False)
+report_after_end_query = functools.partial(TimedTransferHandler)

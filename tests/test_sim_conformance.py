@@ -628,12 +628,22 @@ def test_timing_events_from_a_pool_time_each_transfer_consistently_as_on_cuda(ba
         assert [round(t / SIM_MS_PER_STEP) for t in times] == [2, 4, 3, 5]
 
 
+# elapsed_time's refusals as torch 2.8 and later raise them (pytorch/pytorch#151404, CUDAEvent.h and
+# InlineEvent.h): its type, its words, and the call and state the runtime names with them.
+ELAPSED_TIME_REFUSALS = {
+    "untimed": ("ValueError", "Both events must be created with argument 'enable_timing=True'.",
+                "a start event made without enable_timing=True"),
+    "unrecorded": ("ValueError", "Both events must be recorded before calculating elapsed time.",
+                   "a start event that was never recorded"),
+    "queued": ("RuntimeError", "Both events must be completed before calculating elapsed time.",
+               "an end event that had not completed"),
+}
+TORCH_TYPES = {"ValueError": ValueError, "RuntimeError": RuntimeError}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case, message", [
-    ("untimed", "Both events must be created with argument 'enable_timing=True'."),
-    ("unrecorded", "Both events must be recorded before calculating elapsed time."),
-], ids=["untimed", "unrecorded"])
-def test_elapsed_time_raises_what_cuda_raises_on_events_it_cannot_time(backend, case, message):
+@pytest.mark.parametrize("case", ["untimed", "unrecorded"])
+def test_elapsed_time_raises_what_torch_raises_on_events_it_cannot_time(backend, case):
     def body(cache):
         start, end = torch.cuda.Event(enable_timing=case != "untimed"), torch.cuda.Event(enable_timing=True)
         if case != "unrecorded":
@@ -643,15 +653,18 @@ def test_elapsed_time_raises_what_cuda_raises_on_events_it_cannot_time(backend, 
         start.synchronize()
         try:
             start.elapsed_time(end)
-        except RuntimeError as error:
-            return str(error)
+        except (ValueError, RuntimeError) as error:
+            return error
         return None
 
-    said, _ = in_a_zeroer(body, backend)
-    assert said is not None and said.endswith(message)
+    error, _ = in_a_zeroer(body, backend)
+    kind, message, state = ELAPSED_TIME_REFUSALS[case]
+    assert isinstance(error, TORCH_TYPES[kind]) and str(error) == message
+    assert (error.call, error.state) == ("elapsed_time", state)
 
 
-def test_elapsed_time_of_an_event_still_queued_is_cudas_not_ready_error_on_the_simulator():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_elapsed_time_of_an_event_still_queued_is_torchs_not_completed_error(backend):
     def body(cache):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -660,10 +673,36 @@ def test_elapsed_time_of_an_event_still_queued_is_cudas_not_ready_error_on_the_s
         try:
             start.elapsed_time(end)
         except RuntimeError as error:
-            return str(error)
+            return error
 
-    said, _ = in_a_zeroer(body)
-    assert said == "CUDA error: device not ready"
+    error, _ = in_a_zeroer(body, backend)
+    kind, message, _ = ELAPSED_TIME_REFUSALS["queued"]
+    assert isinstance(error, TORCH_TYPES[kind]) and not isinstance(error, ValueError) and str(error) == message
+    # both events queued (nothing has run): torch stops at the start; the runtime names the end, whose
+    # completion a time claims
+    assert (error.call, error.state) == ("elapsed_time", "an end event that had not completed")
+
+
+@cuda
+@pytest.mark.parametrize("case", ["untimed", "unrecorded", "queued"])
+def test_torchs_own_events_refuse_elapsed_time_as_the_runtime_does(case):
+    """The reference for the rows above: a plain torch.cuda.Event on the GPU, outside the harness."""
+    start, end = torch.cuda.Event(enable_timing=case != "untimed"), torch.cuda.Event(enable_timing=True)
+    if case != "unrecorded":
+        start.record()
+    if case == "queued":
+        torch.cuda._sleep(1 << 30)  # about a second of device cycles: end is still queued when it is timed
+    end.record()
+    if case != "queued":
+        torch.cuda.synchronize()
+    try:
+        start.elapsed_time(end)
+        error = None
+    except (ValueError, RuntimeError) as raised:
+        error = raised
+    torch.cuda.synchronize()
+    kind, message, _ = ELAPSED_TIME_REFUSALS[case]
+    assert error is not None and type(error).__name__ == kind and str(error).startswith(message), repr(error)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

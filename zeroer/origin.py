@@ -13,6 +13,13 @@ never a finding. The decision is made from the traceback, not from the exception
   (the interception passing a torch call through, marked with :func:`forwarding`), makes it the
   zeroer's too: the library refused the zeroer's call. Any other **harness** frame makes it the
   harness's;
+* a **CUDA error** the runtime raises where CUDA (torch) refuses a call for the state its
+  arguments are in (``start.elapsed_time(end)`` with the end event still queued:
+  :class:`zeroer.runtime.cuda_errors.CudaStateError`, marked ``refused_by_cuda``) is raised in the
+  runtime's frames, so the first rule would call it the harness's. It is whoever called the
+  runtime's: the code's, when the frame outside the runtime's is the code's own or a forwarding
+  stand-in handing the code's call on (``torch.cuda.Event.elapsed_time``): on a GPU, CUDA raises it
+  at that very call. Called from any other harness frame, it is the harness's (exit status 3);
 * one case the traceback cannot show: an ``AttributeError`` raised in the zeroer's line about an
   object the harness put there is the harness's: a gap of a stand-in for torch's (a stream, an
   event: :func:`stand_in`), or an attribute the documented KV cache does not have (:func:`documented`).
@@ -45,6 +52,8 @@ from zeroer.errors import ZeroerError
 
 # Module name prefixes of the harness; everything of this distribution that is not a zeroer.
 HARNESS_MODULES = ("zeroer", "fuzz", "repro", "kvzero_fuzz", "racecheck", "sanitizer")
+# The runtime, which raises CUDA's errors on behalf of whoever called it (a refused elapsed_time).
+RUNTIME_MODULE = "zeroer.runtime"
 # This distribution's zeroers: the built-in designs, the zoo and the kernel they launch.
 ZEROER_MODULES = ("zeroer.designs", "zeroer.zoo", "zeroer.kernel")
 LIBRARIES = frozenset({
@@ -134,6 +143,8 @@ def blame(error: BaseException) -> Blame:
     # a library called from outside any frame we know, or forwarding the zeroer's own call: the zeroer's
     if decisive is None or kinds[decisive] == "forwarding":
         return Blame(False, None, where)
+    if getattr(error, "refused_by_cuda", False) and _called_by_the_code(frames, kinds, decisive):
+        return Blame(False, None, where)
     if kinds[decisive] == "zeroer":
         owner = getattr(error, "obj", None) if isinstance(error, AttributeError) else None
         if isinstance(owner, tuple(_DOCUMENTED)):
@@ -142,6 +153,16 @@ def blame(error: BaseException) -> Blame:
             return Blame(True, HARNESS_BUG, where)
         return Blame(False, None, where)
     return Blame(True, _status(error, frames, kinds, decisive), where)
+
+
+def _called_by_the_code(frames: list, kinds: list[str], decisive: int) -> bool:
+    """Whether the runtime call that raised at ``decisive`` was the code's: the first frame outside
+    the runtime's own (and the libraries') is the code's, or a forwarding stand-in of its call."""
+    outer = decisive
+    while outer >= 0 and (kinds[outer] == "library" or (
+            kinds[outer] == "harness" and _module(frames[outer][0]).startswith(RUNTIME_MODULE + "."))):
+        outer -= 1
+    return outer >= 0 and outer < decisive and kinds[outer] in ("zeroer", "forwarding")
 
 
 def _status(error: BaseException, frames: list, kinds: list[str], decisive: int) -> int:
@@ -156,6 +177,6 @@ def _status(error: BaseException, frames: list, kinds: list[str], decisive: int)
         while start > 0 and kinds[start - 1] in ("harness", "library"):
             start -= 1
         chain = [_module(frames[i][0]) for i in range(start, decisive + 1) if kinds[i] == "harness"]
-        if start > 0 and kinds[start - 1] == "zeroer" and chain and all(m.startswith("zeroer.runtime") for m in chain):
+        if start > 0 and kinds[start - 1] == "zeroer" and chain and all(m.startswith(RUNTIME_MODULE) for m in chain):
             return USER_FIXABLE
     return HARNESS_BUG

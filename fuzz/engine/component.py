@@ -68,7 +68,11 @@ class CallerCore(Protocol):
 class Component(Protocol):
     """A kind of code under test driven beside the zeroer (an offloader's side): what the caller
     core asks of it. It is built with the episode (:func:`build_component`), reaches the core
-    only through :class:`CallerCore`, and adds its own ops to the trace (:meth:`ops`)."""
+    only through :class:`CallerCore`, and adds its own ops to the trace (:meth:`ops`).
+
+    Optionally (the core looks it up with ``getattr``) ``explain_cuda_error(call, error) -> str |
+    None``: what CUDA refusing one of its calls means for this kind of code, for the words of the
+    ``cuda error`` finding (fuzz.engine.cuda_error)."""
 
     noun: str  # how a message names it: "the offloader"
     keeps_cache_tensors: bool  # built with the cache's tensors: the caller may not move the cache

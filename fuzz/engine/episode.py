@@ -47,6 +47,7 @@ import torch
 from fuzz.engine.free_queue import FreeQueue
 from fuzz.engine.cache_pool import CachePool
 from fuzz.engine.component import COMPONENT_KINDS, Component, build_component, chosen_kinds, code_of
+from fuzz.engine.cuda_error import CUDA_ERROR, cuda_error_message, cuda_refusal
 from fuzz.engine.harness_error import factory_error, harness_error, raise_if_harness
 from fuzz.engine.ops import OPS, check_op
 from fuzz.engine.oracle import Finding, Shadow, all_rows_match
@@ -666,14 +667,31 @@ class _Scope:
 
 
 def _raised_finding(episode: Episode, who: str, call: str, error: BaseException) -> Finding:
-    """``who`` (``zeroer`` or a component kind) raised in ``call``: its finding, filed under its name."""
+    """``who`` (``zeroer`` or a component kind) raised in ``call``: its finding, filed under its name,
+    or as a ``cuda error`` when CUDA refused a call of its own (fuzz.engine.cuda_error)."""
     details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    message = f"{who} raised at step {episode.step} in {call}: {type(error).__name__}: {error}"
     # Where in the zeroer's code it came from: what makes two raises the same bug (fuzz.engine.signature).
     where = blame(error).where or ""
-    finding = Finding(f"{who} raised", None, message, episode.config.caller_fault is not None, details, where)
+    refusal = cuda_refusal(error)
+    if refusal is not None:
+        kind = CUDA_ERROR
+        message = cuda_error_message(episode.step, f"the {who}'s {call.removeprefix('its ')}", where, refusal,
+                                     _cuda_error_meaning(episode, who, call, error), error)
+    else:
+        kind = f"{who} raised"
+        message = f"{who} raised at step {episode.step} in {call}: {type(error).__name__}: {error}"
+    finding = Finding(kind, None, message, episode.config.caller_fault is not None, details, where)
     episode.findings.append(finding)
     return finding
+
+
+def _cuda_error_meaning(episode: Episode, who: str, call: str, error: BaseException) -> str | None:
+    """What CUDA's refusal of ``call`` says of the code under test, where its kind knows
+    (an offloader's get_finished() timing an unfinished job: it reported the job early)."""
+    explain = getattr(episode.component, "explain_cuda_error", None)
+    if explain is None or who == "zeroer":
+        return None
+    return explain(call, error)
 
 
 def count_shown(config: EpisodeConfig, ops: list[dict], replays: int) -> int:

@@ -29,7 +29,10 @@ nothing more. The oracle then judges:
 * **bad report**: a job reported twice, a job that does not exist, or reported failed;
 * **never finished**: a job still unreported once the device is idle at the end;
 * every hazard of the happens-before checker, and the device cache's own checks (clobbered
-  blocks, stray writes), as for a zeroer.
+  blocks, stray writes), as for a zeroer;
+* **cuda error**: CUDA refused one of its calls for the state it was in, named after the call, the
+  state and what it means here (``elapsed_time on an end event that had not completed: the job
+  was reported before its copy finished``: :meth:`OffloadSide.explain_cuda_error`).
 
 Example::
 
@@ -114,6 +117,14 @@ class OffloadSide:
     def abandon(self) -> None:
         if self.offloader is not None:
             self.offloader.close()
+
+    def explain_cuda_error(self, call: str, error: BaseException) -> str | None:
+        """What CUDA refusing the offloader's ``call`` says of it: ``get_finished()`` timing a job
+        whose events had not completed (vLLM's handler reports each job with
+        ``start.elapsed_time(end)``) was reporting that job before its copies ran (promise 3)."""
+        if call.startswith("get_finished()") and str(getattr(error, "state", "")).endswith("had not completed"):
+            return "the job was reported before its copy finished"
+        return None
 
     # -- labels ---------------------------------------------------------------------------------------
     def _call(self, what: str) -> Any:

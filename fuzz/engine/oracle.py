@@ -66,12 +66,12 @@ class BlockShadow:
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # "non-zero after zeroing" | "clobbered" | "stray write" | "hazard" | "zeroer raised" | "offloader raised"
+    kind: str  # "non-zero after zeroing" | "clobbered" | "stray write" | "hazard" | "zeroer raised" | "offloader raised" | "cuda error"
     block: int | None
     message: str
     caller_fault: bool = False
-    details: str = ""  # "zeroer raised" or "offloader raised": the exception's traceback
-    where: str = ""  # "... raised": the line of the code under test it came from, "file:line (code)" (zeroer.origin.blame)
+    details: str = ""  # "zeroer raised", "offloader raised" or "cuda error": the exception's traceback
+    where: str = ""  # "... raised", "cuda error": the line of the code under test it came from, "file:line (code)" (zeroer.origin.blame)
 
     def __str__(self) -> str:
         prefix = "[caller fault] " if self.caller_fault else ""

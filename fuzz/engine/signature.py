@@ -16,6 +16,9 @@ program happened to do:
     whether a stream is the caller's or the zeroer's own;
   - a **zeroer raised** finding: the call that raised, the exception's type and the ``file:line``
     of the zeroer's frame it came from (:func:`zeroer.origin.blame`);
+  - a **cuda error** finding: the call of the code under test, CUDA's call it made and the state
+    CUDA refused it in (``get_finished(): elapsed_time on an end event that had not completed``),
+    torch's words, and the ``file:line`` it came from;
   - a **value** finding (``non-zero after zeroing``, ``clobbered``, a ``stray write`` to a block
     or a guard word) records no place in the zeroer's code, only what was observed: the expected
     and observed words' classes (``expected 0 (zeroed), observed NaN poison``) or which guard
@@ -52,6 +55,7 @@ from typing import Any
 
 from fuzz.engine.bugs import bug_id
 from fuzz.engine.component import COMPONENT_KINDS  # standard library only, too
+from fuzz.engine.cuda_error import CUDA_ERROR  # standard library only, too
 from fuzz.engine.violation import ZeroerViolation  # standard library only: reports read signatures without torch
 
 VALUE_KINDS = ("non-zero after zeroing", "clobbered", "stray write",
@@ -107,6 +111,8 @@ def finding_signature(finding: Any, *, zeroer: str, geometry: str, caller_fault:
     text = message.replace(zeroer, label) if zeroer != label else message
     if kind in RAISED_KINDS:
         site = _raised_site(text, where)
+    elif kind == CUDA_ERROR:
+        site = _cuda_error_site(text, where)
     elif kind in VALUE_KINDS:
         return Signature(kind, label, _value_site(text), caller_fault, geometry)
     else:  # a hazard, an illegal address, or a kind this module does not know: its words, normalised
@@ -188,3 +194,15 @@ def _raised_site(message: str, where: str) -> str:
     what = re.sub(r"\(.*\)$", "", raised.group("what"))  # zero_block_ids([1, 2]) -> zero_block_ids
     location = where.split(" (", 1)[0]  # zeroer.origin's "file:line (code)"
     return f"{what} raised {raised.group('type')}" + (f" at {location}" if location else "")
+
+
+def _cuda_error_site(message: str, where: str) -> str:
+    """``get_finished(): elapsed_time on an end event that had not completed: ... (RuntimeError: ...)
+    at file.py:363``: fuzz.engine.cuda_error's words without the step and the call's arguments."""
+    location = where.split(" (", 1)[0]
+    text = re.sub(r"^cuda error at step \d+ in (the \w+'s )(?:cache \d+: )?", r"\1", message)  # which cache: the program's
+    if location:
+        text = text.replace(f" at {location}: ", ": ", 1)
+    call, _, rest = text.partition(": ")
+    call = re.sub(r"\(.*\)$", "", call)  # transfer_async(2, (GPU[1], CPU[1])) -> transfer_async
+    return f"{call}: {_normalise(rest)}" + (f" at {location}" if location else "")

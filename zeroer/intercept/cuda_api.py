@@ -45,7 +45,7 @@ import torch
 
 from racecheck import real_cuda
 from zeroer.intercept.errors import unroutable
-from zeroer.origin import stand_in
+from zeroer.origin import forwarding, stand_in
 from zeroer.runtime import Event, Runtime, Stream
 
 #: (lowest, highest) stream priority on the simulator, as ``torch.cuda.Stream.priority_range()``
@@ -179,8 +179,9 @@ class EventProxy:
         self._api.syncing("Event.synchronize")
         self._api.rt.synchronize_event(self.runtime_event)
 
+    @forwarding  # the code's own call: what the runtime refuses here, CUDA refuses at this call (zeroer.origin)
     def elapsed_time(self, end_event: "EventProxy") -> float:
-        """Milliseconds between the two records (``Runtime.elapsed_time``: CUDA's errors where
+        """Milliseconds between the two records (``Runtime.elapsed_time``: torch's errors where
         an event was made without timing, never recorded, or has not completed)."""
         self._api.syncing("Event.elapsed_time")
         return self._api.rt.elapsed_time(self.runtime_event, self._api.event_of(end_event))

@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from zeroer.errors import RuntimeUsageError
+from zeroer.runtime.cuda_errors import CudaStateRuntimeError, CudaStateValueError, events_in_state
 from racecheck.clocks import HOST
 from racecheck.hb import HappensBefore, Hazard, OpStamp
 from racecheck.threads import HostThreads
@@ -368,14 +369,28 @@ class Runtime(ABC):
     def elapsed_time(self, start: Event, end: Event) -> float:
         """Milliseconds from ``start`` to ``end``, as ``torch.cuda.Event.elapsed_time``: both made
         with timing, recorded, and complete (the host then knows everything before them, as after a
-        query), else the error CUDA gives. Real on CUDA; on the simulator its clock
-        (:data:`zeroer.runtime.sim.SIM_MS_PER_STEP` per scheduling step)."""
+        query), else what torch raises, in its order of checks and with its type and words
+        (:mod:`zeroer.runtime.cuda_errors`), on both backends: the runtime's model says whether an
+        event has completed, which on a controlled GPU is not the device's own view. Real on CUDA;
+        on the simulator its clock (:data:`zeroer.runtime.sim.SIM_MS_PER_STEP` per scheduling step)."""
         if not (start.timing and end.timing):
-            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+            state = events_in_state(not start.timing, not end.timing, "made without enable_timing=True",
+                                    "made without enable_timing=True")
+            raise CudaStateValueError("Both events must be created with argument 'enable_timing=True'.",
+                                      call="elapsed_time", state=state)
         if start.stream is None or end.stream is None:
-            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+            state = events_in_state(start.stream is None, end.stream is None, "that was never recorded",
+                                    "that were never recorded")
+            raise CudaStateValueError("Both events must be recorded before calculating elapsed time.",
+                                      call="elapsed_time", state=state)
+        # torch queries the end event only once the start has completed (query() && other.query())
         if not (self.query_event(start) and self.query_event(end)):
-            raise RuntimeError("CUDA error: device not ready")  # cudaEventElapsedTime's cudaErrorNotReady
+            # Named by the end event whenever it has not completed, whatever the start's state (which
+            # the copies' own synchronisation decides): timing a job claims that its end has completed.
+            end_done = self._event_done(end)
+            state = events_in_state(end_done, not end_done, "that had not completed", "that had not completed")
+            raise CudaStateRuntimeError("Both events must be completed before calculating elapsed time.",
+                                        call="elapsed_time", state=state)
         return self._elapsed(start, end)
 
     def synchronize_event(self, event: Event) -> None:
