@@ -1,5 +1,6 @@
-"""pytest wiring for tests/: the CUDA setup every GPU test expects, examples/ on the path, and on a
-machine with a GPU the worker count of ``-n auto`` and the GPU slots tests share (gpu_budget)."""
+"""pytest wiring for tests/: the CUDA setup every GPU test expects, examples/ on the path, one
+bytecode cache for the run's processes where bytecode is off (bytecode_cache), and on a machine with a
+GPU the worker count of ``-n auto`` and the GPU slots tests share (gpu_budget)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bytecode_cache import share_bytecode_cache
 from gpu_budget import HELD, Slot, auto_workers, children_take_the_slot, machine_budget, slots_folder, uses_gpu
 from racecheck.gate import request_hardware_queues
 
@@ -17,6 +19,10 @@ pytest_plugins = ["state_guard"]  # no state crosses tests (-p no:state_guard tu
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Before xdist starts its workers: they and every child a test starts inherit the cache.
+    prefix = share_bytecode_cache(os.environ)
+    if prefix is not None:
+        sys.dont_write_bytecode, sys.pycache_prefix = False, prefix
     # Before any test touches CUDA: the controlled runtime's gated streams need their own
     # hardware queues, and the driver reads that once, when the context is created.
     request_hardware_queues()

@@ -18,17 +18,22 @@ out=${1:?give an output directory}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 month=$(date +%Y-%m)
+# The data files are named after the card that made them (h100, h200, ...), as docs/results.md cites them.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE '[a-z]+[0-9]{2,3}[a-z]*' | head -1 | tr '[:upper:]' '[:lower:]')
+card=${card:-gpu}
 # STAGE_SCALE (default 1) scales every stage's time limit: the GPU check (.gpu/check) runs the stages
 # beside each other in less time.
 lim() { awk -v s="${STAGE_SCALE:-1}" -v n="$1" 'BEGIN { printf "%d", n * s }'; }
 export PYTHONUNBUFFERED=1
 timeout -k 10 "$(lim 60)" $py -m pytest tests/test_offload.py -k "cuda" -q -p no:cacheprovider --tb=short -rfE \
   > "$out/gpu-tests.txt" 2>&1; echo "exit $?" >> "$out/gpu-tests.txt"
-timeout -k 10 "$(lim 240)" $py -m fuzz.bench.offload --backend cuda --seeds 2 --budget 60 -j "${WORKERS:-8}" \
-  --json "$out/h200-offload-$month.json" > "$out/detect.txt" 2> "$out/detect-progress.txt"
+# The GPU methods only: fuzz-sim is the CPU's evidence (CI and docs/fuzz-your-offloader.md measure it).
+timeout -k 10 "$(lim 240)" $py -m fuzz.bench.offload --backend cuda --methods fuzz-controlled,fuzz-free,stress,torch-sanitizer \
+  --seeds 2 --budget 60 -j "${WORKERS:-8}" \
+  --json "$out/$card-offload-$month.json" > "$out/detect.txt" 2> "$out/detect-progress.txt"
 echo "exit $?" >> "$out/detect.txt"
 timeout -k 10 "$(lim 120)" $py -m fuzz.bench.offload --backend cuda --steps-clean 20000 --budget 30 -j 4 \
-  --json "$out/h200-offload-soak-$month.json" > "$out/soak.txt" 2> "$out/soak-progress.txt"
+  --json "$out/$card-offload-soak-$month.json" > "$out/soak.txt" 2> "$out/soak-progress.txt"
 echo "exit $?" >> "$out/soak.txt"
 timeout -k 10 "$(lim 45)" $py -m pytest tests/test_engine_idioms.py tests/test_helper_threads.py tests/test_sim_conformance.py \
   -k "cuda" -q -p no:cacheprovider --tb=short -rfE > "$out/idiom-tests.txt" 2>&1; echo "exit $?" >> "$out/idiom-tests.txt"

@@ -17,6 +17,9 @@ out=${1:?give an output directory}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 month=$(date +%Y-%m)
+# The data files are named after the card that made them (h100, h200, ...), as docs/results.md cites them.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE '[a-z]+[0-9]{2,3}[a-z]*' | head -1 | tr '[:upper:]' '[:lower:]')
+card=${card:-gpu}
 # STAGE_SCALE (default 1) scales every stage's time limit: the GPU check (.gpu/check) runs the stages
 # beside each other in less time.
 lim() { awk -v s="${STAGE_SCALE:-1}" -v n="$1" 'BEGIN { printf "%d", n * s }'; }
@@ -33,7 +36,7 @@ if [ "${2:-}" = engines ]; then
     > "$out/idiom-tests.txt" 2>&1; echo "exit $?" >> "$out/idiom-tests.txt"
   # docs/engine-shapes.md: PyTorch's sanitizer on each real-shape program, and their GPU tests
   # (the table-kernel handler fuzzed on CUDA, the driver copies, the custom ops' references).
-  timeout -k 10 "$(lim 90)" $py -m sanitizer.bench.engine_shapes --tools torch -j "${JOBS:-6}" --json "$out/h200-engine-shapes-torch-$month.json" \
+  timeout -k 10 "$(lim 90)" $py -m sanitizer.bench.engine_shapes --tools torch -j "${JOBS:-6}" --json "$out/$card-engine-shapes-torch-$month.json" \
     > "$out/engine-shapes-torch.txt" 2>&1; echo "exit $?" >> "$out/engine-shapes-torch.txt"
   timeout -k 10 "$(lim 120)" $py -m pytest tests/test_table_kernels.py tests/test_driver_copies.py tests/test_custom_ops.py \
     tests/test_interpreter_gaps.py -n "${WORKERS:-8}" -q -p no:cacheprovider -p no:randomly --tb=short -rfE \
@@ -49,11 +52,11 @@ if [ "${2:-}" = suite ]; then
     | tail -200 > "$out/own-suite.txt"
   exit 0
 fi
-timeout -k 10 "$(lim 200)" $py -m sanitizer.bench.compare -j "${JOBS:-16}" --steps 8 --json "$out/h200-sanitizer-compare-$month.json" \
+timeout -k 10 "$(lim 200)" $py -m sanitizer.bench.compare -j "${JOBS:-16}" --steps 8 --json "$out/$card-sanitizer-compare-$month.json" \
   > "$out/compare.txt" 2>&1; echo "exit $?" >> "$out/compare.txt"
-timeout -k 10 "$(lim 200)" $py -m sanitizer.bench.overhead --rounds 3 --json "$out/h200-sanitizer-overhead-$month.json" \
+timeout -k 10 "$(lim 200)" $py -m sanitizer.bench.overhead --rounds 3 --json "$out/$card-sanitizer-overhead-$month.json" \
   > "$out/overhead.txt" 2>&1; echo "exit $?" >> "$out/overhead.txt"
-timeout -k 10 "$(lim 90)" $py -m sanitizer.bench.op_cost --steps 2000 --rounds 3 --json "$out/h200-sanitizer-op-cost-$month.json" \
+timeout -k 10 "$(lim 90)" $py -m sanitizer.bench.op_cost --steps 2000 --rounds 3 --json "$out/$card-sanitizer-op-cost-$month.json" \
   --profile "$out/op-cost-profile.txt" > "$out/op-cost.txt" 2>&1; echo "exit $?" >> "$out/op-cost.txt"
 timeout -k 10 "$(lim 110)" $py -m pytest tests/test_sanitizer_gpu.py tests/test_sanitizer_observer.py -k "not each_program" \
   -q -p no:cacheprovider -n "${WORKERS:-6}" --tb=short -rfE > "$out/gpu-tests.txt" 2>&1; echo "exit $?" >> "$out/gpu-tests.txt"
