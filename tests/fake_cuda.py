@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sanitizer.gpu import trace
 from sanitizer.sites import also_skip
@@ -160,6 +161,35 @@ class FakeCuda:
     def adapter(self) -> "FakeCuda":
         """The observer's device: this stand-in."""
         return self
+
+    @contextlib.contextmanager
+    def placing(self) -> Iterator[None]:
+        """``.to("cuda")``, ``torch.arange(..., device="cuda")`` and every other op asked for a
+        ``device="cuda"`` result make device memory of this stand-in (on the CPU). Enter it before
+        the observer starts: the observer's mode sees the op as it would on a GPU, then hands it here.
+        A CPU build of torch refuses ``"cuda"`` in the Python call, so call the aten op it dispatches
+        to: ``torch.ops.aten._to_copy.default(t, device=torch.device("cuda"), non_blocking=True)``."""
+        with _Placing(self):
+            yield
+
+
+class _Placing(TorchDispatchMode):
+    """See :meth:`FakeCuda.placing`."""
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        target = kwargs.get("device")
+        if target is None or torch.device(target).type != "cuda":
+            return func(*args, **kwargs)
+        kwargs["device"] = torch.device("cpu")
+        kwargs.pop("pin_memory", None)
+        result = func(*args, **kwargs)
+        self.cuda.adopt(result)
+        return result
 
 
 class _FakeGraph:

@@ -180,14 +180,16 @@ def test_the_sanitizer_reports_the_racy_engine_loop_at_both_lines_and_not_the_fi
 # -- the fuzzer on CUDA: the tables from their host source ------------------------------------------------
 
 def _cuda_session(places: list) -> SimpleNamespace:
-    """What through_tables_on_cuda asks of a session: its staged values, and where a run lands."""
-    from racecheck.staged_values import StagedValues
+    """What through_tables_on_cuda asks of a session: its known device values, and where a run lands."""
+    from racecheck.device_values import DeviceValues
 
     def place(address: int, size: int, call: str, role: str) -> tuple:
         places.append((address, address + size, role))
         return SimpleNamespace(kind="device", owner=None, start=address, end=address + size)
 
-    return SimpleNamespace(cuda_ops=SimpleNamespace(staged=StagedValues()), driver=SimpleNamespace(place=place))
+    device: set[int] = set()  # the storages the test calls device memory (session.device)
+    values = DeviceValues(lambda t: t.untyped_storage().data_ptr() in device)
+    return SimpleNamespace(cuda_ops=SimpleNamespace(values=values), driver=SimpleNamespace(place=place), device=device)
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
@@ -200,8 +202,9 @@ def test_on_cuda_the_fuzzer_places_what_the_kernel_touches_through_the_tables_th
     places: list = []
     session = _cuda_session(places)
     tables = [torch.zeros(ROWS, dtype=torch.int64) for _ in range(3)]  # the device tables
+    session.device.update(t.untyped_storage().data_ptr() for t in tables)
     for table, values in zip(tables, _tables(src, 1, dst, 2)):
-        session.cuda_ops.staged.record(table, torch.from_numpy(values))  # as CudaOps records an H2D copy
+        session.cuda_ops.values.copied(table, torch.from_numpy(values))  # as CudaOps records an H2D copy
     device = {t.data_ptr() for t in tables}
     arguments = {"src_addrs": tables[0], "dst_addrs": tables[1], "sizes": tables[2], "n_jobs": ROWS,
                  "BYTES_PER_CHUNK": 64}
@@ -224,61 +227,35 @@ def test_on_cuda_a_table_whose_values_are_not_known_is_a_harness_error_that_name
     kv = torch.ones((4 * ROWS, WORDS), dtype=torch.float32)
     session = _cuda_session([])
     tables = [torch.zeros(ROWS, dtype=torch.int64) for _ in range(3)]
+    session.device.update(t.untyped_storage().data_ptr() for t in tables)
     for table, values in zip(tables, _tables(kv, 1, kv, 2)):
         if how == "written since" or table is not tables[1]:
-            session.cuda_ops.staged.record(table, torch.from_numpy(values))
+            session.cuda_ops.values.copied(table, torch.from_numpy(values))
     if how == "written since":
-        session.cuda_ops.staged.written(tables[1].untyped_storage().data_ptr())  # a device op wrote dst_addrs
+        session.cuda_ops.values.written(tables[1].untyped_storage().data_ptr())  # a device op wrote dst_addrs
     device = {t.data_ptr() for t in tables}
     arguments = {"src_addrs": tables[0], "dst_addrs": tables[1], "sizes": tables[2], "n_jobs": ROWS,
                  "BYTES_PER_CHUNK": 64}
-    with pytest.raises(InterceptError, match=r"^triton _swap_blocks_kernel: argument 'dst_addrs': it is a table of addresses .* did not stage"):
+    with pytest.raises(InterceptError, match=r"^triton _swap_blocks_kernel: argument 'dst_addrs': it is a table of addresses .* whose values the code did not make from the host"):
         through_tables_on_cuda(session, "triton _swap_blocks_kernel", swap._swap_blocks_kernel.fn, arguments, (2,),
                                ["dst_addrs", "sizes", "src_addrs"], lambda t: t.data_ptr() in device)
 
 
-def test_staged_values_are_the_copys_and_a_copy_over_part_of_them_forgets_the_earlier_one():
-    from racecheck.staged_values import StagedValues
-
-    staged = StagedValues()
-    device = torch.zeros(8, dtype=torch.int64)
-    staged.record(device, torch.arange(8))
-    assert staged.values(device[4:8]).tolist() == [4, 5, 6, 7]
-    assert staged.values(device.view(torch.int32)) is None  # the same bytes read as another dtype
-    staged.record(device[2:4], torch.tensor([70, 80]))
-    assert staged.values(device[2:4]).tolist() == [70, 80]
-    assert staged.values(device[4:8]) is None  # the earlier copy overlapped: forgotten, never half-known
-    other = torch.zeros(4)
-    staged.record(other, torch.arange(4.0))  # not integers: not a table
-    assert staged.values(other) is None
-    staged.written(device.untyped_storage().data_ptr())
-    assert staged.values(device[2:4]) is None
-
-
-def test_staged_values_forget_the_bytes_a_device_write_covers_and_keep_the_rest():
-    from racecheck.staged_values import StagedValues
-
-    staged = StagedValues()
-    base = torch.zeros(8, dtype=torch.uint64)  # two tables of addresses in one storage
-    first, second = base[:4], base[4:]
-    staged.record(first, torch.tensor([0, 1, 2, 3], dtype=torch.uint64))
-    staged.record(second, torch.tensor([4, 5, 6, 7], dtype=torch.uint64))
-    staged.written(base.untyped_storage().data_ptr(), [(second.data_ptr(), second.data_ptr() + 8)])
-    assert staged.values(first).tolist() == [0, 1, 2, 3] and staged.values(second) is None
-
-
 def test_the_gpu_observers_index_values_are_never_an_older_copys_where_a_later_one_overwrote_part():
-    from types import SimpleNamespace
-
+    from racecheck.device_values import DeviceValues
     from sanitizer.gpu.indices import Indices
 
-    indices = Indices(SimpleNamespace(device=SimpleNamespace(is_device=lambda t: True)))
     ids = torch.zeros(8, dtype=torch.int64)
-    indices.staged(ids, torch.arange(8))
+
+    def is_device(t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() == ids.untyped_storage().data_ptr()
+
+    obs = SimpleNamespace(device=SimpleNamespace(is_device=is_device), values=DeviceValues(is_device))
+    indices = Indices(obs)
+    obs.values.copied(ids, torch.arange(8))
     assert indices.values(ids) == list(range(8))
-    indices.staged(ids[2:4], torch.tensor([70, 80]))  # a later copy over part of them
-    assert indices.values(ids[2:4]) == [70, 80]
-    assert indices.values(ids) is None  # not the first copy's values: they are stale at 2 and 3
+    obs.values.copied(ids[2:4], torch.tensor([70, 80]))  # a later copy over part of them
+    assert indices.values(ids) == [0, 1, 70, 80, 4, 5, 6, 7]  # not the first copy's values at 2 and 3
 
 
 @CUDA

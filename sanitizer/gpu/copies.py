@@ -15,8 +15,10 @@ memories involved (:func:`racecheck.ops.copy_kind`):
   dtype than the device side: :func:`racecheck.ops.host_temporary`);
 * device to device: queued, like any kernel.
 
-The bytes a host-to-device copy stages are remembered for small integer tensors, so that a later
-``index_select`` over them knows its rows (:mod:`sanitizer.gpu.indices`).
+The values a copy into device memory delivers are shadowed for small integer tensors, from pinned
+or pageable memory or from known device values (:mod:`racecheck.device_values`), so that a later
+``index_select`` over them knows its rows (:mod:`sanitizer.gpu.indices`) and a kernel loading its
+pointers from them what it touches.
 """
 
 from __future__ import annotations
@@ -67,12 +69,14 @@ def copy(handler: Any, func: Any, args: tuple, kwargs: dict, what: str, site: Si
     stamp = obs.enqueue(f"{op_name(func)} ({how})", stream, site)
     if from_device:
         obs.device_access(src, stamp, write=False)
+    # the values it delivers into device memory, from the host's bytes now or known device values
+    pending = obs.values.prepare(func, args, kwargs, [t for t in (dst, src) if t is not None and device.is_device(t)]) \
+        if to_device else None
     result = func(*args, **kwargs)
     target_tensor = dst if dst is not None else result
     if isinstance(target_tensor, torch.Tensor) and device.is_device(target_tensor):
         obs.device_access(target_tensor, stamp, write=True)
-        if h2d:
-            obs.indices.staged(target_tensor, src)
+        obs.values.commit(pending, result)
     if reads_pinned:
         obs.queued_read(region, src, stamp, held)
     if writes_pinned and isinstance(target_tensor, torch.Tensor):

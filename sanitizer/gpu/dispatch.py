@@ -5,7 +5,9 @@ A ``TorchDispatchMode`` is entered in every thread the program runs torch in (mo
 
 * **device work** is stamped on the stream torch is about to use, with the bytes it reads and
   writes (the schema's ``(a!)`` arguments and fresh outputs are writes; an indexed op touches only
-  the rows its index tensor names, :mod:`sanitizer.gpu.indices`);
+  the rows its index tensor names, :mod:`sanitizer.gpu.indices`); an op on small integer tensors
+  whose values are known is evaluated on the host too, so tables made on the device stay known
+  (:mod:`racecheck.device_values`);
 * **copies** take CUDA's meaning (:func:`racecheck.ops.copy_kind`): a non-blocking copy from
   pinned memory reads it when its stream gets there (a snapshot of the bytes is kept); a
   non-blocking copy to pinned memory writes it then (a pending write the host may not read or
@@ -92,9 +94,15 @@ class Handler:
             if target is None or not _is_cuda(target):
                 return self.host_op(func, args, kwargs, tensors)
         what = info.kind
-        if what == "view" or what == "alloc":
+        if what == "view":
             return func(*args, **kwargs)
         obs = self.obs
+        if what == "alloc":  # fresh memory: whatever was known at its address is gone
+            result = func(*args, **kwargs)
+            if isinstance(result, torch.Tensor) and device.is_device(result):
+                with obs.lock:
+                    obs.values.written(result.untyped_storage().data_ptr())
+            return result
         site = caller_site()
         index = device.device_index(on_device[0] if on_device else None)
         with obs.lock:
@@ -116,11 +124,14 @@ class Handler:
             stream = device.current_stream(index)
             stamp = obs.enqueue(info.name, stream, site)
             written = written_tensors(func, args, kwargs) if info.written else ()
+            # an op on small integers is evaluated on the host, on the values it reads (racecheck.device_values)
+            pending = obs.values.prepare(func, args, kwargs, on_device)
             obs.indices.declare(func, args, kwargs, stamp, on_device, written)
         result = func(*args, **kwargs)
         with obs.lock:
             for out in fresh_outputs(func, result, device, on_device):
                 obs.device_access(out, stamp, write=True)
+            obs.values.commit(pending, result)
             if blocking:
                 obs.observes_stream(stream)
             obs.collect()

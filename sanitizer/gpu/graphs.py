@@ -164,7 +164,7 @@ class Graphs:
             if captured.indexed is not None:
                 self._indexed(captured.indexed, stamp)
             for dst, src in captured.staged:
-                obs.indices.staged(dst, src)  # the ids the replay stages, as an eager copy's
+                obs.values.copied(dst, src)  # the ids the replay stages, as an eager copy's (racecheck.device_values)
             for region, view in captured.pinned_reads:
                 obs.queued_read(region, view, stamp, held, keep=view)
             for region, view in captured.pinned_writes:

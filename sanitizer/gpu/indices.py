@@ -7,9 +7,10 @@ vLLM's offload worker stores the blocks it offloads with ``index_select`` on its
 while the compute stream writes other blocks of the same KV tensor; taking the whole tensor as read
 would call that a race. The index tensor lives on the device, so its values are known only:
 
-* when the program staged them there: a host-to-device copy of small integer data records the bytes
-  it delivers (the staged bytes of pinned memory, as a snapshot keeps them; a host write under the
-  copy is a race reported on its own), and any other write to those bytes forgets them;
+* where the observer's shadow of device values knows them (:mod:`racecheck.device_values`): the
+  program made them from the host (a copy, ``.to()``, ``torch.tensor(..., device=)``) or from
+  other known values on the device (arithmetic, ``arange``, a slice), and nothing it cannot
+  evaluate wrote them since (a host write under a pinned copy is a race reported on its own);
 * or once the op has run and the host has seen it, while nothing has written the index since: the
   observer then reads the index back on a stream of its own (which waits for nothing) and declares
   the rows late; the checker's verdict does not depend on the order of declarations.
@@ -25,11 +26,10 @@ from typing import Any
 
 import torch
 
-from racecheck.hb import OpStamp
 from racecheck.dtypes import NUMPY_INTEGERS
+from racecheck.hb import OpStamp
 from racecheck.ops import indexed_rows
 from racecheck.ranges import byte_runs, row_runs
-from racecheck.staged_values import StagedValues
 
 @dataclass(frozen=True)
 class Target:
@@ -67,30 +67,25 @@ class Indices:
 
     def __init__(self, observer: Any) -> None:
         self.obs = observer
-        self._staged = StagedValues()  # what the host staged into device memory (racecheck.staged_values)
         self._generation: dict[int, int] = {}  # device storage address -> writes declared so far
         self._unresolved: list[_Unresolved] = []
         self._stream: Any = None
 
     # -- what the device holds ---------------------------------------------------------------------
-    def written(self, address: int, ranges: list[tuple[int, int]]) -> None:
-        """A device write to ``ranges`` of the storage at ``address``: staged values there are stale."""
+    def written(self, address: int) -> None:
+        """A device write to the storage at ``address``: an index there read back late may no
+        longer be what the op saw."""
         self._generation[address] = self._generation.get(address, 0) + 1
-        self._staged.written(address, ranges)
-
-    def staged(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """A host-to-device copy of ``src`` into ``dst``: its values, for a small integer index (a
-        copy over part of earlier staged values forgets those)."""
-        self._staged.record(dst, src)
 
     def values(self, index: torch.Tensor) -> list[int] | None:
-        """``index``'s values where they are known, else None."""
-        if index.dtype not in NUMPY_INTEGERS:
-            return None
+        """``index``'s values where they are known (host memory, or the observer's shadow of
+        device values), else None."""
         if not self.obs.device.is_device(index):
+            if index.dtype not in NUMPY_INTEGERS:
+                return None
             with torch._C.DisableTorchFunction():
                 return [int(v) for v in index.reshape(-1).tolist()]
-        known = self._staged.values(index)
+        known = self.obs.values.values(index)
         return None if known is None else [int(v) for v in known.reshape(-1)]
 
     # -- declaring an op's accesses ------------------------------------------------------------------

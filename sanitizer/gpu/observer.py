@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from racecheck import schedules
+from racecheck.device_values import DeviceValues
 from racecheck.hb import HappensBefore, OpStamp
 from racecheck.pinned import PinnedWatch, Region, Snapshot
 from racecheck.ranges import byte_runs
@@ -78,6 +79,9 @@ class Observer(HostWatch):
         from sanitizer.gpu.indices import Indices
 
         self.graphs = Graphs(self)
+        # The values of small integer tensors in device memory, shadowed as the program makes them
+        # (racecheck.device_values): tables and indices, known without reading the device.
+        self.values = DeviceValues(self.device.is_device)
         self.indices = Indices(self)
 
     @property
@@ -209,7 +213,8 @@ class Observer(HostWatch):
             self.hb.name_resource(key, f"device memory at 0x{address:x}")
         self.hb.device_access(key, stamp, write=write, ranges=ranges, late=late)
         if write:
-            self.indices.written(address, ranges)
+            self.values.written(address, ranges)
+            self.indices.written(address)
 
     def memory_allocated(self, address: int) -> None:
         """The caching allocator handed ``address`` out. It reuses memory on the stream that freed it
@@ -223,6 +228,7 @@ class Observer(HostWatch):
             self._recorded.discard(address)
         self._alloc_stream[address] = stream
         self._generation[address] = self._generation.get(address, 0) + 1
+        self.values.written(address)  # fresh memory: nothing of it is known
         # The op that allocates is the one the dispatch mode is handling: its line, without a walk.
         self._device_sites[address] = self.last_site or caller_site()
 

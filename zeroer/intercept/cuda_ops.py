@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from zeroer.intercept.errors import forward, unroutable
 from zeroer.intercept.cache_access import CacheAccess
 from racecheck.lazy_dynamo import LazyDynamoMode, guard_once_dynamo_loaded
-from racecheck.staged_values import StagedValues
+from racecheck.device_values import DeviceValues
 from racecheck.custom_ops import is_custom, model_for
 from racecheck.ops import aliased_returns, args_by_position, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, written_args
 from racecheck.ranges import byte_runs, merge, row_runs
@@ -54,9 +54,26 @@ class CudaOps(LazyDynamoMode):
         # Storages record_stream tied to another stream: one caching allocator serves every zeroer
         # of the runtime, so the set is the runtime's (zeroer.intercept.shared).
         self._recorded: set[int] = session.share.recorded
-        # Integers the host staged into device memory: the tables a Triton kernel loads its addresses
-        # from (racecheck.staged_values; zeroer.intercept.kernel_accesses.through_tables_on_cuda).
-        self.staged = StagedValues()
+        # The values of small integer tensors in device memory, shadowed as the code makes them: the
+        # tables a Triton kernel loads its addresses from, an extension op's pointer tables
+        # (racecheck.device_values; zeroer.intercept.kernel_accesses.through_tables_on_cuda).
+        self.values = DeviceValues(lambda t: t.is_cuda)
+        self._precise: set[int] = set()  # storages the op being issued forgot by their written bytes
+
+    def forget_written(self, addresses: list[int]) -> None:
+        """Device memory an op writes (:meth:`zeroer.intercept.session.InterceptSession._declare`):
+        its values are unknown now, but for the bytes an aten op here wrote (forgotten by those bytes
+        only, then set to what the op computes where it can be evaluated)."""
+        precise, self._precise = self._precise, set()
+        for address in addresses:
+            if address not in precise:
+                self.values.written(address)
+
+    def _writes(self, written: list[torch.Tensor]) -> None:
+        """The op about to be issued writes ``written``: those bytes, and only those, are unknown."""
+        self._precise = {t.untyped_storage().data_ptr() for t in written}
+        for tensor in written:
+            self.values.written(tensor.untyped_storage().data_ptr(), byte_runs(tensor))
 
     def note_cache(self, storages: list[int]) -> None:
         self._cache_storages = set(storages)
@@ -83,7 +100,7 @@ class CudaOps(LazyDynamoMode):
         """Tensors torch just allocated: an address record_stream had tied elsewhere starts anew."""
         for tensor in tensors:
             address = tensor.untyped_storage().data_ptr()
-            self.staged.written(address)  # new memory: nothing staged there any more
+            self.values.written(address)  # new memory: nothing of it is known
             if address in self._recorded:
                 self._recorded.discard(address)
                 self.session.rt.hb.forget(("cudamem", address))
@@ -138,9 +155,9 @@ class CudaOps(LazyDynamoMode):
             if model is None:
                 return self.session.unmodelled_op(func, args, kwargs)
             result = self.session.custom.cuda(model, func, args, kwargs)
-            for out in tree_flatten(result)[0]:  # what it returns is memory nothing was staged into
+            for out in tree_flatten(result)[0]:  # what it returns holds values nothing here evaluated
                 if isinstance(out, torch.Tensor) and out.is_cuda:
-                    self.staged.written(out.untyped_storage().data_ptr())
+                    self.values.written(out.untyped_storage().data_ptr())
             return result
         tensors = _cuda_tensors(args, kwargs)
         device = kwargs.get("device")
@@ -178,6 +195,8 @@ class CudaOps(LazyDynamoMode):
             if found is not None and found[0] < len(args) and isinstance(args[found[0]], torch.Tensor):
                 indexed = (*found, args[found[0]])
         reads, writes, cache = self._accesses(tensors, written, indexed)
+        pending = self.values.prepare(func, args, kwargs, tensors)  # on small integers: evaluated on the host
+        self._writes(written)
         box: list[Any] = []
 
         def issue() -> None:
@@ -193,6 +212,7 @@ class CudaOps(LazyDynamoMode):
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         self._fresh([o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.is_cuda
                      and (i >= len(aliased) or aliased[i] is None)])
+        self.values.commit(pending, result)
         return result
 
     def _copy(self, func: Any, args: tuple, kwargs: dict, dst: torch.Tensor | None, src: torch.Tensor,
@@ -214,6 +234,9 @@ class CudaOps(LazyDynamoMode):
         tensors = [t for t in (dst, src) if isinstance(t, torch.Tensor) and t.is_cuda]
         written = [dst] if dst is not None and dst.is_cuda else []
         reads, writes, cache = self._accesses(tensors, written)
+        # the values it delivers into device memory (the host's now, or known device values)
+        pending = self.values.prepare(func, args, kwargs, tensors) if device_dst else None
+        self._writes(written)
         box: list[Any] = []
 
         def issue() -> None:
@@ -235,8 +258,7 @@ class CudaOps(LazyDynamoMode):
         result = box[0]
         if dst is None and isinstance(result, torch.Tensor) and result.is_cuda:
             self._fresh([result])
-        if device_dst and not device_src:  # the values a table kernel may go through later
-            self.staged.record(dst if dst is not None else result, src)
+        self.values.commit(pending, result)  # the values a table kernel may go through later
         if dst is None and pin and how != "d2h-async" and isinstance(result, torch.Tensor) and not result.is_cuda:
             self.session.host.register(result, "pinned result of .to()")
         return result

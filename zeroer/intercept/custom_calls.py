@@ -11,7 +11,9 @@ falls in and declared to the happens-before checker on the current stream:
 Where the model needs values the device holds (SGLang's index tensors, its tables of layer
 addresses), the simulator evaluates it when the stream reaches the op, once they are there, and
 declares its accesses then (the checker's verdict does not depend on the order of declarations);
-on CUDA the fuzzer reads no device memory at a call, so such an op is a harness error naming it.
+on CUDA the fuzzer reads no device memory at a call: it knows the values the code made from the
+host or from values known so (:mod:`racecheck.device_values`), and any other is a harness error
+naming the op.
 The simulator runs the model's reference implementation on the CPU memory behind its tensors.
 
 A run the model declares outside any memory the tool knows is an error naming the op and the
@@ -223,10 +225,16 @@ class CustomCalls:
         given = model.bind(args, kwargs, func)
 
         def now(tensor: torch.Tensor) -> list[int]:
-            if tensor.is_cuda:
-                raise unroutable(f"{model.name} in {session.call}",
-                                 "its effect model needs values held in device memory, which the fuzzer "
-                                 "cannot read at the call on CUDA", "run it on the simulator (--backend sim)")
+            if tensor.is_cuda:  # known where the code made them from the host or known values (racecheck.device_values)
+                known = session.cuda_ops.values.values(tensor)
+                if known is None:
+                    raise unroutable(f"{model.name} in {session.call}",
+                                     "its effect model needs values held in device memory that the code did not "
+                                     "make from the host (or from values known so) or that a device op wrote "
+                                     "since, and the fuzzer reads no device memory at the call on CUDA",
+                                     "build the table on the host and copy it to the device while the tool runs, "
+                                     "or run it on the simulator (--backend sim)")
+                return [int(v) for v in known.reshape(-1)]
             return host_values(tensor)
 
         fx = model.declare(given, now)

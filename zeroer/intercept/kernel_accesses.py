@@ -196,8 +196,8 @@ def through_tables_on_cuda(session: Any, name: str, fn: Any, arguments: dict[str
                            tables: list[str], is_device: Any = None) -> list[tuple[Any, bool]]:
     """On CUDA, in a fuzzed session: the memory a kernel that loads its addresses from ``tables``
     will touch, as (place, writes) pairs (:meth:`zeroer.intercept.driver_copies.DriverCopies.place`:
-    device memory, the KV cache's bytes, or pinned host memory), from the values the host staged
-    into the tables (:mod:`racecheck.staged_values`), the kernel traced on them under the
+    device memory, the KV cache's bytes, or pinned host memory), from the tables' values as the code
+    made them (:mod:`racecheck.device_values`), the kernel traced on them under the
     interpreter (:func:`trace_through_tables`). A table whose values are not known, or a table of
     tables, cannot be followed: a harness error that names it (never a guess). ``is_device``: which
     arguments are device memory (CUDA tensors; a test's stand-in says otherwise)."""
@@ -206,12 +206,12 @@ def through_tables_on_cuda(session: Any, name: str, fn: Any, arguments: dict[str
     from zeroer.intercept.errors import unroutable
 
     try:
-        touched = trace_tables(fn, grid, arguments, tables, session.cuda_ops.staged.values,
+        touched = trace_tables(fn, grid, arguments, tables, session.cuda_ops.values.values,
                                is_device or (lambda t: isinstance(t, torch.Tensor) and t.is_cuda))
     except TableUnresolved as unknown:
         why = ("a table loaded through another table" if unknown.deeper else
-               "device memory whose values the host did not stage with a copy made while the tool runs, "
-               "or that a device op wrote since")
+               "device memory whose values the code did not make from the host (or from values known so) "
+               "while the tool runs, or that a device op wrote since")
         raise unroutable(f"{name}: argument {unknown.param!r}",
                          f"it is a table of addresses the kernel loads and goes through, in {why}, so what the "
                          f"kernel touches cannot be known before it runs",

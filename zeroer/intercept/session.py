@@ -222,10 +222,9 @@ class InterceptSession:
     def _declare(self, reads: Sequence[Any], writes: Sequence[Any], cache_written: Any) -> dict[str, Any]:
         declared = {"reads": [_Key(k) for k in reads], "writes": [_Key(k) for k in writes]}
         cuda_ops = getattr(self, "cuda_ops", None)
-        if cuda_ops is not None:  # values staged into written memory are stale (a table kernel's)
-            for written in declared["writes"]:
-                if isinstance(written.key, tuple) and written.key[:1] == ("cudamem",):
-                    cuda_ops.staged.written(written.key[1])
+        if cuda_ops is not None:  # values known in written memory are stale (a table kernel's)
+            cuda_ops.forget_written([w.key[1] for w in declared["writes"]
+                                     if isinstance(w.key, tuple) and w.key[:1] == ("cudamem",)])
         if isinstance(cache_written, CacheAccess):  # an offloader's op: the blocks its bytes meet
             declared["blocks_read"] = sorted(self.block_map.of_runs(cache_written.read))
             written = self.block_map.of_runs(cache_written.written)
