@@ -66,20 +66,6 @@ class OffloadPart:
         evictable = self._evictable()
         self._apply(op="evict", slot=evictable[slot % len(evictable)])
 
-    def _loading(self) -> list[int]:
-        """Stored slots a load not yet reported still reads, where the offloader answers evictions."""
-        offload = self.episode.component
-        return [i for i, s in enumerate(offload.slots) if s.state == "stored" and s.loads] if offload.offloader.evicts else []
-
-    # The eviction a host lock is there to refuse (SGLang #27444): of a slot a load may still be
-    # reading. Its window is the few steps before the caller waits for the load's copy, which a draw
-    # of evict_slot among every stored slot seldom hits; this rule draws it on purpose.
-    @precondition(lambda self: self._enabled("evict_slot") and bool(self._loading()))
-    @rule(slot=st.integers(0, 7))
-    def evict_slot_under_load(self, slot: int) -> None:
-        loading = self._loading()
-        self._apply(op="evict", slot=loading[slot % len(loading)])
-
     @rule(sync=st.booleans())
     def poll_finished(self, sync: bool) -> None:
         self._apply(op="poll", **({"sync": 1} if sync or self._free_running() else {}))
