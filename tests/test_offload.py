@@ -369,14 +369,6 @@ class FreesSlotsOnceLoaded(engine_offloaders.HostLockedLoads):
         return all(done.query() for job, done in self.in_flight if set(self.locked_by.get(job, ())) & set(slot_ids))
 
 
-class EvictAnswersNothing(engine_offloaders.HostLockedLoads):
-    def __init__(self, cache, host_pool, runtime=None) -> None:
-        super().__init__(cache, host_pool, unlock_on_issue=False)
-
-    def evict(self, slot_ids):
-        return None
-
-
 def test_a_slot_freed_once_its_load_has_completed_is_clean_before_the_load_is_reported() -> None:
     ops = LOAD_THEN_EVICT[:-1] + [{"op": "sync_device"}, {"op": "evict", "slot": 1}, {"op": "poll"},
                                   {"op": "read", "block": 7, "stream": 1}]
@@ -390,13 +382,6 @@ def test_a_slot_freed_once_its_load_has_completed_is_clean_before_the_load_is_re
     for op in LOAD_THEN_EVICT:
         episode.apply(op)
     assert episode.component.slots[1].state == "stored" and episode.finish() == []
-
-
-def test_an_evict_answer_that_is_not_a_bool_is_the_offloaders_error_naming_the_fix() -> None:
-    found = run_ops(EpisodeConfig(offloader="tests/test_offload.py:EvictAnswersNothing"), LOAD_THEN_EVICT)
-    assert found and found[0].kind == "offloader raised", found
-    assert "evict([1]) returned None; it returns True (the slots are freed) or False (a job of its own still uses them)" \
-        in found[0].message, found[0].message
 
 
 def test_an_offloader_without_load_is_refused_with_the_fix() -> None:
