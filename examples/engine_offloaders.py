@@ -19,8 +19,13 @@ factory                              what it does                               
                                      forward stream's earlier use of them (SGLang #36738)
 ``load_waits_forward``               the load stream waits for the forward stream first                    race-free
 ``load_acked_on_issue``              a load is acknowledged when it is queued, so the caller recycles      racy
-                                     its host slot (and uses its block) mid-load (SGLang #27444, #31427)
+                                     its host slot (and uses its block) mid-load
 ``load_acked_on_event``              acknowledged once its event has completed                             race-free
+``host_lock_released_on_issue``      a load is acknowledged once its event has completed, but the lock     racy
+                                     that keeps its host slot from eviction (``evict``) is released
+                                     when it is queued: the caller frees and refills the slot mid-load
+                                     (SGLang #27444, #31427)
+``host_lock_held_until_loaded``      the lock is held until the load is acknowledged                       race-free
 ``staging_freed_on_return``          loads stage through a pool of pinned temporaries, given back as       racy
                                      soon as the copy is queued (LMCache #4830)
 ``staging_freed_after_event``        a temporary is given back once the copy that reads it has completed   race-free
@@ -57,7 +62,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
-from collections import deque
+from collections import Counter, deque
 from typing import NamedTuple
 
 import torch
@@ -69,6 +74,8 @@ VERDICTS = {
     "load_waits_forward": "race-free",
     "load_acked_on_issue": "racy",
     "load_acked_on_event": "race-free",
+    "host_lock_released_on_issue": "racy",
+    "host_lock_held_until_loaded": "race-free",
     "staging_freed_on_return": "racy",
     "staging_freed_after_event": "race-free",
     "copy_thread_without_compute_event": "racy",
@@ -95,6 +102,13 @@ def _rows(tensor: torch.Tensor, kv_outer: bool, block: int, ratio: int) -> torch
     """The kernel-block rows of logical block ``block`` (``ratio`` kernel blocks per block)."""
     first = block * ratio
     return tensor[:, first:first + ratio] if kv_outer else tensor[first:first + ratio]
+
+
+def _planes(tensor: torch.Tensor, kv_outer: bool, block: int, ratio: int) -> list[torch.Tensor]:
+    """Logical block ``block``'s rows as views of one run of memory each: its K and its V rows of a
+    K/V-outermost tensor, its rows of a block-outermost one."""
+    rows = _rows(tensor, kv_outer, block, ratio)
+    return list(rows) if kv_outer else [rows]
 
 
 class CpuOffloadHandler:
@@ -164,6 +178,48 @@ class CpuOffloadHandler:
     def close(self) -> None:
         self.store_stream.synchronize()
         self.load_stream.synchronize()
+
+
+class HostLockedLoads(CpuOffloadHandler):
+    """Loads whose host slots are locked against eviction while they are read, as SGLang's radix
+    cache locks a node's host pages (``protect_host``, ``inc_host_lock_ref``) for a load-back:
+    ``evict(slot_ids)`` frees slots no lock holds and keeps the others (SGLang's host eviction skips
+    locked pages). A load is reported once its event has completed either way; ``unlock_on_issue``
+    releases its lock as soon as it is queued (SGLang #27444 in ``UnifiedRadixCache.load_back``,
+    #31427 in ``HiRadixCache.load_back``), so the caller may free and refill a slot mid-load."""
+
+    def __init__(self, cache, host_pool, runtime=None, *, unlock_on_issue: bool) -> None:
+        super().__init__(cache, host_pool)
+        self.unlock_on_issue = unlock_on_issue
+        self.host_locks: Counter[int] = Counter()
+        self.locked_by: dict[int, list[int]] = {}  # load job -> the slots it holds until reported
+
+    def load(self, job_id: int, slot_ids: list[int], block_ids: list[int]) -> None:
+        self.host_locks.update(slot_ids)
+        self._after_current_stream(self.load_stream)
+        with torch.cuda.stream(self.load_stream):
+            for slot, block in zip(slot_ids, block_ids):
+                for device, host, kv_outer in self.pairs:  # K and V apart, as SGLang copies them: each
+                    # plane's rows are one run of pinned memory, so the copy reads the slot as it runs
+                    for gpu, cpu in zip(_planes(device, kv_outer, block, self.ratio), _planes(host, kv_outer, slot, self.ratio)):
+                        gpu.copy_(cpu, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self.in_flight.append((job_id, done))
+        if self.unlock_on_issue:  # SGLang #27444: the lock covered the queuing, not the copy
+            self.host_locks.subtract(slot_ids)
+        else:
+            self.locked_by[job_id] = list(slot_ids)
+
+    def get_finished(self) -> list[tuple[int, bool]]:
+        finished = super().get_finished()
+        for job_id, _ in finished:
+            self.host_locks.subtract(self.locked_by.pop(job_id, []))
+        return finished
+
+    def evict(self, slot_ids: list[int]) -> bool:
+        """Free ``slot_ids`` unless a load still holds one of them."""
+        return not any(self.host_locks[slot] > 0 for slot in slot_ids)
 
 
 class StagedLoadOffloader(CpuOffloadHandler):
@@ -381,6 +437,8 @@ load_unfenced = functools.partial(CpuOffloadHandler, load_waits_forward=False)
 load_waits_forward = functools.partial(CpuOffloadHandler)
 load_acked_on_issue = functools.partial(CpuOffloadHandler, ack_on_issue=True)
 load_acked_on_event = functools.partial(CpuOffloadHandler)
+host_lock_released_on_issue = functools.partial(HostLockedLoads, unlock_on_issue=True)
+host_lock_held_until_loaded = functools.partial(HostLockedLoads, unlock_on_issue=False)
 staging_freed_on_return = functools.partial(StagedLoadOffloader, free_on_return=True)
 staging_freed_after_event = functools.partial(StagedLoadOffloader, free_on_return=False)
 copy_thread_without_compute_event = functools.partial(CopyThreadOffloader, store_waits_compute=False)

@@ -17,7 +17,7 @@ import pytest
 from racecheck.cli import USAGE
 from sanitizer.bench.engine_shapes import BY_NAME, MAX_TRACE_OPS, PAIRS, judge_side, main, plugin_races
 
-LOOPS = sorted(pair.name for pair in PAIRS if not pair.racy.pytest and pair.name != "sglang-hicache-27444")
+LOOPS = sorted(pair.name for pair in PAIRS if not pair.racy.pytest)
 # Of the pytest sides (tests/test_engine_style.py runs the others): the handler's unit tests with
 # vLLM's swap_blocks op moving the blocks, its reference standing in.
 UNIT_ROWS = ["lmcache-4830-unit", "vllm-handler-stores-46278-triton-unit", "vllm-simple-offload-46278-unit"]

@@ -54,6 +54,9 @@ SHORTEST = {
     "staging_freed_on_return": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1},
                                 {"op": "poll", "sync": 1}, {"op": "load", "slot": 1}, {"op": "load", "slot": 1}],
     "report_without_end_query": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}, {"op": "poll"}],
+    # the caller asks to evict the slot of a load not yet reported, and the offloader frees it (SGLang #27444)
+    "host_lock_released_on_issue": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1},
+                                    {"op": "poll", "sync": 1}, {"op": "load", "slot": 1}, {"op": "evict", "slot": 1}],
 }
 # The kind of finding each shows first where it is not a hazard: CUDA refusing to time a job the
 # handler reports before its end event completed (tests/test_cuda_errors.py).
@@ -62,7 +65,8 @@ FIRST_KIND = {"report_without_end_query": "cuda error"}
 TWIN = {"store_without_compute_event": "store_after_compute_event",
         "copy_thread_without_compute_event": "copy_thread_after_compute_event", "load_unfenced": "load_waits_forward",
         "load_acked_on_issue": "load_acked_on_event", "staging_freed_on_return": "staging_freed_after_event",
-        "report_without_end_query": "report_after_end_query"}
+        "report_without_end_query": "report_after_end_query",
+        "host_lock_released_on_issue": "host_lock_held_until_loaded"}
 
 
 def _config(name: str, **fields) -> EpisodeConfig:
@@ -331,6 +335,53 @@ STORE = [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1
 def test_an_offloader_that_breaks_its_promise_is_a_finding_of_its_kind(factory: str, kind: str) -> None:
     findings = run_ops(EpisodeConfig(offloader=f"tests/test_offload.py:{factory}"), STORE + [{"op": "poll", "sync": 1}])
     assert findings and findings[0].kind == kind, findings
+
+
+LOAD_THEN_EVICT = SHORTEST["host_lock_released_on_issue"]
+
+
+def test_an_offloader_that_holds_a_slot_under_a_load_refuses_its_eviction_and_the_slot_stays_stored() -> None:
+    episode = Episode(_config("host_lock_held_until_loaded"))
+    for op in LOAD_THEN_EVICT:
+        episode.apply(op)
+    slot = episode.component.slots[1]
+    assert (slot.state, slot.loads) == ("stored", 1) and slot.history[-1].endswith("evict refused: the offloader keeps the slot")
+    for op in [{"op": "poll", "sync": 1}, {"op": "load", "slot": 1}, {"op": "poll", "sync": 1}, {"op": "evict", "slot": 1}]:
+        episode.apply(op)  # still stored: it loads again, and once both loads are reported it is freed
+    assert episode.component.slots[1].state == "free" and episode.finish() == []
+
+
+def test_without_an_evict_hook_the_caller_never_evicts_a_slot_under_a_load() -> None:
+    # The caller's promise (docs/offload-contract.md): without the offloader's word, a slot is its own
+    # to recycle only once every job on it is reported.
+    with pytest.raises(ValueError, match=r"^evict slot 1: 1 load\(s\) from it are not reported finished$"):
+        run_ops(_config("load_acked_on_event"), LOAD_THEN_EVICT)
+
+
+class FreesSlotsOnceLoaded(engine_offloaders.HostLockedLoads):
+    """Frees a slot once every load from it has completed on the device (its event queried), before
+    ``get_finished()`` has reported them: right, since nothing reads the slot any more."""
+
+    def __init__(self, cache, host_pool, runtime=None) -> None:
+        super().__init__(cache, host_pool, unlock_on_issue=False)
+
+    def evict(self, slot_ids):
+        return all(done.query() for job, done in self.in_flight if set(self.locked_by.get(job, ())) & set(slot_ids))
+
+
+def test_a_slot_freed_once_its_load_has_completed_is_clean_before_the_load_is_reported() -> None:
+    ops = LOAD_THEN_EVICT[:-1] + [{"op": "sync_device"}, {"op": "evict", "slot": 1}, {"op": "poll"},
+                                  {"op": "read", "block": 7, "stream": 1}]
+    episode = Episode(EpisodeConfig(offloader="tests/test_offload.py:FreesSlotsOnceLoaded"))
+    for op in ops:
+        episode.apply(op)
+    assert episode.component.jobs[3].slot_freed and episode.component.slots[1].loads == 0
+    assert 3 in episode.component.reported and episode.finish() == []
+    # asked before the copy has run, it keeps the slot
+    episode = Episode(EpisodeConfig(offloader="tests/test_offload.py:FreesSlotsOnceLoaded"))
+    for op in LOAD_THEN_EVICT:
+        episode.apply(op)
+    assert episode.component.slots[1].state == "stored" and episode.finish() == []
 
 
 def test_an_offloader_without_load_is_refused_with_the_fix() -> None:

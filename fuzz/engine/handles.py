@@ -23,7 +23,9 @@ only make a candidate fail to replay (the minimizer then keeps the larger progra
 An offload campaign's ops (:mod:`fuzz.engine.offload`) are handled the same way: a ``load``
 allocates one block (the queue's tail, or with ``oldest`` its head), a ``store`` takes a host slot
 from the slots' own FIFO queue (slots 1..N-1), and a ``load``, ``wait`` or ``evict`` names its slot
-by the store that took it, so dropping a store drops the ops on its slot.
+by the store that took it, so dropping a store drops the ops on its slot. An ``evict`` frees its
+slot here whatever the offloader answers: one that kept it (its ``evict`` said False) makes the
+model one slot off, and a candidate after it fails to replay, as any mismatch does.
 
 Example::
 

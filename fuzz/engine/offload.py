@@ -10,7 +10,10 @@ harness's reference zeroer, which is not under test), a host pool of the cache's
 * ``load``: a stored slot's bytes into a free device block (the one freed last, or with ``oldest``
   the queue's head) fenced as a zero call's blocks are (promise (a) of docs/contract.md);
 * ``evict``: a stored slot back to the queue, its bytes then overwritten on the host (the next
-  tenant's, as a recycled host page's are: the NaN poison);
+  tenant's, as a recycled host page's are: the NaN poison). An offloader with ``evict(slot_ids)``
+  is asked first, and the caller may ask while loads from the slot are not yet reported: the host
+  lock is the offloader's (SGLang's host pages are freed by its own eviction, #27444), so a slot it
+  frees under a load is overwritten at once, and one it keeps stays stored;
 * ``wait``: the caller waits for the store into a slot (the offloader's ``wait(job_ids)``, vLLM's,
   or the whole device where it has none), then polls;
 * ``poll``: ``get_finished()`` (with ``sync``, after the caller has waited for the whole device),
@@ -70,6 +73,7 @@ class Job:
     slot: int
     word: int  # the word the destination must hold once the job is done
     step: int
+    slot_freed: bool = False  # a load whose slot the offloader freed (evict) before it was reported
 
 
 @dataclass
@@ -196,9 +200,12 @@ class OffloadSide:
     def evict(self, slot: int) -> None:
         episode = self.episode
         shadow = self._slot(slot, "evict")
-        if shadow.state != "stored" or shadow.loads:
+        asks = self.offloader.evicts
+        if shadow.state != "stored" or (shadow.loads and not asks):
             what = f"{shadow.loads} load(s) from it are not reported finished" if shadow.loads else f"it is {shadow.state}"
             raise ValueError(f"evict slot {slot}: {what}")
+        if asks and not self._offloader_frees(slot, shadow):
+            return
         label = f"step {episode.step} evict: the caller's host write of slot {slot} (its next tenant)"
         pool = self.pool.cache
         for seg in range(len(pool.segments)):
@@ -207,6 +214,24 @@ class OffloadSide:
         shadow.state, shadow.expect = "free", POISON_WORD
         shadow.history.append(episode.note("evict, then overwritten on the host"))
         self.free_slots.append(slot)
+
+    def _offloader_frees(self, slot: int, shadow: SlotShadow) -> bool:
+        """Ask the offloader to free ``slot`` (its ``evict``). Freed, the loads from it still in
+        flight are the offloader's word that nothing reads the slot any more: their jobs are judged
+        as any other, and the slot is the caller's to overwrite now."""
+        episode = self.episode
+        with episode.rt.block_space(0), self._call(f"evict([{slot}])"):
+            freed = self.offloader.evict([slot])
+        if not freed:
+            shadow.history.append(episode.note("evict refused: the offloader keeps the slot"))
+            return False
+        for job in self.jobs.values():
+            if job.kind == "load" and job.slot == slot and job.id not in self.reported:
+                job.slot_freed = True
+        if shadow.loads:
+            shadow.history.append(episode.note(f"the offloader freed it with {shadow.loads} load(s) from it not yet reported"))
+        shadow.loads = 0
+        return True
 
     def wait_for(self, slot: int) -> list[int]:
         """The caller waits for the store in flight into ``slot`` (the offloader's ``wait(job_ids)``,
@@ -268,7 +293,8 @@ class OffloadSide:
         group = episode.groups[0]
         self.busy.pop(job.block, None)
         slot = self.slots[job.slot]
-        slot.loads -= 1
+        if not job.slot_freed:  # freed under the load (evict), the slot has moved on
+            slot.loads -= 1
         group.shadow.loaded(job.block, episode.note(f"load job {job.id} reported finished"))
         # The caller uses the block at once on its main stream (the host has seen the job finish).
         episode.read_capture(group, job.block, 0, kind="wrong bytes loaded",

@@ -29,7 +29,11 @@ class OffloadPart:
         self._apply(op="start", in_flight=in_flight)
 
     def _evictable(self) -> list[int]:
-        return [i for i, s in enumerate(self.episode.component.slots) if s.state == "stored" and not s.loads]
+        """Stored slots no job in flight uses; with an offloader that frees slots itself (its
+        ``evict``), every stored slot: the caller asks, and the offloader's host lock answers."""
+        offload = self.episode.component
+        asks = offload.offloader.evicts
+        return [i for i, s in enumerate(offload.slots) if s.state == "stored" and (asks or not s.loads)]
 
     @precondition(lambda self: bool(self.episode.component.free_slots))
     @rule(block=BLOCKS, stream=st.integers(0, 2))

@@ -98,6 +98,7 @@ _UNIT_SWAP = "tests/engine_style/test_triton_swap_offload.py"
 _UNIT_LMC = "tests/engine_style/test_lmcache_transfer_context.py"
 _PLANTED, _UNPLANTED = {"ENGINE_STYLE_PLANTED_RACE": "1"}, {"ENGINE_STYLE_PLANTED_RACE": "0"}
 _PLANTED_36738, _KERNEL_IO = {"ENGINE_STYLE_PLANTED_RACE": "36738"}, {"HICACHE_IO_BACKEND": "kernel"}
+_PLANTED_27444 = {"ENGINE_STYLE_PLANTED_RACE": "27444"}
 _SWAP_BLOCKS = {"VLLM_OFFLOAD_COPY": "swap_blocks"}
 
 PAIRS: tuple[Pair, ...] = (
@@ -150,11 +151,13 @@ PAIRS: tuple[Pair, ...] = (
          "HiCacheController load/start_loading with SGLang's kernel io backend: sgl_kernel transfer_kv_per_layer "
          "over device index tensors, transfer_kv_all_layer through uint64 tables of layer addresses",
          "no engine loop: the sanitizer runs the controller's unit tests"),
-    Pair("sglang-hicache-27444", "SGLang #27444 (ack before finish, host pages recycled mid-load)", HOST_WRITE,
-         Side(f"{_STYLE}:hicache_controller", ("tests/engine_style/test_hicache_controller.py",), _PLANTED,
-              marks=("tests/engine_style/hicache_controller.py",)),
-         Side(f"{_STYLE}:hicache_controller", ("tests/engine_style/test_hicache_controller.py",), _UNPLANTED),
-         "HiCacheController write/load/start_loading/loading_check over a host pool's pages",
+    Pair("sglang-hicache-27444", "SGLang #27444 (host lock released once the load is queued, host pages recycled mid-load)",
+         HOST_WRITE,
+         Side(f"{_STYLE}:hicache_controller_kernel", (_UNIT_HICACHE,), {**_PLANTED_27444, **_KERNEL_IO},
+              marks=("tests/engine_style/hicache_controller.py:27444",)),
+         Side(f"{_STYLE}:hicache_controller_kernel", (_UNIT_HICACHE,), {**_UNPLANTED, **_KERNEL_IO}),
+         "HiCacheController load/start_loading/loading_check with the kernel io backend (sgl_kernel "
+         "transfer_kv_per_layer), the host pool's lock and eviction (the fuzzer asks it through evict)",
          "no engine loop: the sanitizer runs the controller's unit tests"),
     Pair("lmcache-4830", "LMCache #4830 (pinned temporaries freed under the transfer kernel)", HOST_WRITE,
          Side(f"{_LMC}:temporaries_freed_on_return", (_LMC,), marks=(_LMC,)),

@@ -15,7 +15,8 @@ KV cache and host pool (docs/fuzz-your-offloader.md), with the thinnest adapter 
   node id, block ``b`` is device tokens ``b * block_size ..`` and slot ``s`` host tokens
   ``s * block_size ..`` (one host page). SGLang's controller allocates the slots itself; here the
   caller chooses them, so the adapter makes the caller's choice the pools' free list just before
-  each call and the pools' own ``alloc`` hands it out.
+  each call and the pools' own ``alloc`` hands it out. ``evict`` is the host pool's: it frees a
+  page no transfer's lock holds, so the caller may ask for a page whose load is not yet acked.
 
 ``ENGINE_STYLE_PLANTED_RACE=1`` selects each racy twin, as for the engine-style tests::
 
@@ -23,6 +24,8 @@ KV cache and host pool (docs/fuzz-your-offloader.md), with the thinnest adapter 
         --geometry tiny --host-memory pinned -p no:randomly -q
     ENGINE_STYLE_PLANTED_RACE=1 python -m pytest fuzz --offloader tests/engine_style/factories.py:hicache_controller \
         --backend sim --geometry tiny --host-memory pinned -p no:randomly -q
+    ENGINE_STYLE_PLANTED_RACE=27444 python -m pytest fuzz --offloader \
+        tests/engine_style/factories.py:hicache_controller_kernel --backend sim --geometry tiny --host-memory pinned -q
 """
 
 from __future__ import annotations
@@ -169,6 +172,11 @@ class HiCacheAdapter:
 
     def get_finished(self) -> list[int]:
         return self.controller.writing_check() + self.controller.loading_check()
+
+    def evict(self, slot_ids: list[int]) -> bool:
+        # The host lock is the controller's (its transfers' pages are locked until their acks), so
+        # the caller asks the host pool, as SGLang's host eviction does (SGLang #27444).
+        return self.host_pool.evict(torch.tensor(self._tokens(slot_ids), dtype=torch.int64))
 
     def close(self) -> None:
         self.controller.shutdown()

@@ -21,9 +21,13 @@ Example::
 
 ``ENGINE_STYLE_PLANTED_RACE=1`` makes ``loading_check`` ack a load before its finish event has
 completed, so its host pages can be evicted and refilled while the load still reads them
-(SGLang #27444); ``ENGINE_STYLE_PLANTED_RACE=36738`` leaves out the load stream's wait for the
-forward stream (where the forward runs apart from the scheduler), so a load into slots a finished
-request's forward still reads overtakes that read (SGLang #36738): the racy twins the tools must catch.
+(an early-ack form of SGLang #27444); ``ENGINE_STYLE_PLANTED_RACE=27444`` is #27444 as SGLang had it:
+a load is acked only once its finish event has completed, but the lock that keeps its host pages from
+eviction is released as soon as the load is queued (``UnifiedRadixCache.load_back`` held only the
+device lock across the async H->D copy), so host eviction may free and refill them mid-load;
+``ENGINE_STYLE_PLANTED_RACE=36738`` leaves out the load stream's wait for the forward stream (where
+the forward runs apart from the scheduler), so a load into slots a finished request's forward still
+reads overtakes that read (SGLang #36738): the racy twins the tools must catch.
 
 ``HICACHE_IO_BACKEND`` (or ``io_backend=``) picks SGLang's io backend: ``direct`` (torch copies) or
 ``kernel``: ``sgl_kernel``'s kvcacheio ops, ``torch.ops.sgl_kernel.transfer_kv_per_layer`` for a
@@ -41,10 +45,13 @@ from queue import Empty, Queue
 
 import torch
 
-# The racy twins: "1", a load is acked, and its host pages unlocked, before its finish event (SGLang
-# #27444); "36738", the load stream does not wait for the forward stream's last use of the slots
-# it fills (SGLang #36738; the fix: ``wait_stream(forward_stream)``).
+# The racy twins: "1", a load is acked, and its host pages unlocked, before its finish event (an
+# early-ack form of SGLang #27444); "27444", acked on its finish event but its host pages unlocked
+# once it is queued (SGLang #27444 itself; the fix holds the host lock until the finish event);
+# "36738", the load stream does not wait for the forward stream's last use of the slots it fills
+# (SGLang #36738; the fix: ``wait_stream(forward_stream)``).
 PLANTED_RACE = os.environ.get("ENGINE_STYLE_PLANTED_RACE") == "1"
+PLANTED_HOST_UNLOCKED = os.environ.get("ENGINE_STYLE_PLANTED_RACE") == "27444"
 PLANTED_LOAD_UNFENCED = os.environ.get("ENGINE_STYLE_PLANTED_RACE") == "36738"
 # SGLang's two io backends: "direct" (torch copies) and "kernel" (sgl_kernel's kvcacheio ops).
 IO_BACKEND = os.environ.get("HICACHE_IO_BACKEND", "direct")
@@ -157,7 +164,7 @@ class MHATokenToKVPoolHost:
         """A prefetch from the storage tier landing in host pages: a host write, (layer, token, ...)."""
         for j, page in enumerate(self.pages(indices)):
             tokens = slice(j * self.page_size, (j + 1) * self.page_size)
-            self.kv_buffer[0, :, page:page + self.page_size] = k[:, tokens]  # race: later
+            self.kv_buffer[0, :, page:page + self.page_size] = k[:, tokens]  # race: later, race[27444]: later
             self.kv_buffer[1, :, page:page + self.page_size] = v[:, tokens]
 
     def get_flat_data(self, indices: torch.Tensor) -> torch.Tensor:
@@ -168,7 +175,7 @@ class MHATokenToKVPoolHost:
         stream, then scattered to the slots."""
         n, pool = len(host_indices), self.device_pool
         if self.io_backend == "kernel":  # one kvcacheio kernel: token src_indices[i] to dst_indices[i], K and V
-            torch.ops.sgl_kernel.transfer_kv_per_layer(  # race[36738]: later
+            torch.ops.sgl_kernel.transfer_kv_per_layer(  # race[36738]: later, race[27444]: queued
                 src_k=self.kv_buffer[0, layer_id], dst_k=pool.k_buffer[layer_id], src_v=self.kv_buffer[1, layer_id],
                 dst_v=pool.v_buffer[layer_id], src_indices=host_indices, dst_indices=device_indices,
                 item_size=self.token_stride_size, block_quota=BLOCK_QUOTA, num_warps_per_block=NUM_WARPS_PER_BLOCK)
@@ -283,6 +290,8 @@ class HiCacheController:
         if self.forward_stream is not None and not PLANTED_LOAD_UNFENCED:
             self.load_stream.wait_stream(self.forward_stream)  # and after the forward's last use (SGLang #36738)
         self.load_queue.put(op)
+        if PLANTED_HOST_UNLOCKED:  # SGLang #27444: the host lock covered the queuing, not the copy
+            self.mem_pool_host.release(op.host_indices)
 
     def writing_check(self) -> list[int]:
         return self._check(self.ack_write_queue, self._write_acks, planted=False)

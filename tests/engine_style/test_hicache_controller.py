@@ -128,9 +128,31 @@ class TestHiCacheController(unittest.TestCase):
 
         # the scheduler's next iteration: check the load, then evict host pages for a prefetch
         loaded = self.controller.loading_check()
-        self.assertEqual(self.host_pool.evict(host_indices), loaded == [2])  # only once the load is done
-        self.prefetch_into_free_pages()
+        self.host_pool.alloc(len(self.host_pool.free_slots))  # the host pool is full
+        evicted = self.host_pool.evict(host_indices)
+        if evicted:  # a prefetch refills the pages it frees at once
+            self.assertEqual(self.host_pool.pages(self.prefetch_into_free_pages()), self.host_pool.pages(host_indices))
+        self.assertEqual(evicted, loaded == [2])  # only once the load is done
         self.assertEqual(loaded + poll(self.controller.loading_check, [] if loaded else [2]), [2])
+        self.assert_device_kv(new_indices, k, v)
+
+    def test_host_pages_of_a_queued_load_stay_locked_until_it_is_checked(self):
+        device_indices, k, v = self.forward(self.PAGE_SIZE)
+        host_indices = self.controller.write(device_indices, node_id=1)
+        self.assertEqual(poll(self.controller.writing_check, [1]), [1])
+        new_indices = self.controller.load(host_indices, node_id=2)
+        self.controller.start_loading()
+        deadline = time.time() + 10
+        while self.controller.ack_load_queue.empty() and time.time() < deadline:
+            time.sleep(0.001)  # until the load thread has queued the copy (its ack is waiting)
+
+        # host eviction under pressure before the scheduler checks the load (SGLang #27444)
+        self.host_pool.alloc(len(self.host_pool.free_slots))  # the host pool is full
+        evicted = self.host_pool.evict(host_indices)
+        if evicted:  # a prefetch refills the pages it frees at once
+            self.prefetch_into_free_pages()
+        self.assertFalse(evicted)  # the load is not acked: its pages are still locked
+        self.assertEqual(poll(self.controller.loading_check, [2]), [2])
         self.assert_device_kv(new_indices, k, v)
 
     def test_host_pages_evicted_once_loaded_are_refilled_by_a_prefetch(self):

@@ -2,7 +2,7 @@
 
 An offloader (:mod:`zeroer.offload.protocol`) is bound as a plain torch zeroer is
 (:func:`zeroer.intercept.bind`): one :class:`~zeroer.intercept.session.InterceptSession` whose
-scope every call runs in (its constructor, ``warmup``, each ``store``, ``load`` and
+scope every call runs in (its constructor, ``warmup``, each ``store``, ``load``, ``evict`` and
 ``get_finished``, ``close``). Two things differ:
 
 * the host pool the harness hands over is pinned memory of the session (registered at bind, named
@@ -64,6 +64,10 @@ class InterceptedOffloader(BoundOffloader):
     def wait(self, job_ids: set[int]) -> None:
         with self.session.running("wait"):
             super().wait(job_ids)
+
+    def evict(self, slot_ids: list[int]) -> bool:
+        with self.session.running("evict"):
+            return super().evict(slot_ids)
 
     def warmup(self) -> None:
         with self.session.running("warmup"):

@@ -19,8 +19,12 @@ instead of ``store`` and ``load`` gets spec objects whose ``block_ids`` is a num
 ``get_finished()`` may list vLLM's ``TransferResult`` objects (``job_id``, ``success``).
 
 Optional: ``wait(job_ids)`` (block until those jobs have finished, as vLLM's handlers do; without
-it the caller waits for the whole device instead), and, as for a zeroer, ``warmup()`` (called once
-before any job) and ``close()`` (wait for queued work and release; called at the end of every episode). A factory builds one:
+it the caller waits for the whole device instead), ``evict(slot_ids)`` (the caller asks to free
+host slots for their next tenant and the offloader answers: ``True``, freed, or ``False``, kept
+because a job of its own still uses them, as SGLang's host eviction skips pages under a host lock;
+without it the caller frees a slot itself once every job on it is reported), and, as for a zeroer,
+``warmup()`` (called once before any job) and ``close()`` (wait for queued work and release; called
+at the end of every episode). A factory builds one:
 ``factory(cache, host_pool, runtime)``, where ``cache`` is the device KV cache, ``host_pool`` the
 host :class:`~zeroer.offload.host_pool.HostPool`'s cache (one slot per row, the device cache's
 layout) and ``runtime`` what a runtime-API component would use (a plain torch offloader must not).
@@ -172,8 +176,9 @@ class BoundOffloader:
             self.store = offloader.store  # type: ignore[attr-defined]
             self.load = offloader.load  # type: ignore[attr-defined]
         self._get_finished: Callable[[], Any] = offloader.get_finished  # type: ignore[attr-defined]
-        self._warmup, self._close, self._wait = (optional_hook(offloader, name, spec, "offloader", OffloaderSpecError)
-                                                 for name in ("warmup", "close", "wait"))
+        self._warmup, self._close, self._wait, self._evict = (
+            optional_hook(offloader, name, spec, "offloader", OffloaderSpecError)
+            for name in ("warmup", "close", "wait", "evict"))
 
     def spelled(self, direction: str, job_id: int, block_ids: list[int], slot_ids: list[int]) -> str:
         """A store or load as the offloader's own code is called, for messages: ``store(3, [1], [0])``,
@@ -194,6 +199,21 @@ class BoundOffloader:
     def wait(self, job_ids: set[int]) -> None:
         if self._wait is not None:
             self._wait(job_ids)
+
+    @property
+    def evicts(self) -> bool:
+        """Whether it has ``evict(slot_ids)``: host slots are freed when it says so (their host
+        lock is its own), not once the caller has heard of every job on them."""
+        return self._evict is not None
+
+    def evict(self, slot_ids: list[int]) -> bool:
+        """Whether the offloader freed ``slot_ids`` for their next tenant; anything but a bool is the
+        offloader's error (a TypeError), as a malformed ``get_finished()`` answer is."""
+        freed = self._evict(list(slot_ids))
+        if not isinstance(freed, bool):
+            raise TypeError(f"offloader {self.spec!r}: evict({list(slot_ids)}) returned {freed!r}; it returns True "
+                            f"(the slots are freed) or False (a job of its own still uses them)")
+        return freed
 
     def get_finished(self) -> list[tuple[int, bool]]:
         return finished_job_ids(self._get_finished(), self.spec)
