@@ -63,13 +63,14 @@ def loaded_gpu_packages() -> list[str]:
     return sorted(name for name in GPU_PACKAGES if name in sys.modules)
 
 
-def _from_torch_or_triton() -> bool:
-    """Whether the code asking (the first frame outside the import machinery and this module) is
-    torch's or Triton's own, which may load what they need."""
-    frame = sys._getframe(2)
+def from_torch_or_triton(skip: tuple[str, ...] = ()) -> bool:
+    """Whether the code asking (the first frame outside the import machinery, this module and the
+    modules ``skip`` names) is torch's or Triton's own, which may load what they need."""
+    frame = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if not (module.startswith(("importlib", "_frozen_importlib", "ctypes")) or module == __name__):
+        if not (module.startswith(("importlib", "_frozen_importlib", "ctypes")) or module == __name__
+                or module in skip):
             return module.split(".")[0] in ("torch", "triton")
         frame = frame.f_back
     return False
@@ -77,7 +78,7 @@ def _from_torch_or_triton() -> bool:
 
 class _Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if _is_gpu_package(name) and not _from_torch_or_triton():
+        if _is_gpu_package(name) and not from_torch_or_triton():
             raise unroutable(f"importing {name!r} inside the intercepted code under test",
                              "its CUDA calls bypass torch, so the harness can neither simulate nor gate them")
         return None
@@ -97,7 +98,7 @@ def unroutable_guard(session: Any) -> Iterator[None]:
     simulated = session.backend == "sim"
 
     def guarded(self: ctypes.CDLL, name: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(name, str) and any(lib in name for lib in CUDA_LIBRARIES) and not _from_torch_or_triton():
+        if isinstance(name, str) and any(lib in name for lib in CUDA_LIBRARIES) and not from_torch_or_triton():
             # the driver and runtime copies are followed (zeroer.intercept.driver_copies); on the
             # simulator there is no library to load
             if not simulated:
