@@ -30,11 +30,8 @@ Example (the program, under ``python -m sanitizer``)::
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import importlib
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +42,8 @@ from sanitizer.sites import Site, also_skip, caller_site
 from zeroer.intercept import driver_copies
 from zeroer.intercept.driver_context import in_context, program_context
 from zeroer.intercept.errors import InterceptError, unroutable
-from zeroer.intercept.unroutable import BINDING_PREFIXES, CUDA_LIBRARIES, binding_entry_points, from_torch_or_triton
+from zeroer.intercept.unroutable import (BINDING_PREFIXES, CUDA_LIBRARIES, binding_entry_points, from_torch_or_triton,
+                                         load_bindings)
 from zeroer.origin import forwarding
 
 # a followed pointer's Python frames stand between the program's call and this module
@@ -194,24 +192,6 @@ def _real_call(symbol: str, args: tuple) -> Callable[[], int]:
 
 
 # -- installing (sanitizer.gpu.patches) ------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _bindings_installed() -> bool:
-    try:
-        return importlib.util.find_spec("cuda.bindings") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def load_bindings() -> None:
-    """Import cuda-bindings' driver and runtime where the package is installed. torch 2.11 (the GPU
-    image's) does not import them itself: an engine importing them after the observer started met
-    them unpatched, and its driver calls passed unseen (issue 53)."""
-    if _bindings_installed():
-        for name in ("cuda.bindings.driver", "cuda.bindings.runtime"):
-            with contextlib.suppress(ImportError):
-                importlib.import_module(name)
-
-
 def patch_bindings(calls: DriverCalls, patch: Callable[..., None], wrap: Callable[..., Any]) -> None:
     """Every device-work entry point of cuda-bindings: followed (:meth:`DriverCalls.binding`), else
     one line where it was called (its bytes are not checked; the call runs)."""

@@ -361,6 +361,7 @@ class DriverCopies:
     def __init__(self, session: Any) -> None:
         self.session = session
         self.kept: InterceptError | None = None  # an error a C caller could not be given
+        self._stand_ins: tuple[tuple, list[tuple[Any, dict[str, Any]]]] | None = None
 
     # -- activation (zeroer.intercept.unroutable) ------------------------------------------------------
     def __enter__(self) -> "DriverCopies":
@@ -370,6 +371,23 @@ class DriverCopies:
     def __exit__(self, *exc: object) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+
+    def stand_ins(self, modules: list[tuple[str, Any]], entry_points: Callable[[str, Any], tuple[str, ...]],
+                  refusal: Callable[[str, str], Any]) -> list[tuple[Any, dict[str, Any]]]:
+        """Per binding module: its ``entry_points(name, module)`` and their stand-ins, :meth:`binding`
+        or else ``refusal(module_name, name)``; made once per session and set of modules, since the
+        guard swaps them in around every op (it once cost the fuzzer 1 ms an op)."""
+        key = tuple(id(module) for _, module in modules)
+        if self._stand_ins is None or self._stand_ins[0] != key:
+            made = []
+            for module_name, module in modules:
+                stand_ins = {}
+                for name in entry_points(module_name, module):
+                    followed = self.binding(module, module_name, name, getattr(module, name))
+                    stand_ins[name] = followed if followed is not None else refusal(module_name, name)
+                made.append((module, stand_ins))
+            self._stand_ins = (key, made)
+        return self._stand_ins[1]
 
     def binding(self, module: Any, module_name: str, name: str, original: Any) -> Callable[..., Any] | None:
         """The followed stand-in of ``module_name.name``, None where it is not followed."""
