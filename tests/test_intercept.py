@@ -150,8 +150,8 @@ def _refused(body):
 
 REFUSED = [
     (lambda z: ctypes.CDLL("libcudart.so").cudaLaunchKernel,
-     "ctypes.CDLL('libcudart.so').cudaLaunchKernel: the harness follows cuMemcpyBatchAsync, cuMemcpyAsync and "
-     "cudaMemcpyAsync of the CUDA libraries, and no other raw CUDA call (it can neither simulate nor gate it); run the "
+     "ctypes.CDLL('libcudart.so').cudaLaunchKernel: the harness follows cuMemcpyBatchAsync, cuMemcpyAsync, "
+     "cudaMemcpyAsync and cuGetProcAddress of the CUDA libraries, and no other raw CUDA call (it can neither simulate nor gate it); run the "
      "code on a GPU in the free-running mode instead (--backend cuda --cuda-mode free), where its calls run as they are"),
     (lambda z: __import__("cupy"),
      "importing 'cupy' inside the intercepted code under test: its CUDA calls bypass torch, so the harness can neither "

@@ -511,33 +511,43 @@ def test_a_thread_knows_what_its_starter_knew_at_start_not_what_it_learned_after
     assert len(notes) == 1 and "host read" in notes[0]  # said, not silently taken as ordered
 
 
-def test_a_copy_through_cuda_bindings_on_a_gpu_is_one_line_and_the_run_partial_never_silent(fake, monkeypatch):
+def test_a_copy_through_cuda_bindings_it_cannot_place_is_one_line_per_site_and_the_run_partial_never_silent(
+        fake, monkeypatch):
     # vLLM's SimpleCPUOffload copies with cuMemcpyBatchAsync through cuda-bindings: on a GPU the
-    # observer does not see those bytes, so it says so where the call is made.
+    # observer follows the copies it can place (tests/test_driver_calls_on_gpu.py) and says where
+    # the call is made for those it cannot, and for the entry points it does not follow.
     import sys
     import types
 
+    from zeroer.intercept import driver_copies
+
     calls = []
     driver = types.ModuleType("cuda.bindings.driver")
+    driver.CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
+    driver.CUdriverProcAddressQueryResult = types.SimpleNamespace(CU_GET_PROC_ADDRESS_SUCCESS=0)
     driver.cuMemcpyAsync = lambda *args: calls.append(args) or (0,)
     driver.cuGetProcAddress = lambda *args: (0, 1234, 0)
     driver.cuDeviceGetCount = lambda: (0, 1)
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+    monkeypatch.setitem(driver_copies._REAL, "cuMemcpyBatchAsync", driver_copies.BATCH_TYPE(lambda *a: 0))
     observer = Observer(device=fake)
     observer.start()
     try:
         for _ in range(2):
             driver.cuMemcpyAsync(0x10, 0x20, 16, 0)  # the same line twice: one line
-        driver.cuGetProcAddress(b"cuMemcpyBatchAsync", 12080, 0)
+        followed = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", 12080, 0)
+        driver.cuGetProcAddress(b"cuLaunchKernel", 12080, 0)
         driver.cuDeviceGetCount()
     finally:
         observer.stop()
     lines = [u.message() for u in observer.take_unfollowed()]
     assert calls == [(0x10, 0x20, 16, 0)] * 2  # handed on unchanged
+    assert followed == (0, driver_copies.address_of("cuMemcpyBatchAsync"), 0)  # the followed pointer
     assert len(lines) == 2 and all(line.startswith("kvz-sanitize cannot follow cuda.bindings.driver.") for line in lines)
-    assert "cuMemcpyAsync (a copy or launch around torch: the bytes it moves are not checked) at " in lines[0]
+    assert "cuMemcpyAsync: destination 0x10 (16 bytes): it is not inside one allocation" in lines[0]
     assert "test_sanitizer_observer.py:" in lines[0]
-    assert "cuGetProcAddress (the calls through the pointer it returns move bytes no hook sees)" in lines[1]
+    assert "cuGetProcAddress('cuLaunchKernel') (the calls through the pointer it returns move bytes no hook sees)" \
+        in lines[1]
     assert driver.cuMemcpyAsync.__name__ == "<lambda>"  # put back
 
 

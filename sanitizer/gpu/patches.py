@@ -16,10 +16,13 @@ Each wrapper hands the program's call on unchanged; all are put back by the func
 * ``torch.cuda.CUDAGraph.capture_begin``, ``capture_end`` and ``replay``: :mod:`sanitizer.gpu.graphs`;
 * ``torch.cuda.cudart().cudaHostRegister`` / ``cudaHostUnregister``: registered memory is pinned
   memory outside the caching allocator (SGLang's host KV pool);
-* the entry points of NVIDIA's ``cuda-bindings`` that move or order device work
-  (``cuMemcpyAsync``, ``cudaMemcpyAsync``, ``cuGetProcAddress``, ...): the observer does not follow
-  their bytes on a GPU, so each call site is one "cannot follow" line and the run is partial, never
-  a silent ``no race`` (vLLM's SimpleCPUOffload copies with ``cuMemcpyBatchAsync``).
+* the entry points of NVIDIA's ``cuda-bindings`` that move or order device work, and the symbols
+  of a CUDA library loaded through ``ctypes``: ``cuGetProcAddress`` of ``cuMemcpyBatchAsync`` or
+  ``cuMemcpyAsync``, ``cuMemcpyAsync`` and ``cudaMemcpyAsync`` are followed as ops
+  (:mod:`sanitizer.gpu.driver`); each call site of any other is one "cannot follow" line and the run
+  is partial, never a silent ``no race``;
+* ``torch.Event`` (a C type whose ``query`` cannot be wrapped) is a subclass of it whose ``query``
+  is, for the events the program makes while the observer runs.
 """
 
 from __future__ import annotations
@@ -30,11 +33,10 @@ from typing import Any
 
 import torch
 
-from sanitizer.gpu import trace
+from sanitizer.gpu import driver, trace
 from sanitizer.sites import caller_site
-from zeroer.intercept.unroutable import binding_entry_points
+from zeroer.intercept import driver_copies
 from zeroer.origin import forwarding
-from sanitizer.races import Unfollowed
 
 
 def install(obs: Any) -> Callable[[], None]:
@@ -111,7 +113,10 @@ def install(obs: Any) -> Callable[[], None]:
 
     def undo() -> None:
         for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+            if name is None:  # a scope entered (the followed driver pointers' follower)
+                owner.__exit__(None, None, None)
+            else:
+                setattr(owner, name, original)
         saved.clear()
 
     from sanitizer.gpu import launches
@@ -123,6 +128,12 @@ def install(obs: Any) -> Callable[[], None]:
             patch(torch.Event, "query", wrap(host_waits, event_done))
         if getattr(torch, "Stream", None) is not None and torch.Stream is not torch.cuda.Stream:
             patch(torch.Stream, "query", wrap(host_waits, stream_done))
+        generic = getattr(torch, "Event", None)
+        if generic is not None and generic is not torch.cuda.Event:
+            # torch.Event is a C type: its query cannot be wrapped in place. The events the program
+            # makes while the observer runs are of a subclass whose query is (SimpleCPUOffload polls
+            # its copy thread's torch.Event()s; issue 53).
+            patch(torch, "Event", lambda original: _event_class(original, wrap(host_waits, event_done)))
         patch(torch.cuda, "empty_cache", wrap(host_waits, lambda args, result: obs.cache_emptied()))
         patch(torch.Tensor, "numpy", numpy)
         # Programs call tolist() often and most have no pinned memory: take no lock for those.
@@ -130,7 +141,12 @@ def install(obs: Any) -> Callable[[], None]:
         launches.patch(obs, patch, wrap)
         _patch_graphs(obs, patch, wrap)
         _patch_cudart(obs, patch, wrap, active)
-        _patch_bindings(obs, patch, wrap)
+        calls = driver.DriverCalls(obs)
+        driver.patch_bindings(calls, patch, wrap)
+        driver.patch_libraries(calls, patch)
+        following = driver_copies.following(calls)
+        following.__enter__()
+        saved.append((following, None, None))
     except BaseException:
         undo()
         raise
@@ -201,22 +217,7 @@ def _patch_cudart(obs: Any, patch: Callable[..., None], wrap: Callable[..., Any]
     patch(runtime, "cudaHostUnregister", wrap(unregister))
 
 
-def _patch_bindings(obs: Any, patch: Callable[..., None], wrap: Callable[..., Any]) -> None:
-    """Each call of a device-work entry point of cuda-bindings: one line where it was made."""
-    seen: set[tuple[str, str]] = set()
-
-    def unfollowed(module_name: str, name: str) -> Callable[[Any], Any]:
-        what = (f"{module_name}.{name} (the calls through the pointer it returns move bytes no hook sees)"
-                if name == "cuGetProcAddress" else f"{module_name}.{name} (a copy or launch around torch: "
-                                                   f"the bytes it moves are not checked)")
-
-        def called(*args: Any, **kwargs: Any) -> None:
-            site = caller_site()
-            if (what, str(site)) not in seen:
-                seen.add((what, str(site)))
-                obs.unfollowed.append(Unfollowed(what, site))
-
-        return wrap(called)
-
-    for module_name, module, name in binding_entry_points():
-        patch(module, name, unfollowed(module_name, name))
+def _event_class(base: type, wrap_query: Callable[[Any], Any]) -> type:
+    """``base`` (``torch.Event``) with its ``query`` wrapped."""
+    return type("Event", (base,), {"query": wrap_query(base.query), "__module__": "torch",
+                                   "__qualname__": "Event", "__doc__": base.__doc__})

@@ -48,19 +48,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._mode_utils import no_dispatch
 
+from zeroer.intercept.driver_context import in_context, program_context
 from zeroer.intercept.errors import InterceptError, unroutable
 from racecheck.ranges import merge
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_NOT_FOUND = 500
+SIZE_MAX = 2**64 - 1  # cuMemcpyBatchAsync's failIdx for an error of no one copy
 #: CUmemcpySrcAccessOrder
 SRC_ACCESS_ORDERS = {1: "STREAM", 2: "DURING_API_CALL", 3: "ANY"}
 #: cudaMemcpyKind, for the runtime's cudaMemcpyAsync (4: cudaMemcpyDefault, by address)
@@ -107,60 +110,113 @@ _ACTIVE: list["DriverCopies"] = []
 _LOCK = threading.Lock()
 
 
-def active() -> "DriverCopies | None":
+class Follower(Protocol):
+    """What takes the calls through the followed pointers while it is active: the fuzzer's and the
+    simulator's :class:`DriverCopies`, the GPU sanitizer's :class:`sanitizer.gpu.driver.DriverCalls`."""
+
+    def from_c(self, symbol: str, impl: Callable[..., int], args: tuple) -> int: ...
+
+    def copy(self, call: str, runs: list[tuple[int, int, int, str]], handle: int, real: Any) -> None: ...
+
+
+def active() -> "Follower | None":
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def all_active() -> list["DriverCopies"]:
+def all_active() -> list["Follower"]:
     """Every session's followed copies active now, innermost last (the innermost takes the calls)."""
     return list(_ACTIVE)
+
+
+@contextlib.contextmanager
+def following(follower: "Follower") -> Iterator[None]:
+    """Inside, calls through the followed pointers (from any thread) go to ``follower``."""
+    _ACTIVE.append(follower)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            _ACTIVE.remove(follower)  # type: ignore[arg-type]
 
 
 def _entry(symbol: str, impl: Callable[..., int]) -> Callable[..., int]:
     def call(*args: Any) -> int:
         copies = active()
-        if copies is None:  # outside every tool's call: on this machine there is no driver
-            return CUDA_ERROR_NOT_INITIALIZED
+        if copies is None:  # outside every tool's call: the program's own call, as it would run
+            return call_real(symbol, args)
         return copies.from_c(symbol, impl, args)
 
     return call
 
 
-def _batch_impl(copies: "DriverCopies", dsts: int, srcs: int, sizes: int, count: int, attrs: int, attrs_idxs: int,
-                num_attrs: int, fail_idx: int, stream: int) -> int:
-    if count == 0 or num_attrs == 0 or not (dsts and srcs and sizes and attrs and attrs_idxs):
-        return CUDA_ERROR_INVALID_VALUE  # CUDA's answer: every copy needs attributes
+def call_real(symbol: str, args: tuple) -> int:
+    """A call through ``symbol``'s followed pointer while no tool follows it (the fuzzer's
+    free-running mode, after a controlled campaign resolved it; the engine keeps the pointer in a
+    module global): the real entry point, in the program's context. Where none was resolved (the
+    simulator's machine has no driver), ``CUDA_ERROR_NOT_INITIALIZED``, as a driver never initialised."""
+    real = _REAL.get(symbol)
+    if real is None:
+        return CUDA_ERROR_NOT_INITIALIZED
+    with in_context(program_context(int(args[STREAM_ARG[symbol]] or 0))):
+        return int(real(*args))
+
+
+def batch_runs(dsts: int, srcs: int, sizes: int, count: int, attrs: int, attrs_idxs: int,
+               num_attrs: int) -> list[tuple[int, int, int, str]] | None:
+    """``cuMemcpyBatchAsync``'s arguments as (dst, src, bytes, source order) runs, one per copy (each
+    copy takes the attributes of the last ``attrsIdxs`` entry at or before it); None where CUDA
+    answers ``CUDA_ERROR_INVALID_VALUE``."""
+    if count == 0 or num_attrs == 0 or num_attrs > count or not (dsts and srcs and sizes and attrs and attrs_idxs):
+        return None  # CUDA's answer: every copy needs attributes
     dst = (ctypes.c_uint64 * count).from_address(dsts)
     src = (ctypes.c_uint64 * count).from_address(srcs)
     size = (ctypes.c_size_t * count).from_address(sizes)
     entries = (MemcpyAttributes * num_attrs).from_address(attrs)
     firsts = list((ctypes.c_size_t * num_attrs).from_address(attrs_idxs))
     if firsts[0] != 0 or any(b <= a for a, b in zip(firsts, firsts[1:])) or firsts[-1] >= count:
-        return CUDA_ERROR_INVALID_VALUE
+        return None
     orders = []
     for j, entry in enumerate(entries):
         if entry.srcAccessOrder not in SRC_ACCESS_ORDERS:
-            return CUDA_ERROR_INVALID_VALUE
+            return None
         last = firsts[j + 1] if j + 1 < num_attrs else count
         orders += [SRC_ACCESS_ORDERS[entry.srcAccessOrder]] * (last - firsts[j])
-    runs = [(int(dst[i]), int(src[i]), int(size[i]), orders[i]) for i in range(count)]
-    copies.copy("cuMemcpyBatchAsync", runs, stream, real=("cuMemcpyBatchAsync", (
-        dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, fail_idx, stream)))
-    return CUDA_SUCCESS
+    return [(int(dst[i]), int(src[i]), int(size[i]), orders[i]) for i in range(count)]
 
 
-def _memcpy_impl(copies: "DriverCopies", dst: int, src: int, n: int, stream: int) -> int:
-    copies.copy("cuMemcpyAsync", [(int(dst), int(src), int(n), "STREAM")], stream,
-                real=("cuMemcpyAsync", (dst, src, n, stream)))
-    return CUDA_SUCCESS
+def set_fail_index(fail_idx: int, index: int) -> None:
+    """``*failIdx = index``, as CUDA reports a failed batch (SIZE_MAX: no one copy's fault)."""
+    if fail_idx:
+        ctypes.c_size_t.from_address(fail_idx).value = index
 
 
-def _cudart_memcpy_impl(copies: "DriverCopies", dst: int, src: int, n: int, kind: int, stream: int) -> int:
+def _batch_impl(copies: "Follower", dsts: int, srcs: int, sizes: int, count: int, attrs: int, attrs_idxs: int,
+                num_attrs: int, fail_idx: int, stream: int) -> int:
+    runs = batch_runs(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs)
+    if runs is None:
+        set_fail_index(fail_idx, SIZE_MAX)
+        return CUDA_ERROR_INVALID_VALUE
+    try:  # the fuzzer and the simulator answer later (None); the GPU sanitizer gives the driver's answer
+        answer = copies.copy("cuMemcpyBatchAsync", runs, int(stream or 0), real=("cuMemcpyBatchAsync", (
+            dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, fail_idx, stream)))
+    except InterceptError as error:
+        set_fail_index(fail_idx, getattr(error, "copy_index", SIZE_MAX))
+        raise
+    return CUDA_SUCCESS if answer is None else int(answer)
+
+
+def _memcpy_impl(copies: "Follower", dst: int, src: int, n: int, stream: int) -> int:
+    answer = copies.copy("cuMemcpyAsync", [(int(dst or 0), int(src or 0), int(n), "STREAM")], int(stream or 0),
+                         real=("cuMemcpyAsync", (dst, src, n, stream)))
+    return CUDA_SUCCESS if answer is None else int(answer)
+
+
+def _cudart_memcpy_impl(copies: "Follower", dst: int, src: int, n: int, kind: int, stream: int) -> int:
     if kind not in MEMCPY_KINDS:
         return CUDA_ERROR_INVALID_VALUE  # cudaErrorInvalidValue
-    copies.copy("cudaMemcpyAsync", [(int(dst or 0), int(src or 0), int(n), "STREAM")], stream,
-                real=("cudaMemcpyAsync", (dst, src, n, kind, stream)))
-    return CUDA_SUCCESS
+    answer = copies.copy("cudaMemcpyAsync", [(int(dst or 0), int(src or 0), int(n), "STREAM")], int(stream or 0),
+                         real=("cudaMemcpyAsync", (dst, src, n, kind, stream)))
+    return CUDA_SUCCESS if answer is None else int(answer)
 
 
 #: symbol -> (its C type, what a call does)
@@ -169,8 +225,35 @@ SYMBOLS: dict[str, tuple[Any, Callable[..., int]]] = {
     "cuMemcpyAsync": (MEMCPY_TYPE, _memcpy_impl),
     "cudaMemcpyAsync": (CUDART_MEMCPY_TYPE, _cudart_memcpy_impl),
 }
+#: symbol -> the position of its stream argument
+STREAM_ARG = {"cuMemcpyBatchAsync": 8, "cuMemcpyAsync": 3, "cudaMemcpyAsync": 4}
 _POINTERS: dict[str, Any] = {}  # symbol -> its CFUNCTYPE object, kept for the process
 _REAL: dict[str, Any] = {}  # CUDA: symbol -> the real entry point the followed one issues
+
+
+def resolve_real(symbol: str, resolve: Callable[[], tuple]) -> None:
+    """CUDA: the real entry point behind ``symbol``'s followed pointer (``resolve``: the bindings' own
+    ``cuGetProcAddress`` of it)."""
+    if symbol not in _REAL:
+        err, ptr, *_ = resolve()
+        if int(err) != 0 or not ptr:
+            raise unroutable(f"cuGetProcAddress({symbol!r})", f"the driver answered {err}",
+                             "check the driver version")
+        _REAL[symbol] = SYMBOLS[symbol][0](int(ptr))
+
+
+def resolve_library_symbol(symbol: str, lookup: Callable[[], Any]) -> None:
+    """CUDA: the real entry point behind ``symbol``'s followed pointer, ``lookup()`` of the library
+    the program loaded through ``ctypes`` (a ``_FuncPtr``, given the followed pointer's C type)."""
+    if symbol not in _REAL:
+        fn = lookup()
+        fn.argtypes, fn.restype = SYMBOLS[symbol][0]._argtypes_, SYMBOLS[symbol][0]._restype_
+        _REAL[symbol] = fn
+
+
+def real_entry(symbol: str) -> Any:
+    """The real entry point behind ``symbol``'s followed pointer, None where none was resolved."""
+    return _REAL.get(symbol)
 
 
 def pointer(symbol: str) -> Any:
@@ -187,6 +270,61 @@ def address_of(symbol: str) -> int:
     return ctypes.cast(pointer(symbol), ctypes.c_void_p).value or 0
 
 
+# -- cuGetProcAddress through ctypes on libcuda --------------------------------------------------------
+#: CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+#: CUdriverProcAddressQueryResult *symbolStatus); the unsuffixed export is the first version, without the status
+GET_PROC_TYPES = {
+    "cuGetProcAddress_v2": ctypes.CFUNCTYPE(ctypes.c_uint, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int,
+                                            ctypes.c_uint64, ctypes.c_void_p),
+    "cuGetProcAddress": ctypes.CFUNCTYPE(ctypes.c_uint, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int,
+                                         ctypes.c_uint64),
+}
+_REAL_GET_PROC: dict[str, Any] = {}  # CUDA: the real library's cuGetProcAddress(_v2)
+
+
+def _get_proc_entry(version: str) -> Callable[..., int]:
+    def call(name: bytes | None, pfn: int, cuda_version: int, flags: int, *status: int) -> int:
+        text = (name or b"").decode("ascii", "replace")
+        real = _REAL_GET_PROC.get(version)
+        if text in SYMBOLS and not text.startswith("cuda"):
+            if real is not None and text not in _REAL:
+                out = ctypes.c_void_p(0)
+                if real(name, ctypes.byref(out), cuda_version, flags, *((None,) if status else ())) == 0 and out.value:
+                    _REAL[text] = SYMBOLS[text][0](out.value)
+            if pfn:
+                ctypes.c_void_p.from_address(pfn).value = address_of(text)
+            if status and status[0]:
+                ctypes.c_int.from_address(status[0]).value = 0  # CU_GET_PROC_ADDRESS_SUCCESS
+            return CUDA_SUCCESS
+        copies = active()
+        if copies is None:  # the program's own call, no tool following: the driver answers
+            return int(real(name, pfn, cuda_version, flags, *status)) if real is not None else \
+                CUDA_ERROR_NOT_INITIALIZED
+
+        def refuse(_copies: Any) -> int:
+            raise unroutable(f"ctypes {version}({bytes(text, 'ascii', 'replace')!r})",
+                             "the harness follows the pointers of cuMemcpyBatchAsync and cuMemcpyAsync, and no other "
+                             "driver entry point (it can neither simulate nor gate its calls)")
+
+        return copies.from_c(version, refuse, ())
+
+    return call
+
+
+def get_proc_pointer(version: str, real: Callable[[], Any] | None = None) -> Any:
+    """The followed ``cuGetProcAddress`` (or ``_v2``) of ``ctypes.CDLL("libcuda...")``: the pointers
+    it hands out for the followed symbols are this module's; ``real`` (CUDA) resolves the real ones."""
+    with _LOCK:
+        if real is not None and version not in _REAL_GET_PROC:
+            fn = real()
+            fn.argtypes, fn.restype = GET_PROC_TYPES[version]._argtypes_, GET_PROC_TYPES[version]._restype_
+            _REAL_GET_PROC[version] = fn
+        fn = _POINTERS.get(version)
+        if fn is None:
+            fn = _POINTERS[version] = GET_PROC_TYPES[version](_get_proc_entry(version))
+        return fn
+
+
 class FollowedLibrary:
     """What ``ctypes.CDLL("libcuda...")`` gives the code under a tool: the followed symbols, and a
     refusal naming any other."""
@@ -201,15 +339,20 @@ class FollowedLibrary:
         return self[symbol]
 
     def __getitem__(self, symbol: str) -> Any:
+        if symbol in GET_PROC_TYPES:
+            return get_proc_pointer(symbol, None if self._real is None else lambda: self._real_symbol(symbol))
         if symbol in SYMBOLS:
-            if self._real is not None and symbol not in _REAL:
-                fn = self._real[symbol]
-                fn.argtypes, fn.restype = SYMBOLS[symbol][0]._argtypes_, SYMBOLS[symbol][0]._restype_
-                _REAL[symbol] = fn
+            if self._real is not None:
+                resolve_library_symbol(symbol, lambda: self._real_symbol(symbol))
             return pointer(symbol)
         raise unroutable(f"ctypes.CDLL({self._name!r}).{symbol}",
-                         "the harness follows cuMemcpyBatchAsync, cuMemcpyAsync and cudaMemcpyAsync of the CUDA "
-                         "libraries, and no other raw CUDA call (it can neither simulate nor gate it)")
+                         "the harness follows cuMemcpyBatchAsync, cuMemcpyAsync, cudaMemcpyAsync and cuGetProcAddress "
+                         "of the CUDA libraries, and no other raw CUDA call (it can neither simulate nor gate it)")
+
+
+    def _real_symbol(self, symbol: str) -> Any:
+        # as CDLL.__getitem__ makes it: the CDLL's own lookup is the followed one while the tool runs
+        return self._real._FuncPtr((symbol, self._real))
 
 
 class DriverCopies:
@@ -218,6 +361,7 @@ class DriverCopies:
     def __init__(self, session: Any) -> None:
         self.session = session
         self.kept: InterceptError | None = None  # an error a C caller could not be given
+        self._stand_ins: tuple[tuple, list[tuple[Any, dict[str, Any]]]] | None = None
 
     # -- activation (zeroer.intercept.unroutable) ------------------------------------------------------
     def __enter__(self) -> "DriverCopies":
@@ -227,6 +371,23 @@ class DriverCopies:
     def __exit__(self, *exc: object) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+
+    def stand_ins(self, modules: list[tuple[str, Any]], entry_points: Callable[[str, Any], tuple[str, ...]],
+                  refusal: Callable[[str, str], Any]) -> list[tuple[Any, dict[str, Any]]]:
+        """Per binding module: its ``entry_points(name, module)`` and their stand-ins, :meth:`binding`
+        or else ``refusal(module_name, name)``; made once per session and set of modules, since the
+        guard swaps them in around every op (it once cost the fuzzer 1 ms an op)."""
+        key = tuple(id(module) for _, module in modules)
+        if self._stand_ins is None or self._stand_ins[0] != key:
+            made = []
+            for module_name, module in modules:
+                stand_ins = {}
+                for name in entry_points(module_name, module):
+                    followed = self.binding(module, module_name, name, getattr(module, name))
+                    stand_ins[name] = followed if followed is not None else refusal(module_name, name)
+                made.append((module, stand_ins))
+            self._stand_ins = (key, made)
+        return self._stand_ins[1]
 
     def binding(self, module: Any, module_name: str, name: str, original: Any) -> Callable[..., Any] | None:
         """The followed stand-in of ``module_name.name``, None where it is not followed."""
@@ -246,31 +407,25 @@ class DriverCopies:
         if name == "cuMemcpyAsync":
             def cu_memcpy_async(dst: Any, src: Any, n: int, stream: Any) -> tuple:
                 def call() -> tuple:
-                    copies.copy(f"{module_name}.cuMemcpyAsync", [(_int(dst), _int(src), int(n), "STREAM")],
-                                _int(stream), real=lambda: original(dst, src, n, stream))
+                    copies.copy(f"{module_name}.cuMemcpyAsync", [(raw_int(dst), raw_int(src), int(n), "STREAM")],
+                                raw_int(stream), real=lambda: original(dst, src, n, stream))
                     return (module.CUresult.CUDA_SUCCESS,)
                 return copies.guarded(call, module.CUresult.CUDA_ERROR_INVALID_VALUE)
             return cu_memcpy_async
         if name == "cudaMemcpyAsync":
             def cuda_memcpy_async(dst: Any, src: Any, n: int, kind: Any, stream: Any = 0) -> tuple:
-                if _int(kind) not in MEMCPY_KINDS:
+                if raw_int(kind) not in MEMCPY_KINDS:
                     return (module.cudaError_t.cudaErrorInvalidValue,)
                 def call() -> tuple:
-                    copies.copy(f"{module_name}.cudaMemcpyAsync", [(_int(dst), _int(src), int(n), "STREAM")],
-                                _int(stream), real=lambda: original(dst, src, n, kind, stream))
+                    copies.copy(f"{module_name}.cudaMemcpyAsync", [(raw_int(dst), raw_int(src), int(n), "STREAM")],
+                                raw_int(stream), real=lambda: original(dst, src, n, kind, stream))
                     return (module.cudaError_t.cudaSuccess,)
                 return copies.guarded(call, module.cudaError_t.cudaErrorInvalidValue)
             return cuda_memcpy_async
         return None
 
     def resolve_real(self, symbol: str, resolve: Callable[[], tuple]) -> None:
-        """CUDA: the real entry point behind ``symbol``'s followed pointer."""
-        if symbol not in _REAL:
-            err, ptr, *_ = resolve()
-            if int(err) != 0 or not ptr:
-                raise unroutable(f"cuGetProcAddress({symbol!r})", f"the driver answered {err}",
-                                 "check the driver version")
-            _REAL[symbol] = SYMBOLS[symbol][0](int(ptr))
+        resolve_real(symbol, resolve)
 
     # -- calls from C -------------------------------------------------------------------------------------
     def from_c(self, symbol: str, impl: Callable[..., int], args: tuple) -> int:
@@ -338,8 +493,15 @@ class DriverCopies:
         session = self.session
         session.boundary(call)
         stream = self.stream(handle, call)
-        moves = [(self.place(dst, n, call, "destination"), self.place(src, n, call, "source"), order)
-                 for dst, src, n, order in runs if n > 0]
+        moves = []
+        for index, (dst, src, n, order) in enumerate(runs):
+            if n <= 0:
+                continue
+            try:
+                moves.append((self.place(dst, n, call, "destination"), self.place(src, n, call, "source"), order))
+            except InterceptError as error:
+                error.copy_index = index  # type: ignore[attr-defined]  # the batch's failIdx
+                raise
         device_reads = [(p.owner, p.start, p.end) for _, p, _ in moves if p.kind == "device"]
         device_writes = [(p.owner, p.start, p.end) for p, _, _ in moves if p.kind == "device"]
         reads, writes, cache = self.accesses(device_reads, device_writes)
@@ -356,9 +518,13 @@ class DriverCopies:
                         ctypes.memmove(dst.start, source, len(source))
         else:
             issue = real if callable(real) else self._real_call(*real)
+            # The real call may be issued on another thread (a gate's executor): it gets the context
+            # the program's call would act in, taken here on the program's thread (issue 53).
+            ctx = program_context(handle)
 
             def run() -> None:
-                result = issue()
+                with in_context(ctx):
+                    result = issue()
                 err = result[0] if isinstance(result, tuple) else result
                 if int(err) != 0:
                     raise unroutable(call, f"the driver answered {err}", "check the call's arguments")
@@ -407,7 +573,7 @@ class DriverCopies:
         return lambda: fn(*args)
 
 
-def _int(value: Any) -> int:
+def raw_int(value: Any) -> int:
     """A raw pointer or handle as the bindings take it (an int, a ``CUdeviceptr``, a ``CUstream``)."""
     if value is None:
         return 0

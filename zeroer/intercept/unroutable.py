@@ -63,13 +63,14 @@ def loaded_gpu_packages() -> list[str]:
     return sorted(name for name in GPU_PACKAGES if name in sys.modules)
 
 
-def _from_torch_or_triton() -> bool:
-    """Whether the code asking (the first frame outside the import machinery and this module) is
-    torch's or Triton's own, which may load what they need."""
-    frame = sys._getframe(2)
+def from_torch_or_triton(skip: tuple[str, ...] = ()) -> bool:
+    """Whether the code asking (the first frame outside the import machinery, this module and the
+    modules ``skip`` names) is torch's or Triton's own, which may load what they need."""
+    frame = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if not (module.startswith(("importlib", "_frozen_importlib", "ctypes")) or module == __name__):
+        if not (module.startswith(("importlib", "_frozen_importlib", "ctypes")) or module == __name__
+                or module in skip):
             return module.split(".")[0] in ("torch", "triton")
         frame = frame.f_back
     return False
@@ -77,7 +78,7 @@ def _from_torch_or_triton() -> bool:
 
 class _Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if _is_gpu_package(name) and not _from_torch_or_triton():
+        if _is_gpu_package(name) and not from_torch_or_triton():
             raise unroutable(f"importing {name!r} inside the intercepted code under test",
                              "its CUDA calls bypass torch, so the harness can neither simulate nor gate them")
         return None
@@ -97,7 +98,7 @@ def unroutable_guard(session: Any) -> Iterator[None]:
     simulated = session.backend == "sim"
 
     def guarded(self: ctypes.CDLL, name: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(name, str) and any(lib in name for lib in CUDA_LIBRARIES) and not _from_torch_or_triton():
+        if isinstance(name, str) and any(lib in name for lib in CUDA_LIBRARIES) and not from_torch_or_triton():
             # the driver and runtime copies are followed (zeroer.intercept.driver_copies); on the
             # simulator there is no library to load
             if not simulated:
@@ -150,29 +151,43 @@ def binding_entry_points() -> list[tuple[str, Any, str]]:
             if (module := sys.modules.get(module_name)) is not None for name in _entry_points(module_name, module)]
 
 
+@functools.lru_cache(maxsize=None)
+def bindings_installed() -> bool:
+    """Whether cuda-bindings can be imported here (asked once: a search of sys.path per op cost the
+    fuzzer more than its ops where the package is absent)."""
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def load_bindings() -> None:
+    """Import cuda-bindings' driver and runtime where the package is installed: an engine importing
+    them inside its call meets them patched (torch 2.11, the GPU image's, does not import them)."""
+    for module_name in BINDING_MODULES[:2]:
+        if module_name not in sys.modules and bindings_installed():
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module_name)
+
+
 @contextlib.contextmanager
 def _bindings_refused(session: Any) -> Iterator[None]:
     """Inside, :data:`BINDING_PREFIXES` of every loaded binding module are followed
-    (:meth:`~zeroer.intercept.driver_copies.DriverCopies.binding`) or raise at the call."""
-    saved: list[tuple[Any, str, Any]] = []
-    for module_name in BINDING_MODULES[:2]:  # an engine importing them inside its call meets them patched
-        if module_name not in sys.modules and "cuda.bindings" not in sys.modules:
-            with contextlib.suppress(ImportError, ValueError):
-                if importlib.util.find_spec("cuda.bindings") is not None:
-                    importlib.import_module(module_name)
-        elif module_name not in sys.modules:
-            with contextlib.suppress(ImportError):
-                importlib.import_module(module_name)
+    (:meth:`~zeroer.intercept.driver_copies.DriverCopies.binding`) or raise at the call. Entered
+    around every op the tool runs: the stand-ins are made once per session and set of modules
+    (:meth:`~zeroer.intercept.driver_copies.DriverCopies.stand_ins`), so an op costs the swaps only."""
+    load_bindings()
+    modules = [(name, module) for name in BINDING_MODULES if (module := sys.modules.get(name)) is not None]
+    saved: list[tuple[dict[str, Any], dict[str, Any]]] = []
     try:
-        for module_name, module, name in binding_entry_points():
-            value = getattr(module, name)
-            saved.append((module, name, value))
-            followed = session.driver.binding(module, module_name, name, value)
-            setattr(module, name, followed if followed is not None else _refusal(module_name, name))
+        for module, stand_ins in session.driver.stand_ins(modules, _entry_points, _refusal):
+            namespace = vars(module)
+            saved.append((namespace, {name: namespace[name] for name in stand_ins}))
+            namespace.update(stand_ins)
         yield
     finally:
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
+        for namespace, values in reversed(saved):
+            namespace.update(values)
 
 
 def check_no_gpu_packages(spec: str, backend: str, role: str = "zeroer") -> None:
