@@ -133,28 +133,76 @@ def test_the_reference_moves_the_bytes_a_plain_torch_copy_moves(name):
     assert torch.equal(case.written, case.expected())
 
 
-def test_without_its_extension_on_a_gpu_machine_the_reference_refuses_device_memory_and_moves_nothing(monkeypatch):
-    from racecheck import effects
+def _as_on_a_gpu(monkeypatch, device_runs):
+    """CUDA running, PyTorch's allocator holding ``device_runs`` (start, end) as device memory of
+    cuda:0, the driver calling everything else host memory; the device's byte views played by the
+    host's bytes (a CPU has no device memory). Returns the views made: (address, bytes, device type)."""
+    from racecheck import raw_copies
+
+    monkeypatch.setattr(raw_copies, "cuda_running", lambda: True)
+    monkeypatch.setattr(raw_copies, "allocator_segments",
+                        lambda: [(start, end, torch.device("cuda", 0)) for start, end in device_runs])
+    monkeypatch.setattr(raw_copies, "ask_driver", lambda address, nbytes: torch.device("cpu"))
+    views, real = [], raw_copies.byte_view
+
+    def view(address, nbytes, device):
+        views.append((address, nbytes, device.type))
+        return real(address, nbytes, torch.device("cpu"))
+
+    monkeypatch.setattr(raw_copies, "byte_view", view)
+    return views
+
+
+def test_without_its_extension_on_a_gpu_machine_the_reference_copies_device_memory_on_the_device(monkeypatch):
+    case = CASES["swap_blocks_batch"](lambda t: t, lambda t: t)
+    start = case.written.data_ptr()  # the destination's first two rows held by PyTorch's CUDA allocator
+    views = _as_on_a_gpu(monkeypatch, [(start, start + 32)])
+    with custom_ops.extension_modules():  # no tool routes: the stand-in runs the reference
+        case.call()
+    assert torch.equal(case.written, case.expected())
+    assert [v for v in views if v[2] == "cuda"] == [(start, 16, "cuda"), (start + 16, 16, "cuda")]
+    assert len([v for v in views if v[2] == "cpu"]) == 2  # the sources, host memory
+
+
+def test_without_its_extension_an_address_nothing_can_place_is_refused_before_any_byte_moves(monkeypatch):
+    import sys
+
+    from racecheck import raw_copies
 
     case = CASES["swap_blocks_batch"](lambda t: t, lambda t: t)
     before = case.written.clone()
-    # The destination's bytes held by PyTorch's CUDA allocator, as on a GPU with that memory on it:
-    start = case.written.data_ptr()
-    monkeypatch.setattr(effects, "device_runs", lambda: [(start + 16, start + 32)])
-    with custom_ops.extension_modules():  # no tool routes: the stand-in runs the reference
-        with pytest.raises(RuntimeError, match=rf"address {start + 16:#x} \(16 bytes\) is device memory: kvzero's "
-                                               r"reference implementations copy CPU memory only"):
+    monkeypatch.setattr(raw_copies, "cuda_running", lambda: True)
+    monkeypatch.setattr(raw_copies, "allocator_segments", lambda: [])
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # no cuda-bindings to ask the driver with
+    with custom_ops.extension_modules():
+        with pytest.raises(RuntimeError, match=r"^address 0x[0-9a-f]+ \(16 bytes\) is in no allocation PyTorch knows, "
+                                               r"and without cuda-bindings kvzero cannot ask the driver whether it is "
+                                               r"device or host memory: install cuda-bindings"):
             case.call()
-        assert torch.equal(case.written, before)  # the first copy, to CPU memory, did not move either
-        monkeypatch.setattr(effects, "device_runs", lambda: [])
+    assert torch.equal(case.written, before)
+
+
+def test_a_references_copies_are_seen_by_no_torch_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    case = CASES["transfer_kv_all_layer"](lambda t: t, lambda t: t)
+    with custom_ops.extension_modules(), Watch():
         case.call()
     assert torch.equal(case.written, case.expected())
+    assert not [op for op in seen if "copy" in op], seen
 
 
 def test_without_its_extension_the_reference_refuses_a_device_tensor_argument():
     src, dst = torch.ones(2, 4, device="meta"), torch.zeros(8, 4)
     with pytest.raises(RuntimeError, match=r"_C_cache_ops::swap_blocks: its extension is not installed, and kvzero's "
-                                           r"reference implementation runs on CPU memory only \(the simulator's\), "
+                                           r"reference implementation runs on host and CUDA memory only, "
                                            r"not on a meta tensor: install the extension, or run it under a tool"):
         custom_ops.route(_model("_C_cache_ops::swap_blocks"), (src, dst, 16, torch.tensor([[0, 1]])), {})
     assert not dst.any()
