@@ -349,3 +349,33 @@ def test_the_gpu_observer_says_a_custom_op_with_no_model_in_one_line():
     races, unfollowed, _ = _observe(body)
     assert races == [] and len(unfollowed) == 1
     assert unfollowed[0].startswith("kvz-sanitize cannot follow custom op kvz_test::scatter_rows (no effect model")
+
+
+# -- the fuzzer on CUDA, where the program has no extension -----------------------------------------------
+
+def test_on_cuda_without_its_extension_the_fuzzer_queues_the_models_copies_as_one_op_of_the_runtime():
+    # On controlled cuda the runtime calls an op's issue() behind the op's closed gate on its stream,
+    # so the copies must be made there, not at the call (the session here queues issue() and runs
+    # it later, as the schedule would). Host tensors stand in for the device's.
+    from racecheck.staged_values import StagedValues
+    from zeroer.intercept.custom_calls import CustomCalls
+
+    src = [_kv(lambda t: t, base=10 * i) for i in range(2)]
+    dst = [torch.zeros(6, 8) for _ in range(2)]
+    tables = [torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64) for layers in (src, dst, src, dst)]
+    si, di = torch.tensor([1, 4]), torch.tensor([0, 5])
+    everything = types.SimpleNamespace(key="memory", end=1 << 64)
+    queued = []
+    session = types.SimpleNamespace(
+        call="offloader.load#1", block_map=None,
+        cuda_ops=types.SimpleNamespace(staged=StagedValues(), _cache_storages={}),
+        host=types.SimpleNamespace(lookup=lambda tensor: everything, regions=types.SimpleNamespace(find=lambda at: everything)),
+        enqueue=lambda issue, **declared: queued.append((issue, declared)))
+    model = _model("sgl_kernel::transfer_kv_all_layer")
+    assert CustomCalls(session).cuda(model, None, (*tables, si, di, 32, 2, 2, 1), {}) is None
+    assert len(queued) == 1 and queued[0][1]["name"] == "transfer_kv_all_layer"
+    written = [run for touch in queued[0][1]["writes"] for run in touch.ranges]
+    assert (dst[1][0].data_ptr(), dst[1][0].data_ptr() + 32) in written
+    assert not any(d.any() for d in dst)  # nothing moved at the call
+    queued[0][0]()  # the schedule runs the op
+    assert torch.equal(dst[1], _moved(src[1], [(1, 0), (4, 5)]))

@@ -21,7 +21,6 @@ import torch
 
 from racecheck import custom_ops
 from racecheck.engine_ops import GPUKVFormat, PageBufferShapeDesc, TransferDirection, coalesced, format_name
-from racecheck.effects import reference_values
 from racecheck.ranges import byte_runs, merge
 
 MODELS = {model.name: model for model in custom_ops.models()}
@@ -88,7 +87,7 @@ def check(op: str, buffers: Buffers, args: tuple, pairs: Callable[[Buffers], Pai
         args = tuple(on_device.get(id(a), a) for a in args)
         tables = list(on_device.values())
 
-    fx = model.declare(args, reference_values)
+    fx = model.declare(args, custom_ops.reference_values)
     assert merge(fx.writes) == merge(run for _, dst in moved for run in byte_runs(dst))
     assert merge(fx.reads) == merge([run for src, _ in moved for run in byte_runs(src)]
                                     + [run for table in tables for run in byte_runs(table)])

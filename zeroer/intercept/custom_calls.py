@@ -11,8 +11,11 @@ falls in and declared to the happens-before checker on the current stream:
 Where the model needs values the device holds (SGLang's index tensors, its tables of layer
 addresses), the simulator evaluates it when the stream reaches the op, once they are there, and
 declares its accesses then (the checker's verdict does not depend on the order of declarations);
-on CUDA the fuzzer reads no device memory at a call, so such an op is a harness error naming it.
-The simulator runs the model's reference implementation on the CPU memory behind its tensors.
+on CUDA the fuzzer reads no device memory at a call: it takes the values the program staged there
+from the host (:mod:`racecheck.staged_values`), and an op needing others is a harness error naming it.
+The simulator runs the model's reference implementation on the CPU memory behind its tensors; on
+CUDA, where the program has no extension, the reference makes the op's copies on the device, queued
+as one op of the runtime (behind its gate in the controlled mode), from the same values.
 
 A run the model declares outside any memory the tool knows is an error naming the op and the
 address, never dropped. A custom op with no model is :func:`unmodelled`'s error.
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from racecheck.custom_ops import EffectModel, ValueUnknown, host_values, missing_model, op_name
+from racecheck.custom_ops import EffectModel, ValueUnknown, host_values, known_values, missing_model, op_name
 from racecheck.hb import OpStamp
 from racecheck.ranges import merge
 from zeroer.intercept.errors import InterceptError, forward, unroutable
@@ -218,16 +221,29 @@ class CustomCalls:
 
     # -- CUDA (the fuzzer's cuda backend) ------------------------------------------------------------
     def cuda(self, model: EffectModel, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Issue ``func`` (the extension's own op) as one runtime op with the model's accesses."""
+        """Issue ``func`` (the extension's own op), or where the program has none (``func`` None) the
+        model's reference (its copies on the device, :mod:`racecheck.raw_copies`), as one runtime op
+        with the model's accesses: on controlled cuda behind the op's gate on its stream, the copies in
+        order, run when the schedule runs the op."""
         session = self.session
         given = model.bind(args, kwargs, func)
+        staged = session.cuda_ops.staged
 
         def now(tensor: torch.Tensor) -> list[int]:
             if tensor.is_cuda:
-                raise unroutable(f"{model.name} in {session.call}",
-                                 "its effect model needs values held in device memory, which the fuzzer "
-                                 "cannot read at the call on CUDA", "run it on the simulator (--backend sim)")
+                known = staged.values(tensor)  # what the program staged there (racecheck.staged_values)
+                if known is None:
+                    raise unroutable(f"{model.name} in {session.call}",
+                                     "its effect model needs values held in device memory that the program did not "
+                                     "stage from the host (or that device work rewrote since), which the fuzzer "
+                                     "cannot read at the call on CUDA", "run it on the simulator (--backend sim)")
+                return [int(v) for v in known.reshape(-1).tolist()]
             return host_values(tensor)
+
+        if func is None and model.reference is None:
+            raise unroutable(f"{model.name} on CUDA", "its extension is not installed here and its effect model has "
+                             "no reference implementation", "install the extension, or give effect_model(...) a "
+                             "reference=")
 
         fx = model.declare(given, now)
         host_args = _host_extents(given, session.host)
@@ -262,7 +278,12 @@ class CustomCalls:
         box: list[Any] = []
 
         def issue() -> None:
-            box.append(forward(func, *args, **kwargs))
+            if func is not None:
+                box.append(forward(func, *args, **kwargs))
+                return
+            # The values the accesses were declared from, whatever the device holds when the op runs.
+            with known_values(lambda tensor: now(tensor)):
+                box.append(forward(model.reference, *given))
 
         stamp = session.enqueue(issue, name=_short(model.name), reads=reads, writes=writes, cache_written=cache_access)
         if isinstance(stamp, OpStamp):
