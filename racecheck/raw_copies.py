@@ -123,23 +123,39 @@ def allocator_segments() -> list[tuple[int, int, torch.device]]:
             for s in torch.cuda.memory_snapshot()]
 
 
-def ask_driver(address: int, nbytes: int) -> torch.device:
-    """What ``cudaPointerGetAttributes`` says of ``address`` (memory another allocator made:
-    ``cudaMalloc`` through cuda-bindings, ``cudaHostRegister``, plain host memory)."""
+def memory_type(address: int) -> str | None:
+    """What ``cudaPointerGetAttributes`` says ``address`` is: ``"device"`` (device or managed memory),
+    ``"pinned"`` (pinned or registered host memory), ``"pageable"`` (host memory CUDA never saw), or
+    None where cuda-bindings is not installed to ask."""
     try:
         from cuda.bindings import runtime
     except ImportError:
-        raise Unplaced(f"address {address:#x} ({nbytes} bytes) is in no allocation PyTorch knows, and without "
-                       f"cuda-bindings kvzero cannot ask the driver whether it is device or host memory: install "
-                       f"cuda-bindings (pip install cuda-bindings), or the op's extension") from None
+        return None
     err, attributes = runtime.cudaPointerGetAttributes(address)
     if int(err) != 0:
         runtime.cudaGetLastError()  # the query's error is not the program's
-        return CPU  # an address CUDA never saw: plain host memory (CUDA before 11 answers so)
+        return "pageable"  # an address CUDA never saw (CUDA before 11 answers so)
     kind = int(attributes.type)
-    if kind in (int(runtime.cudaMemoryType.cudaMemoryTypeDevice), int(runtime.cudaMemoryType.cudaMemoryTypeManaged)):
+    types = runtime.cudaMemoryType
+    if kind in (int(types.cudaMemoryTypeDevice), int(types.cudaMemoryTypeManaged)):
+        return "device"
+    return "pinned" if kind == int(types.cudaMemoryTypeHost) else "pageable"
+
+
+def ask_driver(address: int, nbytes: int) -> torch.device:
+    """The device of memory another allocator made (``cudaMalloc`` through cuda-bindings,
+    ``cudaHostRegister``, plain host memory), as the driver says (:func:`memory_type`)."""
+    kind = memory_type(address)
+    if kind is None:
+        raise Unplaced(f"address {address:#x} ({nbytes} bytes) is in no allocation PyTorch knows, and without "
+                       f"cuda-bindings kvzero cannot ask the driver whether it is device or host memory: install "
+                       f"cuda-bindings (pip install cuda-bindings), or the op's extension")
+    if kind == "device":
+        from cuda.bindings import runtime
+
+        _, attributes = runtime.cudaPointerGetAttributes(address)
         return torch.device("cuda", int(attributes.device))
-    return CPU  # unregistered, pinned or registered host memory
+    return CPU
 
 
 def copy_bytes(copies: Copies, placement: Placement) -> None:
@@ -155,4 +171,5 @@ def copy_bytes(copies: Copies, placement: Placement) -> None:
             byte_view(dst, nbytes, dst_device).copy_(byte_view(src, nbytes, src_device), non_blocking=True)
 
 
-__all__ = ["Placement", "Unplaced", "allocator_segments", "byte_view", "copy_bytes", "cuda_running"]
+__all__ = ["Placement", "Unplaced", "allocator_segments", "ask_driver", "byte_view", "copy_bytes", "cuda_running",
+           "memory_type"]
