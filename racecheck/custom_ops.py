@@ -39,9 +39,10 @@ from __future__ import annotations
 
 from racecheck import engine_ops  # noqa: F401 - the engines' models, registered at import
 from racecheck.effects import (EffectModel, Effects, NeedsExtension, OpenRoute, ValueUnknown, effect_model,
-                               extension_modules, failed_inside, host_values, is_custom, missing_model, model_for,
-                               models, op_name, open_routes, register, route, routing, unregister, unrouted)
+                               extension_modules, failed_inside, host_values, is_custom, known_values, missing_model,
+                               model_for, models, op_name, open_routes, reference_values, register, route, routing,
+                               unregister, unrouted)
 
 __all__ = ["EffectModel", "Effects", "NeedsExtension", "OpenRoute", "ValueUnknown", "effect_model", "extension_modules",
-           "failed_inside", "host_values", "is_custom", "missing_model", "model_for", "models", "op_name",
-           "open_routes", "register", "route", "routing", "unregister", "unrouted"]
+           "failed_inside", "host_values", "is_custom", "known_values", "missing_model", "model_for", "models", "op_name",
+           "open_routes", "reference_values", "register", "route", "routing", "unregister", "unrouted"]

@@ -9,6 +9,7 @@ why it holds no model itself and imports none.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import importlib
 import importlib.abc
@@ -29,6 +30,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 from racecheck.dtypes import NUMPY_INTEGERS
 from racecheck.errors import KvzeroError
 from racecheck.ranges import byte_runs, row_runs
+from racecheck.raw_copies import Placement, Unplaced, allocator_segments, copy_bytes
 
 Runs = list[tuple[int, int]]
 
@@ -211,34 +213,67 @@ def host_values(tensor: torch.Tensor) -> list[int]:
     return [int(v) for v in np.frombuffer(raw, dtype=dtype)]
 
 
-def copy_runs(copies: Sequence[tuple[int, int, int]]) -> None:
-    """Make ``(source, destination, bytes)`` copies between CPU addresses, in order. An address in
-    device memory PyTorch's CUDA allocator holds is refused before any byte moves."""
-    device = device_runs()
-    for src, dst, nbytes in copies if device else ():
-        for address in (src, dst):
-            if any(lo < int(address) + int(nbytes) and int(address) < hi for lo, hi in device):
-                raise NeedsExtension(f"address {int(address):#x} ({int(nbytes)} bytes) is device memory: kvzero's "
-                                   f"reference implementations copy CPU memory only; install the op's extension "
-                                   f"to run it on a GPU")
-    for src, dst, nbytes in copies:
-        if nbytes > 0:
-            ctypes.memmove(int(dst), int(src), int(nbytes))
+def copy_runs(copies: Sequence[tuple[int, int, int]], tensors: Sequence[Any] = ()) -> None:
+    """Make ``(source, destination, bytes)`` copies, in order, where their bytes lie: host memory on
+    the host, device memory on its device, each as a torch copy on the caller's current stream
+    (:mod:`racecheck.raw_copies`); ``tensors`` are the op's arguments (their storages are placed
+    first). An address that cannot be placed is refused before any byte moves."""
+    placement = Placement(_tensors_in(list(tensors)))
+    try:
+        copy_bytes(copies, placement)
+    except Unplaced as error:
+        raise NeedsExtension(str(error)) from None
 
 
 def device_runs() -> Runs:
     """The device memory PyTorch's CUDA allocator holds now, as (start, end) runs: none where CUDA
     was never initialised in this process, and none in a CPU build of torch (where the simulator's
     device memory is CPU memory)."""
-    if not hasattr(torch._C, "_cuda_memorySnapshot") or not torch.cuda.is_initialized():
-        return []
-    return [(int(segment["address"]), int(segment["address"]) + int(segment["total_size"]))
-            for segment in torch.cuda.memory_snapshot()]
+    return [(start, end) for start, end, _ in allocator_segments()]
+
+
+# What a reference implementation reads an index or a pointer table in device memory by: the values
+# the active tool knows (racecheck.device_values), set around the reference's call (known_values).
+_KNOWN: contextvars.ContextVar[Callable[[torch.Tensor], Any] | None] = contextvars.ContextVar(
+    "kvzero_known_values", default=None)
+
+
+@contextlib.contextmanager
+def known_values(values: Callable[[torch.Tensor], Any]) -> Iterator[None]:
+    """While inside, :func:`reference_values` of a device tensor asks ``values(tensor)`` first (a
+    tool's knowledge of what the program staged there: integers, or None where it knows none)."""
+    token = _KNOWN.set(values)
+    try:
+        yield
+    finally:
+        _KNOWN.reset(token)
+
+
+def reference_values(tensor: torch.Tensor) -> list[int]:
+    """The integers ``tensor`` holds, for a reference implementation about to make its copies: a
+    host tensor's from its memory; a device tensor's as the active tool knows them, else read back
+    on the caller's current stream (what the op's kernel, queued there now, would read; the read
+    waits for that stream, as a blocking ``.cpu()`` would, and no torch mode sees it)."""
+    with torch._C.DisableTorchFunction():
+        on_device = tensor.device.type != "cpu"
+    if not on_device:
+        return host_values(tensor)
+    ask = _KNOWN.get()
+    if ask is not None:
+        known = ask(tensor)
+        if known is not None:
+            return [int(v) for v in np.asarray(known).reshape(-1).tolist()]
+    from torch.utils._mode_utils import no_dispatch
+
+    with torch._C.DisableTorchFunction(), no_dispatch():
+        if tensor.dtype not in NUMPY_INTEGERS:
+            raise ValueUnknown(f"a {tensor.dtype} tensor holds no indices")
+        return host_values(tensor.to("cpu"))
 
 
 def _device_tensors(values: Any) -> Iterator[torch.Tensor]:
     for value in values:
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "cuda"):
             yield value
         elif isinstance(value, (list, tuple)):
             yield from _device_tensors(value)
@@ -278,12 +313,13 @@ def route(model: EffectModel, args: tuple, kwargs: dict, real: Callable[..., Any
         return _ROUTERS[-1](model, args, kwargs, real)
     if real is not None:
         return _handed_on(real, args, kwargs)
-    # A GPU machine without the engine's extension: the reference copies CPU memory only, and a
-    # raw address is checked against device memory before it is copied (copy_runs).
+    # A machine without the engine's extension: the reference makes the op's copies itself, on the
+    # host or on a CUDA device, each address placed first (copy_runs); memory of another kind of
+    # device (meta, XPU) it cannot copy.
     device = next(_device_tensors([*args, *kwargs.values()]), None)
     if device is not None:
         raise NeedsExtension(f"{model.name}: its extension is not installed, and kvzero's reference "
-                           f"implementation runs on CPU memory only (the simulator's), not on a {device.device} "
+                           f"implementation runs on host and CUDA memory only, not on a {device.device} "
                            f"tensor: install the extension, or run it under a tool")
     if model.reference is None:
         raise NeedsExtension(f"{model.name} has no implementation here (its extension is absent)")
@@ -902,5 +938,6 @@ def _short_path(path: str) -> str:
 
 
 __all__ = ["EffectModel", "Effects", "NeedsExtension", "OpenRoute", "ValueUnknown", "copy_runs", "device_runs",
-           "effect_model", "extension_modules", "failed_inside", "host_values", "is_custom", "missing_model",
-           "model_for", "models", "open_routes", "register", "route", "routing", "unregister", "unrouted"]
+           "effect_model", "extension_modules", "failed_inside", "host_values", "is_custom", "known_values",
+           "missing_model", "model_for", "models", "open_routes", "reference_values", "register", "route", "routing",
+           "unregister", "unrouted"]

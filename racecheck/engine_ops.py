@@ -3,7 +3,8 @@
 Each op is said once, as the list of raw copies it makes (source address, destination address,
 bytes), computed from its arguments as its CUDA code computes them; the model declares each
 copy's source read and destination written (and its index tensors and pointer tables read), and
-the reference implementation makes the same copies on CPU memory. A form the op does not take (an
+the reference implementation makes the same copies, on host memory or on the CUDA device they lie
+in, on the caller's current stream (:mod:`racecheck.raw_copies`). A form the op does not take (an
 LMCache KV format its kernel's switch has no case for, a negative page index its kernel would turn
 into an address before the buffer) is refused in one line that names it, never guessed.
 
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from racecheck.effects import EffectModel, Effects, copy_runs, host_values, register
+from racecheck.effects import EffectModel, Effects, copy_runs, reference_values, register
 
 Copies = list[tuple[int, int, int]]  # (source address, destination address, bytes)
 Values = Callable[[torch.Tensor], list[int]]
@@ -54,7 +55,9 @@ def _model(name: str, schema: str | None, copies: Callable[..., Copies], tables:
             fx.write(dst, nbytes)
 
     def reference(*args: Any) -> None:
-        copy_runs(copies(host_values, *args))
+        # The copies the op's kernel makes, made on the host or the device their bytes lie in, on
+        # the current stream; device-held indices as the active tool knows them (racecheck.effects).
+        copy_runs(copies(reference_values, *args), args)
 
     register(EffectModel(name, effects, reference, schema, params, attributes or {}, extension))
 

@@ -59,6 +59,10 @@ class FakeCuda:
         """The device tensor's storage holding ``[address, address + size)`` (a raw access)."""
         return next((b for b, n in self._sizes.items() if b <= address and address + size <= b + n), None)
 
+    def is_pageable(self, address: int, size: int) -> bool:
+        """Memory not made device memory here: the CPU's own (pinned memory is the observer's to know)."""
+        return self.allocation_at(address, size) is None
+
     def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` is pinned memory, allocated here (as ``pin_memory=True`` is, to the observer)."""
         self._pinned.add(tensor.untyped_storage().data_ptr())

@@ -24,6 +24,20 @@ from racecheck.engine_ops import GPUKVFormat, PageBufferShapeDesc, TransferDirec
 from racecheck.ranges import byte_runs, merge
 
 MODELS = {model.name: model for model in custom_ops.models()}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+_ON = {"device": "cpu"}  # where the running case's tensors live (the ``device`` fixture)
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest):
+    _ON["device"] = request.param
+    yield request.param
+    _ON["device"] = "cpu"
+
+
+def on_devices(test: Callable) -> Callable:
+    """Run ``test`` on the CPU and (where there is one) on a GPU."""
+    return pytest.mark.usefixtures("device")(pytest.mark.parametrize("device", DEVICES, indirect=True)(test))
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (source view, destination view), as the layout says
 
 
@@ -42,7 +56,10 @@ class Buffers(dict):
     """The tensors of one case by name, each with its own random bytes."""
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.int16) -> torch.Tensor:
-        self[name] = _random(shape, dtype, seed=len(self) + 1)
+        tensor = _random(shape, dtype, seed=len(self) + 1)
+        if _ON["device"] != "cpu":  # LMCache's objects are host memory, pinned; the KV cache the device's
+            tensor = tensor.pin_memory() if name.startswith("obj") else tensor.to(_ON["device"])
+        self[name] = tensor
         return self[name]
 
 
@@ -65,19 +82,26 @@ def check(op: str, buffers: Buffers, args: tuple, pairs: Callable[[Buffers], Pai
         dst.copy_(src.clone())
     moved = pairs(buffers)
     assert moved, "a case that moves nothing checks nothing"
+    if _ON["device"] != "cpu" and not op.startswith("_C_cache_ops::"):  # vLLM's read on the host
+        on_device = {id(t): t.to(_ON["device"]) for t in tables}
+        args = tuple(on_device.get(id(a), a) for a in args)
+        tables = list(on_device.values())
 
-    fx = model.declare(args, custom_ops.host_values)
+    fx = model.declare(args, custom_ops.reference_values)
     assert merge(fx.writes) == merge(run for _, dst in moved for run in byte_runs(dst))
     assert merge(fx.reads) == merge([run for src, _ in moved for run in byte_runs(src)]
                                     + [run for table in tables for run in byte_runs(table)])
 
     model.reference(*args)
+    if _ON["device"] != "cpu":
+        torch.cuda.synchronize()
     for name, tensor in buffers.items():
         assert torch.equal(_bytes(tensor), _bytes(want[name])), f"{op}: {name} differs from its layout's reference"
 
 
 # -- vLLM -------------------------------------------------------------------------------------------------
 
+@on_devices
 def test_swap_blocks_copies_whole_blocks_at_their_index_times_the_block_size():
     buffers = Buffers()
     src, dst = buffers.add("src", (6, 4), torch.int32), buffers.add("dst", (6, 4), torch.int32)
@@ -86,6 +110,7 @@ def test_swap_blocks_copies_whole_blocks_at_their_index_times_the_block_size():
           lambda b: [(b["src"][s], b["dst"][d]) for s, d in mapping.tolist()], [mapping])
 
 
+@on_devices
 def test_swap_blocks_steps_by_the_size_it_is_given_not_by_the_stride_of_dim_0():
     # vLLM's cache_kernels.cu: src_ptr + block * block_size_in_bytes. One K plane of a [2, NB, 16]
     # int16 tensor (a view that starts past its storage's first byte), moved in 8-byte blocks: block n
@@ -101,6 +126,7 @@ def test_swap_blocks_steps_by_the_size_it_is_given_not_by_the_stride_of_dim_0():
     check("_C_cache_ops::swap_blocks", buffers, (buffers["src"][1], buffers["dst"][1], 8, mapping), blocks, [mapping])
 
 
+@on_devices
 def test_swap_blocks_batch_copies_each_size_from_each_source_address_to_its_destination():
     buffers = Buffers()
     src, dst = buffers.add("src", (8, 8)), buffers.add("dst", (8, 8))
@@ -128,6 +154,7 @@ def _layers(buffers: Buffers, prefix: str, shape: tuple[int, ...] = (T, H, D)) -
     return [buffers.add(f"{prefix}{layer}", shape) for layer in range(L)]
 
 
+@on_devices
 def test_transfer_kv_per_layer_copies_each_token_of_k_and_v():
     b = Buffers()
     args = (b.add("sk", (T, H, D)), b.add("dk", (T, H, D)), b.add("sv", (T, H, D)), b.add("dv", (T, H, D)),
@@ -136,6 +163,7 @@ def test_transfer_kv_per_layer_copies_each_token_of_k_and_v():
           lambda b: [(b[f"s{x}"][s], b[f"d{x}"][d]) for s, d in PAIRS for x in "kv"], [SRC_I, DST_I])
 
 
+@on_devices
 def test_transfer_kv_per_layer_mla_copies_each_token_of_the_latent_buffer():
     b = Buffers()
     args = (b.add("s", (T, 1, 12)), b.add("d", (T, 1, 12)), SRC_I, DST_I, 24, 2, 1)
@@ -143,6 +171,7 @@ def test_transfer_kv_per_layer_mla_copies_each_token_of_the_latent_buffer():
           lambda b: [(b["s"][s], b["d"][d]) for s, d in PAIRS], [SRC_I, DST_I])
 
 
+@on_devices
 def test_transfer_kv_per_layer_pf_lf_reads_one_layer_of_a_page_first_host_pool():
     b = Buffers()
     args = (b.add("sk", (T, L, H, D)), b.add("dk", (T, H, D)), b.add("sv", (T, L, H, D)), b.add("dv", (T, H, D)),
@@ -151,6 +180,7 @@ def test_transfer_kv_per_layer_pf_lf_reads_one_layer_of_a_page_first_host_pool()
           lambda b: [(b[f"s{x}"][s, 1], b[f"d{x}"][d]) for s, d in PAIRS for x in "kv"], [SRC_I, DST_I])
 
 
+@on_devices
 def test_transfer_kv_per_layer_mla_pf_lf_reads_one_layer_of_a_page_first_latent_pool():
     b = Buffers()
     args = (b.add("s", (T, L, 1, 12)), b.add("d", (T, 1, 12)), SRC_I, DST_I, 1, 24, L * 24, 2, 1)
@@ -158,6 +188,7 @@ def test_transfer_kv_per_layer_mla_pf_lf_reads_one_layer_of_a_page_first_latent_
           lambda b: [(b["s"][s, 1], b["d"][d]) for s, d in PAIRS], [SRC_I, DST_I])
 
 
+@on_devices
 def test_transfer_kv_per_layer_ph_lf_gathers_each_head_of_one_layer_from_a_page_head_pool():
     b = Buffers()
     host = (T // PAGE, H, PAGE, L, D)
@@ -168,6 +199,7 @@ def test_transfer_kv_per_layer_ph_lf_gathers_each_head_of_one_layer_from_a_page_
                      for s, d in PAIRS for x in "kv" for h in range(H)], [SRC_I, DST_I])
 
 
+@on_devices
 def test_transfer_kv_all_layer_copies_every_layer_through_tables_of_layer_addresses():
     b = Buffers()
     tables = [_addresses(_layers(b, name)) for name in ("sk", "dk", "sv", "dv")]
@@ -177,6 +209,7 @@ def test_transfer_kv_all_layer_copies_every_layer_through_tables_of_layer_addres
           [*tables, SRC_I, DST_I])
 
 
+@on_devices
 def test_transfer_kv_all_layer_mla_copies_every_layer_through_tables_of_layer_addresses():
     b = Buffers()
     tables = [_addresses(_layers(b, name, (T, 1, 12))) for name in ("s", "d")]
@@ -185,6 +218,7 @@ def test_transfer_kv_all_layer_mla_copies_every_layer_through_tables_of_layer_ad
           [*tables, SRC_I, DST_I])
 
 
+@on_devices
 def test_transfer_kv_all_layer_lf_pf_writes_every_layer_into_a_page_first_host_pool():
     b = Buffers()
     src_k, src_v = _addresses(_layers(b, "sk")), _addresses(_layers(b, "sv"))
@@ -195,6 +229,7 @@ def test_transfer_kv_all_layer_lf_pf_writes_every_layer_into_a_page_first_host_p
           [src_k, src_v, SRC_I, DST_I])
 
 
+@on_devices
 def test_transfer_kv_all_layer_mla_lf_pf_writes_every_layer_into_a_page_first_latent_pool():
     b = Buffers()
     src = _addresses(_layers(b, "s", (T, 1, 12)))
@@ -204,6 +239,7 @@ def test_transfer_kv_all_layer_mla_lf_pf_writes_every_layer_into_a_page_first_la
           [src, SRC_I, DST_I])
 
 
+@on_devices
 def test_transfer_kv_all_layer_lf_ph_scatters_each_head_of_every_layer_into_a_page_head_pool():
     b = Buffers()
     host = (T // PAGE, H, PAGE, L, D)
@@ -215,6 +251,7 @@ def test_transfer_kv_all_layer_lf_ph_scatters_each_head_of_every_layer_into_a_pa
           [src_k, src_v, SRC_I, DST_I])
 
 
+@on_devices
 def test_a_page_head_transfer_moves_whole_8_byte_words_of_a_head_as_transfer_item_warp_does():
     # heads of 12 bytes (item 24, 2 heads): the kernel's 64-bit copy loop moves the first 8 of each
     b = Buffers()
@@ -229,6 +266,7 @@ def test_a_page_head_transfer_moves_whole_8_byte_words_of_a_head_as_transfer_ite
 RUN_SRC, RUN_DST = torch.tensor([0, 1, 4, 5, 6, 7, 9, 10]), torch.tensor([2, 3, 8, 9, 10, 11, 0, 1])
 
 
+@on_devices
 def test_transfer_kv_direct_copies_the_rows_of_each_layer_buffer_run_by_run():
     b = Buffers()
     src, dst = _layers(b, "s"), _layers(b, "d")
@@ -237,6 +275,7 @@ def test_transfer_kv_direct_copies_the_rows_of_each_layer_buffer_run_by_run():
                      for layer in range(L)], [RUN_SRC, RUN_DST])
 
 
+@on_devices
 def test_transfer_kv_direct_copies_rows_of_strided_views_element_by_element():
     # the destination's rows are the first half of wider rows: copy_ writes those halves only
     b = Buffers()
@@ -250,6 +289,7 @@ PAGE_SRC = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3])  # host tokens: pages 2 and 
 PAGE_DST = torch.tensor([4, 5, 6, 7, 0, 1, 2, 3])  # device tokens
 
 
+@on_devices
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 def test_transfer_kv_per_layer_direct_pf_lf_copies_a_page_of_one_layer_per_plane(mla: bool):
     # a page of the page_first_direct pool, [pages, layers, page, H, D]: page = first index // page
@@ -263,6 +303,7 @@ def test_transfer_kv_per_layer_direct_pf_lf_copies_a_page_of_one_layer_per_plane
           [PAGE_SRC, PAGE_DST])
 
 
+@on_devices
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 def test_transfer_kv_all_layer_direct_lf_pf_copies_a_page_of_every_layer_per_plane(mla: bool):
     # the device's layer buffers, K layers then V layers, into the page_first_direct pool
@@ -436,6 +477,7 @@ DIRECTIONS = [TransferDirection.H2D, TransferDirection.D2H]
 OP = "lmcache.c_ops.multi_layer_block_kv_transfer"
 
 
+@on_devices
 @pytest.mark.parametrize("direction", DIRECTIONS, ids=lambda d: d.name)
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_each_lmcache_kv_format_moves_each_block_to_and_from_its_token_rows_of_its_object(name, direction):
@@ -445,6 +487,7 @@ def test_each_lmcache_kv_format_moves_each_block_to_and_from_its_token_rows_of_i
     check(OP, b, args, _block_pairs(form, direction), tables)
 
 
+@on_devices
 @pytest.mark.parametrize("direction", DIRECTIONS, ids=lambda d: d.name)
 def test_the_dsa_indexer_format_moves_each_tokens_values_and_its_scale_apart(direction):
     # NL_X_NB_BSV_BSS: a block is [BS x 8 value bytes][BS x 4 scale bytes]; a token's object row is
@@ -469,6 +512,7 @@ def test_the_dsa_indexer_format_moves_each_tokens_values_and_its_scale_apart(dir
     check(OP, b, args, pairs, tables)
 
 
+@on_devices
 @pytest.mark.parametrize("direction", DIRECTIONS, ids=lambda d: d.name)
 def test_a_padded_block_stride_steps_over_the_padding_between_blocks(direction):
     # block_stride_elems (vLLM's padded MLA rows, DeepSeek V4): blocks 12 * BS + 4 elements apart
@@ -480,6 +524,7 @@ def test_a_padded_block_stride_steps_over_the_padding_between_blocks(direction):
     check(OP, b, args, _block_pairs(form, direction), tables)
 
 
+@on_devices
 @pytest.mark.parametrize("head_size", [1, 4, 8], ids=["2-byte units", "4-byte units", "16-byte units"])
 def test_the_kernels_copy_unit_changes_no_byte_moved(head_size: int):
     form = _form(2, NH, head_size, _per_layer((2, NB, BS, NH, head_size)), _layer_table,
@@ -489,6 +534,7 @@ def test_the_kernels_copy_unit_changes_no_byte_moved(head_size: int):
     check(OP, b, args, _block_pairs(form, TransferDirection.H2D), tables)
 
 
+@on_devices
 def test_the_blocks_before_skip_prefix_n_blocks_are_not_moved():
     form = FORMATS["TWO_X_NL_X_NB_BS_NH_HS"]
     b = Buffers()
@@ -504,6 +550,7 @@ class ProgramsFormat(enum.IntEnum):
     NL_X_SPARSE_PAGES = 1  # no LMCache's
 
 
+@on_devices
 def test_a_format_passed_as_an_enum_member_is_known_by_its_name_whatever_its_number():
     form = FORMATS["TWO_X_NL_X_NB_BS_NH_HS"]
     b = Buffers()
@@ -513,6 +560,7 @@ def test_a_format_passed_as_an_enum_member_is_known_by_its_name_whatever_its_num
     assert format_name(ProgramsFormat.NL_X_TWO_NB_BS_NH_HS) == "NL_X_TWO_NB_BS_NH_HS"
 
 
+@on_devices
 def test_a_bare_int_is_read_by_lmcaches_numbering():
     form = FORMATS["TWO_X_NL_X_NB_BS_NH_HS"]
     b = Buffers()

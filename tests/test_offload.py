@@ -9,6 +9,7 @@ small offloaders written here. The cuda cases run where there is a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 from pathlib import Path
@@ -620,3 +621,36 @@ def test_a_transfer_async_offloaders_exception_names_the_call_it_has(tmp_path: P
     assert found[0].kind == "offloader raised"  # filed under its component, as docs/offload-contract.md lists it
     signature = finding_signature(found[0], zeroer=f"{source}:make", geometry="tiny")
     assert signature.site.startswith("transfer_async raised ValueError"), signature
+
+
+# -- construction and the controlled cuda runtime's ungated() ------------------------------------------
+
+def test_an_offloaders_construction_leaves_nothing_queued_for_the_warm_ups_ungated_scope(monkeypatch):
+    # On controlled cuda, ungated() refuses while ops are queued behind gates; HiCache's constructor
+    # stages its tables and free slots on the device, and every campaign stopped at its first op with
+    # "ungated() needs an idle runtime, but ops are queued on stream(s) 'main' (1)". The simulator here
+    # keeps that rule (the controlled runtime's own ungated()); construction now runs ungated.
+    from fuzz.engine import episode as episode_module
+    from zeroer.runtime.cuda.controlled import ControlledCudaRuntime
+    from zeroer.runtime.sim import SimRuntime
+
+    class ControlledRules(SimRuntime):
+        _ungated = False
+
+        @contextlib.contextmanager
+        def ungated(self):
+            with ControlledCudaRuntime.ungated(self):  # refused while ops are queued
+                yield
+                self.queues.drain_all()  # what was issued inside has run (on cuda, each op as it is issued)
+
+    monkeypatch.setattr(episode_module, "make_runtime", lambda backend, **_: ControlledRules())
+    episode = Episode(EpisodeConfig(offloader="tests/engine_style/factories.py:hicache_controller", geometry="tiny",
+                                    host_memory="pinned"))
+    try:
+        episode.apply({"op": "start"})
+        block = episode.apply({"op": "allocate", "n": 1})[0]
+        episode.apply({"op": "write", "block": block})
+        episode.apply({"op": "store", "block": block, "stream": 0})
+        episode.apply({"op": "sync_device"})
+    finally:
+        episode.abandon()

@@ -217,10 +217,16 @@ class Episode:
         self.fresh_findings: list[Finding] = []  # value findings made during an op (an offloader's poll)
         self.in_op = False  # an op is running: an interruption now leaves the episode unjudgeable
         self.finished = False
-        for group in self.groups:
-            with self.factory_call("zeroer", self.loaded.spec, "(cache, runtime)"):
-                group.zeroer = self.loaded.build(group.cache, self.rt, **kernel_options(config.zeroer, config.kernel))
-        self.component = build_component(self)
+        # Construction is the episode's first device work, and like the warm-up it runs ungated: on
+        # controlled cuda each op runs as it is issued (a constructor's first launch of a kernel
+        # loads its module, which waits for the GPU to drain), and none is left queued behind a gate
+        # for the warm-up's ungated() to refuse (HiCache's constructor stages its tables and free
+        # slots on the device). Elsewhere a plain scope: the simulator queues them as before.
+        with self.rt.ungated():
+            for group in self.groups:
+                with self.factory_call("zeroer", self.loaded.spec, "(cache, runtime)"):
+                    group.zeroer = self.loaded.build(group.cache, self.rt, **kernel_options(config.zeroer, config.kernel))
+            self.component = build_component(self)
         self._component_ops = self.component.ops() if self.component is not None else {}  # looked up per op
 
     # The first cache, for the common one-zeroer episode (tests and baselines read these).

@@ -10,7 +10,11 @@ Either way the op's model (:mod:`racecheck.custom_ops`) says the byte runs it re
 each resolved to the device allocation or pinned region it falls in and stamped on the current
 stream. The values a model needs (indices, tables of layer addresses) are read where the host
 holds them, or where the program staged them to the device (:mod:`sanitizer.gpu.indices`); where
-they are not known, a note says the op's accesses are not checked (a miss, never a false race).
+they are not known, a note says the op's accesses are not checked (a miss, never a false race). A
+run in plain (pageable) host memory is the host's, at the call, as CUDA stages such a copy before
+the call returns; a run the observer can place nowhere is one note. Where the program has no
+extension, the model's reference makes the op's copies (:mod:`racecheck.raw_copies`), on the device
+where the bytes are there, on the current stream.
 
 A custom op with no model is one line (the run is partial): kvz-sanitize cannot say what it touches.
 """
@@ -21,7 +25,8 @@ from typing import Any
 
 import torch
 
-from racecheck.custom_ops import EffectModel, ValueUnknown, host_values, missing_model, model_for, op_name, route, unrouted
+from racecheck.custom_ops import (EffectModel, ValueUnknown, host_values, known_values, missing_model, model_for, op_name,
+                                  route, unrouted)
 from racecheck.ranges import merge
 from sanitizer.sites import Site, caller_site
 from zeroer.intercept.sim_tensor import SimCudaTensor
@@ -50,17 +55,20 @@ def router(obs: Any) -> Any:
 
     def route(model: EffectModel, args: tuple, kwargs: dict, real: Any) -> Any:
         if obs.paused:
-            return _run(model, args, kwargs, real)
-        return call(obs, model, model.bind(args, kwargs), lambda: _run(model, args, kwargs, real), caller_site())
+            return _run(model, args, kwargs, real, obs)
+        return call(obs, model, model.bind(args, kwargs), lambda: _run(model, args, kwargs, real, obs), caller_site())
 
     return route
 
 
 @forwarding  # the program's own function handed on: what it raises is the program's (zeroer.origin)
-def _run(model: EffectModel, args: tuple, kwargs: dict, real: Any) -> Any:
+def _run(model: EffectModel, args: tuple, kwargs: dict, real: Any, obs: Any = None) -> Any:
     if real is not None:
         return real(*args, **kwargs)
-    with unrouted():
+    # No extension: the model's reference makes the op's copies, on the device where the bytes are
+    # there, reading device-held indices as the program staged them (sanitizer.gpu.indices).
+    known = obs.indices.values if obs is not None and getattr(obs, "indices", None) is not None else (lambda _: None)
+    with unrouted(), known_values(known):
         return route(model, args, kwargs)
 
 
@@ -119,6 +127,8 @@ def declare(obs: Any, model: EffectModel, given: list[Any], tensors: list[torch.
             if base is None:
                 finder = getattr(device, "allocation_at", None)
                 base = finder(lo, hi - lo) if finder is not None else None
+            if base is None and getattr(device, "is_pageable", lambda *_: False)(lo, hi - lo):
+                continue  # plain host memory: the op's copy from or to it is the host's, at the call
             if base is None:
                 obs.notes.append(f"kvz-sanitize could not place the {hi - lo} bytes at 0x{lo:x} that {model.name} at "
                                  f"{site} {'writes' if write else 'reads'} (no allocation it knows holds them); "

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from racecheck.raw_copies import memory_type
+
 
 class CudaDevice:
     """The real thing: torch's CUDA."""
@@ -55,6 +57,15 @@ class CudaDevice:
                 if block.get("state") == "active_allocated" and begin <= address and address + size <= start:
                     return begin
         return None
+
+    def is_pageable(self, address: int, size: int) -> bool:
+        """Whether ``[address, address + size)`` is plain host memory: in no block of the caching
+        allocator, and neither pinned nor registered as the driver says (a custom op's raw access
+        there is the host's, at the call: CUDA stages a copy from or to pageable memory before the
+        call returns). False where the driver cannot be asked."""
+        if self.allocation_at(address, size) is not None:
+            return False
+        return memory_type(address) == "pageable" and memory_type(address + size - 1) == "pageable"
 
     def private_stream(self) -> Any:
         """A stream of the sanitizer's own, for reading an index tensor once its writer is done."""

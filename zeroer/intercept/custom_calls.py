@@ -14,7 +14,9 @@ declares its accesses then (the checker's verdict does not depend on the order o
 on CUDA the fuzzer reads no device memory at a call: it knows the values the code made from the
 host or from values known so (:mod:`racecheck.device_values`), and any other is a harness error
 naming the op.
-The simulator runs the model's reference implementation on the CPU memory behind its tensors.
+The simulator runs the model's reference implementation on the CPU memory behind its tensors; on
+CUDA, where the program has no extension, the reference makes the op's copies on the device, queued
+as one op of the runtime (behind its gate in the controlled mode), from the same values.
 
 A run the model declares outside any memory the tool knows is an error naming the op and the
 address, never dropped. A custom op with no model is :func:`unmodelled`'s error.
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from racecheck.custom_ops import EffectModel, ValueUnknown, host_values, missing_model, op_name
+from racecheck.custom_ops import EffectModel, ValueUnknown, host_values, known_values, missing_model, op_name
 from racecheck.hb import OpStamp
 from racecheck.ranges import merge
 from zeroer.intercept.errors import InterceptError, forward, unroutable
@@ -220,13 +222,17 @@ class CustomCalls:
 
     # -- CUDA (the fuzzer's cuda backend) ------------------------------------------------------------
     def cuda(self, model: EffectModel, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Issue ``func`` (the extension's own op) as one runtime op with the model's accesses."""
+        """Issue ``func`` (the extension's own op), or where the program has none (``func`` None) the
+        model's reference (its copies on the device, :mod:`racecheck.raw_copies`), as one runtime op
+        with the model's accesses: on controlled cuda behind the op's gate on its stream, the copies in
+        order, run when the schedule runs the op."""
         session = self.session
         given = model.bind(args, kwargs, func)
+        known_values = session.cuda_ops.values
 
         def now(tensor: torch.Tensor) -> list[int]:
             if tensor.is_cuda:  # known where the code made them from the host or known values (racecheck.device_values)
-                known = session.cuda_ops.values.values(tensor)
+                known = known_values.values(tensor)
                 if known is None:
                     raise unroutable(f"{model.name} in {session.call}",
                                      "its effect model needs values held in device memory that the code did not "
@@ -236,6 +242,11 @@ class CustomCalls:
                                      "or run it on the simulator (--backend sim)")
                 return [int(v) for v in known.reshape(-1)]
             return host_values(tensor)
+
+        if func is None and model.reference is None:
+            raise unroutable(f"{model.name} on CUDA", "its extension is not installed here and its effect model has "
+                             "no reference implementation", "install the extension, or give effect_model(...) a "
+                             "reference=")
 
         fx = model.declare(given, now)
         host_args = _host_extents(given, session.host)
@@ -270,7 +281,12 @@ class CustomCalls:
         box: list[Any] = []
 
         def issue() -> None:
-            box.append(forward(func, *args, **kwargs))
+            if func is not None:
+                box.append(forward(func, *args, **kwargs))
+                return
+            # The values the accesses were declared from, whatever the device holds when the op runs.
+            with known_values(lambda tensor: now(tensor)):
+                box.append(forward(model.reference, *given))
 
         stamp = session.enqueue(issue, name=_short(model.name), reads=reads, writes=writes, cache_written=cache_access)
         if isinstance(stamp, OpStamp):
