@@ -1,0 +1,189 @@
+"""The device-generic ``torch.Event`` and ``torch.Stream`` under the GPU observer, on the CUDA stand-in.
+
+vLLM's offloading handler times each transfer with ``torch.Event(enable_timing=True)`` from a pool
+and reports it finished once ``end_event.query()`` answers True; its unit test then reads the
+pinned buffer, and the next test's ``torch.rand`` takes the freed device memory. torch traces no
+query, and both types are C types that refuse ``setattr``: on an H100 the sanitizer called that
+race-free test racy 61 times (``host-read-vs-pending-copy``, ``reuse-without-record-stream``). A True
+answer is the host seeing the work complete, for every instance of the types, whoever made it and
+whenever; an event the observer never saw recorded stands for no work it knows. The stand-in's
+``torch.Event`` (tests/fake_cuda.py, ``generic_types``) records through the observer's trace
+handlers, since a CPU build of torch cannot record one; ``query`` is torch's C method, as the
+observer wrapped it. The same programs on a GPU with ``torch.Event`` itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fake_cuda import FakeCuda, RealCuda
+from sanitizer.gpu import c_methods
+from sanitizer.gpu.observer import Observer
+
+
+@pytest.fixture(params=["fake", "cuda"])
+def cuda(request):
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a GPU")
+        return RealCuda()
+    return FakeCuda()
+
+
+@pytest.fixture
+def obs(cuda):
+    with cuda.generic_types():
+        observer = Observer(device=cuda.adapter())
+        cuda.obs = observer
+        observer.start()
+        try:
+            yield observer
+        finally:
+            if observer._started:
+                observer.stop()
+
+
+def kinds(races) -> list[str]:
+    return sorted({race.kind for race in races})
+
+
+def poll(done) -> None:
+    """The handler's ``get_finished``: ask until the transfer's event (or stream) answers True."""
+    while not done.query():
+        pass
+
+
+@pytest.mark.parametrize("polled", [True, False], ids=["polled", "not-polled"])
+def test_a_host_read_after_polling_a_generic_event_to_completion_is_clean(obs, cuda, polled):
+    kv = cuda.device(torch.arange(8, dtype=torch.float32))
+    cpu = cuda.pinned(torch.zeros(8))
+    side = cuda.new_stream()
+    cuda.wait(cuda.record(), side)  # the store starts after the forward (vLLM #46278)
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    start.record(side)
+    with cuda.stream(side):
+        cpu.copy_(kv, non_blocking=True)
+    end.record(side)
+    if polled:
+        poll(end)
+    cpu.sum()  # the unit test's check of the stored block
+    races = obs.stop()
+    assert kinds(races) == ([] if polled else ["host-read-vs-pending-copy"]), races
+
+
+@pytest.mark.parametrize("polled", [True, False], ids=["polled", "not-polled"])
+def test_a_host_read_after_polling_a_generic_stream_to_completion_is_clean(obs, cuda, polled):
+    kv = cuda.device(torch.arange(8, dtype=torch.float32))
+    cpu = cuda.pinned(torch.zeros(8))
+    side = torch.Stream()
+    cuda.wait(cuda.record(), side)
+    with cuda.stream(side):
+        cpu.copy_(kv, non_blocking=True)
+    if polled:
+        poll(side)
+    cpu.sum()
+    races = obs.stop()
+    assert kinds(races) == ([] if polled else ["host-read-vs-pending-copy"]), races
+
+
+@pytest.mark.parametrize("polled", [True, False], ids=["polled", "not-polled"])
+def test_memory_a_side_stream_read_is_reused_cleanly_once_its_event_was_polled(polled):
+    # The allocator hands a freed block to the next request on the stream that freed it without
+    # waiting for other streams: the next test's torch.rand writes it while the store may still read.
+    cuda = FakeCuda()
+    with cuda.generic_types():
+        obs = Observer(device=cuda)
+        cuda.obs = obs
+        obs.start()
+        try:
+            block = torch.arange(8, dtype=torch.float32)
+            kv = cuda.allocate(block)
+            cpu = cuda.pinned(torch.zeros(8))
+            side = cuda.new_stream()
+            cuda.wait(cuda.record(), side)
+            end = torch.Event(enable_timing=True)
+            with cuda.stream(side):
+                cpu.copy_(kv, non_blocking=True)
+            end.record(side)
+            if polled:
+                poll(end)
+            del kv  # freed with no record_stream: the handler's test ends
+            again = cuda.allocate(block)  # the same block, handed to the next test's torch.rand
+            again.uniform_()
+        finally:
+            races = obs.stop()
+    assert kinds(races) == ([] if polled else ["reuse-without-record-stream"]), races
+
+
+def test_an_event_made_and_bound_before_the_observer_started_is_followed():
+    # An engine's module may run `from torch import Event`, and make its pool, before the sanitizer starts.
+    cuda = FakeCuda()
+    with cuda.generic_types():
+        Event = torch.Event
+        pooled = Event(enable_timing=True)
+        obs = Observer(device=cuda)
+        cuda.obs = obs
+        obs.start()
+        try:
+            kv = cuda.device(torch.arange(8, dtype=torch.float32))
+            cpu = cuda.pinned(torch.zeros(8))
+            cpu.copy_(kv, non_blocking=True)
+            pooled.record()
+            poll(pooled)
+            fresh = Event()
+            fresh.record()
+            poll(fresh)
+            cpu.sum()
+        finally:
+            races = obs.stop()
+    assert races == []
+
+
+def test_a_true_answer_of_an_event_the_observer_never_saw_recorded_orders_nothing():
+    # Recorded before the start: what it covers is not the work queued since, so the read is reported.
+    cuda = FakeCuda()
+    with cuda.generic_types():
+        early = torch.Event()
+        early.record()  # no observer yet
+        obs = Observer(device=cuda)
+        cuda.obs = obs
+        obs.start()
+        try:
+            kv = cuda.device(torch.arange(8, dtype=torch.float32))
+            cpu = cuda.pinned(torch.zeros(8))
+            cpu.copy_(kv, non_blocking=True)
+            never = torch.Event()  # never recorded: torch answers True, for no work
+            poll(early)
+            poll(never)
+            cpu.sum()
+        finally:
+            races = obs.stop()
+    assert kinds(races) == ["host-read-vs-pending-copy"]
+
+
+def test_the_generic_types_methods_are_wrapped_while_the_observer_runs_and_torchs_own_after():
+    before = (vars(torch._C.Event)["query"], vars(torch._C.Stream)["query"])
+    obs = Observer(device=FakeCuda())
+    obs.start()
+    try:
+        assert vars(torch._C.Event)["query"] is not before[0] and vars(torch._C.Stream)["query"] is not before[1]
+        assert torch._C.Event().query() is True  # handed on to torch's: a CPU event never recorded
+        assert torch._C.Stream().query() is True
+    finally:
+        obs.stop()
+    assert (vars(torch._C.Event)["query"], vars(torch._C.Stream)["query"]) == before
+    assert torch._C.Event().query() is True and obs.notes == []
+
+
+def test_a_c_types_method_is_replaced_for_every_instance_and_put_back():
+    made_before = torch._C.Event()
+    original = torch._C.Event.query
+    undo = c_methods.replace(torch._C.Event, "query", lambda self: "wrapped")
+    try:
+        assert made_before.query() == "wrapped" and torch._C.Event().query() == "wrapped"
+    finally:
+        undo()
+    assert torch._C.Event.query is original and made_before.query() is True
+    with pytest.raises(TypeError, match="immutable type|cannot set"):
+        torch._C.Event.query = original  # what setattr does, hence the namespace
