@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sanitizer.gpu import trace
+from sanitizer.gpu import c_methods, trace
 from sanitizer.gpu.device import CudaDevice
 from sanitizer.sites import also_skip
 
@@ -132,12 +132,16 @@ class FakeCuda:
         """``torch.Event`` and ``torch.Stream`` inside are subclasses of torch's C types on this
         stand-in: recording, waiting and synchronising report to the observer as torch's trace
         callbacks do for a CUDA event (a CPU build of torch cannot record one), while ``query`` and
-        ``elapsed_time`` are the C types' own, as the observer wrapped them."""
+        ``elapsed_time`` are the C types' own, as the observer wrapped them (``elapsed_time``
+        answering as on a GPU for two recorded events, all of whose work the stand-in ran at once:
+        a CPU build raises for any CPU event; an observer started inside wraps this answer)."""
         saved = torch.Event, torch.Stream
         torch.Event, torch.Stream = _event_class(self), _stream_class(self)
+        undo = c_methods.replace(torch._C.Event, "elapsed_time", _elapsed_time)
         try:
             yield
         finally:
+            undo()
             torch.Event, torch.Stream = saved
 
     def stream_id(self, stream: Any) -> int:
@@ -190,6 +194,14 @@ class FakeCuda:
     def adapter(self) -> "FakeCuda":
         """The observer's device: this stand-in."""
         return self
+
+
+def _elapsed_time(start: Any, end: Any) -> float:
+    """``torch.Event.elapsed_time`` on the stand-in: torch's refusal of an event never recorded, else
+    the milliseconds between two completed events (the stand-in's work is done as it is queued)."""
+    if not (start.event_id and end.event_id):
+        raise ValueError("Both events must be recorded before calculating elapsed time.")
+    return 0.001
 
 
 class _Immutable(type):

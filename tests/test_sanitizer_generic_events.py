@@ -72,6 +72,30 @@ def test_a_host_read_after_polling_a_generic_event_to_completion_is_clean(obs, c
     assert kinds(races) == ([] if polled else ["host-read-vs-pending-copy"]), races
 
 
+@pytest.mark.parametrize("timed", [True, False], ids=["timed", "not-timed"])
+def test_a_host_read_after_the_transfers_elapsed_time_is_clean(obs, cuda, timed):
+    # elapsed_time answers only for completed events (torch raises before): the host saw both.
+    kv = cuda.device(torch.arange(8, dtype=torch.float32))
+    cpu = cuda.pinned(torch.zeros(8))
+    side = cuda.new_stream()
+    cuda.wait(cuda.record(), side)
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    start.record(side)
+    with cuda.stream(side):
+        cpu.copy_(kv, non_blocking=True)
+    end.record(side)
+    if timed:
+        while True:
+            try:
+                assert start.elapsed_time(end) >= 0
+                break
+            except RuntimeError:  # not ready yet (a GPU)
+                pass
+    cpu.sum()
+    races = obs.stop()
+    assert kinds(races) == ([] if timed else ["host-read-vs-pending-copy"]), races
+
+
 @pytest.mark.parametrize("polled", [True, False], ids=["polled", "not-polled"])
 def test_a_host_read_after_polling_a_generic_stream_to_completion_is_clean(obs, cuda, polled):
     kv = cuda.device(torch.arange(8, dtype=torch.float32))
@@ -163,16 +187,17 @@ def test_a_true_answer_of_an_event_the_observer_never_saw_recorded_orders_nothin
 
 
 def test_the_generic_types_methods_are_wrapped_while_the_observer_runs_and_torchs_own_after():
-    before = (vars(torch._C.Event)["query"], vars(torch._C.Stream)["query"])
+    names = ((torch._C.Event, "query"), (torch._C.Event, "elapsed_time"), (torch._C.Stream, "query"))
+    before = [vars(owner)[name] for owner, name in names]
     obs = Observer(device=FakeCuda())
     obs.start()
     try:
-        assert vars(torch._C.Event)["query"] is not before[0] and vars(torch._C.Stream)["query"] is not before[1]
+        assert all(vars(owner)[name] is not was for (owner, name), was in zip(names, before))
         assert torch._C.Event().query() is True  # handed on to torch's: a CPU event never recorded
         assert torch._C.Stream().query() is True
     finally:
         obs.stop()
-    assert (vars(torch._C.Event)["query"], vars(torch._C.Stream)["query"]) == before
+    assert [vars(owner)[name] for owner, name in names] == before
     assert torch._C.Event().query() is True and obs.notes == []
 
 
@@ -187,3 +212,19 @@ def test_a_c_types_method_is_replaced_for_every_instance_and_put_back():
     assert torch._C.Event.query is original and made_before.query() is True
     with pytest.raises(TypeError, match="immutable type|cannot set"):
         torch._C.Event.query = original  # what setattr does, hence the namespace
+
+
+def test_where_a_c_types_method_cannot_be_wrapped_the_run_says_so_in_a_note(monkeypatch):
+    def unreachable(owner):
+        raise TypeError(f"cannot reach the namespace of {owner.__qualname__}")
+
+    monkeypatch.setattr(c_methods, "_namespace", unreachable)
+    obs = Observer(device=FakeCuda())
+    obs.start()
+    obs.stop()
+    notes = obs.take_notes()
+    assert ("kvz-sanitize cannot wrap torch.Event.query on this Python (cannot reach the namespace of Event): a True "
+            "answer does not count as the host seeing the work complete") in notes[0]
+    assert [note.split(" on this Python")[0] for note in notes] == [
+        "kvz-sanitize cannot wrap torch.Event.query", "kvz-sanitize cannot wrap torch.Stream.query",
+        "kvz-sanitize cannot wrap torch.Event.elapsed_time"]

@@ -8,6 +8,8 @@ Each wrapper hands the program's call on unchanged; all are put back by the func
   query); the host may wait there, so force mode's gates open first. The device-generic two are C
   types that refuse ``setattr``: their namespace takes the wrapper (:mod:`sanitizer.gpu.c_methods`),
   so every instance is followed, however and whenever it was made;
+* ``elapsed_time`` of both event types: torch answers only once both events have completed, so an
+  answer is the host seeing both;
 * ``torch.cuda.empty_cache``: memory given back to CUDA is reused only after a device synchronisation;
 * ``torch.Tensor.numpy``: a pinned tensor's numpy view is a :class:`~sanitizer.numpy_views.WatchedArray`,
   and where it was taken is remembered; ``torch.Tensor.tolist``: a host read of pinned memory (it
@@ -54,8 +56,8 @@ def install(obs: Any) -> Callable[[], None]:
             try:
                 saved.append(c_methods.replace(owner, name, wrapper))
             except TypeError as error:
-                obs.notes.append(f"kvz-sanitize cannot wrap {owner.__qualname__}.{name} on this Python "
-                                 f"({error}): {_UNWRAPPED.get(name, 'what it does is not followed')}")
+                obs.notes.append(f"kvz-sanitize cannot wrap {owner.__module__}.{owner.__qualname__}.{name} on this "
+                                 f"Python ({error}): {_UNWRAPPED.get(name, 'what it does is not followed')}")
             return
         saved.append(functools.partial(setattr, owner, name, original))
 
@@ -99,6 +101,14 @@ def install(obs: Any) -> Callable[[], None]:
         if handle is not None:
             trace.event_completed(obs, handle)
 
+    def both_done(args: tuple, milliseconds: float) -> None:
+        # elapsed_time answers only once both events have completed (cudaEventElapsedTime returns
+        # cudaErrorNotReady before, which torch raises): an answer is the host seeing both.
+        for event in args[:2]:
+            handle = obs.device.event_handle(event)
+            if handle is not None:
+                trace.event_completed(obs, handle)
+
     def stream_done(args: tuple, done: bool) -> None:
         handle = obs.device.stream_handle(args[0]) if done else None
         if handle is not None:
@@ -136,6 +146,8 @@ def install(obs: Any) -> Callable[[], None]:
         # sanitizer.gpu.trace through torch's GPU trace callbacks.
         patch(torch._C.Event, "query", wrap(host_waits, event_done))
         patch(torch._C.Stream, "query", wrap(host_waits, stream_done))
+        patch(torch.cuda.Event, "elapsed_time", wrap(after=both_done))
+        patch(torch._C.Event, "elapsed_time", wrap(after=both_done))
         patch(torch.cuda, "empty_cache", wrap(host_waits, lambda args, result: obs.cache_emptied()))
         patch(torch.Tensor, "numpy", numpy)
         # Programs call tolist() often and most have no pinned memory: take no lock for those.
