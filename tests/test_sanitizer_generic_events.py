@@ -101,7 +101,9 @@ def test_a_host_read_after_polling_a_generic_stream_to_completion_is_clean(obs, 
     kv = cuda.device(torch.arange(8, dtype=torch.float32))
     cpu = cuda.pinned(torch.zeros(8))
     side = torch.Stream()
-    cuda.wait(cuda.record(), side)
+    ready = torch.Event()  # the generic event the generic stream's wait_event takes
+    ready.record()
+    side.wait_event(ready)
     with cuda.stream(side):
         cpu.copy_(kv, non_blocking=True)
     if polled:
