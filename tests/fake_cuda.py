@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sanitizer.gpu import trace
+from sanitizer.gpu import c_methods, trace
+from sanitizer.gpu.device import CudaDevice
 from sanitizer.sites import also_skip
 
 also_skip(__file__)  # a stand-in for CUDA: its frames are not the program's
@@ -97,21 +98,21 @@ class FakeCuda:
         return stream
 
     @contextlib.contextmanager
-    def stream(self, stream: int) -> Iterator[None]:
+    def stream(self, stream: Any) -> Iterator[None]:
         previous = self.current_stream()
-        self._local.stream = stream
+        self._local.stream = self.stream_id(stream)
         try:
             yield
         finally:
             self._local.stream = previous
 
-    def record(self, stream: int | None = None) -> int:
+    def record(self, stream: Any = None) -> int:
         event = next(self._ids)
-        self._call(trace.event_recorded, event, self.current_stream() if stream is None else stream)
+        self._call(trace.event_recorded, event, self.stream_id(stream))
         return event
 
-    def wait(self, event: int, stream: int | None = None) -> None:
-        self._call(trace.event_waited, event, self.current_stream() if stream is None else stream)
+    def wait(self, event: int, stream: Any = None) -> None:
+        self._call(trace.event_waited, event, self.stream_id(stream))
 
     def synchronize_event(self, event: int) -> None:
         self._call(trace.event_synchronized, event)
@@ -121,6 +122,39 @@ class FakeCuda:
 
     def synchronize(self) -> None:
         self._call(trace.device_synchronized)
+
+    def allocate(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s memory handed out by the caching allocator on the current stream, as its
+        trace callback reports it: allocating over a storage handed out before is the allocator
+        handing a freed block out again."""
+        self.device(tensor)
+        self._call(trace.memory_allocated, tensor.untyped_storage().data_ptr())
+        return tensor
+
+    # -- the device-generic torch.Event and torch.Stream ------------------------------------------------
+    @contextlib.contextmanager
+    def generic_types(self) -> Iterator[None]:
+        """``torch.Event`` and ``torch.Stream`` inside are subclasses of torch's C types on this
+        stand-in: recording, waiting and synchronising report to the observer as torch's trace
+        callbacks do for a CUDA event (a CPU build of torch cannot record one), while ``query`` and
+        ``elapsed_time`` are the C types' own, as the observer wrapped them (``elapsed_time``
+        answering as on a GPU for two recorded events, all of whose work the stand-in ran at once:
+        a CPU build raises for any CPU event; an observer started inside wraps this answer)."""
+        saved = torch.Event, torch.Stream
+        torch.Event, torch.Stream = _event_class(self), _stream_class(self)
+        undo = c_methods.replace(torch._C.Event, "elapsed_time", _elapsed_time)
+        try:
+            yield
+        finally:
+            undo()
+            torch.Event, torch.Stream = saved
+
+    def stream_id(self, stream: Any) -> int:
+        """A stream argument (a stand-in id, a :meth:`generic_types` ``torch.Stream``) as a stand-in id."""
+        return self.current_stream() if stream is None else int(getattr(stream, "cuda_stream", stream))
+
+    event_handle = CudaDevice.event_handle
+    stream_handle = CudaDevice.stream_handle
 
     def _call(self, handler: Any, *args: Any) -> None:
         obs = self.obs
@@ -196,6 +230,83 @@ class _Placing(TorchDispatchMode):
         return result
 
 
+def _elapsed_time(start: Any, end: Any) -> float:
+    """``torch.Event.elapsed_time`` on the stand-in: torch's refusal of an event never recorded, else
+    the milliseconds between two completed events (the stand-in's work is done as it is queued)."""
+    if not (start.event_id and end.event_id):
+        raise ValueError("Both events must be recorded before calculating elapsed time.")
+    return 0.001
+
+
+class _Immutable(type):
+    """The metaclass of the stand-in's ``torch.Event`` and ``torch.Stream``: like torch's C types
+    (immutable since Python 3.10), they refuse ``setattr``, so a tool cannot wrap their methods there."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise TypeError(f"cannot set {name!r} attribute of immutable type {cls.__qualname__!r}")
+
+
+def _event_class(cuda: FakeCuda) -> type:
+    class Event(torch._C.Event, metaclass=_Immutable):
+        """``torch.Event`` on the stand-in (:meth:`FakeCuda.generic_types`): a CUDA event to the
+        observer. ``event_id`` is 0 until the first record, as c10's ``cudaEvent_t`` is."""
+
+        def __new__(cls, device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
+                    interprocess: bool = False) -> Any:
+            event = super().__new__(cls, "cpu", enable_timing=enable_timing)
+            event.handle = 0
+            return event
+
+        @property
+        def device(self) -> torch.device:
+            return torch.device("cuda")
+
+        @property
+        def event_id(self) -> int:
+            return self.handle
+
+        def record(self, stream: Any = None) -> None:
+            self.handle = self.handle or next(cuda._ids)
+            cuda._call(trace.event_recorded, self.handle, cuda.stream_id(stream))
+
+        def wait(self, stream: Any = None) -> None:
+            if self.handle:
+                cuda.wait(self.handle, stream)
+
+        def synchronize(self) -> None:
+            if self.handle:
+                cuda.synchronize_event(self.handle)
+
+    return Event
+
+
+def _stream_class(cuda: FakeCuda) -> type:
+    class Stream(torch._C.Stream, metaclass=_Immutable):
+        """``torch.Stream`` on the stand-in (:meth:`FakeCuda.generic_types`): a new stream to the observer."""
+
+        def __new__(cls, device: Any = None, *, priority: int = 0) -> Any:
+            stream = super().__new__(cls)
+            stream.handle = cuda.new_stream()
+            return stream
+
+        @property
+        def cuda_stream(self) -> int:
+            return self.handle
+
+        def synchronize(self) -> None:
+            cuda.synchronize_stream(self.handle)
+
+        def wait_event(self, event: Any) -> None:
+            event.wait(self)
+
+        def record_event(self, event: Any = None) -> Any:
+            event = torch.Event() if event is None else event
+            event.record(self)
+            return event
+
+    return Stream
+
+
 class _FakeGraph:
     """A graph object for :meth:`FakeCuda.capture` (the observer keys its records by it)."""
 
@@ -246,6 +357,9 @@ class RealCuda:
 
     def replay(self, graph: Any) -> None:
         graph.replay()
+
+    def generic_types(self) -> Any:
+        return contextlib.nullcontext()  # torch.Event and torch.Stream are CUDA's already
 
     def adapter(self) -> None:
         """The observer's device: its own (None: sanitizer.gpu.device.CudaDevice)."""

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from racecheck import effects, schedules, thread_hooks
+from sanitizer.gpu import c_methods
 
 HELPER_JOIN_S = 0.5  # a helper thread whose turns were closed ends within milliseconds; one still parked does not
 _MISSING = object()
@@ -231,7 +232,7 @@ def _saved_attributes() -> list[tuple[Any, dict[str, Any]]]:
 
 def _patched_owners() -> list[Any]:
     owners: list[Any] = [torch.Tensor, torch.cuda, torch.cuda.Event, torch.cuda.Stream, torch.cuda.nvtx,
-                         torch.accelerator, ctypes.CDLL, queue]
+                         torch.accelerator, ctypes.CDLL, queue, torch._C.Event, torch._C.Stream]
     graph = getattr(torch.cuda, "CUDAGraph", None)
     if graph is not None:
         owners.append(graph)
@@ -280,8 +281,13 @@ def _ours(value: Any) -> bool:
 
 def _restore(owner: Any, saved: dict[str, Any], changed: list[str], added: list[str]) -> None:
     for name in changed:
-        with contextlib.suppress(AttributeError, TypeError):
+        try:
             setattr(owner, name, saved[name])
+        except TypeError:  # a C type the sanitizer patched through its namespace (torch.Event)
+            with contextlib.suppress(TypeError):
+                c_methods.replace(owner, name, saved[name])
+        except AttributeError:
+            pass
     for name in added:
         with contextlib.suppress(AttributeError, TypeError):
             delattr(owner, name)

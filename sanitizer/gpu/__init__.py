@@ -9,7 +9,8 @@ torch runs it. The observer (:mod:`.observer`) feeds the checker the program's w
   host ops on pinned memory, pinned allocations;
 * :mod:`.trace`: torch's GPU trace callbacks (what ``TORCH_CUDA_SANITIZER`` also uses): streams,
   event record and wait, event, stream and device synchronisations, the caching allocator;
-* :mod:`.patches`: the few Python functions that are no aten op: ``Event.query``/``Stream.query``,
+* :mod:`.patches`: the few Python functions that are no aten op: ``Event.query``/``Stream.query``
+  and ``Event.elapsed_time`` (of the device-generic C types too, through :mod:`.c_methods`),
   ``Tensor.numpy``/``tolist``, ``empty_cache``, Triton's ``JITFunction.run``, CUDA graph capture
   and replay (:mod:`.graphs`), ``cudaHostRegister``;
 * :mod:`.indices`: the rows an indexed op touches, from the values staged into its index tensor;

@@ -14,6 +14,8 @@ import torch
 
 from racecheck.raw_copies import memory_type
 
+_CUDA = 1  # c10::DeviceType::CUDA, as a torch.Stream's device_type gives it
+
 
 class CudaDevice:
     """The real thing: torch's CUDA."""
@@ -33,6 +35,31 @@ class CudaDevice:
         index = torch.cuda.current_device() if index is None else index
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         return int(raw(index)) if raw is not None else int(torch.cuda.current_stream(index).cuda_stream)
+
+    def event_handle(self, event: Any) -> int | None:
+        """The ``cudaEvent_t`` torch's trace callbacks name ``event`` by (``torch.cuda.Event`` or the
+        device-generic ``torch.Event``, whose ``event_id`` is c10's ``cudaEvent_t``; 0 until it is
+        first recorded), or None for an event of another device."""
+        handle = getattr(event, "cuda_event", None)
+        if handle is None:
+            device = getattr(event, "device", None)
+            if getattr(device, "type", None) != "cuda":
+                return None
+            handle = event.event_id
+        return int(handle)
+
+    def stream_handle(self, stream: Any) -> int | None:
+        """The ``cudaStream_t`` of ``stream`` (a ``torch.cuda.Stream``, or a device-generic
+        ``torch.Stream``, whose ``stream_id`` is c10's packed id, not the handle), or None for a
+        stream of another device."""
+        handle = getattr(stream, "cuda_stream", None)
+        if handle is None:
+            if getattr(stream, "device_type", None) != _CUDA:
+                return None
+            # the same stream as a torch.cuda.Stream (unpacked from its ids: no stream is made)
+            handle = torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index,
+                                       device_type=stream.device_type).cuda_stream
+        return int(handle)
 
     def stream_object(self, index: int | None = None) -> Any:
         """The calling thread's current stream as a ``torch.cuda.Stream`` (force mode's gates)."""

@@ -5,7 +5,11 @@ Each wrapper hands the program's call on unchanged; all are put back by the func
 
 * ``torch.cuda.Event.query``, ``torch.cuda.Stream.query``, the device-generic ``torch.Event.query``
   and ``torch.Stream.query``: a True answer is the host observing completion (torch traces no
-  query); the host may wait there, so force mode's gates open first;
+  query); the host may wait there, so force mode's gates open first. The device-generic two are C
+  types that refuse ``setattr``: their namespace takes the wrapper (:mod:`sanitizer.gpu.c_methods`),
+  so every instance is followed, however and whenever it was made;
+* ``elapsed_time`` of both event types: torch answers only once both events have completed, so an
+  answer is the host seeing both;
 * ``torch.cuda.empty_cache``: memory given back to CUDA is reused only after a device synchronisation;
 * ``torch.Tensor.numpy``: a pinned tensor's numpy view is a :class:`~sanitizer.numpy_views.WatchedArray`,
   and where it was taken is remembered; ``torch.Tensor.tolist``: a host read of pinned memory (it
@@ -33,7 +37,7 @@ from typing import Any
 
 import torch
 
-from sanitizer.gpu import driver, trace
+from sanitizer.gpu import c_methods, driver, trace
 from sanitizer.sites import caller_site
 from zeroer.intercept import driver_copies
 from zeroer.origin import forwarding
@@ -41,17 +45,23 @@ from zeroer.origin import forwarding
 
 def install(obs: Any) -> Callable[[], None]:
     """Wrap every function above for ``obs``; the function that puts them back."""
-    saved: list[tuple[Any, str, Any]] = []
+    saved: list[Callable[[], None]] = []  # how to put each patched function back, in patching order
 
     def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         original = getattr(owner, name, None)
         if original is None:
             return
+        wrapper = make(original)
         try:
-            setattr(owner, name, make(original))
-        except TypeError:  # a C type (torch.Event, torch.Stream): not wrapped (docs/sanitizer.md)
+            setattr(owner, name, wrapper)
+        except TypeError:  # a C type that refuses setattr (torch.Event, torch.Stream): its namespace
+            try:
+                saved.append(c_methods.replace(owner, name, wrapper))
+            except TypeError as error:
+                obs.notes.append(f"kvz-sanitize cannot wrap {owner.__module__}.{owner.__qualname__}.{name} on this "
+                                 f"Python ({error}): {_UNWRAPPED.get(name, 'what it does is not followed')}")
             return
-        saved.append((owner, name, original))
+        saved.append(functools.partial(setattr, owner, name, original))
 
     def active() -> bool:
         return obs._started and not obs.paused
@@ -87,14 +97,24 @@ def install(obs: Any) -> Callable[[], None]:
         obs.release_forced(obs.last_site)
 
     def event_done(args: tuple, done: bool) -> None:
-        handle = getattr(args[0], "cuda_event", None) or getattr(args[0], "event_id", None)
-        if done and handle is not None:
-            trace.event_completed(obs, int(handle))
+        # An event never recorded answers True too; its handle (0, or one the observer never saw
+        # recorded: made before it started) stands for no work, so that answer orders nothing.
+        handle = obs.device.event_handle(args[0]) if done else None
+        if handle is not None:
+            trace.event_completed(obs, handle)
+
+    def both_done(args: tuple, milliseconds: float) -> None:
+        # elapsed_time answers only once both events have completed (cudaEventElapsedTime returns
+        # cudaErrorNotReady before, which torch raises): an answer is the host seeing both.
+        for event in args[:2]:
+            handle = obs.device.event_handle(event)
+            if handle is not None:
+                trace.event_completed(obs, handle)
 
     def stream_done(args: tuple, done: bool) -> None:
-        handle = getattr(args[0], "cuda_stream", None) or getattr(args[0], "stream_id", None)
-        if done and handle is not None:
-            trace.stream_completed(obs, int(handle))
+        handle = obs.device.stream_handle(args[0]) if done else None
+        if handle is not None:
+            trace.stream_completed(obs, handle)
 
     def numpy(original: Any) -> Any:
         @forwarding
@@ -112,11 +132,8 @@ def install(obs: Any) -> Callable[[], None]:
             obs.tolist_read(tensor, caller_site())
 
     def undo() -> None:
-        for owner, name, original in reversed(saved):
-            if name is None:  # a scope entered (the followed driver pointers' follower)
-                owner.__exit__(None, None, None)
-            else:
-                setattr(owner, name, original)
+        for put_back in reversed(saved):
+            put_back()
         saved.clear()
 
     from sanitizer.gpu import launches
@@ -124,16 +141,15 @@ def install(obs: Any) -> Callable[[], None]:
     try:  # a patch that raises half-way puts back the ones made before it
         patch(torch.cuda.Event, "query", wrap(host_waits, event_done))
         patch(torch.cuda.Stream, "query", wrap(host_waits, stream_done))
-        if getattr(torch, "Event", None) is not None and torch.Event is not torch.cuda.Event:
-            patch(torch.Event, "query", wrap(host_waits, event_done))
-        if getattr(torch, "Stream", None) is not None and torch.Stream is not torch.cuda.Stream:
-            patch(torch.Stream, "query", wrap(host_waits, stream_done))
-        generic = getattr(torch, "Event", None)
-        if generic is not None and generic is not torch.cuda.Event:
-            # torch.Event is a C type: its query cannot be wrapped in place. The events the program
-            # makes while the observer runs are of a subclass whose query is (SimpleCPUOffload polls
-            # its copy thread's torch.Event()s; issue 53).
-            patch(torch, "Event", lambda original: _event_class(original, wrap(host_waits, event_done)))
+        # The device-generic C types, named through torch._C: torch.Event may be bound to something
+        # else by now (the simulator's stand-ins), and vLLM's offloading handler polls its transfers
+        # with torch.Event(enable_timing=True).query(). torch traces no query (c10's
+        # CUDAGuardImpl::queryEvent, queryStream); their record, wait and synchronize reach
+        # sanitizer.gpu.trace through torch's GPU trace callbacks.
+        patch(torch._C.Event, "query", wrap(host_waits, event_done))
+        patch(torch._C.Stream, "query", wrap(host_waits, stream_done))
+        patch(torch.cuda.Event, "elapsed_time", wrap(after=both_done))
+        patch(torch._C.Event, "elapsed_time", wrap(after=both_done))
         patch(torch.cuda, "empty_cache", wrap(host_waits, lambda args, result: obs.cache_emptied()))
         patch(torch.Tensor, "numpy", numpy)
         # Programs call tolist() often and most have no pinned memory: take no lock for those.
@@ -146,11 +162,16 @@ def install(obs: Any) -> Callable[[], None]:
         driver.patch_libraries(calls, patch)
         following = driver_copies.following(calls)
         following.__enter__()
-        saved.append((following, None, None))
+        saved.append(lambda: following.__exit__(None, None, None))
     except BaseException:
         undo()
         raise
     return undo
+
+
+# What is lost where a method cannot be wrapped on this Python (a note at the start, never silent).
+_UNWRAPPED = {"query": "a True answer does not count as the host seeing the work complete "
+                       "(a race may be reported where the program waited); use synchronize()"}
 
 
 def _patch_graphs(obs: Any, patch: Callable[..., None], wrap: Callable[..., Any]) -> None:
@@ -216,8 +237,3 @@ def _patch_cudart(obs: Any, patch: Callable[..., None], wrap: Callable[..., Any]
     patch(runtime, "cudaHostRegister", register)
     patch(runtime, "cudaHostUnregister", wrap(unregister))
 
-
-def _event_class(base: type, wrap_query: Callable[[Any], Any]) -> type:
-    """``base`` (``torch.Event``) with its ``query`` wrapped."""
-    return type("Event", (base,), {"query": wrap_query(base.query), "__module__": "torch",
-                                   "__qualname__": "Event", "__doc__": base.__doc__})
