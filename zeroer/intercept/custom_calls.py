@@ -228,11 +228,11 @@ class CustomCalls:
         order, run when the schedule runs the op."""
         session = self.session
         given = model.bind(args, kwargs, func)
-        known_values = session.cuda_ops.values
+        device_values = session.cuda_ops.values
 
         def now(tensor: torch.Tensor) -> list[int]:
             if tensor.is_cuda:  # known where the code made them from the host or known values (racecheck.device_values)
-                known = known_values.values(tensor)
+                known = device_values.values(tensor)
                 if known is None:
                     raise unroutable(f"{model.name} in {session.call}",
                                      "its effect model needs values held in device memory that the code did not "
