@@ -28,8 +28,8 @@ Which device the result landed on is read from the result, so every spelling of 
 (``"cuda"``, ``"cuda:0"``, ``torch.device``, an index, ``torch.set_default_device``, a
 ``with torch.device(...)`` block, ``new_tensor`` on a CUDA tensor); an ordinary call costs one
 check of its result. A name bound to the original before the observer started (``from torch import
-tensor`` in a module imported earlier, as pytest imports test modules) is not wrapped: the tables it
-makes are not known (docs/sanitizer.md).
+tensor`` in a module imported earlier: a ``conftest.py``) is not wrapped: the tables it makes are not
+known, and are said to be where they are needed (docs/sanitizer.md).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from racecheck.device_values import INTEGERS, MAX_STORAGE
 from sanitizer.sites import caller_site
+from zeroer.intercept.sim_tensor import SimCudaTensor
 from zeroer.origin import forwarding
 
 # The constructors that come to internal_new_from_data: (owner, name, where the data is).
@@ -81,8 +82,8 @@ def _wrapper(obs: Any, original: Any, name: str, active: Callable[[], bool]) -> 
 def made(obs: Any, original: Any, name: str, data: Any, base: torch.Tensor | None, result: torch.Tensor) -> None:
     """``result`` was made in device memory from ``data`` by the constructor ``original`` (``base``:
     the tensor ``new_tensor`` was called on); called under the observer's lock."""
-    if obs.graphs.capturing() is not None:
-        return  # a blocking copy cannot be captured: torch has refused it already
+    if isinstance(result, SimCudaTensor) or obs.graphs.capturing() is not None:
+        return  # kvzero's simulator at work (its "cuda" is CPU memory); a capture: torch refuses a blocking copy
     hidden = hidden_copy(name, data)
     if hidden:
         site = caller_site()
