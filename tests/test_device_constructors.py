@@ -209,3 +209,40 @@ def test_to_of_pageable_tables_made_in_a_row_are_all_known_at_each_launch():
     with torch.inference_mode():
         races, unfollowed, _ = _observe(program)
     assert unfollowed == [] and races == []
+
+
+class _Gates:
+    """Force mode's gates as the observer drives them: whether they were opened, and when."""
+
+    holding = True
+
+    def __init__(self) -> None:
+        self.opened: list[str] = []
+
+    def release(self, site):
+        self.opened.append(getattr(site, "function", None))
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("device", "opens"), [("cuda", True), (0, True), ("cpu", False), (None, False)])
+def test_in_force_mode_the_gates_open_before_a_constructors_blocking_copy_to_the_device(device, opens):
+    """torch's hidden copy waits for the current stream: a gate still closed there would hold the host."""
+    from sanitizer.gpu.observer import Observer
+
+    cuda, gates = FakeCuda(), _Gates()
+    with cuda.placing():
+        obs = Observer(device=cuda, forcing=gates)
+        cuda.obs = obs
+        obs.start()
+        try:
+            def make_table():
+                return torch.tensor([1, 2], device=device)
+
+            gates.opened.clear()
+            make_table()
+        finally:
+            obs.stop()
+    assert ("make_table" in gates.opened) == opens
