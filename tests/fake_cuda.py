@@ -29,8 +29,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
 
 from sanitizer.gpu import c_methods, trace
 from sanitizer.gpu.device import CudaDevice
@@ -203,12 +205,20 @@ class FakeCuda:
     @contextlib.contextmanager
     def placing(self) -> Iterator[None]:
         """``.to("cuda")``, ``torch.arange(..., device="cuda")`` and every other op asked for a
-        ``device="cuda"`` result make device memory of this stand-in (on the CPU). Enter it before
-        the observer starts: the observer's mode sees the op as it would on a GPU, then hands it here.
-        A CPU build of torch refuses ``"cuda"`` in the Python call, so call the aten op it dispatches
-        to: ``torch.ops.aten._to_copy.default(t, device=torch.device("cuda"), non_blocking=True)``."""
-        with _Placing(self):
+        ``device="cuda"`` result make device memory of this stand-in (on the CPU), and the caching
+        allocator's trace callback says so, inside the op, as on a GPU. Enter it before the observer
+        starts: the observer's mode sees the op as it would on a GPU, then hands it here. A CPU build
+        of torch refuses ``"cuda"`` in the Python call of ``.to()`` and the factories, so call the aten
+        op it dispatches to: ``torch.ops.aten._to_copy.default(t, device=torch.device("cuda"),
+        non_blocking=True)``. ``torch.tensor``, ``torch.as_tensor``, ``torch.asarray`` and
+        ``Tensor.new_tensor`` take a CUDA device here as a CUDA build does (:class:`_Constructors`)."""
+        with _Placing(self), _Constructors(self):
             yield
+
+    def allocated(self, tensor: torch.Tensor) -> None:
+        """The caching allocator handed ``tensor``'s memory out: its trace callback."""
+        self.adopt(tensor)
+        self._call(trace.memory_allocated, tensor.untyped_storage().data_ptr())
 
 
 class _Placing(TorchDispatchMode):
@@ -222,11 +232,19 @@ class _Placing(TorchDispatchMode):
         kwargs = dict(kwargs or {})
         target = kwargs.get("device")
         if target is None or torch.device(target).type != "cuda":
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if any(self.cuda.is_device(t) for t in inputs):  # a fresh output of a device op: allocated
+                storages = {t.untyped_storage().data_ptr() for t in inputs}
+                for out in tree_flatten(result)[0]:
+                    if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in storages:
+                        self.cuda.allocated(out)
+            return result
         kwargs["device"] = torch.device("cpu")
         kwargs.pop("pin_memory", None)
         result = func(*args, **kwargs)
-        self.cuda.adopt(result)
+        if isinstance(result, torch.Tensor):
+            self.cuda.allocated(result)
         return result
 
 
@@ -305,6 +323,91 @@ def _stream_class(cuda: FakeCuda) -> type:
             return event
 
     return Stream
+
+
+def _cuda_target(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    try:
+        return device is not None and torch.device(device).type == "cuda"
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _dispatched(name: str, data: Any) -> bool:
+    """Whether a CUDA build moves ``data`` with a ``.to()`` the modes see (tensor_new.cpp: a tensor,
+    a numpy array, or for ``asarray`` a numpy scalar or a buffer, come to a tensor first)."""
+    if isinstance(data, (torch.Tensor, np.ndarray)):
+        return True
+    if name != "asarray":
+        return False
+    if isinstance(data, np.generic):
+        return True
+    try:
+        memoryview(data)
+    except TypeError:
+        return False
+    return True
+
+
+class _Constructors:
+    """What a CUDA build of torch does for ``torch.tensor(data, device="cuda")``, ``as_tensor``,
+    ``asarray`` and ``new_tensor`` (torch/csrc/utils/tensor_new.cpp, ``internal_new_from_data`` and
+    ``asarray``): from a tensor, a numpy array or (``asarray``) a buffer, a host tensor and then a
+    ``.to(device)`` every mode sees; from a list, a tuple or a scalar, the host tensor and its move
+    with every Python mode excluded (the allocation and the blocking copy's stream synchronisation
+    still reach the trace callbacks), then a ``lift_fresh`` the modes see."""
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda = cuda
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> "_Constructors":
+        for owner, name in ((torch, "tensor"), (torch, "as_tensor"), (torch, "asarray"), (torch.Tensor, "new_tensor")):
+            original = getattr(owner, name)
+            self.saved.append((owner, name, original))
+            setattr(owner, name, self._model(original, name))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, original in reversed(self.saved):
+            setattr(owner, name, original)
+        self.saved.clear()
+
+    def _model(self, original: Any, name: str) -> Any:
+        cuda = self.cuda
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            method = name == "new_tensor"
+            base = args[0] if method else None
+            rest = list(args[1:] if method else args)
+            data = rest.pop(0) if rest else kwargs.pop("data", kwargs.pop("obj", None))
+            device = kwargs.get("device")
+            if device is None and name == "as_tensor" and len(rest) > 1:
+                device = rest[1]
+            if device is None and method and kwargs.get("device") is None and cuda.is_device(base):
+                device = "cuda"
+            if not _cuda_target(device):
+                return original(*args, **kwargs)
+            dtype = kwargs.get("dtype") or (rest[0] if name == "as_tensor" and rest else None)
+            if dtype is None and method:
+                dtype = base.dtype
+            requires_grad = bool(kwargs.get("requires_grad", False))
+            host_args = (base, data) if method else (data,)
+            if _dispatched(name, data):
+                host = original(*host_args, dtype=dtype, device="cpu")
+                result = torch.ops.aten._to_copy.default(host, device=torch.device("cuda"))  # seen by the modes
+            else:
+                with _disable_current_modes(), torch._C.DisableTorchFunction():
+                    result = original(*host_args, dtype=dtype, device="cpu").clone()
+                cuda.allocated(result)
+                cuda._call(trace.stream_synchronized, cuda.current_stream())  # the blocking copy
+                result = torch.ops.aten.lift_fresh.default(result)
+            if requires_grad:
+                result.requires_grad_(True)
+            return result
+
+        return call
 
 
 class _FakeGraph:

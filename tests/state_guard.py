@@ -221,7 +221,7 @@ def _pop_until(depth: Callable[[], int], pop: Callable[[], Any], keep: int) -> N
 # threading, queue.Queue and time act only under a watch, checked above). Of the torch module only
 # the names a tool patches are compared: torch itself rebinds others as it loads parts of itself
 # (torch._dynamo wraps torch.manual_seed).
-TORCH_NAMES = ("Stream", "Event")
+TORCH_NAMES = ("Stream", "Event", "tensor", "as_tensor", "asarray")
 
 
 def _saved_attributes() -> list[tuple[Any, dict[str, Any]]]:

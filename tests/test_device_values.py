@@ -133,13 +133,14 @@ def _observe(program):
     return races, [u.message() for u in obs.take_unfollowed()], list(obs.notes)
 
 
-def _launch(cuda, obs, make_tables, n: int) -> None:
-    """The swap kernel on a side stream, its tables made there first (as vLLM's handler makes them
-    on its transfer stream), as the observer's JITFunction.run wrapper sees it, then run."""
+def _launch(cuda, obs, make_tables, n: int, side=None) -> None:
+    """The swap kernel on a side stream (a new one unless given), its tables made there first (as
+    vLLM's handler makes them on its transfer stream), as the observer's JITFunction.run wrapper
+    sees it, then run."""
     from sanitizer.gpu.launches import on_launch
     from zeroer.triton_cpu import launch_on_cpu
 
-    side = cuda.new_stream()
+    side = cuda.new_stream() if side is None else side
     with cuda.stream(side):
         tables = make_tables()
         with obs.lock:

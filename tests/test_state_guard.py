@@ -92,7 +92,7 @@ HARNESS_TESTS = [
 OBSERVER_TESTS = [
     "tests/test_sanitizer_observer.py",
     "tests/test_table_kernels.py::test_on_a_gpu_a_table_kernel_touches_what_its_staged_tables_say",
-    "tests/test_table_kernels.py::test_on_a_gpu_a_table_the_host_never_staged_is_one_line",
+    "tests/test_table_kernels.py::test_on_a_gpu_tables_the_host_never_staged_are_one_line_that_names_each",
     "tests/test_custom_ops.py::test_the_gpu_observer_follows_a_modelled_op",
     "tests/test_custom_ops.py::test_the_gpu_observer_says_a_custom_op_with_no_model_in_one_line",
 ]

@@ -106,7 +106,8 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
     except TableUnresolved as unknown:
         why = ("a table loaded through another table" if unknown.deeper else
                "device memory whose values the program did not stage from the host")
-        obs.unfollowed.append(Unfollowed(f"{what}'s argument {unknown.param!r} (an address table the kernel goes "
+        tables_are = "address tables" if len(unknown.params) > 1 else "an address table"
+        obs.unfollowed.append(Unfollowed(f"{what}'s {unknown.named} ({tables_are} the kernel goes "
                                          f"through, in {why})", site))
         return
     hb = obs.hb

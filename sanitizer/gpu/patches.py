@@ -17,6 +17,9 @@ Each wrapper hands the program's call on unchanged; all are put back by the func
 * Triton's ``JITFunction.run``: a launch reads its tensor arguments and writes those that reach a
   ``tl.store`` (:mod:`racecheck.triton_stores`); a pinned tensor argument is read by the GPU when the
   kernel runs, as a non-blocking copy reads it;
+* ``torch.tensor``, ``torch.as_tensor``, ``torch.asarray`` and ``torch.Tensor.new_tensor``: from a
+  list or a scalar torch copies to the device below the dispatch mode; the copy and, for a small
+  integer table, its values (:mod:`sanitizer.gpu.constructors`);
 * ``torch.cuda.CUDAGraph.capture_begin``, ``capture_end`` and ``replay``: :mod:`sanitizer.gpu.graphs`;
 * ``torch.cuda.cudart().cudaHostRegister`` / ``cudaHostUnregister``: registered memory is pinned
   memory outside the caching allocator (SGLang's host KV pool);
@@ -136,7 +139,7 @@ def install(obs: Any) -> Callable[[], None]:
             put_back()
         saved.clear()
 
-    from sanitizer.gpu import launches
+    from sanitizer.gpu import constructors, launches
 
     try:  # a patch that raises half-way puts back the ones made before it
         patch(torch.cuda.Event, "query", wrap(host_waits, event_done))
@@ -155,6 +158,7 @@ def install(obs: Any) -> Callable[[], None]:
         # Programs call tolist() often and most have no pinned memory: take no lock for those.
         patch(torch.Tensor, "tolist", wrap(tolist, when=lambda: bool(obs.pinned.regions)))
         launches.patch(obs, patch, wrap)
+        constructors.patch(obs, patch, active)
         _patch_graphs(obs, patch, wrap)
         _patch_cudart(obs, patch, wrap, active)
         calls = driver.DriverCalls(obs)

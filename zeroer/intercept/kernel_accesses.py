@@ -164,29 +164,38 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
 
 
 class TableUnresolved(Exception):
-    """A table a kernel goes through whose values cannot be known before it runs (``param`` names
-    it; ``deeper``: it is loaded through another table)."""
+    """Tables a kernel goes through whose values cannot be known before it runs (``params`` names
+    every one, ``param`` the first; ``deeper``: they are loaded through another table)."""
 
-    def __init__(self, param: str, deeper: bool) -> None:
-        super().__init__(f"argument {param!r}")
-        self.param, self.deeper = param, deeper
+    def __init__(self, params: list[str], deeper: bool) -> None:
+        *rest, last = [repr(p) for p in params]
+        self.named = f"arguments {', '.join(rest)} and {last}" if rest else f"argument {last}"
+        super().__init__(self.named)
+        self.params, self.param, self.deeper = list(params), params[0], deeper
 
 
 def trace_tables(fn: Any, grid: Any, arguments: dict[str, Any], tables: list[str],
                  values_of: Callable[[Any], Any], is_device: Callable[[Any], bool]) -> Touched:
     """Before a launch on a GPU: what kernel ``fn`` will touch through ``tables`` (its parameters that
     hold addresses), traced on their values (``values_of(tensor)``: what the host put there, or None
-    when unknown) by :func:`trace_through_tables`. Raises :class:`TableUnresolved` for the first table
-    whose values are unknown, or for any when a table is loaded through another table."""
+    when unknown) by :func:`trace_through_tables`. Raises :class:`TableUnresolved` naming every table
+    whose values are unknown (in name order: the first named is not the first made), or all of them
+    when a table is loaded through another table."""
     from racecheck.triton_stores import address_tables
 
     _, deeper = address_tables(fn)
+    if deeper:
+        raise TableUnresolved(sorted(tables), deeper)
     known: dict[str, np.ndarray] = {}
+    unknown = []
     for param in sorted(tables):
-        values = None if deeper else values_of(arguments[param])
+        values = values_of(arguments[param])
         if values is None:
-            raise TableUnresolved(param, deeper)
-        known[param] = np.asarray(values)
+            unknown.append(param)
+        else:
+            known[param] = np.asarray(values)
+    if unknown:
+        raise TableUnresolved(unknown, deeper)
     launch_grid = grid(dict(arguments)) if callable(grid) else grid
     launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
     return trace_through_tables(fn, launch_grid, dict(arguments), known, is_device)
@@ -212,8 +221,9 @@ def through_tables_on_cuda(session: Any, name: str, fn: Any, arguments: dict[str
         why = ("a table loaded through another table" if unknown.deeper else
                "device memory whose values the code did not make from the host (or from values known so) "
                "while the tool runs, or that a device op wrote since")
-        raise unroutable(f"{name}: argument {unknown.param!r}",
-                         f"it is a table of addresses the kernel loads and goes through, in {why}, so what the "
+        raise unroutable(f"{name}: {unknown.named}",
+                         f"{'they are tables' if len(unknown.params) > 1 else 'it is a table'} of addresses the "
+                         f"kernel loads and goes through, in {why}, so what the "
                          f"kernel touches cannot be known before it runs",
                          "build the table on the host and copy it to the device (torch.from_numpy(t).to('cuda')) "
                          "while the tool runs, or fuzz on the simulator (--backend sim), which follows the "
