@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from racecheck.cli import USAGE
 from sanitizer.bench.engine_shapes import BY_NAME, MAX_TRACE_OPS, PAIRS, judge_side, main, plugin_races
@@ -88,6 +89,9 @@ def test_the_plugins_report_is_read_back_as_races_with_both_sites() -> None:
     (["--only", "nope"], r"^error: --only 'nope' is not a pair; pairs: vllm-simple-offload-46278, "),
     (["--tools", "gpu"], r"^error: --tools 'gpu': each must be one of fuzz, sanitizer, torch$"),
     (["-j", "0"], r"^error: -j 0 must be a positive number of runs at once$"),
+    (["--backend", "gpu"], r"^error: --backend 'gpu' is not one of sim, cuda$"),
+    (["--tools", "sanitizer-force"], r"^error: --tools 'sanitizer-force': each must be one of fuzz, sanitizer, torch "
+                                     r"\(sanitizer-force needs --backend cuda\)$"),
 ])
 def test_a_bad_command_line_is_one_line_naming_the_value_and_exit_status_2(argv, message, capsys) -> None:
     assert main(argv) == USAGE
@@ -118,6 +122,42 @@ def test_a_racy_side_is_found_only_when_its_trace_shows_in_every_replay(replayed
     row = engine_shapes.fuzz(PAIRS[0].racy, racy=True, scratch=tmp_path)
     assert row["verdict"] == verdict, row
     assert commands[1][-4:] == ["replay", "t.json", "--repeat", "20"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA GPU")
+def test_the_cuda_backend_without_a_gpu_is_a_usage_error(capsys) -> None:
+    assert main(["--backend", "cuda", "--only", "vllm-simple-offload-46278"]) == USAGE
+    assert "--backend cuda needs a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("tool", "extra"), [("sanitizer", []), ("sanitizer-force", ["--force"])])
+def test_on_cuda_each_tool_runs_as_a_user_runs_it_on_a_gpu(tool, extra, tmp_path, monkeypatch) -> None:
+    from sanitizer.bench import engine_shapes
+
+    commands = []
+    monkeypatch.setattr(engine_shapes, "_run", lambda command, env: (commands.append(command), (0, "", 0.1))[1])
+    pair = PAIRS[0]
+    engine_shapes.judge_side(pair, True, "fuzz", "cuda")
+    engine_shapes.judge_side(pair, True, tool, "cuda")
+    fuzz_command, sanitizer_command = commands[0], commands[1]
+    assert fuzz_command[fuzz_command.index("--backend") + 1] == "cuda"
+    assert fuzz_command[fuzz_command.index("--cuda-mode") + 1] == "controlled"
+    if pair.racy.pytest:
+        assert "--kvz-sanitize-backend" in sanitizer_command and "cuda" in sanitizer_command
+        assert ("--kvz-sanitize-force" in sanitizer_command) == bool(extra)
+    else:
+        assert sanitizer_command[sanitizer_command.index("--backend") + 1] == "cuda"
+        assert ("--force" in sanitizer_command) == bool(extra)
+
+
+@pytest.mark.parametrize("header", ["kvz-sanitize (observe mode)", "kvz-sanitize (force mode)", "something else"])
+def test_a_unit_test_sides_report_is_read_from_the_plugins_cuda_sections(header, tmp_path, monkeypatch) -> None:
+    from sanitizer.bench import engine_shapes
+
+    pair = next(p for p in PAIRS if p.fixed.pytest)
+    monkeypatch.setattr(engine_shapes, "_run", lambda command, env: (0, f"===== {header} =====\n3 passed\n", 0.1))
+    row = engine_shapes.sanitizer(pair.fixed, False, pair.kind, tmp_path, "cuda")
+    assert row["verdict"] == ("error" if header == "something else" else "clean"), row
 
 
 @pytest.mark.parametrize(("output", "status", "racy", "verdict"), [

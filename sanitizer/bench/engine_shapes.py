@@ -24,6 +24,12 @@ Run it (about 4 minutes on 2 cores)::
 
     python -m sanitizer.bench.engine_shapes --json docs/data/sim-engine-shapes-2026-12.json
     python -m sanitizer.bench.engine_shapes --only vllm-handler-stores-46278 --tools sanitizer
+    python -m sanitizer.bench.engine_shapes --backend cuda -j 4 --json h100-engine-shapes-2026-12.json  # a GPU
+
+With ``--backend cuda`` our tools run on the GPU as a user runs them there: ``fuzz`` with
+``--backend cuda --cuda-mode controlled``, ``sanitizer`` with ``--backend cuda`` (observing) and
+``sanitizer-force`` with ``--force`` as well (the plugin's ``--kvz-sanitize-backend cuda`` and
+``--kvz-sanitize-force`` for a unit-test side).
 
 Exit status (:mod:`racecheck.cli`): 0 when every racy side is found by every tool run (the sanitizer by
 kind) and every fixed side is clean, with no harness error; 1 otherwise; 2 for a bad command line.
@@ -59,6 +65,10 @@ REPLAYS = 20  # a racy side's shrunk trace must show again in every one of these
 GEOMETRY = "tiny"
 TIMEOUT_S = 300
 TOOLS = ("fuzz", "sanitizer", "torch")
+# On a GPU (``--backend cuda``) our two tools run on CUDA: the fuzzer's controlled mode (its
+# schedules forced by gates, so a race shows on every seed), the sanitizer observing and forcing.
+CUDA_TOOLS = ("fuzz", "sanitizer", "sanitizer-force", "torch")
+BACKENDS = ("sim", "cuda")
 CSAN_MARK = "CSAN detected a possible data race"
 NEEDS_THE_EXTENSION = "needs the extension"
 # What a program calling an engine's extension says when run bare without it (the tools stand in for it).
@@ -195,11 +205,13 @@ def _run(command: list[str], env: dict[str, str]) -> tuple[int | None, str, floa
     return status, text, round(time.perf_counter() - started, 1)
 
 
-def fuzz(side: Side, racy: bool, scratch: Path) -> dict[str, Any]:
-    """Both shards of the factory's one campaign (``GEOMETRY``, pinned host pool) on the simulator."""
+def fuzz(side: Side, racy: bool, scratch: Path, backend: str = "sim") -> dict[str, Any]:
+    """Both shards of the factory's one campaign (``GEOMETRY``, pinned host pool) on ``backend``
+    (on cuda in the controlled mode)."""
     summary = scratch / "summary.json"
+    mode = ["--cuda-mode", "controlled"] if backend == "cuda" else []
     status, text, seconds = _run([sys.executable, "-m", "pytest", "fuzz", "--offloader", side.factory,
-                                  "--backend", "sim", "--geometry", GEOMETRY, "--host-memory", "pinned",
+                                  "--backend", backend, *mode, "--geometry", GEOMETRY, "--host-memory", "pinned",
                                   "--fuzz-summary", str(summary), "--repro-dir", str(scratch / "traces"),
                                   "-p", "no:randomly", "-p", "no:cacheprovider", "-q"], _env(side))
     row: dict[str, Any] = {"exit": status, "seconds": seconds}
@@ -241,19 +253,21 @@ def _replayed(side: Side, trace: str) -> str:
     return f"{shown.group(1)}/{shown.group(2)}" if shown and status in (0, 1) else f"0/{REPLAYS}"
 
 
-def sanitizer(side: Side, racy: bool, kind: str, scratch: Path) -> dict[str, Any]:
-    """Our sanitizer on the side's loop, on the simulator: the kind, and the marked lines where there are some."""
+def sanitizer(side: Side, racy: bool, kind: str, scratch: Path, backend: str = "sim",
+              force: bool = False) -> dict[str, Any]:
+    """Our sanitizer on the side's loop, on ``backend`` (observing, or with ``force`` holding queued
+    copies): the kind, and the marked lines where there are some."""
     report = scratch / "races.json"
     if side.pytest:
-        command = [sys.executable, "-m", "pytest", side.loop[0], "--kvz-sanitize", "--kvz-sanitize-backend", "sim",
-                   "-p", "no:randomly", "-p", "no:cacheprovider", "-q"]
+        command = [sys.executable, "-m", "pytest", side.loop[0], "--kvz-sanitize", "--kvz-sanitize-backend", backend,
+                   *(["--kvz-sanitize-force"] if force else []), "-p", "no:randomly", "-p", "no:cacheprovider", "-q"]
     else:
-        command = [sys.executable, "-m", "sanitizer", "--backend", "sim", "--json", str(report), "--",
-                   sys.executable, *side.loop]
+        command = [sys.executable, "-m", "sanitizer", "--backend", backend, *(["--force"] if force else []),
+                   "--json", str(report), "--", sys.executable, *side.loop]
     status, text, seconds = _run(command, _env(side))
     row: dict[str, Any] = {"exit": status, "seconds": seconds}
     if side.pytest:
-        if "kvz-sanitize (simulator)" not in text:
+        if not re.search(r"kvz-sanitize \((simulator|observe mode|force mode)\)", text):
             return {**row, "verdict": "error", "error": (text.strip().splitlines() or ["no summary"])[-1]}
         races, data = plugin_races(text), {}
     elif report.exists():
@@ -331,13 +345,13 @@ def torch_sanitizer(side: Side, racy: bool) -> dict[str, Any]:
     return {**row, "verdict": ("found" if seen else "missed") if racy else ("false alarm" if seen else "clean")}
 
 
-def judge_side(pair: Pair, racy: bool, tool: str) -> dict[str, Any]:
+def judge_side(pair: Pair, racy: bool, tool: str, backend: str = "sim") -> dict[str, Any]:
     side = pair.racy if racy else pair.fixed
     with tempfile.TemporaryDirectory(prefix="kvz-engine-shapes-") as scratch:
         if tool == "fuzz":
-            row = fuzz(side, racy, Path(scratch))
-        elif tool == "sanitizer":
-            row = sanitizer(side, racy, pair.kind, Path(scratch))
+            row = fuzz(side, racy, Path(scratch), backend)
+        elif tool in ("sanitizer", "sanitizer-force"):
+            row = sanitizer(side, racy, pair.kind, Path(scratch), backend, force=tool == "sanitizer-force")
         else:
             row = torch_sanitizer(side, racy)
     if (row.get("exit") or 0) < 0:  # killed by a signal (a crash): whatever it left says nothing either way
@@ -380,7 +394,10 @@ def _cell(row: dict[str, Any] | None) -> str:
 def parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--only", help="comma-separated pair names (default: all)")
-    p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, of {', '.join(TOOLS)}")
+    p.add_argument("--tools", default=None,
+                   help=f"comma-separated, of {', '.join(CUDA_TOOLS)} (default: {','.join(TOOLS)}; on cuda {','.join(CUDA_TOOLS)})")
+    p.add_argument("--backend", default="sim", help="where our tools run: sim (default) or cuda (a GPU; the fuzzer "
+                                                   "in the controlled mode, the sanitizer observing and forcing)")
     p.add_argument("-j", "--jobs", type=int, default=2, help="runs at once (default 2)")
     p.add_argument("--json", help="write the rows, the command, the commit and the environment here")
     return p
@@ -406,9 +423,18 @@ def _main(argv: list[str]) -> int:
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         raise UsageError(f"--only {unknown[0]!r} is not a pair; pairs: {', '.join(BY_NAME)}")
-    tools = tuple(args.tools.split(","))
-    if any(t not in TOOLS for t in tools):
-        raise UsageError(f"--tools {args.tools!r}: each must be one of {', '.join(TOOLS)}")
+    if args.backend not in BACKENDS:
+        raise UsageError(f"--backend {args.backend!r} is not one of {', '.join(BACKENDS)}")
+    known = CUDA_TOOLS if args.backend == "cuda" else TOOLS
+    tools = tuple(args.tools.split(",")) if args.tools else known
+    if any(t not in known for t in tools):
+        raise UsageError(f"--tools {args.tools!r}: each must be one of {', '.join(known)}"
+                         + (" (sanitizer-force needs --backend cuda)" if "sanitizer-force" in tools else ""))
+    if args.backend == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--backend cuda needs a GPU (torch.cuda.is_available() is False here); use --backend sim")
     if args.jobs < 1:
         raise UsageError(f"-j {args.jobs} must be a positive number of runs at once")
     pairs = [BY_NAME[n] for n in names]
@@ -416,7 +442,7 @@ def _main(argv: list[str]) -> int:
     install()  # Ctrl-C and SIGTERM: no new run starts, and nothing is written (racecheck.interrupts)
     pool = ThreadPoolExecutor(max_workers=args.jobs)
     try:
-        futures = [pool.submit(judge_side, pair, racy, tool) for pair in pairs for racy in (True, False) for tool in tools]
+        futures = [pool.submit(judge_side, pair, racy, tool, args.backend) for pair in pairs for racy in (True, False) for tool in tools]
         rows = [future.result() for future in futures]
     except BaseException:  # Ctrl-C: no further run starts (the running ones got the signal too), nothing written
         pool.shutdown(wait=False, cancel_futures=True)
