@@ -33,6 +33,7 @@ import contextlib
 import itertools
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,7 +53,11 @@ class FakeCuda:
     name = "fake"
 
     def __init__(self) -> None:
-        self._device: set[int] = set()
+        # storage address -> a weak reference to the storage, of the tensors that are device memory: an
+        # address is forgotten when its storage is freed, since the CPU allocator soon hands it to a
+        # pageable tensor, which the observer would then take for device memory (on a GPU the two
+        # never share an address)
+        self._device: dict[int, _Held] = {}
         self._sizes: dict[int, int] = {}  # storage address -> bytes, of the tensors made device memory
         self._pinned: set[int] = set()
         self._host_pool: dict[int, list[bytearray]] = {}  # bytes -> blocks of pin_copy, free or in use
@@ -62,9 +67,21 @@ class FakeCuda:
 
     # -- memory --------------------------------------------------------------------------------------
     def device(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._device.add(tensor.untyped_storage().data_ptr())
-        self._sizes[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        storage = tensor.untyped_storage()
+        self._hold(storage)
+        self._sizes[storage.data_ptr()] = storage.nbytes()
         return tensor
+
+    def _hold(self, storage: Any) -> None:
+        address = storage.data_ptr()
+        held = self._device.get(address)
+        if held is None or held() is not storage:
+            self._device[address] = _Held(storage, self._freed, address)
+
+    def _freed(self, held: "_Held") -> None:
+        if self._device.get(held.address) is held:
+            del self._device[held.address]
+            self._sizes.pop(held.address, None)
 
     def allocation_at(self, address: int, size: int) -> int | None:
         """The device tensor's storage holding ``[address, address + size)`` (a raw access)."""
@@ -109,7 +126,7 @@ class FakeCuda:
         return tensor.untyped_storage().data_ptr() in self._pinned
 
     def adopt(self, tensor: torch.Tensor) -> None:
-        self._device.add(tensor.untyped_storage().data_ptr())
+        self._hold(tensor.untyped_storage())
 
     def device_index(self, tensor: Any) -> int:
         return 0
@@ -229,6 +246,19 @@ class _Placing(LazyDynamoMode):
         result = func(*args, **kwargs)
         self.cuda.adopt(result)
         return result
+
+
+class _Held(weakref.ref):
+    """A weak reference to a device storage, carrying its address for :meth:`FakeCuda._freed`."""
+
+    __slots__ = ("address",)
+
+    def __new__(cls, storage: Any, callback: Any, address: int) -> "_Held":
+        return super().__new__(cls, storage, callback)
+
+    def __init__(self, storage: Any, callback: Any, address: int) -> None:
+        super().__init__(storage, callback)
+        self.address = address
 
 
 class _FakeGraph:
