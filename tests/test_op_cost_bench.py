@@ -81,3 +81,13 @@ def test_a_builtins_time_counts_in_its_callers_stages():
     }
     seconds = op_stages.seconds_by_stage(table)
     assert seconds == {"argument walk": 4.0, "happens-before": 3.0}
+
+
+def test_a_float_factory_on_the_device_is_not_evaluated_on_the_host_an_integer_one_is():
+    from racecheck.device_values import DeviceValues
+
+    values = DeviceValues(is_device=lambda tensor: False)
+    ones, arange = torch.ops.aten.ones.default, torch.ops.aten.arange.default
+    assert values.prepare(ones, ([16],), {"device": "cuda"}, []) is None  # the default dtype: floats
+    assert values.prepare(ones, ([16],), {"device": "cuda", "dtype": torch.int64}, []) is not None
+    assert values.prepare(arange, (16,), {"device": "cuda"}, []) is not None  # integers from its arguments
