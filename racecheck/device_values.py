@@ -62,6 +62,10 @@ _OVERWRITES = {getattr(getattr(aten, op), overload) for op, overload in
 # Ops with no device input that make integer tensors from scalars, evaluated when small.
 _FACTORIES = {packet for name in ("arange", "full", "zeros", "ones", "scalar_tensor")
               for packet in [getattr(aten, name, None)] if packet is not None}
+# Of those, the ones whose result without a dtype is the default dtype (arange and full take theirs from
+# their arguments: integers for integer arguments).
+_DEFAULT_DTYPE = {packet for name in ("zeros", "ones", "scalar_tensor")
+                  for packet in [getattr(aten, name, None)] if packet is not None}
 _TO_COPY = aten._to_copy.default
 # Results that differ between the host and the GPU: never evaluated, their outputs unknown.
 _NONDETERMINISTIC = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
@@ -196,6 +200,8 @@ class DeviceValues:
         if func.overloadpacket not in _FACTORIES:
             return False
         dtype = kwargs.get("dtype")
+        if dtype is None and func.overloadpacket in _DEFAULT_DTYPE:
+            dtype = torch.get_default_dtype()  # torch.ones(16, device="cuda"): floats, never evaluated
         if dtype is not None and dtype not in INTEGERS:
             return False
         return _factory_numel(func, args) * 8 <= MAX_STORAGE

@@ -4,27 +4,118 @@ The loop is the step of ``sanitizer/bench/suites/launch_bound.py`` (``step``: a 
 an index_add, a few pointwise ops, a reduction on a side stream, two stream waits): every op passes
 the dispatch mode, the trace callbacks and the checker. Rounds alternate plain and observed runs
 of the same steps; the result is microseconds per aten op (the ops of one step counted once by a
-dispatch mode that only counts) for each, their ratio, and with ``--profile`` the functions the
-observed run spends its time in (cProfile, by own time), written beside the JSON.
+dispatch mode that only counts) for each, their difference (the sanitizer's own cost per op) and
+ratio, and the split of that cost by stage (:mod:`sanitizer.bench.op_stages`, from one profiled run
+of each kind after the rounds). ``--profile`` writes the observed run's functions by own time.
 
-Run it (needs a GPU; about 20 s)::
+Without a GPU (or with ``--standin``) the loop runs on the CUDA stand-in
+(:mod:`sanitizer.gpu.standin`, the one the observer's tests use): ``standin_step`` is ``step`` op
+for op, its device tensors CPU tensors the stand-in calls device memory and its streams the
+stand-in's, so the observer takes every path it takes on a GPU (the pinned allocation, the queued
+copy, the device ops, the event record and wait). The ops run on the CPU, so the plain figure is
+the CPU's, not a GPU launch's; what the difference measures is the sanitizer's own Python, which
+is the same code on both.
+
+Run it (about 20 s on a GPU, a minute on the stand-in)::
 
     python -m sanitizer.bench.op_cost --steps 2000 --rounds 3 --json op-cost.json --profile op-cost-profile.txt
 """
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import datetime
 import io
 import pstats
 import time
+from collections.abc import Iterator
 from statistics import median
 from typing import Any
 
 from racecheck.atomic_file import write_json_atomically, write_text_atomically
 from racecheck.cli import CLEAN, ArgumentParser, UsageError, check_output, run_main
 from racecheck.environment import environment
+from sanitizer.bench import op_stages
+
+
+class Gpu:
+    """The loop on CUDA: ``launch_bound.step`` itself."""
+
+    name = "cuda"
+    files = ("sanitizer/bench/suites/launch_bound.py", "sanitizer/bench/op_cost.py")  # the loop's own code
+
+    def device(self) -> Any:
+        return None  # the observer's own: sanitizer.gpu.device.CudaDevice
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        yield
+
+    def attach(self, obs: Any) -> None:
+        """``obs`` observes the next run (torch's trace callbacks reach it without help)."""
+
+    def steps(self, steps: int) -> float:
+        return run_steps(steps)
+
+
+class StandIn:
+    """The loop on the CUDA stand-in (module docstring)."""
+
+    name = "stand-in"
+    files = ("sanitizer/bench/op_cost.py",)
+
+    def __init__(self) -> None:
+        from sanitizer.gpu.standin import FakeCuda
+
+        self.cuda = FakeCuda()
+
+    def device(self) -> Any:
+        return self.cuda
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """``device="cuda"`` and ``pin_memory()`` answered by the stand-in, under the observer's mode."""
+        with self.cuda.placing():
+            yield
+
+    def attach(self, obs: Any) -> None:
+        self.cuda.obs = obs  # its streams' and events' calls go to the observer's trace handlers
+
+    def steps(self, steps: int) -> float:
+        import torch
+
+        cuda = self.cuda
+        state = torch.ops.aten.zeros.default([64], device=_CUDA)
+        ids = torch.ops.aten.empty.memory_format([16], dtype=torch.int64, device=_CUDA)
+        side = cuda.new_stream()
+        cuda.synchronize()
+        started = time.perf_counter()
+        for index in range(steps):
+            standin_step(cuda, state, ids, side, index)
+        cuda.synchronize()
+        return time.perf_counter() - started
+
+
+def standin_step(cuda: Any, state: Any, ids: Any, side: int, index: int) -> None:
+    """``launch_bound.step`` on the stand-in, line for line: a CPU build of torch refuses
+    ``device="cuda"`` and ``pin_memory()`` in the Python call, so those two go to the aten ops they
+    dispatch to, and the stream calls to the stand-in's (``wait_stream`` is a record and a wait)."""
+    import torch
+
+    aten = torch.ops.aten
+    staged = aten._pin_memory.default(torch.tensor(list(range(index % 7, index % 7 + 16)), dtype=torch.int64))
+    ids.copy_(staged, non_blocking=True)
+    state.index_add_(0, ids, aten.ones.default([16], device=_CUDA))
+    state.mul_(0.5).add_(1.0)
+    cuda.wait(cuda.record(), side)
+    with cuda.stream(side):
+        total = state.sum()
+    cuda.wait(cuda.record(side))
+    state.sub_(total * 0)
+
+
+_CUDA = "cuda"  # the stand-in's aten calls ask for it by name, as torch.device("cuda") would
 
 
 def run_steps(steps: int) -> float:
@@ -44,11 +135,14 @@ def run_steps(steps: int) -> float:
     return time.perf_counter() - started
 
 
-def ops_per_step() -> int:
-    """The aten ops one step runs (counted by a dispatch mode that only counts)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def ops_per_step(target: Gpu | StandIn) -> int:
+    """The aten ops one step runs (counted by a dispatch mode that only counts: two steps less one, so
+    that the loop's set-up, its state and index tensors, is not counted as a step's). A lazy-dynamo mode,
+    as the sanitizer's are: a plain one would import ``torch._dynamo``, and the sanitizer's modes
+    would pay dynamo's per-op guard in the rounds after it (racecheck.lazy_dynamo)."""
+    from racecheck.lazy_dynamo import LazyDynamoMode
 
-    class Count(TorchDispatchMode):
+    class Count(LazyDynamoMode):
         seen = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -56,32 +150,64 @@ def ops_per_step() -> int:
             return func(*args, **(kwargs or {}))
 
     with Count():
-        run_steps(1)
-    return Count.seen
+        target.steps(1)
+        one = Count.seen
+        target.steps(2)
+    return Count.seen - 2 * one
 
 
-def observed(steps: int, profile: cProfile.Profile | None = None) -> float:
+def plain(target: Gpu | StandIn, steps: int, profile: cProfile.Profile | None = None) -> float:
+    with _profiling(profile):
+        return target.steps(steps)
+
+
+def observed(target: Gpu | StandIn, steps: int, profile: cProfile.Profile | None = None) -> float:
     from sanitizer.gpu.observer import Observer
 
-    obs = Observer()
+    obs = Observer(device=target.device())
+    target.attach(obs)
     obs.start()
     try:
-        if profile is not None:
-            profile.enable()
-        seconds = run_steps(steps)
+        with _profiling(profile):
+            seconds = target.steps(steps)
     finally:
-        if profile is not None:
-            profile.disable()
         races = obs.stop()
+        target.attach(None)
     if races:  # the loop is race-free: a race here is the sanitizer's error, not a measurement
         raise RuntimeError(f"the benchmark's race-free loop was reported: {races[0].format()}")
     return seconds
+
+
+@contextlib.contextmanager
+def _profiling(profile: cProfile.Profile | None) -> Iterator[None]:
+    if profile is not None:
+        profile.enable()
+    try:
+        yield
+    finally:
+        if profile is not None:
+            profile.disable()
+
+
+def stages(target: Gpu | StandIn, steps: int, ops: int, own_us: float) -> tuple[dict[str, float], cProfile.Profile]:
+    """The sanitizer's own cost per op by stage (op_stages.split of one profiled run of each kind),
+    scaled to ``own_us``, the unprofiled measurement (cProfile inflates Python calls, not shares);
+    and the observed run's profile."""
+    baseline, profile = cProfile.Profile(), cProfile.Profile()
+    plain(target, steps, baseline)
+    observed(target, steps, profile)
+    added = op_stages.split(pstats.Stats(profile), pstats.Stats(baseline), target.files)
+    total = sum(added.values())
+    scale = own_us / total if total > 0 else 0.0
+    return {stage: round(seconds * scale, 2) for stage, seconds in added.items()}, profile
 
 
 def _main(argv: list[str]) -> int:
     p = ArgumentParser(prog="python -m sanitizer.bench.op_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--standin", action="store_true",
+                   help="run on the CUDA stand-in even where there is a GPU (without one it always does)")
     p.add_argument("--json", help="write the measurements here")
     p.add_argument("--profile", help="write the observed run's profile (top functions by own time) here")
     args = p.parse_args(argv)
@@ -91,24 +217,26 @@ def _main(argv: list[str]) -> int:
         raise UsageError(f"--steps {args.steps} --rounds {args.rounds}: give at least 1 of each")
     import torch
 
-    if not torch.cuda.is_available():
-        raise UsageError("the op-cost benchmark needs a GPU (its loop runs on cuda)")
-    ops = ops_per_step() * args.steps
-    run_steps(50), observed(50)  # warm up: kernels, the allocator's pools, the observer's imports
-    plain, sanitized = [], []
-    for _ in range(args.rounds):
-        plain.append(run_steps(args.steps) / ops * 1e6)
-        sanitized.append(observed(args.steps) / ops * 1e6)
+    target: Gpu | StandIn = StandIn() if args.standin or not torch.cuda.is_available() else Gpu()
+    with target.session():
+        ops = ops_per_step(target) * args.steps
+        plain(target, 50), observed(target, 50)  # warm up: kernels, the allocator's pools, the observer's imports
+        plain_us, sanitized_us = [], []
+        for _ in range(args.rounds):
+            plain_us.append(plain(target, args.steps) / ops * 1e6)
+            sanitized_us.append(observed(target, args.steps) / ops * 1e6)
+        own = [s - p for s, p in zip(sanitized_us, plain_us)]
+        split, profile = stages(target, args.steps, ops, median(own))
     result: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(), "environment": environment(), "steps": args.steps,
-        "ops": ops, "rounds": args.rounds, "plain_us_per_op": plain, "sanitized_us_per_op": sanitized,
-        "ratio": median(sanitized) / median(plain),
+        "date": datetime.date.today().isoformat(), "environment": environment(), "device": target.name,
+        "steps": args.steps, "ops": ops, "rounds": args.rounds, "plain_us_per_op": plain_us,
+        "sanitized_us_per_op": sanitized_us, "own_us_per_op": own, "own_us_per_op_median": median(own),
+        "ratio": median(sanitized_us) / median(plain_us), "stages_us_per_op": split,
     }
-    print(f"plain {median(plain):.1f} us/op, sanitized {median(sanitized):.1f} us/op, "
-          f"ratio {result['ratio']:.2f}x (median of {args.rounds}, {ops} ops a run)")
+    print(f"on {target.name}: plain {median(plain_us):.1f} us/op, sanitized {median(sanitized_us):.1f} us/op, "
+          f"own {median(own):.1f} us/op, ratio {result['ratio']:.2f}x (median of {args.rounds}, {ops} ops a run)")
+    print("own cost by stage (us/op): " + ", ".join(f"{stage} {us:.1f}" for stage, us in split.items()))
     if profile_out is not None:
-        profile = cProfile.Profile()
-        observed(args.steps, profile)
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
         write_text_atomically(profile_out, text.getvalue())

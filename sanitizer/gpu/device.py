@@ -3,7 +3,7 @@ memory is pinned, which stream the calling thread is on, whether it is capturing
 
 The observer's logic never calls ``torch.cuda`` itself for these; it asks a :class:`CudaDevice`.
 Tests on a machine without a GPU hand it a stand-in that calls some CPU tensors device memory
-(tests/fake_cuda.py), so the observer's race logic runs in CI as it runs on a GPU.
+(sanitizer/gpu/standin.py), so the observer's race logic runs in CI as it runs on a GPU.
 """
 
 from __future__ import annotations

@@ -123,14 +123,15 @@ class Handler:
                 obs.release_forced(site)  # the host waits for the stream here: forced holds open first
             stream = device.current_stream(index)
             stamp = obs.enqueue(info.name, stream, site)
-            written = written_tensors(func, args, kwargs) if info.written else ()
+            written = _written(info, func, args, kwargs)
             # an op on small integers is evaluated on the host, on the values it reads (racecheck.device_values)
             pending = obs.values.prepare(func, args, kwargs, on_device)
             obs.indices.declare(func, args, kwargs, stamp, on_device, written)
         result = func(*args, **kwargs)
         with obs.lock:
-            for out in fresh_outputs(func, result, device, on_device):
-                obs.device_access(out, stamp, write=True)
+            if info.fresh != ():  # an in-place op's returns are its arguments: nothing new to declare
+                for out in fresh_outputs(func, result, device, on_device):
+                    obs.device_access(out, stamp, write=True)
             obs.values.commit(pending, result)
             if blocking:
                 obs.observes_stream(stream)
@@ -163,6 +164,17 @@ def _is_cuda(device: Any) -> bool:
         return torch.device(device).type == "cuda"
     except (RuntimeError, TypeError):
         return False
+
+
+def _written(info: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """The tensors ``func`` writes in place; for the most frequent kind, a method that writes its own
+    tensor (``x.mul_(2)``: position 0, given), without building its arguments by position."""
+    written = info.written
+    if not written:
+        return ()
+    if written == (0,) and args and isinstance(args[0], torch.Tensor):
+        return (args[0],)
+    return written_tensors(func, args, kwargs)
 
 
 def fresh_outputs(func: Any, result: Any, device: Any, on_device: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
