@@ -105,6 +105,20 @@ def _relative_runs(tensor: torch.Tensor, base: int) -> list[tuple[int, int]]:
     return [(lo - base, hi - base) for lo, hi in byte_runs(tensor)]
 
 
+
+_OUT_TAG = getattr(torch.Tag, "out", None)
+
+
+def _is_out_variant(func: Any) -> bool:
+    """Whether ``func`` is an ``out=`` overload (``aten.add.out``): its ``out`` tensors are
+    overwritten, not read. ``torch.Tag.out`` exists from torch 2.13 on; torch 2.11, on the GPU
+    image, has no such tag (the H100 run of 2026-12-06 failed every table on it), so the schema
+    says it there."""
+    if _OUT_TAG is not None:
+        return _OUT_TAG in func.tags
+    return any(getattr(a, "is_out", False) for a in func._schema.arguments) or func._overloadname.startswith("out")
+
+
 class DeviceValues:
     """The shadow of small integer device memory (module docstring). ``is_device(tensor)``: whether
     a tensor is device memory (a CUDA tensor; the CUDA stand-in of the tests says otherwise)."""
@@ -211,7 +225,7 @@ class DeviceValues:
         names = [a.name for a in schema]
         written_pos = {i for i, a in enumerate(schema) if a.alias_info is not None and a.alias_info.is_write}
         overwritten = {id(args[0])} if func in _OVERWRITES and args else set()
-        if torch.Tag.out in func.tags:
+        if _is_out_variant(func):
             overwritten |= {id(kwargs[names[i]]) for i in written_pos if names[i] in kwargs}
         copies: dict[int, torch.Tensor] = {}  # allocation address -> a host copy of its shadow
         for tensor in device_inputs:

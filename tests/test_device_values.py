@@ -257,3 +257,38 @@ def test_on_cuda_the_fuzzer_follows_a_table_computed_on_the_device():
         (kv.data_ptr() + 2 * ROWS * stride, kv.data_ptr() + 3 * ROWS * stride, False),
         (host.data_ptr() + 2 * ROWS * stride, host.data_ptr() + 3 * ROWS * stride, True),
     ]
+
+
+@pytest.mark.parametrize("tagged", [True, False], ids=["torch-2.13-tags", "torch-2.11-no-out-tag"])
+def test_an_out_variant_is_told_with_or_without_torchs_out_tag(tagged, monkeypatch):
+    # torch 2.11 (the GPU image) has no torch.Tag.out: on the H100 every op the shadow evaluated
+    # raised AttributeError there, and every table kernel was a harness error.
+    import racecheck.device_values as device_values
+
+    if not tagged:
+        monkeypatch.setattr(device_values, "_OUT_TAG", None)
+    assert device_values._is_out_variant(torch.ops.aten.add.out)
+    assert not device_values._is_out_variant(torch.ops.aten.add.Tensor)
+    assert not device_values._is_out_variant(torch.ops.aten.add_.Tensor)
+
+
+# Tags of torch.Tag the product may name directly: those torch 2.11 has (the oldest torch the tools
+# run on, the GPU image's); any other must be looked up with getattr and a fallback.
+TAGS_IN_TORCH_2_11 = {"inplace_view", "data_dependent_output", "nondeterministic_seeded", "nondeterministic_bitwise",
+                      "core", "pointwise", "inplace", "view_copy", "dynamic_output_shape", "generated"}
+
+
+def test_the_product_names_only_torch_tags_that_torch_2_11_has():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    named = []
+    for package in ("racecheck", "kvdevice", "zeroer", "fuzz", "repro", "sanitizer"):
+        for path in sorted((root / package).rglob("*.py")) if (root / package).is_dir() else []:
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                        and node.value.attr == "Tag" and isinstance(node.value.value, ast.Name)
+                        and node.value.value.id == "torch" and node.attr not in TAGS_IN_TORCH_2_11):
+                    named.append(f"{path.relative_to(root)}:{node.lineno}: torch.Tag.{node.attr}")
+    assert not named, named

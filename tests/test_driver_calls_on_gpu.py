@@ -278,3 +278,34 @@ class _FakeLibcuda(ctypes.CDLL):
     def __init__(self) -> None:
         super().__init__(None)
         self._name = "libcuda.so.1"
+
+
+def test_the_tools_own_context_calls_never_go_through_a_patched_library_lookup():
+    # On the H100 (2026-12-06) the sanitizer, which patches ctypes.CDLL's lookup to follow the
+    # program's driver calls, reported this module's own cuStreamGetCtx as the program's
+    # unfollowed call. Its entry points are made from the library's function type instead.
+    from zeroer.intercept.driver_context import LibcudaContexts
+
+    made = []
+
+    class Library:
+        def __getattr__(self, name):
+            raise AssertionError(f"looked up {name} through CDLL.__getattr__")
+
+        def __getitem__(self, name):
+            raise AssertionError(f"looked up {name} through CDLL.__getitem__")
+
+        def _FuncPtr(self, spec):
+            made.append(spec[0])
+            return lambda *args: 0
+
+    contexts = LibcudaContexts.__new__(LibcudaContexts)
+    contexts._lib, contexts._primary, contexts._fns = Library(), {}, {}
+    contexts._lock = __import__("threading").Lock()
+    assert contexts.current() == 0 and contexts.of_stream(7) == 0
+    contexts.primary(0)
+    contexts.push(5)
+    contexts.pop()
+    contexts.current()
+    assert made == ["cuCtxGetCurrent", "cuStreamGetCtx", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+                    "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2"]  # each made once

@@ -11,6 +11,7 @@ under ``pytest --kvz-sanitize`` in tests/test_engine_style.py.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +159,38 @@ def test_a_unit_test_sides_report_is_read_from_the_plugins_cuda_sections(header,
     monkeypatch.setattr(engine_shapes, "_run", lambda command, env: (0, f"===== {header} =====\n3 passed\n", 0.1))
     row = engine_shapes.sanitizer(pair.fixed, False, pair.kind, tmp_path, "cuda")
     assert row["verdict"] == ("error" if header == "something else" else "clean"), row
+
+
+@pytest.mark.parametrize("racy", [True, False])
+@pytest.mark.parametrize("status", [2, 3])
+def test_a_run_that_failed_inside_the_tool_or_on_its_own_is_an_error_never_clean_or_missed(racy, status, tmp_path,
+                                                                                           monkeypatch) -> None:
+    # The H100 run (2026-12-06): runs that ended in the tool's internal error (exit 3, no race) were
+    # judged "clean" on the fixed side and "missed" on the racy one.
+    import json
+
+    from sanitizer.bench import engine_shapes
+
+    pair = next(p for p in PAIRS if not p.fixed.pytest)
+
+    def run(command, env):
+        report = command[command.index("--json") + 1]
+        Path(report).write_text(json.dumps({"races": [], "unfollowed": [],
+                                            "program_error": "AttributeError('no attribute out')"}))
+        return status, "kvz-sanitize: internal error", 0.1
+
+    monkeypatch.setattr(engine_shapes, "_run", run)
+    row = engine_shapes.sanitizer(pair.racy if racy else pair.fixed, racy, pair.kind, tmp_path, "cuda")
+    assert row["verdict"] == "error" and "AttributeError" in row["error"], row
+
+
+def test_a_unit_test_side_whose_tests_failed_with_no_race_reported_is_an_error(tmp_path, monkeypatch) -> None:
+    from sanitizer.bench import engine_shapes
+
+    pair = next(p for p in PAIRS if p.fixed.pytest)
+    text = "===== kvz-sanitize (observe mode) =====\nFAILED test_x.py::test_y - AttributeError\n1 failed"
+    monkeypatch.setattr(engine_shapes, "_run", lambda command, env: (1, text, 0.1))
+    assert engine_shapes.sanitizer(pair.fixed, False, pair.kind, tmp_path, "cuda")["verdict"] == "error"
 
 
 @pytest.mark.parametrize(("output", "status", "racy", "verdict"), [

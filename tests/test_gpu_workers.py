@@ -145,3 +145,21 @@ def test_a_free_memory_query_that_hangs_is_an_error_the_callers_report_not_a_cra
     monkeypatch.setattr(gpu_workers.subprocess, "run", hang)
     with pytest.raises(RuntimeError, match=r"^could not read the free GPU memory: the query did not answer in 120 s$"):
         gpu_workers.free_gpu_bytes()
+
+
+def test_a_bench_worker_on_a_gpu_asks_for_hardware_queues_and_eager_modules_before_its_context(monkeypatch):
+    # On the H100 (2026-12-06) the offload bench's workers made their CUDA context in set_device
+    # with the default 8 queues: an offloader's ninth stream was a harness error in every controlled
+    # campaign. What the driver reads at context creation must be set before set_device.
+    import os
+
+    from fuzz.bench.pool import init_worker
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen.update(
+        queues=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), loading=os.environ.get("CUDA_MODULE_LOADING")))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    init_worker(0)
+    assert seen == {"queues": "32", "loading": "EAGER"}

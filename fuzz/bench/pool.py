@@ -17,11 +17,20 @@ from typing import Any
 
 
 def init_worker(device: int | None = None) -> None:
-    """A worker process's set-up: one torch thread (the simulator's tensors are tiny), on GPU ``device`` if given."""
+    """A worker process's set-up: one torch thread (the simulator's tensors are tiny), on GPU ``device`` if given.
+
+    On a GPU the controlled runtime's gated streams need their own hardware queues and every kernel
+    module loaded up front (racecheck.gate), which the driver reads when the context is made: asked
+    for before ``set_device`` makes it. Without that, an offloader with a ninth stream was a
+    harness error in every controlled campaign of the bench (H100, 2026-12-06)."""
     import torch
+
+    from racecheck.gate import request_eager_module_loading, request_hardware_queues
 
     torch.set_num_threads(1)
     if device is not None:
+        request_hardware_queues()
+        request_eager_module_loading()
         torch.cuda.set_device(device)
 
 

@@ -275,6 +275,12 @@ def sanitizer(side: Side, racy: bool, kind: str, scratch: Path, backend: str = "
         races = data["races"]
     else:
         return {**row, "verdict": "error", "error": (text.strip().splitlines() or ["no report"])[-1]}
+    # A run that did not end as a judged one (the program failed on its own, the tool's own error, a
+    # unit test that failed with no race reported) says nothing either way: never clean, never
+    # missed (on the H100, runs that crashed inside the tool were read as "clean" and "missed").
+    if status not in (0, 1) or (status == 1 and not races):
+        why = data.get("program_error") or (text.strip().splitlines() or [f"exit {status}"])[-1]
+        return {**row, "verdict": "error", "error": str(why)[:300]}
     row["kinds"] = sorted({r["kind"] for r in races})
     row["sites"] = sorted({f"{_site(r['queued'])} / {_site(r['later'])}" for r in races})[:4]
     row["unfollowed"] = data.get("unfollowed") or []

