@@ -163,3 +163,8 @@ def test_a_bench_worker_on_a_gpu_asks_for_hardware_queues_and_eager_modules_befo
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     init_worker(0)
     assert seen == {"queues": "32", "loading": "EAGER"}
+    # Without a device index too (the detection bench's workers: the runtime makes the context later).
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    monkeypatch.delenv("CUDA_MODULE_LOADING")
+    init_worker()
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "32" and os.environ.get("CUDA_MODULE_LOADING") == "EAGER"

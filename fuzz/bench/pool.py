@@ -27,10 +27,10 @@ def init_worker(device: int | None = None) -> None:
 
     from racecheck.gate import request_eager_module_loading, request_hardware_queues
 
+    request_hardware_queues()  # on a machine without CUDA: an unread variable
+    request_eager_module_loading()
     torch.set_num_threads(1)
     if device is not None:
-        request_hardware_queues()
-        request_eager_module_loading()
         torch.cuda.set_device(device)
 
 
@@ -41,6 +41,10 @@ def completed(run: Callable[[Any], dict], next_job: Callable[[], Any], workers: 
     record, so the caller may queue more) in ``workers`` processes set up by ``initializer(*initargs)``
     (1: in this one, as it is). No job starts once ``may_start()`` is false; running ones finish."""
     if workers <= 1:
+        from racecheck.gate import request_eager_module_loading, request_hardware_queues
+
+        request_hardware_queues()  # this process runs the jobs: asked for while it still can
+        request_eager_module_loading()
         while may_start() and (job := next_job()) is not None:
             yield run(job)
         return
