@@ -171,6 +171,23 @@ def test_the_observer_follows_tables_staged_through_to_of_pageable_memory(beside
     assert [r.kind for r in races] == ([kind] if kind else [])
 
 
+def test_the_tables_are_read_as_the_kernel_starts_even_where_every_argument_counts_as_written(monkeypatch):
+    # Where a kernel's source cannot be read every argument counts as written, tables included; the
+    # tables were then forgotten before they were traced (one reading of the H100's 'cannot follow
+    # ... dst_addrs, sizes and src_addrs' on vLLM's handler, 2026-12-06).
+    from sanitizer.gpu import launches
+
+    monkeypatch.setattr(launches, "stored_params", lambda fn: frozenset(launches.inspect.signature(fn).parameters))
+
+    def program(cuda, obs):
+        kv = cuda.device(torch.ones((4 * ROWS, WORDS), dtype=torch.float32))
+        host = cuda.pinned(torch.zeros((4 * ROWS, WORDS), dtype=torch.float32))
+        _launch(cuda, obs, lambda: [to_cuda(torch.from_numpy(t)) for t in _handler_tables(host, kv, 1)], ROWS)
+
+    races, unfollowed, _ = _observe(program)
+    assert unfollowed == [] and races == []
+
+
 def test_the_observer_follows_a_table_computed_on_the_device_and_a_slice_of_it():
     def program(cuda, obs):
         kv = cuda.device(torch.ones((4 * ROWS, WORDS), dtype=torch.float32))

@@ -72,6 +72,11 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any = None) -
     index = device.device_index(on_device[0][1] if on_device else None)
     held = obs.hold(index) if pinned else None
     stamp = obs.enqueue(what, device.current_stream(index), site)
+    if tables:
+        # The kernel loads its addresses as the tables hold them when it starts: traced before its
+        # own writes are declared, which make a written argument's values unknown (where the source
+        # cannot be read, every argument counts as written: the tables with them).
+        _through_tables(obs, jit, args, kwargs, grid, tables, stamp, site, what)
     for name, tensor in on_device:
         obs.device_access(tensor, stamp, write=name in stored)
     for region, tensor, writes in pinned:
@@ -79,8 +84,6 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any = None) -
             obs.queued_write(region, tensor, stamp, held)
         else:
             obs.queued_read(region, tensor, stamp, held)
-    if tables:
-        _through_tables(obs, jit, args, kwargs, grid, tables, stamp, site, what)
     obs.collect()
 
 
