@@ -1,5 +1,5 @@
 """The simulator's caching device allocator hands freed memory out again as CUDA's does, and both
-tools see the reuse (zeroer/intercept/sim_memory.py).
+tools see the reuse (kvdevice/intercept/sim_memory.py).
 
 CUDA's caching allocator (c10/cuda/CUDACachingAllocator.cpp) rounds a request up to a multiple of
 512 bytes and gives it the smallest free block of its stream and pool that holds it, at once: a
@@ -24,9 +24,9 @@ import torch
 from fuzz.engine.episode import Episode, EpisodeConfig, run_ops
 from sanitizer.bench.programs import REUSE
 from sanitizer.sim.session import simulate
-from zeroer.intercept.session import InterceptSession
-from zeroer.intercept.sim_memory import SMALL_SIZE, SimDeviceMemory, round_size
-from zeroer.runtime import make_runtime
+from kvdevice.intercept.session import InterceptSession
+from kvdevice.intercept.sim_memory import SMALL_SIZE, SimDeviceMemory, round_size
+from kvdevice.runtime import make_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 
