@@ -197,3 +197,13 @@ def test_every_data_file_is_named_for_what_it_measures_and_when():
                       if "session" in p.name.lower()
                       or any(ORGANISATIONAL.fullmatch(word) for word in re.split(r"[-.]", p.name.lower()))]
     assert not organisational, f"docs/data files named after how the work was organised: {organisational}"
+
+
+def test_the_runtime_keeps_the_name_the_zeroer_api_gave_it():
+    """The runtime is the device layer's (kvdevice.runtime); a runtime-API zeroer that imports it as
+    zeroer.runtime (docs/zeroer-api.md, docs/runtime.md) gets the same objects."""
+    import kvdevice.runtime
+    import zeroer.runtime
+
+    assert sorted(zeroer.runtime.__all__) == sorted(kvdevice.runtime.__all__)
+    assert all(getattr(zeroer.runtime, name) is getattr(kvdevice.runtime, name) for name in kvdevice.runtime.__all__)

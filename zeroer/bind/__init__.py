@@ -8,24 +8,13 @@ all of that is routed to the harness's runtime (:mod:`kvdevice.intercept.session
 gets what a runtime-API zeroer gets: the simulator on CPU, forced schedules in the controlled
 cuda mode, the happens-before checker, shrinking and replay.
 
-Which mechanism covers which call (docs/fuzz-your-zeroer.md has the table):
-
-* ``TorchFunctionMode`` (:mod:`.torch_mode`): pinned allocations, device factories, ``.to``,
-  ``.cuda``, ``.pin_memory``, ``is_pinned``, indexing, ``record_stream``;
-* aten ops: a tensor subclass's ``__torch_dispatch__`` on the simulator (:mod:`.sim_tensor`,
-  :mod:`.sim_ops`), a ``TorchDispatchMode`` on CUDA (:mod:`.cuda_ops`);
-* patched, in one place and undone on exit: ``torch.cuda``'s, ``torch.accelerator``'s and the
-  device-generic ``torch.Stream``/``torch.Event``'s streams, events and synchronisation
-  (:mod:`.cuda_api`; on the simulator also the device queries, :mod:`.sim_device`) and
-  ``JITFunction.run`` (:mod:`.triton_launch`);
-* device values read on the host (``.tolist()``, ``repr``, ...), after the stream, as on CUDA
-  (:mod:`.host_reads`);
-* shadow copies of the zeroer's pinned buffers for host writes no torch op sees (:mod:`.host_memory`);
-* refused with a clear error: GPU packages other than torch, CUDA libraries through ctypes
-  (:mod:`.unroutable`).
+Which mechanism covers which call is :mod:`kvdevice.intercept`'s (docs/fuzz-your-zeroer.md has the
+table); what is the zeroer's here is its binding: its calls run in its session, its factory gets
+the KV cache as its code sees it (:mod:`.cache_view`) and no runtime.
 
 Several zeroers may share one runtime (one per KV cache, the ``x2`` campaigns): each has its own
-session, and what names their streams, buffers and blocks is the runtime's (:mod:`.shared`).
+session, and what names their streams, buffers and blocks is the runtime's
+(:mod:`kvdevice.intercept.shared`).
 
 Example::
 
