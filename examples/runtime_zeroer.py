@@ -23,7 +23,7 @@ import triton
 
 from engine_zeroers import MAX_CHUNK, _segments, _zero_kv_blocks_kernel  # same directory
 from zeroer.protocol import Capabilities
-from zeroer.triton_cpu import launch_on_cpu
+from kvdevice.triton_cpu import launch_on_cpu
 
 
 class RuntimePerCall:

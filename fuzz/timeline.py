@@ -2,7 +2,7 @@
 
 A trace's ops are replayed on the simulator (whatever backend found them: the ops fix the
 schedule, docs/runtime.md) through :class:`fuzz.engine.episode.Episode`, the fuzzer's own executor,
-with an observer on its stream queues (:mod:`zeroer.runtime.queues`) that notes when each device
+with an observer on its stream queues (:mod:`kvdevice.runtime.queues`) that notes when each device
 op is queued and when it runs. What comes out is Chrome trace-event JSON, which ui.perfetto.dev
 ("Open trace file") and chrome://tracing open:
 
@@ -46,7 +46,7 @@ from fuzz.engine.episode import Episode, ZeroerRaised
 from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.ops import FIELDS
 from fuzz.trace import Trace, load_trace
-from zeroer.runtime.queues import QueuedOp
+from kvdevice.runtime.queues import QueuedOp
 
 TICK_US = 1000  # one logical tick, in the trace-event format's microseconds
 HALF = TICK_US // 2  # flows and instants sit mid-slice, so each binds to exactly one slice

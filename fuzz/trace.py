@@ -35,7 +35,7 @@ from zeroer.designs.common import KERNELS
 from zeroer.errors import ZeroerError
 from zeroer.offload import HOST_MEMORY
 from zeroer.registry import load_offloader, load_zeroer
-from zeroer.runtime import CUDA_MODES
+from kvdevice.runtime import CUDA_MODES
 
 
 class TraceError(UsageError):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DISTRIBUTION = "kvzero-fuzz"
-OWN_PACKAGES = ("fuzz", "repro", "zeroer", "racecheck", "sanitizer")
+OWN_PACKAGES = ("fuzz", "repro", "zeroer", "kvdevice", "racecheck", "sanitizer")
 MARKER = "__distribution__"  # set to DISTRIBUTION in each own package's __init__.py
 USAGE_EXIT = 2  # a shadowed package is a usage error (docs/bad-input.md)
 

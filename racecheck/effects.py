@@ -857,7 +857,7 @@ def failed_inside(error: BaseException) -> str | None:
     code of a model or of its reference (``kvzero's effect model of sgl_kernel::transfer_kv_per_layer
     (racecheck/engine_ops.py:97, in _transfer)``). None where the innermost frame that is not a
     library's is no such code: the program's own (then it failed on its own), or another part of a
-    tool (:func:`zeroer.origin.blame` says whose)."""
+    tool (:func:`kvdevice.origin.blame` says whose)."""
     owner = getattr(error, "obj", None) if isinstance(error, AttributeError) else None
     if isinstance(owner, _StandInOverload):
         owner = owner.overloadpacket

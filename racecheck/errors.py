@@ -13,7 +13,7 @@ class KvzeroError(Exception):
 
     ``user_fixable``: raised by the harness to refuse something the user can change (a bad
     declaration, an unroutable call), with the fix in its message: a harness error of exit
-    status 2, never a finding (zeroer.origin).
+    status 2, never a finding (kvdevice.origin).
     """
 
     user_fixable = False

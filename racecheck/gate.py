@@ -7,9 +7,9 @@ pinned memory is mapped into the device's address space (UVA) and the kernel's v
 goes over the bus on every iteration. Measured on an H200 with triton 3.6: a non-blocking copy
 queued behind a gate read its pinned source only after the release, which took about 20 us.
 
-The controlled cuda runtime (:mod:`zeroer.runtime.cuda.controlled`) puts one gate in front of
+The controlled cuda runtime (:mod:`kvdevice.runtime.cuda.controlled`) puts one gate in front of
 every op, so the device runs exactly what its scheduling model decides and nothing else; the
-free-running one (:mod:`zeroer.runtime.cuda.free`) gates only its holds.
+free-running one (:mod:`kvdevice.runtime.cuda.free`) gates only its holds.
 
 What spinning kernels cost, and how this module keeps the GPU from hanging:
 

@@ -1,7 +1,7 @@
 """What an aten op does to device memory and the stream, as CUDA would run it.
 
 Every op a plain torch zeroer runs on a device tensor falls in one kind; the simulator
-(:mod:`zeroer.intercept.sim_ops`) and the CUDA router (:mod:`zeroer.intercept.cuda_ops`) act on
+(:mod:`kvdevice.intercept.sim_ops`) and the CUDA router (:mod:`kvdevice.intercept.cuda_ops`) act on
 the kind, so both backends agree on what an op means:
 
 * ``view``: metadata only (``x[1:3]``, ``x.view(...)``): made at once, no device work;

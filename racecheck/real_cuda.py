@@ -2,7 +2,7 @@
 
 While an intercepted zeroer runs, ``torch.cuda.Stream``, ``Event``, ``stream``, ``current_stream``,
 ``set_stream``, ``synchronize`` and friends are stand-ins that call into the runtime
-(:mod:`zeroer.intercept.cuda_api`); the runtime must keep reaching CUDA itself, so it uses these
+(:mod:`kvdevice.intercept.cuda_api`); the runtime must keep reaching CUDA itself, so it uses these
 names, never ``torch.cuda.<name>``. :func:`stream` is not torch's ``torch.cuda.stream``: that one
 looks ``torch.cuda.current_stream`` and ``torch.cuda.set_stream`` up when it is entered, so it
 would reach the stand-ins; this one calls torch's C functions directly.

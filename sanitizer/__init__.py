@@ -3,7 +3,7 @@
 The bug class of vLLM #48085 (the host rewrites pinned memory a queued non-blocking copy has not
 read yet) is not special to a KV-cache zeroer; this package checks it, and the races beside it, in
 any program or test suite (docs/sanitizer.md). It stands on the core the fuzzer shares
-(:mod:`racecheck`) and, where there is no GPU, on the fuzzer's simulator (:mod:`zeroer.intercept`).
+(:mod:`racecheck`) and, where there is no GPU, on the fuzzer's simulator (:mod:`kvdevice.intercept`).
 
 * :mod:`.runner`: one sanitized run, whichever backend; :mod:`.__main__`: the command
   (``python -m sanitizer -- python my_script.py``); :mod:`.pytest_plugin`: ``pytest --kvz-sanitize``;

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from racecheck.lazy_dynamo import LazyDynamoMode, guard_once_dynamo_loaded
-from zeroer.origin import forwarding
+from kvdevice.origin import forwarding
 
 
 class SanitizerMode(LazyDynamoMode):

@@ -31,8 +31,8 @@ import torch
 from racecheck.cli import INTERNAL, USAGE, UsageError
 from racecheck.custom_ops import failed_inside
 from sanitizer.races import Access, Race
-from zeroer.origin import HARNESS_MODULES, blame, describe_frame
-from zeroer.runtime import BACKENDS, resolve_backend as runtime_backend
+from kvdevice.origin import HARNESS_MODULES, blame, describe_frame
+from kvdevice.runtime import BACKENDS, resolve_backend as runtime_backend
 
 MODES = ("observe", "force")
 
@@ -64,7 +64,7 @@ def prepare(mode: str) -> None:
 
 def resolve_backend(choice: str) -> str:
     """``auto`` is ``cuda`` on a machine with a GPU and ``sim`` elsewhere (as the runtime's
-    :func:`zeroer.runtime.resolve_backend`; the errors are the command's)."""
+    :func:`kvdevice.runtime.resolve_backend`; the errors are the command's)."""
     if choice not in BACKENDS:
         raise UsageError(f"backend {choice!r} is not one of {', '.join(BACKENDS)}")
     if choice == "cuda" and not torch.cuda.is_available():
@@ -192,7 +192,7 @@ def inside_sanitizer(error: BaseException) -> tuple[str, int] | None:
     it gives: a stand-in or an effect model (:func:`racecheck.custom_ops.failed_inside`: 3, a gap of
     ours, or 2 where it refused and said what to do: the op's extension is needed), or a patch of
     the sanitizer or the simulator, code of ours that does not hand the program's own call on
-    (:func:`zeroer.origin.blame`: 2 for a refusal that names its fix, else 3). None where the
+    (:func:`kvdevice.origin.blame`: 2 for a refusal that names its fix, else 3). None where the
     program failed on its own."""
     inside = failed_inside(error)
     if inside is not None:  # a refusal that names its fix (its extension is needed) is the user's to act on

@@ -2,11 +2,11 @@
 kvzero's CUDA harness runtime does on a GPU.
 
 On a GPU the fuzz harness runs on CUDA runtimes that announce themselves when they start and when
-they close (zeroer/runtime/cuda/common.py), so that a sanitizer in the same process steps aside
+they close (kvdevice/runtime/cuda/common.py), so that a sanitizer in the same process steps aside
 while they run. A test that leaves one open leaves every later observer of its process aside, with
 an extra line ``kvz-sanitize cannot follow kvzero's CUDA harness runtime ...``. On a CPU the same
 tests run on the simulator, which announces nothing, so such a leak cannot show there. Under this
-plugin every :class:`~zeroer.runtime.sim.SimRuntime` made during a test of the files named by
+plugin every :class:`~kvdevice.runtime.sim.SimRuntime` made during a test of the files named by
 ``--announce-simulator`` announces itself the same way and ends when it is closed: a test that
 leaves one open leaves what it would leave on a GPU.
 
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from racecheck import schedules
-from zeroer.runtime.sim import SimRuntime
+from kvdevice.runtime.sim import SimRuntime
 
 WHAT = "kvzero's CUDA harness runtime"  # as the CUDA runtime names itself: the observer's line is the same
 _ANNOUNCING: list[bool] = [False]  # whether the test running now is in one of the named files

@@ -3,7 +3,7 @@
 A driver call acts in the context current on the calling thread, and a thread torch has not
 touched has none: the real ``cuMemcpyBatchAsync`` then answers ``CUDA_ERROR_NOT_INITIALIZED`` (3),
 as vLLM's copy thread got under the fuzzer on an H100 (issue 53). :class:`FakeContexts` keeps a
-context stack per thread (:class:`zeroer.intercept.driver_context.ContextApi`); :func:`real_batch`
+context stack per thread (:class:`kvdevice.intercept.driver_context.ContextApi`); :func:`real_batch`
 and :func:`real_memcpy` are C function pointers that refuse without a current context and
 otherwise move host bytes (the stand-in's "device" memory is host memory).
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from zeroer.intercept.driver_copies import (BATCH_TYPE, CUDA_ERROR_NOT_INITIALIZED, MEMCPY_TYPE, batch_runs)
+from kvdevice.intercept.driver_copies import (BATCH_TYPE, CUDA_ERROR_NOT_INITIALIZED, MEMCPY_TYPE, batch_runs)
 
 PRIMARY = 0xC0DE  # the device's primary context
 

@@ -122,7 +122,7 @@ def undo_leaks(before: OpenState) -> list[str]:
             undo(route.what, route.close)
     for copies in _driver_copies():
         if _new(copies, before.copies):
-            undo("an intercept session's driver copies still followed (zeroer.intercept.driver_copies)",
+            undo("an intercept session's driver copies still followed (kvdevice.intercept.driver_copies)",
                  lambda copies=copies: copies.__exit__(None, None, None))
     for what, how in _modes(before):
         undo(what, how)
@@ -158,7 +158,7 @@ def _numpy_watches() -> list[Any]:
 
 
 def _driver_copies() -> list[Any]:
-    copies = sys.modules.get("zeroer.intercept.driver_copies")
+    copies = sys.modules.get("kvdevice.intercept.driver_copies")
     return copies.all_active() if copies is not None else []
 
 
@@ -173,7 +173,7 @@ def _close_runtime(runtime: Any) -> None:
 
 def _parked_helpers(before: OpenState) -> list[tuple[Any, Any]]:
     """Threads the code under test started under a watch that can end them (the fuzzer's helper
-    threads, zeroer.intercept.helper_threads), still alive: their zeroer or offloader was not closed."""
+    threads, kvdevice.intercept.helper_threads), still alive: their zeroer or offloader was not closed."""
     parked = []
     for thread, watch in thread_hooks.followed_threads():
         if not _new(thread, before.helpers) or not callable(getattr(watch, "close", None)):
@@ -276,7 +276,7 @@ def _patchable(value: Any) -> bool:
 def _ours(value: Any) -> bool:
     """A stand-in of this project's tools (an attribute added where the original had none)."""
     module = getattr(value, "__module__", None) or ""
-    return callable(value) and module.split(".")[0] in ("racecheck", "zeroer", "sanitizer", "fuzz")
+    return callable(value) and module.split(".")[0] in ("racecheck", "kvdevice", "zeroer", "sanitizer", "fuzz")
 
 
 def _restore(owner: Any, saved: dict[str, Any], changed: list[str], added: list[str]) -> None:

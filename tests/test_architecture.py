@@ -1,6 +1,6 @@
 """The import rules of docs/architecture.md, enforced: each package imports only the layers below it.
 
-Every module of ``zeroer``, ``fuzz`` and ``repro`` is read (imports inside functions included) and
+Every module of ``racecheck``, ``kvdevice``, ``zeroer``, ``fuzz``, ``repro`` and ``sanitizer`` is read (imports inside functions included) and
 each project import is checked against :data:`RULES`, which docs/architecture.md shows as its
 table (a test checks the two agree).
 
@@ -18,44 +18,48 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("racecheck", "zeroer", "fuzz", "repro", "sanitizer")
+PACKAGES = ("racecheck", "kvdevice", "zeroer", "fuzz", "repro", "sanitizer")
 
 # unit -> the units it may import (besides itself and its own submodules). A unit is the most
 # specific prefix listed here that names a module.
 RULES: dict[str, tuple[str, ...]] = {
-    "zeroer.errors": ("racecheck",),
     "racecheck": (),
-    "zeroer.origin": ("zeroer.errors",),
+    "kvdevice.origin": ("racecheck",),
+    "kvdevice.triton_cpu": (),
+    "kvdevice.runtime": ("racecheck",),
+    "kvdevice.intercept": ("racecheck", "kvdevice.runtime", "kvdevice.triton_cpu", "kvdevice.origin"),
+    "zeroer.errors": ("racecheck",),
     "zeroer.id_containers": ("zeroer.errors",),
     "zeroer.cache": ("zeroer.errors",),
-    "zeroer.runtime": ("zeroer.errors", "racecheck"),
+    "zeroer.runtime": ("kvdevice.runtime",),
     "zeroer.protocol": ("zeroer.errors", "zeroer.cache", "zeroer.id_containers"),
     "zeroer.kernel": ("zeroer.errors", "zeroer.cache"),
-    "zeroer.triton_cpu": (),
     "zeroer.offload": ("zeroer.errors", "zeroer.cache", "zeroer.id_containers", "zeroer.protocol"),
-    "zeroer.designs": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol"),
-    "zeroer.zoo": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.kernel", "zeroer.protocol",
+    "zeroer.designs": ("zeroer.errors", "zeroer.cache", "kvdevice.runtime", "zeroer.kernel", "zeroer.protocol"),
+    "zeroer.zoo": ("zeroer.errors", "zeroer.cache", "kvdevice.runtime", "zeroer.kernel", "zeroer.protocol",
                    "zeroer.designs"),
-    "zeroer.intercept": ("zeroer.errors", "racecheck", "zeroer.cache", "zeroer.runtime", "zeroer.protocol",
-                         "zeroer.triton_cpu", "zeroer.origin", "zeroer.offload"),
-    "zeroer.registry": ("zeroer.errors", "zeroer.cache", "zeroer.runtime", "zeroer.protocol", "zeroer.designs",
-                        "zeroer.zoo", "zeroer.intercept", "zeroer.offload"),
-    "fuzz.engine": ("racecheck", "zeroer"),
-    "fuzz.trace": ("racecheck", "zeroer", "fuzz.engine"),
-    "fuzz.timeline": ("racecheck", "zeroer", "fuzz.engine", "fuzz.trace"),
-    "fuzz.plugin": ("racecheck", "zeroer", "fuzz"),
-    "fuzz.bench": ("racecheck", "zeroer", "fuzz"),
-    "fuzz": ("racecheck", "zeroer", "fuzz"),
-    "repro": ("racecheck", "zeroer", "fuzz", "repro"),
-    "sanitizer": ("racecheck", "zeroer", "sanitizer"),
+    "zeroer.bind": ("zeroer.errors", "zeroer.cache", "zeroer.protocol", "zeroer.offload", "kvdevice.runtime",
+                    "kvdevice.intercept", "kvdevice.origin"),
+    "zeroer.registry": ("zeroer.errors", "zeroer.cache", "zeroer.protocol", "zeroer.designs", "zeroer.zoo",
+                        "zeroer.bind", "zeroer.offload", "kvdevice.runtime"),
+    "zeroer.engine_loop": ("racecheck", "zeroer.cache", "zeroer.protocol", "zeroer.registry"),
+    "fuzz.engine": ("racecheck", "kvdevice", "zeroer"),
+    "fuzz.trace": ("racecheck", "kvdevice", "zeroer", "fuzz.engine"),
+    "fuzz.timeline": ("racecheck", "kvdevice", "zeroer", "fuzz.engine", "fuzz.trace"),
+    "fuzz.plugin": ("racecheck", "kvdevice", "zeroer", "fuzz"),
+    "fuzz.bench": ("racecheck", "kvdevice", "zeroer", "fuzz"),
+    "fuzz": ("racecheck", "kvdevice", "zeroer", "fuzz"),
+    "repro": ("racecheck", "kvdevice", "zeroer", "fuzz", "repro"),
+    "sanitizer": ("racecheck", "kvdevice", "sanitizer"),
 }
 # What no module of a package may import, whatever the rules above allow.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "racecheck": ("zeroer", "fuzz", "repro", "sanitizer"),
+    "racecheck": ("kvdevice", "zeroer", "fuzz", "repro", "sanitizer"),
+    "kvdevice": ("zeroer", "fuzz", "repro", "sanitizer"),
     "zeroer": ("fuzz", "repro", "sanitizer"),
     "fuzz": ("repro", "sanitizer"),
     "repro": ("sanitizer",),
-    "sanitizer": ("fuzz", "repro"),
+    "sanitizer": ("zeroer", "fuzz", "repro"),
 }
 
 
@@ -193,3 +197,13 @@ def test_every_data_file_is_named_for_what_it_measures_and_when():
                       if "session" in p.name.lower()
                       or any(ORGANISATIONAL.fullmatch(word) for word in re.split(r"[-.]", p.name.lower()))]
     assert not organisational, f"docs/data files named after how the work was organised: {organisational}"
+
+
+def test_the_runtime_keeps_the_name_the_zeroer_api_gave_it():
+    """The runtime is the device layer's (kvdevice.runtime); a runtime-API zeroer that imports it as
+    zeroer.runtime (docs/zeroer-api.md, docs/runtime.md) gets the same objects."""
+    import kvdevice.runtime
+    import zeroer.runtime
+
+    assert sorted(zeroer.runtime.__all__) == sorted(kvdevice.runtime.__all__)
+    assert all(getattr(zeroer.runtime, name) is getattr(kvdevice.runtime, name) for name in kvdevice.runtime.__all__)

@@ -249,10 +249,10 @@ ROWS: list[Row] = [
         "of backend sim; tools: observe"),
     Row("python -m sanitizer.bench.compare --backend sim --steps 0", 2,
         "error: --steps 0 must be a positive number of steps"),
-    Row("python -m sanitizer.bench.engine_loop --zeroer nope", 2,
-        f"python -m sanitizer.bench.engine_loop: error: --zeroer: {UNKNOWN_ZEROER}", subprocess=True),
-    Row("python -m sanitizer.bench.engine_loop --zeroer per_call --geometry huge", 2,
-        "python -m sanitizer.bench.engine_loop: error: --geometry 'huge' is not one of block_outer_fp8, "
+    Row("python -m zeroer.engine_loop --zeroer nope", 2,
+        f"python -m zeroer.engine_loop: error: --zeroer: {UNKNOWN_ZEROER}", subprocess=True),
+    Row("python -m zeroer.engine_loop --zeroer per_call --geometry huge", 2,
+        "python -m zeroer.engine_loop: error: --geometry 'huge' is not one of block_outer_fp8, "
         "kv_outer_bf16, mixed_dtypes, mla_indexer, packed, ratio2, shared_layers, tiny", subprocess=True),
     # -- python -m fuzz.bench.speed, .intercept, .selfcheck ---------------------------------------------------
     Row("python -m fuzz.bench.speed --backend tpu", 2,

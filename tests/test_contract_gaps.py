@@ -82,7 +82,7 @@ def test_two_checkouts_at_different_paths_fuzz_the_same_way(tmp_path):
     for checkout in (tmp_path / "a", tmp_path / "b" / "deeper"):
         # every package of the project (pyproject's list): where it is not pip-installed (the GPU
         # machine) the copy must stand alone, sanitizer.pytest_plugin included
-        for part in ("fuzz", "zeroer", "repro", "kvzero_fuzz", "racecheck", "sanitizer"):
+        for part in ("fuzz", "zeroer", "kvdevice", "repro", "kvzero_fuzz", "racecheck", "sanitizer"):
             shutil.copytree(root / part, checkout / part, ignore=ignore)
         shutil.copy(root / "pyproject.toml", checkout)
         (checkout / "tests").mkdir()

@@ -25,8 +25,8 @@ from fuzz.engine.campaigns import PROFILES, Campaign, run_campaign
 from fuzz.engine.episode import EpisodeConfig, run_ops
 from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.signature import finding_signature
-from zeroer.origin import blame
-from zeroer.runtime import make_runtime
+from kvdevice.origin import blame
+from kvdevice.runtime import make_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 RACY = "examples/engine_offloaders.py:report_without_end_query"
@@ -37,7 +37,7 @@ NOT_COMPLETED = "RuntimeError: Both events must be completed before calculating 
 
 def _planted_in(module: str, source: str, **names):
     """The function ``source`` defines, as if it were code of the harness's ``module``: a test's
-    own function is not the harness's, so zeroer.origin would take it for the code under test's."""
+    own function is not the harness's, so kvdevice.origin would take it for the code under test's."""
     namespace = {"__name__": module, **names}
     exec(compile(source, f"<planted in {module}>", "exec"), namespace)
     return next(value for key, value in namespace.items() if callable(value) and key not in names)
@@ -170,7 +170,7 @@ def test_the_stress_loop_counts_the_early_report_as_found(tmp_path):
 
 def test_which_errors_are_cuda_errors_and_how_each_is_named():
     from fuzz.engine.cuda_error import cuda_refusal
-    from zeroer.runtime.cuda_errors import CudaStateRuntimeError
+    from kvdevice.runtime.cuda_errors import CudaStateRuntimeError
 
     refused = CudaStateRuntimeError("Both events must be completed before calculating elapsed time.",
                                     call="elapsed_time", state="an end event that had not completed")

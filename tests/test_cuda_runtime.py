@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from zeroer.errors import DeadlockError, RuntimeUsageError
-from zeroer.runtime import make_runtime
-from zeroer.runtime.cuda import (
+from kvdevice.runtime import make_runtime
+from kvdevice.runtime.cuda import (
     DELAY_CYCLES_PER_UNIT,
     ControlledCudaRuntime,
     CudaRuntime,
@@ -141,7 +141,7 @@ def test_eager_module_loading_is_requested_only_while_cuda_has_not_started_and_n
 
 def test_importing_the_cuda_backend_leaves_the_environment_alone():
     code = (
-        "import os, zeroer.runtime.cuda, racecheck.gate; "
+        "import os, kvdevice.runtime.cuda, racecheck.gate; "
         "print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'))"
     )
     env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}

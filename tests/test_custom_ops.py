@@ -18,7 +18,7 @@ from fake_cuda import FakeCuda
 from racecheck import custom_ops
 from racecheck.engine_ops import PageBufferShapeDesc
 from sanitizer.sim.session import simulate
-from zeroer.intercept.errors import InterceptError
+from kvdevice.intercept.errors import InterceptError
 
 
 def _swap_blocks(dev, pinned):
@@ -276,8 +276,8 @@ def test_a_custom_op_with_no_model_is_one_line_in_the_sanitizer_and_the_run_goes
 
 
 def test_a_custom_op_with_no_model_is_a_harness_error_in_the_fuzzer():
-    from zeroer.intercept.session import InterceptSession
-    from zeroer.runtime import make_runtime
+    from kvdevice.intercept.session import InterceptSession
+    from kvdevice.runtime import make_runtime
 
     session = InterceptSession(make_runtime("sim"), "mine")
     with pytest.raises(InterceptError, match=r"^custom op kvz_test::scatter_rows: no effect model says what it "
@@ -358,7 +358,7 @@ def test_on_cuda_without_its_extension_the_fuzzer_queues_the_models_copies_as_on
     # so the copies must be made there, not at the call (the session here queues issue() and runs
     # it later, as the schedule would). Host tensors stand in for the device's.
     from racecheck.device_values import DeviceValues
-    from zeroer.intercept.custom_calls import CustomCalls
+    from kvdevice.intercept.custom_calls import CustomCalls
 
     src = [_kv(lambda t: t, base=10 * i) for i in range(2)]
     dst = [torch.zeros(6, 8) for _ in range(2)]

@@ -15,7 +15,7 @@ import torch
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import build_cache
 from zeroer.registry import RACE_FREE, RACY, make_zeroer
-from zeroer.runtime import EagerSchedule, SimRuntime, make_runtime
+from kvdevice.runtime import EagerSchedule, SimRuntime, make_runtime
 
 ALL = sorted(RACE_FREE + RACY)
 STAGED = sorted(set(ALL) - {"reference"})

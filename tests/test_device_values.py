@@ -138,7 +138,7 @@ def _launch(cuda, obs, make_tables, n: int, side=None) -> None:
     vLLM's handler makes them on its transfer stream), as the observer's JITFunction.run wrapper
     sees it, then run."""
     from sanitizer.gpu.launches import on_launch
-    from zeroer.triton_cpu import launch_on_cpu
+    from kvdevice.triton_cpu import launch_on_cpu
 
     side = cuda.new_stream() if side is None else side
     with cuda.stream(side):
@@ -247,7 +247,7 @@ def test_a_table_a_device_op_the_tool_cannot_evaluate_wrote_is_one_line_and_no_v
 
 def test_on_cuda_the_fuzzer_follows_a_table_computed_on_the_device():
     """through_tables_on_cuda on the values its CudaOps keeps (the same DeviceValues, fed as it feeds it)."""
-    from zeroer.intercept.kernel_accesses import through_tables_on_cuda
+    from kvdevice.intercept.kernel_accesses import through_tables_on_cuda
 
     values, device = _values()
     kv = torch.ones((4 * ROWS, WORDS), dtype=torch.float32)

@@ -24,7 +24,7 @@ from fuzz.engine.machine import machine_for
 from fuzz.engine.violation import ZeroerViolation
 from zeroer.designs import GraphRingProtocol, GraphRingZeroer, ModelledGraphRing, TorchPerCallZeroer, make_graph_ring
 from zeroer.designs.graph_ring_protocol import graph_size
-from zeroer.runtime import make_runtime
+from kvdevice.runtime import make_runtime
 from zeroer.cache.geometries import geometry
 from zeroer.designs import validate_block_ids
 from zeroer.kernel import zero_blocks_reference
@@ -350,7 +350,7 @@ def test_graph_ring_rejects_bad_ids_before_queueing_anything(bad, message):
 
 @needs_cuda
 def test_make_graph_ring_uses_real_graphs_only_where_work_is_issued_as_it_comes():
-    from zeroer.runtime.cuda import CudaRuntime
+    from kvdevice.runtime.cuda import CudaRuntime
 
     cache = build_cache(geometry("tiny"), device="cuda")
     assert isinstance(make_graph_ring(cache, None), GraphRingZeroer)

@@ -21,9 +21,9 @@ import torch
 
 from fake_cuda import FakeCuda
 from fake_driver import PRIMARY, FakeContexts, real_batch, real_memcpy
-from zeroer.intercept import driver_copies
-from zeroer.intercept.driver_context import use_api
-from zeroer.intercept.driver_copies import BATCH_TYPE, SIZE_MAX, MemcpyAttributes
+from kvdevice.intercept import driver_copies
+from kvdevice.intercept.driver_context import use_api
+from kvdevice.intercept.driver_copies import BATCH_TYPE, SIZE_MAX, MemcpyAttributes
 
 N = 64
 

@@ -20,7 +20,7 @@ import torch
 from fuzz.engine.episode import EpisodeConfig
 from fuzz.engine.minimize import run_ops
 from sanitizer.sim.session import simulate
-from zeroer.intercept.errors import InterceptError
+from kvdevice.intercept.errors import InterceptError
 from test_sim_conformance import in_a_zeroer
 
 pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed (CI installs it)")

@@ -27,7 +27,7 @@ from fuzz.engine.campaigns import PROFILES, default_campaigns, run_campaign
 from zeroer.cache.geometries import geometry, geometry_names
 from zeroer.cache.layout import build_cache
 from zeroer.registry import load_zeroer
-from zeroer.runtime import make_runtime
+from kvdevice.runtime import make_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -18,7 +18,7 @@ from zeroer.cache.geometries import geometry
 from zeroer.kernel import zero_blocks_reference
 from zeroer.cache.layout import GUARD_WORD, POISON_WORD, KVCache, build_cache
 from zeroer.protocol import Capabilities
-from zeroer.runtime import Runtime
+from kvdevice.runtime import Runtime
 
 
 def exactly(message: str) -> str:

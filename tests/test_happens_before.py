@@ -5,7 +5,7 @@ when the simulated or real device ran the work."""
 
 from __future__ import annotations
 
-from zeroer.runtime import EagerSchedule, SimRuntime
+from kvdevice.runtime import EagerSchedule, SimRuntime
 from racecheck.hb import HappensBefore
 
 

@@ -1,6 +1,6 @@
 """A harness failure is never a finding: each kind stops its campaign as a harness error.
 
-Whose an exception is comes from where it was raised (zeroer/origin.py), not from its type. Each
+Whose an exception is comes from where it was raised (kvdevice/origin.py), not from its type. Each
 kind below (an op the harness cannot route, a clash in the runtime, a simulator gap, an input
 outside the zeroer's contract, the GPU out of memory while a campaign is set up) must come out
 as an error with its exit status and one line, and the campaign must not be counted as a finding;
@@ -18,7 +18,7 @@ import torch
 from fuzz.engine.campaigns import PROFILES, Campaign, CampaignResult, run_campaign
 from fuzz.engine.episode import EpisodeConfig
 from fuzz.engine.summary import harness_status, is_unexpected, render_summary, result_record
-from zeroer.origin import blame
+from kvdevice.origin import blame
 
 SPEC = "tests/test_harness_errors.py"
 
@@ -81,7 +81,7 @@ class BadTorchCall(_VllmStyle):
 
 def _planted_in(module: str, source: str, **names):
     """The function ``source`` defines, as if it were code of the harness's ``module``: a test's
-    monkeypatch is the test's code, which zeroer.origin would take for the zeroer's."""
+    monkeypatch is the test's code, which kvdevice.origin would take for the zeroer's."""
     namespace = {"__name__": module, **names}
     exec(compile(source, f"<planted in {module}>", "exec"), namespace)
     return next(value for key, value in namespace.items() if callable(value) and key not in names)
@@ -113,10 +113,10 @@ def test_an_unroutable_call_is_a_harness_error_the_user_can_fix_naming_the_call_
 
 
 def test_a_clash_in_the_runtime_is_a_harness_error_of_ours(tmp_path, monkeypatch):
-    from zeroer.runtime.base import Runtime
+    from kvdevice.runtime.base import Runtime
 
     # What per-session stream names did across the sessions of one runtime (the x2 campaigns).
-    one_name = _planted_in("zeroer.intercept.cuda_api", "def one_name(self, name=None):\n"
+    one_name = _planted_in("kvdevice.intercept.cuda_api", "def one_name(self, name=None):\n"
                            "    return new_stream(self, 'zeroer-1' if name and name.startswith('zeroer') else name)\n",
                            new_stream=Runtime.new_stream)
     monkeypatch.setattr(Runtime, "new_stream", one_name)
@@ -129,9 +129,9 @@ def test_a_clash_in_the_runtime_is_a_harness_error_of_ours(tmp_path, monkeypatch
 
 
 def test_a_simulator_gap_is_a_harness_error_of_ours(tmp_path, monkeypatch):
-    from zeroer.intercept import sim_ops
+    from kvdevice.intercept import sim_ops
 
-    lost = _planted_in("zeroer.intercept.sim_ops", "def lost(self, dst, src, non_blocking, **how):\n"
+    lost = _planted_in("kvdevice.intercept.sim_ops", "def lost(self, dst, src, non_blocking, **how):\n"
                        "    raise RuntimeError('planted: the simulator lost its way')\n")
     monkeypatch.setattr(sim_ops.SimOps, "copy", lost)
     result = _run("StagesIds", tmp_path)
@@ -193,7 +193,7 @@ def test_what_a_library_raises_under_the_zeroers_own_frame_is_the_zeroers():
 
 
 def test_what_the_harness_raises_on_its_own_is_the_harnesss():
-    from zeroer.runtime import make_runtime
+    from kvdevice.runtime import make_runtime
 
     rt = make_runtime("sim")
     rt.new_stream("side")
@@ -203,10 +203,10 @@ def test_what_the_harness_raises_on_its_own_is_the_harnesss():
 
 
 def test_an_attribute_the_documented_cache_lacks_is_the_users_to_fix_and_a_stand_ins_gap_is_ours():
-    import zeroer.intercept  # noqa: F401 - registers the KV cache as the documented object a factory gets
+    import zeroer.bind  # noqa: F401 - registers the KV cache as the documented object a factory gets
     from zeroer.cache.geometries import geometry
     from zeroer.cache.layout import build_cache
-    from zeroer.intercept.cuda_api import StreamProxy
+    from kvdevice.intercept.cuda_api import StreamProxy
 
     cache = build_cache(geometry("tiny"))
     stream = object.__new__(StreamProxy)

@@ -1,5 +1,5 @@
 """Threads the code under test starts: one at a time, in a fixed order (racecheck/turns.py), their
-torch work followed through the session (zeroer/intercept/helper_threads.py)."""
+torch work followed through the session (kvdevice/intercept/helper_threads.py)."""
 
 from __future__ import annotations
 
@@ -227,12 +227,12 @@ def test_a_helper_polling_an_event_with_sleeps_sees_the_device_get_there(tmp_pat
 
 
 def test_the_cuda_runtimes_own_back_off_in_a_helper_thread_passes_no_turn(monkeypatch):
-    # A copy thread's synchronous copy polls the GPU in the runtime (zeroer.runtime.cuda.common);
+    # A copy thread's synchronous copy polls the GPU in the runtime (kvdevice.runtime.cuda.common);
     # that back-off is the tool's, not the program's sleep: taken as a turn, it let the caller end
     # the call while the helper was inside the runtime (a controlled-mode hang on an H100).
     from types import SimpleNamespace
 
-    from zeroer.runtime.cuda import common
+    from kvdevice.runtime.cuda import common
 
     monkeypatch.setattr(common, "POLL_SPIN_S", 0.0)  # back off at the first poll
     sleeps: list[str] = []
@@ -302,7 +302,7 @@ def test_a_helper_thread_runs_under_the_same_torch_modes_as_the_call_that_starte
 
 
 def test_every_session_mode_is_one_a_helper_thread_enters_the_cuda_dispatch_mode_included():
-    from zeroer.intercept.session import InterceptSession
+    from kvdevice.intercept.session import InterceptSession
 
     session = InterceptSession.__new__(InterceptSession)  # no runtime needed: the list alone
     session.cuda_ops, session.mode = object(), object()

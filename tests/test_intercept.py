@@ -13,11 +13,11 @@ from fuzz.engine.campaigns import PROFILES, Campaign, run_campaign
 from fuzz.engine.episode import Episode, EpisodeConfig
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import build_cache
-from zeroer.intercept import InterceptError
-from zeroer.intercept.sim_tensor import SimCudaTensor
+from kvdevice.intercept.errors import InterceptError
+from kvdevice.intercept.sim_tensor import SimCudaTensor
 from zeroer.protocol import check_factory
 from zeroer.registry import LoadedZeroer
-from zeroer.runtime import make_runtime
+from kvdevice.runtime import make_runtime
 
 import torch_zeroers  # tests/, with examples/ on sys.path (tests/conftest.py)
 
@@ -239,14 +239,14 @@ def test_a_torch_zeroer_that_uses_the_runtime_is_told_to_declare_it():
 
     with pytest.raises(InterceptError, match=exactly(
             "zeroer 'probe' is loaded as a plain torch zeroer (its factory declares no Capabilities(api='runtime')), "
-            "but it uses runtime.new_stream; a zeroer written against zeroer.runtime declares capabilities = "
+            "but it uses runtime.new_stream; a zeroer written against kvdevice.runtime declares capabilities = "
             "Capabilities(api='runtime') on its factory")):
         _bind(factory)
 
 
 # -- the simulated allocator's stream rule -------------------------------------------------------------
 def test_a_freed_block_is_reused_on_its_stream_only_and_after_record_stream_only_once_the_other_stream_ran():
-    from zeroer.intercept.session import InterceptSession
+    from kvdevice.intercept.session import InterceptSession
 
     rt = make_runtime("sim")
     session = InterceptSession(rt, "probe")
@@ -300,7 +300,7 @@ def test_the_runtimes_gate_kernel_goes_straight_to_triton_and_any_other_kernel_i
     """The controlled CUDA runtime launches its gate kernel in front of every op it queues for the
     zeroer, an event record or wait too: that launch is the runtime's, whatever queued it (taken
     for the zeroer's, it was queued behind a new gate, itself a launch, and so on)."""
-    from zeroer.intercept.triton_launch import TritonLaunches
+    from kvdevice.intercept.triton_launch import TritonLaunches
     from zeroer.kernel import _compiled as zero_kernel
     from racecheck.gate import _gate_kernel
 

@@ -2,7 +2,7 @@
 
 Each zeroer runs in an InterceptSession of its own; their streams, pinned buffers and device blocks
 live in one runtime, so their names and happens-before keys are the runtime's, numbered in the
-order they are made (zeroer/intercept/shared.py).
+order they are made (kvdevice/intercept/shared.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import build_cache
 from zeroer.protocol import check_factory
 from zeroer.registry import LoadedZeroer
-from zeroer.runtime import make_runtime
+from kvdevice.runtime import make_runtime
 
 SPEC = "tests/test_intercept_sessions.py:side_stream_zeroer"
 

@@ -1,11 +1,11 @@
 """A Triton kernel the installed Triton's interpreter cannot run is the simulator's gap, never a finding.
 
-The simulator runs a zeroer's Triton kernels under Triton's interpreter (zeroer/triton_cpu.py,
-zeroer/intercept/triton_launch.py). Triton 3.6's interpreter failed on a loop bound loaded from
+The simulator runs a zeroer's Triton kernels under Triton's interpreter (kvdevice/triton_cpu.py,
+kvdevice/intercept/triton_launch.py). Triton 3.6's interpreter failed on a loop bound loaded from
 memory (``words = tl.load(sizes + job); for start in range(0, words, BLOCK)``) with ``TypeError:
 only 0-dimensional arrays can be converted to Python scalars``: its ``tl.tensor.__index__`` calls
 ``int()`` on a one-element array, where Triton 3.9's squeezes it first. The interpreter is run with
-a loaded scalar's index in hand (:func:`zeroer.triton_cpu.nested_calls_interpreted`), so that
+a loaded scalar's index in hand (:func:`kvdevice.triton_cpu.nested_calls_interpreted`), so that
 kernel runs on both; :func:`triton_3_6_index` plants Triton 3.6's own patch in the interpreter's
 module to show it is overridden. :func:`interpreter_gap` plants a gap that remains, raised from
 the interpreter's module as a real one is. Then:
@@ -105,10 +105,10 @@ def triton_3_6_index(monkeypatch) -> None:
 
 def interpreter_gap(monkeypatch, when=lambda: True) -> None:
     """While ``when()``, an interpreter that cannot take a loaded scalar as an index: the index
-    :mod:`zeroer.triton_cpu` gives the interpreter, replaced by one compiled in the interpreter's
+    :mod:`kvdevice.triton_cpu` gives the interpreter, replaced by one compiled in the interpreter's
     module that calls ``int()`` on the one-element array, so it raises from there as a gap of the
     interpreter does."""
-    import zeroer.triton_cpu as triton_cpu
+    import kvdevice.triton_cpu as triton_cpu
 
     namespace = vars(triton_interpreter)
     source = ("def _kvz_index_3_6(self):\n"

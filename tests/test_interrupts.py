@@ -591,8 +591,8 @@ def test_only_the_bytecodes_of_the_thread_that_entered_are_counted():
 def test_the_stream_queues_stay_consistent_whichever_bytecode_an_interruption_lands_on():
     # The old bug: Ctrl-C between taking an op off its queue and counting it executed left a
     # count the queue disagreed with, and the next synchronisation raised IndexError.
-    from zeroer.runtime import queues
-    from zeroer.runtime.queues import QueuedOp, StreamQueues
+    from kvdevice.runtime import queues
+    from kvdevice.runtime.queues import QueuedOp, StreamQueues
 
     def build():
         q = StreamQueues(execute=lambda op: None)

@@ -47,7 +47,7 @@ def test_a_lazy_mode_runs_ops_without_importing_dynamo_and_wraps_itself_once_the
     assert out.splitlines() == ["False True", "False True"]
 
 
-@pytest.mark.parametrize("module, name", [("zeroer.intercept.cuda_ops", "CudaOps"),
+@pytest.mark.parametrize("module, name", [("kvdevice.intercept.cuda_ops", "CudaOps"),
                                           ("sanitizer.dynamo_guard", "SanitizerMode")])
 def test_the_fuzzers_and_the_sanitizers_modes_are_lazy(module, name):
     out = _run(f"""
@@ -65,7 +65,7 @@ def test_the_fuzzers_cuda_mode_runs_an_op_without_importing_dynamo():
     out = _run("""
         import sys, torch
         from types import SimpleNamespace
-        from zeroer.intercept.cuda_ops import CudaOps
+        from kvdevice.intercept.cuda_ops import CudaOps
         with CudaOps(SimpleNamespace(share=SimpleNamespace(recorded=set()))):
             torch.ones(3).add(1)
         print("torch._dynamo" in sys.modules)

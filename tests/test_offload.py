@@ -463,12 +463,12 @@ def test_an_offload_campaign_regenerates_from_its_summary_record(tmp_path: Path)
 
 
 def test_cuda_offloader_accesses_name_the_blocks_their_bytes_meet() -> None:
-    """The cuda backend's mapping of an offloader's op to blocks (zeroer.intercept.cuda_ops), run on
+    """The cuda backend's mapping of an offloader's op to blocks (kvdevice.intercept.cuda_ops), run on
     host tensors standing in for device ones: only the address arithmetic is under test here."""
     from types import SimpleNamespace
 
-    from zeroer.intercept.cuda_ops import CudaOps
-    from zeroer.intercept.session import InterceptSession
+    from kvdevice.intercept.cuda_ops import CudaOps
+    from kvdevice.intercept.session import InterceptSession
 
     cache = build_cache(geometry("tiny"))
     session = SimpleNamespace(share=SimpleNamespace(recorded=set()), block_map=CacheBlockMap(cache), ids=(5,))
@@ -495,7 +495,7 @@ def _host_op_mode(pinned_storages, monkeypatch=None):
     ``pinned_storages`` pinned; what it records, as (verb, name) pairs."""
     from types import SimpleNamespace
 
-    from zeroer.intercept.torch_mode import InterceptMode
+    from kvdevice.intercept.torch_mode import InterceptMode
 
     seen = []
 
@@ -512,7 +512,7 @@ def _host_op_mode(pinned_storages, monkeypatch=None):
 def test_a_copy_between_the_device_and_pinned_memory_is_not_a_host_op(monkeypatch) -> None:
     """On CUDA a ``pinned.copy_(device_tensor, non_blocking=True)`` reaches the torch-function mode
     with a CPU destination; it is the device's queued copy, not a host write of the pinned bytes."""
-    from zeroer.intercept import torch_mode
+    from kvdevice.intercept import torch_mode
 
     pinned, device_like, source = torch.zeros(4), torch.zeros(4, device="meta"), torch.ones(4)
     mode, seen = _host_op_mode({pinned.untyped_storage().data_ptr(), source.untyped_storage().data_ptr()})
@@ -631,8 +631,8 @@ def test_an_offloaders_construction_leaves_nothing_queued_for_the_warm_ups_ungat
     # "ungated() needs an idle runtime, but ops are queued on stream(s) 'main' (1)". The simulator here
     # keeps that rule (the controlled runtime's own ungated()); construction now runs ungated.
     from fuzz.engine import episode as episode_module
-    from zeroer.runtime.cuda.controlled import ControlledCudaRuntime
-    from zeroer.runtime.sim import SimRuntime
+    from kvdevice.runtime.cuda.controlled import ControlledCudaRuntime
+    from kvdevice.runtime.sim import SimRuntime
 
     class ControlledRules(SimRuntime):
         _ungated = False

@@ -432,7 +432,7 @@ def test_a_program_that_fails_inside_a_patch_of_the_simulator_is_told_so_with_th
     assert report(outcome, "prog.py", partial=False) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.fullmatch(r"kvz-sanitize: prog\.py failed \(InterceptError\) inside kvz-sanitize's own code at "
-                        r"(\S*/)?zeroer/intercept/sim_ops\.py:\d+ \(raise unroutable\(.*\)\), not on its own, with no race "
+                        r"(\S*/)?kvdevice/intercept/sim_ops\.py:\d+ \(raise unroutable\(.*\)\), not on its own, with no race "
                         r"seen \[simulator\]", last), last
 
 

@@ -20,7 +20,7 @@ import torch
 from fake_cuda import FakeCuda, RealCuda
 from racecheck import schedules
 from sanitizer.gpu.observer import Observer
-from zeroer.origin import blame
+from kvdevice.origin import blame
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -519,7 +519,7 @@ def test_a_copy_through_cuda_bindings_it_cannot_place_is_one_line_per_site_and_t
     import sys
     import types
 
-    from zeroer.intercept import driver_copies
+    from kvdevice.intercept import driver_copies
 
     calls = []
     driver = types.ModuleType("cuda.bindings.driver")

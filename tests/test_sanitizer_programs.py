@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sanitizer.bench import engine_loop
+from zeroer import engine_loop
 from sanitizer.bench.corpus import CORPUS
 from sanitizer.bench.corpus import load as load_corpus
 from sanitizer.bench.programs import (DEVICE_ACCESS, HOST_READ, HOST_WRITE, PROGRAMS, REUSE, ZEROERS,

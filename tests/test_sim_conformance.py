@@ -29,10 +29,10 @@ import torch
 
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import build_cache
-from zeroer.intercept import InterceptError
+from kvdevice.intercept.errors import InterceptError
 from zeroer.protocol import check_factory
 from zeroer.registry import LoadedZeroer
-from zeroer.runtime import make_runtime
+from kvdevice.runtime import make_runtime
 
 
 def exactly(message: str) -> str:
@@ -623,7 +623,7 @@ def test_timing_events_from_a_pool_time_each_transfer_consistently_as_on_cuda(ba
     times, _ = in_a_zeroer(body, backend)
     assert all(t >= 0.0 for t in times)
     if backend == "sim":  # the simulator's clock: one step per op run between the records, the end's included
-        from zeroer.runtime.sim import SIM_MS_PER_STEP
+        from kvdevice.runtime.sim import SIM_MS_PER_STEP
 
         assert [round(t / SIM_MS_PER_STEP) for t in times] == [2, 4, 3, 5]
 

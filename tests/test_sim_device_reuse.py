@@ -1,5 +1,5 @@
 """The simulator's caching device allocator hands freed memory out again as CUDA's does, and both
-tools see the reuse (zeroer/intercept/sim_memory.py).
+tools see the reuse (kvdevice/intercept/sim_memory.py).
 
 CUDA's caching allocator (c10/cuda/CUDACachingAllocator.cpp) rounds a request up to a multiple of
 512 bytes and gives it the smallest free block of its stream and pool that holds it, at once: a
@@ -24,9 +24,9 @@ import torch
 from fuzz.engine.episode import Episode, EpisodeConfig, run_ops
 from sanitizer.bench.programs import REUSE
 from sanitizer.sim.session import simulate
-from zeroer.intercept.session import InterceptSession
-from zeroer.intercept.sim_memory import SMALL_SIZE, SimDeviceMemory, round_size
-from zeroer.runtime import make_runtime
+from kvdevice.intercept.session import InterceptSession
+from kvdevice.intercept.sim_memory import SMALL_SIZE, SimDeviceMemory, round_size
+from kvdevice.runtime import make_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_a_request_is_rounded_up_to_a_multiple_of_512_bytes_as_cudas_round_size_
 
 
 def test_a_freed_block_comes_back_at_once_for_the_next_fitting_request_on_its_stream_whatever_its_size():
-    _, memory, main, side = memory_on_two_streams()
+    rt, memory, main, side = memory_on_two_streams()  # rt held: the memory holds it weakly
     indices = memory.alloc(64, main, "eight indices")
     block, address = indices.block, indices.block.start
     del indices
@@ -54,7 +54,7 @@ def test_a_freed_block_comes_back_at_once_for_the_next_fitting_request_on_its_st
 
 
 def test_a_request_takes_the_smallest_free_block_that_holds_it_and_of_equal_ones_the_oldest():
-    _, memory, main, _ = memory_on_two_streams()
+    rt, memory, main, _ = memory_on_two_streams()  # rt held: the memory holds it weakly
     big, older, newer, middle = (memory.alloc(n, main, str(n)) for n in (4096, 600, 700, 1500))
     blocks = [a.block for a in (big, older, newer, middle)]
     del big, older, newer, middle
@@ -66,7 +66,7 @@ def test_a_request_takes_the_smallest_free_block_that_holds_it_and_of_equal_ones
 
 
 def test_the_small_and_the_large_pool_never_serve_each_other():
-    _, memory, main, _ = memory_on_two_streams()
+    rt, memory, main, _ = memory_on_two_streams()  # rt held: the memory holds it weakly
     large, small = memory.alloc(SMALL_SIZE * 2, main, "large"), memory.alloc(512, main, "small")
     large_block, small_block = large.block, small.block
     del large, small
@@ -76,7 +76,7 @@ def test_the_small_and_the_large_pool_never_serve_each_other():
 
 
 def test_an_empty_tensor_takes_no_block_another_request_could_have_had():
-    _, memory, main, _ = memory_on_two_streams()
+    rt, memory, main, _ = memory_on_two_streams()  # rt held: the memory holds it weakly
     freed = memory.alloc(64, main, "a")
     block = freed.block
     del freed
@@ -99,7 +99,7 @@ def test_a_block_record_stream_tied_elsewhere_waits_and_the_best_fit_goes_on_to_
 
 def test_the_same_program_is_handed_the_same_blocks_every_run():
     def blocks_of_one_run() -> list[int]:
-        _, memory, main, side = memory_on_two_streams()
+        rt, memory, main, side = memory_on_two_streams()  # rt held: the memory holds it weakly
         kept, ids = [], []
         for size in (64, 700, 3000, 64, 160, 1 << 21, 900, 64):
             allocation = memory.alloc(size, main if size != 3000 else side, str(size))

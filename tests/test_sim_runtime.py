@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zeroer.errors import DeadlockError, RuntimeUsageError
-from zeroer.runtime import EagerSchedule, RandomSchedule, SimRuntime, make_runtime
+from kvdevice.runtime import EagerSchedule, RandomSchedule, SimRuntime, make_runtime
 
 
 def staged(rt: SimRuntime, value: int):

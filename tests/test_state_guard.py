@@ -28,14 +28,14 @@ import state_guard
 from fake_cuda import FakeCuda
 from racecheck import effects, schedules, thread_hooks
 from sanitizer.gpu.observer import Observer
-from zeroer.runtime import SimRuntime
+from kvdevice.runtime import SimRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 HARNESS = "kvzero's CUDA harness runtime"
 
 # Two tests of one process. The first announces a runtime as kvzero's CUDA harness runtime does
-# (zeroer/runtime/cuda/common.py) and fails before it closes it: pytest keeps the failure's frames
+# (kvdevice/runtime/cuda/common.py) and fails before it closes it: pytest keeps the failure's frames
 # (sys.last_traceback) until the next test's call begins, so the runtime is still open while the
 # next test's fixtures start its observer, as tests/test_sanitizer_observer.py's ``obs`` does. The
 # second is the sanitizer's: an observer on the CUDA stand-in, which must check everything.
@@ -46,7 +46,7 @@ import torch
 from fake_cuda import FakeCuda
 from racecheck import schedules
 from sanitizer.gpu.observer import Observer
-from zeroer.runtime import SimRuntime
+from kvdevice.runtime import SimRuntime
 
 
 def test_a_test_that_fails_before_it_closes_its_runtime():
@@ -260,7 +260,7 @@ def test_an_episode_whose_factory_raises_closes_its_runtime(monkeypatch):
 
 def test_a_helper_thread_parked_at_the_end_of_a_test_is_ended():
     # What the fuzzer's helper threads are when their zeroer is never closed: started under a
-    # scheduling watch, parked until their turns close (zeroer.intercept.helper_threads).
+    # scheduling watch, parked until their turns close (kvdevice.intercept.helper_threads).
     from racecheck.turns import TurnsClosed
 
     release = threading.Event()

@@ -84,7 +84,7 @@ def test_on_the_simulator_a_table_kernel_reads_and_writes_what_its_loads_and_sto
 def _observe(direction: str, beside: str, *, staged: bool = True):
     from sanitizer.gpu.launches import on_launch
     from sanitizer.gpu.observer import Observer
-    from zeroer.triton_cpu import launch_on_cpu
+    from kvdevice.triton_cpu import launch_on_cpu
 
     cuda = FakeCuda()
     obs = Observer(device=cuda)
@@ -196,7 +196,7 @@ def _cuda_session(places: list) -> SimpleNamespace:
 
 @pytest.mark.parametrize("direction", ["store", "load"])
 def test_on_cuda_the_fuzzer_places_what_the_kernel_touches_through_the_tables_the_host_staged(direction):
-    from zeroer.intercept.kernel_accesses import through_tables_on_cuda
+    from kvdevice.intercept.kernel_accesses import through_tables_on_cuda
 
     kv = torch.ones((4 * ROWS, WORDS), dtype=torch.float32)  # "device" memory, to the stand-in
     host = torch.zeros((4 * ROWS, WORDS), dtype=torch.float32)
@@ -223,8 +223,8 @@ def test_on_cuda_the_fuzzer_places_what_the_kernel_touches_through_the_tables_th
 
 @pytest.mark.parametrize("how", ["never staged", "written since"])
 def test_on_cuda_a_table_whose_values_are_not_known_is_a_harness_error_that_names_it(how):
-    from zeroer.intercept.errors import InterceptError
-    from zeroer.intercept.kernel_accesses import through_tables_on_cuda
+    from kvdevice.intercept.errors import InterceptError
+    from kvdevice.intercept.kernel_accesses import through_tables_on_cuda
 
     kv = torch.ones((4 * ROWS, WORDS), dtype=torch.float32)
     session = _cuda_session([])

@@ -18,7 +18,7 @@ from fuzz.engine.trace import write_trace
 from fuzz.trace import load_trace
 from repro.__main__ import main
 from fuzz.timeline import HOST_TID, TICK_US, build_timeline, host_op_name, render_html, stream_tid, write_timeline
-from zeroer.runtime.queues import QueuedOp, StreamQueues
+from kvdevice.runtime.queues import QueuedOp, StreamQueues
 
 CASES = Path(__file__).resolve().parent.parent / "repro" / "cases"
 STREAMS = {HOST_TID: "host", 2: "stream 0 'main'", 3: "stream 1 's1'", 4: "stream 2 's2'"}

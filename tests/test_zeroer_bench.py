@@ -22,8 +22,8 @@ from zeroer.errors import RuntimeUsageError
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import build_cache
 from zeroer.registry import DIRECT, RACE_FREE, RACY, make_zeroer
-from zeroer.runtime import SimRuntime
-from zeroer.runtime.cuda import CudaRuntime
+from kvdevice.runtime import SimRuntime
+from kvdevice.runtime.cuda import CudaRuntime
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DESIGNS = sorted(RACE_FREE + RACY)

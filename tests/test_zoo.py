@@ -20,7 +20,7 @@ from zeroer.kernel import zero_blocks_reference
 from zeroer.cache.layout import build_cache
 from zeroer.protocol import Capabilities
 from zeroer.registry import BUILTINS, RACE_FREE, ZOO, default_geometry, load_zeroer
-from zeroer.runtime import SimRuntime
+from kvdevice.runtime import SimRuntime
 from zeroer.zoo import ENTRIES, Int32Offset, KernelModelZeroer
 from zeroer.zoo.arithmetic import calibrated_offset_bits
 

@@ -7,7 +7,7 @@ The handler builds, per job, int64 tables of source and destination addresses wi
 ``_swap_blocks_kernel``, which loads each address from the tables and copies word by word through
 them. One stream per direction, two timing events per transfer (``elapsed_time`` read once done),
 an end event polled by ``get_finished``. The tools see the kernel's table-driven loads and stores
-as exactly the bytes they read and write (zeroer/intercept/kernel_accesses.py).
+as exactly the bytes they read and write (kvdevice/intercept/kernel_accesses.py).
 
 Racy twins (one wait missing; each marks its race's two lines ``# race[FACTORY]: queued`` on the compute
 stream's write, queued first, and ``# race[FACTORY]: later`` on the transfer kernel that may overtake it):

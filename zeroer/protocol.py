@@ -92,7 +92,7 @@ class Capabilities(Declared):
       ``torch.cuda``, as vLLM's is: while it runs, the harness intercepts its pinned allocations,
       copies, kernel launches, streams and events and routes them to the runtime
       (docs/fuzz-your-zeroer.md). ``"runtime"`` for a zeroer written against
-      :mod:`zeroer.runtime` (every built-in design): it is called as it is.
+      :mod:`kvdevice.runtime` (every built-in design): it is called as it is.
     * ``backends`` and ``cuda_modes``: where it can run.
     * ``follows_reallocation``: it reads the cache's address table on every call, so the fuzzer
       may move the cache under it (the ``reallocate`` op); vLLM's class captures the table once,
@@ -117,7 +117,7 @@ class Capabilities(Declared):
         if self.api not in APIS:
             raise ZeroerSpecError(
                 f"Capabilities(api={self.api!r}) is not an api; choose 'torch' (plain torch and Triton, "
-                f"intercepted) or 'runtime' (written against zeroer.runtime)"
+                f"intercepted) or 'runtime' (written against kvdevice.runtime)"
             )
         check_subset("backends", self.backends, ALL_BACKENDS)
         check_subset("cuda_modes", self.cuda_modes, ALL_CUDA_MODES)

@@ -5,7 +5,7 @@ Every built-in is one :class:`Builtin` row: its name, its factory and what its c
 geometry its bug shows on. ``load_zeroer`` accepts a built-in name, ``module:attr`` or
 ``path/to/file.py:attr`` and checks the factory and its declared :class:`~zeroer.protocol.Capabilities`
 once (:func:`zeroer.protocol.check_factory`); :meth:`LoadedZeroer.build` then builds and binds a
-zeroer, under interception when it is a plain torch zeroer (:mod:`zeroer.intercept`).
+zeroer, under interception when it is a plain torch zeroer (:mod:`zeroer.bind`).
 
 Example::
 
@@ -30,7 +30,7 @@ from zeroer.designs import (EventRingZeroer, PerCallZeroer, ReferenceZeroer, Rin
                             StagedZeroer, TorchPerCallZeroer, make_graph_ring)
 from zeroer.offload import HostPool, OffloaderCapabilities, OffloaderSpecError, check_offloader_factory
 from zeroer.protocol import BoundZeroer, Capabilities, ZeroerFactory, ZeroerSpecError, check_factory
-from zeroer.runtime import Runtime
+from kvdevice.runtime import Runtime
 from zeroer.zoo import ENTRIES as ZOO_ENTRIES
 
 VERDICTS = ("race-free", "racy")
@@ -112,10 +112,10 @@ class LoadedZeroer:
         """Build a zeroer for ``cache`` on ``runtime``; ``options`` go to a built-in's constructor.
 
         A plain torch zeroer (``api="torch"``) is built, warmed up and called under interception
-        (:func:`zeroer.intercept.bind`), on every backend.
+        (:func:`zeroer.bind.bind`), on every backend.
         """
         if self.capabilities.api == "torch":
-            from zeroer.intercept import bind  # the layer above the designs; imported only when used
+            from zeroer.bind import bind  # the layer above the designs; imported only when used
 
             return bind(self, cache, runtime, **options)
         return BoundZeroer(self.factory(cache, runtime, **options), self.spec, self.capabilities)
@@ -200,7 +200,7 @@ def _import_module(spec: str, target: str, what: str = "zeroer") -> Any:
 def _import_scope() -> Any:
     """What a user's module is imported under: torch.cuda as a plain torch zeroer sees it while
     it runs (vLLM decides ``PIN_MEMORY`` from ``torch.cuda.is_available()`` at import)."""
-    from zeroer.intercept import import_scope
+    from zeroer.bind import import_scope
 
     return import_scope()
 
@@ -215,7 +215,7 @@ class LoadedOffloader:
 
     def build(self, cache: KVCache, pool: HostPool, runtime: Runtime) -> Any:
         """Build an offloader for ``cache`` and ``pool`` on ``runtime``, under interception."""
-        from zeroer.intercept.offload import bind_offloader  # the layer above the designs
+        from zeroer.bind.offload import bind_offloader  # the layer above the designs
 
         return bind_offloader(self, cache, pool, runtime)
 

@@ -1,6 +1,6 @@
 """What interception costs: an intercepted zeroer's fuzzing speed against its runtime-API twin's.
 
-A plain torch zeroer is fuzzed through interception (:mod:`zeroer.intercept`); a zeroer written
+A plain torch zeroer is fuzzed through interception (:mod:`kvdevice.intercept`); a zeroer written
 against the runtime is called as it is. ``examples/engine_zeroers.py:fresh_pinned_per_call`` and
 ``examples/runtime_zeroer.py:RuntimePerCall`` are the same design with the same Triton kernel,
 written both ways, so the ratio of their steps per second on the same geometry, seed and example

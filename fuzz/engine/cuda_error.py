@@ -4,13 +4,13 @@ CUDA refuses some calls for the state their arguments are in, and the state is o
 visible. vLLM's offloading handler times each job with ``start.elapsed_time(end)`` as it reports
 it; a handler that reports a job without asking its end event gets CUDA's refusal, on a GPU as on
 the simulator: it reported a transfer before the transfer finished. That error is the code's
-(:mod:`zeroer.origin` says whose an exception is: the runtime raises it on behalf of the code's own
+(:mod:`kvdevice.origin` says whose an exception is: the runtime raises it on behalf of the code's own
 call), and the finding names the call, the state and, where the code under test's kind knows it,
 what the state means (``elapsed_time on an end event that had not completed: the job was reported
 before its copy finished``). A CUDA error raised in the harness's own code stays a harness error.
 
 Which errors: what the runtime raises for a refused call
-(:class:`zeroer.runtime.cuda_errors.CudaStateError`, which says the call and the state), and any
+(:class:`kvdevice.runtime.cuda_errors.CudaStateError`, which says the call and the state), and any
 other CUDA error the code's own call met (``torch.AcceleratorError``, or torch's ``CUDA error: ...``
 text: a capture that forbids a synchronisation, say), named by CUDA's words. A sticky fault (an illegal address) or running out
 of memory is not one: those are resource errors with no verdict (:mod:`racecheck.resources`).
@@ -56,7 +56,7 @@ def cuda_error_message(step: int, call: str, where: str | None, refusal: str, me
                        error: BaseException) -> str:
     """``cuda error at step 4 in the offloader's get_finished() at file.py:363: elapsed_time on an
     end event that had not completed: the job was reported before its copy finished
-    (RuntimeError: ...)``. ``where`` is the code's ``file:line (code)`` (zeroer.origin), of which
+    (RuntimeError: ...)``. ``where`` is the code's ``file:line (code)`` (kvdevice.origin), of which
     the line is kept."""
     at = f" at {where.split(' (', 1)[0]}" if where else ""
     said = f": {meaning}" if meaning else ""

@@ -56,10 +56,10 @@ from racecheck.interrupts import interrupted
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import CacheSpec, KVCache, build_cache
 from zeroer.errors import ZeroerError
-from zeroer.origin import blame
+from kvdevice.origin import blame
 from zeroer.protocol import BoundZeroer
 from zeroer.registry import kernel_options, load_zeroer
-from zeroer.runtime import Event, make_runtime
+from kvdevice.runtime import Event, make_runtime
 
 CALLER_FAULTS = ("no-free-fence", "no-zero-wait")
 MAX_ZEROERS = 4

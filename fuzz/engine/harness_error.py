@@ -6,7 +6,7 @@ an episode, an op the simulator or the interception cannot carry out, a clash in
 input outside the zeroer's contract, a bug of ours, is a :class:`HarnessError`: the campaign stops
 at once, writes no trace, and is reported as an error with one line that names the zeroer's call,
 its ``file:line`` and the way forward, and exit status 2 (the user can act on it) or 3 (a bug of
-kvzero-fuzz). Whose an exception is, is read from where it was raised (:mod:`zeroer.origin`).
+kvzero-fuzz). Whose an exception is, is read from where it was raised (:mod:`kvdevice.origin`).
 
 A factory that raises is a usage error (exit status 2), never a finding, whoever's code raised
 it: code that cannot be built was never run (:func:`factory_error`). Only what the zeroer or
@@ -28,7 +28,7 @@ import traceback
 from racecheck.cli import one_line, register_exit_status
 from racecheck.custom_ops import failed_inside
 from racecheck.resources import raise_if_device_fault
-from zeroer.origin import HARNESS_BUG, USER_FIXABLE, blame
+from kvdevice.origin import HARNESS_BUG, USER_FIXABLE, blame
 
 __all__ = ["HARNESS_BUG", "USER_FIXABLE", "HarnessError", "factory_error", "harness_error", "raise_if_harness"]
 

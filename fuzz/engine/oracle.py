@@ -71,7 +71,7 @@ class Finding:
     message: str
     caller_fault: bool = False
     details: str = ""  # "zeroer raised", "offloader raised" or "cuda error": the exception's traceback
-    where: str = ""  # "... raised", "cuda error": the line of the code under test it came from, "file:line (code)" (zeroer.origin.blame)
+    where: str = ""  # "... raised", "cuda error": the line of the code under test it came from, "file:line (code)" (kvdevice.origin.blame)
 
     def __str__(self) -> str:
         prefix = "[caller fault] " if self.caller_fault else ""

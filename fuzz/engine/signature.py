@@ -15,7 +15,7 @@ program happened to do:
     kinds (``copy_ (h2d)``, ``triton _zero_kv_blocks_kernel``, ``poison (free_block)``) and
     whether a stream is the caller's or the zeroer's own;
   - a **zeroer raised** finding: the call that raised, the exception's type and the ``file:line``
-    of the zeroer's frame it came from (:func:`zeroer.origin.blame`);
+    of the zeroer's frame it came from (:func:`kvdevice.origin.blame`);
   - a **cuda error** finding: the call of the code under test, CUDA's call it made and the state
     CUDA refused it in (``get_finished(): elapsed_time on an end event that had not completed``),
     torch's words, and the ``file:line`` it came from;
@@ -192,7 +192,7 @@ def _raised_site(message: str, where: str) -> str:
     if raised is None:
         return _normalise(message)
     what = re.sub(r"\(.*\)$", "", raised.group("what"))  # zero_block_ids([1, 2]) -> zero_block_ids
-    location = where.split(" (", 1)[0]  # zeroer.origin's "file:line (code)"
+    location = where.split(" (", 1)[0]  # kvdevice.origin's "file:line (code)"
     return f"{what} raised {raised.group('type')}" + (f" at {location}" if location else "")
 
 

@@ -2,7 +2,7 @@
 
 The programs: the engine-like programs of :mod:`sanitizer.bench.programs`, the corpus of the
 engines' own races (:mod:`sanitizer.bench.corpus`), and the fuzz campaigns' vLLM-style zeroers
-driven by :mod:`sanitizer.bench.engine_loop` (rows ``zeroer:NAME``). Each runs in a fresh process,
+driven by :mod:`zeroer.engine_loop` (rows ``zeroer:NAME``). Each runs in a fresh process,
 once per tool:
 
 * ``torch``: ``TORCH_CUDA_SANITIZER=1 python PROGRAM`` (``torch.cuda._sanitizer``, CSAN); found

@@ -46,7 +46,7 @@ STAGES: tuple[tuple[str, tuple[str, ...], frozenset[str] | None], ...] = (
                                                                   "observes_stream"})),
     ("thread hooks", ("racecheck/thread_hooks.py", "racecheck/threads.py", "racecheck/turns.py",
                       "racecheck/interrupts.py", "sanitizer/watch.py", "sanitizer/numpy_views.py"), None),
-    ("sites", ("sanitizer/sites.py", "zeroer/origin.py"), None),
+    ("sites", ("sanitizer/sites.py", "kvdevice/origin.py"), None),
     ("values", ("racecheck/device_values.py", "sanitizer/gpu/indices.py", "racecheck/triton_stores.py"), None),
     ("pinned", ("racecheck/pinned.py", "sanitizer/gpu/copies.py", "racecheck/gate.py", "sanitizer/gpu/forcing.py"),
      None),

@@ -44,8 +44,8 @@ from torch.utils._mode_utils import no_dispatch
 
 from racecheck.device_values import INTEGERS, MAX_STORAGE
 from sanitizer.sites import caller_site
-from zeroer.intercept.sim_tensor import SimCudaTensor
-from zeroer.origin import forwarding
+from kvdevice.intercept.sim_tensor import SimCudaTensor
+from kvdevice.origin import forwarding
 
 # The constructors that come to internal_new_from_data: (owner, name, where the data is).
 CONSTRUCTORS = ((torch, "tensor"), (torch, "as_tensor"), (torch, "asarray"), (torch.Tensor, "new_tensor"))

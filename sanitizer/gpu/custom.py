@@ -29,8 +29,8 @@ from racecheck.custom_ops import (EffectModel, ValueUnknown, host_values, known_
                                   route, unrouted)
 from racecheck.ranges import merge
 from sanitizer.sites import Site, caller_site
-from zeroer.intercept.sim_tensor import SimCudaTensor
-from zeroer.origin import forwarding
+from kvdevice.intercept.sim_tensor import SimCudaTensor
+from kvdevice.origin import forwarding
 from sanitizer.races import Unfollowed
 
 
@@ -61,7 +61,7 @@ def router(obs: Any) -> Any:
     return route
 
 
-@forwarding  # the program's own function handed on: what it raises is the program's (zeroer.origin)
+@forwarding  # the program's own function handed on: what it raises is the program's (kvdevice.origin)
 def _run(model: EffectModel, args: tuple, kwargs: dict, real: Any, obs: Any = None) -> Any:
     if real is not None:
         return real(*args, **kwargs)

@@ -37,8 +37,8 @@ from sanitizer.dynamo_guard import SanitizerMode
 from sanitizer.gpu.copies import copy
 from sanitizer.host_ops import tensors_of, written_tensors
 from sanitizer.sites import Site, caller_site
-from zeroer.intercept.sim_tensor import SimCudaTensor
-from zeroer.origin import forwarding
+from kvdevice.intercept.sim_tensor import SimCudaTensor
+from kvdevice.origin import forwarding
 
 aten = torch.ops.aten
 _PIN = {getattr(packet, "default") for packet in (getattr(aten, "_pin_memory", None), getattr(aten, "pin_memory", None))

@@ -7,7 +7,7 @@ this module the observer said ``no race`` on both racy versions while their valu
 (issue 53). While the observer runs:
 
 * ``cuGetProcAddress`` of ``cuMemcpyBatchAsync`` or ``cuMemcpyAsync`` (bindings, or ``ctypes`` on
-  ``libcuda``) hands out the followed pointer of :mod:`zeroer.intercept.driver_copies`, the same one
+  ``libcuda``) hands out the followed pointer of :mod:`kvdevice.intercept.driver_copies`, the same one
   the fuzzer and the simulator hand out, resolved to the real entry point; ``cuMemcpyAsync`` and
   ``cudaMemcpyAsync`` of the bindings, and those symbols of a CUDA library loaded through ``ctypes``,
   are followed too;
@@ -16,7 +16,7 @@ this module the observer said ``no race`` on both racy versions while their valu
   region, read or written as a ``copy_`` declares them; a pinned source is snapshotted (force mode
   compares it) and a pinned destination is pending until the host has seen the copy complete; then
   the real entry point runs in the program's context on that thread
-  (:mod:`zeroer.intercept.driver_context`) and its answer is the program's;
+  (:mod:`kvdevice.intercept.driver_context`) and its answer is the program's;
 * what cannot be followed (a run in memory no allocation holds, another entry point that moves or
   orders device work, the pointer of any other symbol) is one line per call site: the run is
   partial, never ``no race``; the program's call still runs as it would.
@@ -39,19 +39,19 @@ import torch
 
 from sanitizer.races import Unfollowed
 from sanitizer.sites import Site, also_skip, caller_site
-from zeroer.intercept import driver_copies
-from zeroer.intercept.driver_context import in_context, program_context
-from zeroer.intercept.errors import InterceptError, unroutable
-from zeroer.intercept.unroutable import (BINDING_PREFIXES, CUDA_LIBRARIES, binding_entry_points, from_torch_or_triton,
+from kvdevice.intercept import driver_copies
+from kvdevice.intercept.driver_context import in_context, program_context
+from kvdevice.intercept.errors import InterceptError, unroutable
+from kvdevice.intercept.unroutable import (BINDING_PREFIXES, CUDA_LIBRARIES, binding_entry_points, from_torch_or_triton,
                                          load_bindings)
-from zeroer.origin import forwarding
+from kvdevice.origin import forwarding
 
 # a followed pointer's Python frames stand between the program's call and this module
 also_skip(driver_copies.__file__)
 
 
 class DriverCalls:
-    """The observer's follower of the driver copies (:class:`zeroer.intercept.driver_copies.Follower`)."""
+    """The observer's follower of the driver copies (:class:`kvdevice.intercept.driver_copies.Follower`)."""
 
     def __init__(self, obs: Any) -> None:
         self.obs = obs
@@ -215,7 +215,7 @@ def patch_libraries(calls: DriverCalls, patch: Callable[..., None]) -> None:
 
     def cuda_library(lib: ctypes.CDLL) -> bool:
         name = str(getattr(lib, "_name", "") or "")
-        return any(part in name for part in CUDA_LIBRARIES) and not from_torch_or_triton((__name__, "zeroer.origin"))
+        return any(part in name for part in CUDA_LIBRARIES) and not from_torch_or_triton((__name__, "kvdevice.origin"))
 
     def lookup(original: Any) -> Any:
         @forwarding

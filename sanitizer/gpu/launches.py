@@ -26,8 +26,8 @@ from racecheck.gate import is_gate_kernel
 from racecheck.custom_ops import host_values
 from racecheck.triton_stores import address_tables, stored_params
 from sanitizer.sites import caller_site
-from zeroer.intercept.kernel_accesses import TableUnresolved, trace_tables
-from zeroer.intercept.sim_tensor import SimCudaTensor
+from kvdevice.intercept.kernel_accesses import TableUnresolved, trace_tables
+from kvdevice.intercept.sim_tensor import SimCudaTensor
 from sanitizer.races import Unfollowed
 
 
@@ -92,7 +92,7 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
     """What a kernel that loads its addresses from tables (vLLM's ``_swap_blocks_kernel``) touches
     through them: the tables' values as the program staged them from the host
     (:mod:`sanitizer.gpu.indices`), the kernel traced under the interpreter on them
-    (:func:`zeroer.intercept.kernel_accesses.trace_tables`), each run placed in the pinned
+    (:func:`kvdevice.intercept.kernel_accesses.trace_tables`), each run placed in the pinned
     region or device allocation it falls in. A table whose values the host never staged, or a run
     no allocation holds, is one line: the run is partial, never a silent pass."""
     device = obs.device

@@ -42,8 +42,8 @@ import torch
 
 from sanitizer.gpu import c_methods, driver, trace
 from sanitizer.sites import caller_site
-from zeroer.intercept import driver_copies
-from zeroer.origin import forwarding
+from kvdevice.intercept import driver_copies
+from kvdevice.origin import forwarding
 
 
 def install(obs: Any) -> Callable[[], None]:

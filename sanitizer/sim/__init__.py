@@ -1,6 +1,6 @@
 """The sanitizer on the CPU simulator: the same program, its ``cuda`` work simulated.
 
-Where there is no GPU (CI), a program's torch code runs under :mod:`zeroer.intercept`, the
+Where there is no GPU (CI), a program's torch code runs under :mod:`kvdevice.intercept`, the
 interception the fuzzer uses for plain torch zeroers: device tensors live in simulated device
 memory, streams and events are the simulator's, and the same happens-before checker sees every op.
 A queued op runs only when the host waits for its stream, so a copy from pinned memory always reads

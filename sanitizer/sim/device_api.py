@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from zeroer.intercept.errors import unroutable
-from zeroer.origin import stand_in
+from kvdevice.intercept.errors import unroutable
+from kvdevice.origin import stand_in
 
 class CudaError(int):
     """What torch's ``cudart()`` calls return: its pybind11 enum ``cudaError`` (``torch._C._cudart``),

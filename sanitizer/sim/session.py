@@ -1,6 +1,6 @@
 """A whole program on the simulator: an intercept session whose labels are program lines.
 
-:class:`ProgramSession` is the fuzzer's :class:`~zeroer.intercept.session.InterceptSession` with
+:class:`ProgramSession` is the fuzzer's :class:`~kvdevice.intercept.session.InterceptSession` with
 what a program's report needs and a zeroer's does not:
 
 * every queued op is labelled with the program line that issued it, and its stream with the line
@@ -10,7 +10,7 @@ what a program's report needs and a zeroer's does not:
 * host reads and writes of pinned memory are seen where a call shows them: torch ops on the CPU
   tensor (a dispatch mode, :mod:`sanitizer.host_ops`), ``.tolist()``, numpy views
   (:mod:`sanitizer.numpy_views`); the rest by the snapshots, at the next call;
-* CUDA graphs are captured and replayed (:mod:`zeroer.intercept.sim_graphs`);
+* CUDA graphs are captured and replayed (:mod:`kvdevice.intercept.sim_graphs`);
 * a host that polls an event or a stream gets there, as on a GPU: a query that finds it not done
   answers False and lets the work up to it run before the next query of it (:meth:`query_event`);
 * every thread the program starts runs under the session (its modes are entered in it; each
@@ -42,13 +42,13 @@ from sanitizer.host_ops import tensors_of
 from sanitizer.races import HANDED_OUT_AGAIN, Access, Label, Race
 from sanitizer.sites import Site, also_skip, caller_site
 from sanitizer.watch import HostWatch
-from zeroer.intercept.host_memory import HostMemory
-from zeroer.intercept.session import InterceptSession
-from zeroer.intercept.sim_graphs import SimGraphs, graph_classes
-from zeroer.intercept.sim_tensor import SimCudaTensor
-from zeroer.intercept.torch_mode import InterceptMode
-from zeroer.origin import forwarding
-from zeroer.runtime import make_runtime
+from kvdevice.intercept.host_memory import HostMemory
+from kvdevice.intercept.session import InterceptSession
+from kvdevice.intercept.sim_graphs import SimGraphs, graph_classes
+from kvdevice.intercept.sim_tensor import SimCudaTensor
+from kvdevice.intercept.torch_mode import InterceptMode
+from kvdevice.origin import forwarding
+from kvdevice.runtime import make_runtime
 
 
 
@@ -81,10 +81,10 @@ class ProgramSession(InterceptSession):
     helper_threads_class = None  # a program's threads run free under one lock (racecheck.thread_hooks)
 
     def __init__(self, name: str) -> None:
-        import zeroer
+        import kvdevice
 
         for part in ("intercept", "runtime", "triton_cpu.py", "origin.py"):
-            also_skip(Path(zeroer.__file__).parent / part)
+            also_skip(Path(kvdevice.__file__).parent / part)
         super().__init__(make_runtime("sim"), name)
         self.host.rename_owner("the program")
         self.graphs = SimGraphs(self)
@@ -285,7 +285,7 @@ class HostOps(SanitizerMode):
 class SimWatch(HostWatch):
     """The host side of a program on the simulator (:class:`~sanitizer.watch.HostWatch`)."""
 
-    device_key = "simdev"  # zeroer.intercept.sim_memory: a block's key, its generation on the labels
+    device_key = "simdev"  # kvdevice.intercept.sim_memory: a block's key, its generation on the labels
 
     def __init__(self, session: ProgramSession) -> None:
         super().__init__(session.rt.hb, session.rt.threads, session.host)

@@ -1,6 +1,6 @@
 """The zeroer designs under test: the upstream ones and ours (each module's docstring says which).
 
-Most are written once against the stream runtime (:mod:`zeroer.runtime`), so the simulator and the
+Most are written once against the stream runtime (:mod:`kvdevice.runtime`), so the simulator and the
 happens-before checker run them: ``single_buffer`` and ``ring`` (vLLM before and at #48085, racy),
 ``per_call`` (#48399), ``event_ring`` (ours) and ``reference`` (the differential baseline).
 ``torch_per_call`` and ``graph_ring``'s CUDA form are written straight against torch.cuda and the

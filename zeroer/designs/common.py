@@ -23,7 +23,7 @@ import torch
 from zeroer.kernel import zero_blocks
 from zeroer.cache.layout import KVCache
 from zeroer.protocol import Capabilities, IDS_CONTAINERS
-from zeroer.runtime import DeviceBuffer, Runtime
+from kvdevice.runtime import DeviceBuffer, Runtime
 
 KERNELS = ("torch", "triton")
 _PLAIN_INTS = {int}  # bool is a subclass of int, but type(True) is bool: bools take the slow path

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from zeroer.cache.layout import KVCache
 from zeroer.designs.common import StagedZeroer
 from zeroer.designs.staging_ring import DEFAULT_MAX_SLOTS, DEFAULT_SLOTS, RingSlot, StagingRing
-from zeroer.runtime import DeviceBuffer, Event, HostBuffer, Runtime
+from kvdevice.runtime import DeviceBuffer, Event, HostBuffer, Runtime
 
 DEFAULT_SLOT_CAP = 256  # ids per slot before it is re-sized; grows to 2n on demand
 

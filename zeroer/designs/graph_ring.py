@@ -48,7 +48,7 @@ from zeroer.designs.common import is_plain_int_list, validate_block_ids
 from zeroer.kernel import zero_blocks
 from zeroer.protocol import Capabilities, IDS_CONTAINERS
 from zeroer.cache.layout import KVCache
-from zeroer.runtime import Runtime
+from kvdevice.runtime import Runtime
 from zeroer.designs.cuda_driver import CUDA_ERROR_NOT_READY, CUDA_SUCCESS, Driver, load_driver
 from zeroer.designs.modelled_graph_ring import ModelledGraphRing
 from zeroer.designs.torch_per_call import TorchPerCallZeroer

@@ -3,7 +3,7 @@
 The CUDA form (:mod:`zeroer.designs.graph_ring`) launches real graphs through the driver, which
 neither the simulator nor the happens-before checker can see. This form runs the very same slot
 protocol (:mod:`zeroer.designs.graph_ring_protocol`: which slot, when to grow, when to wait, when to
-recapture) with each operation issued through a :class:`~zeroer.runtime.Runtime`, so the fuzzer
+recapture) with each operation issued through a :class:`~kvdevice.runtime.Runtime`, so the fuzzer
 checks it on the simulator and in the controlled cuda mode, hazards included:
 
 * staging is ``write_host`` of the ids and their -1 padding into the slot's pinned buffer: the
@@ -32,7 +32,7 @@ from zeroer.designs.per_call import PerCallZeroer
 from zeroer.kernel import zero_blocks
 from zeroer.protocol import Capabilities, IDS_CONTAINERS
 from zeroer.cache.layout import KVCache, SegmentTable
-from zeroer.runtime import Runtime
+from kvdevice.runtime import Runtime
 from zeroer.designs.graph_ring_protocol import DEFAULT_MAX_GRAPH_IDS, DEFAULT_MAX_SLOTS, DEFAULT_SLOTS, PAD, GraphRingProtocol, GraphSlot, graph_size
 
 

@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-from zeroer.runtime import DeviceBuffer
+from kvdevice.runtime import DeviceBuffer
 from zeroer.designs.common import StagedZeroer
 
 

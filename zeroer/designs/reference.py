@@ -18,7 +18,7 @@ import itertools
 from zeroer.kernel import zero_blocks_reference
 from zeroer.cache.layout import KVCache
 from zeroer.protocol import Capabilities, IDS_CONTAINERS
-from zeroer.runtime import Runtime
+from kvdevice.runtime import Runtime
 from zeroer.designs.common import validate_block_ids
 
 

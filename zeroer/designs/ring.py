@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 from zeroer.cache.layout import KVCache
-from zeroer.runtime import Runtime
+from kvdevice.runtime import Runtime
 from zeroer.designs.common import StagedZeroer
 from zeroer.designs.single_buffer import DEFAULT_ID_CAP
 

@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 from zeroer.cache.layout import KVCache
-from zeroer.runtime import Runtime
+from kvdevice.runtime import Runtime
 from zeroer.designs.common import StagedZeroer
 
 DEFAULT_ID_CAP = 8192  # vLLM's _id_cap

@@ -16,7 +16,7 @@ slot's pages are poisoned until a store fills them.
   host pool), unregistered by :meth:`HostPool.release`.
 
 On a machine without CUDA the pool is plain host memory either way; the simulator treats it as
-pinned (the offloader's session registers it, :mod:`zeroer.intercept`).
+pinned (the offloader's session registers it, :mod:`zeroer.bind.offload`).
 
 Example::
 

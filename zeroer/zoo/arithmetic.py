@@ -17,7 +17,7 @@ import torch
 
 from zeroer.cache.layout import KVCache
 from zeroer.protocol import Capabilities, IDS_CONTAINERS
-from zeroer.runtime import Runtime
+from kvdevice.runtime import Runtime
 from zeroer.zoo.entry import ZooEntry, allocate, start, write
 from zeroer.zoo.kernel_model import KernelModelZeroer, store_zeros
 

@@ -26,7 +26,7 @@ import torch
 
 from zeroer.designs import PerCallZeroer
 from zeroer.cache.layout import WORD_BYTES, KVCache, Segment
-from zeroer.runtime import DeviceBuffer, Runtime
+from kvdevice.runtime import DeviceBuffer, Runtime
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from zeroer.designs import PerCallZeroer, RingZeroer, SingleBufferZeroer
 from zeroer.designs.single_buffer import DEFAULT_ID_CAP
 from zeroer.cache.layout import KVCache
-from zeroer.runtime import Runtime
+from kvdevice.runtime import Runtime
 from zeroer.zoo.entry import ZooEntry, allocate, start
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from zeroer.designs import PerCallZeroer
 from zeroer.cache.layout import KVCache
-from zeroer.runtime import DeviceBuffer, Runtime
+from kvdevice.runtime import DeviceBuffer, Runtime
 from zeroer.zoo.entry import ZooEntry, advance, allocate, start, write
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from zeroer.cache.layout import KVCache
-from zeroer.runtime import Runtime
+from kvdevice.runtime import Runtime
 from zeroer.zoo.entry import ZooEntry, allocate, start
 from zeroer.zoo.kernel_model import KernelModelZeroer, SegmentWords, segment_words, store_zeros
 

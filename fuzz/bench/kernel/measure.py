@@ -30,7 +30,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from zeroer.kernel import CachedLauncher, launch_config, zero_blocks
 from zeroer.cache.layout import KVCache, build_cache
 from zeroer.registry import BUILTINS, DIRECT, RACE_FREE, RACY
-from zeroer.runtime import Runtime, SimRuntime
+from kvdevice.runtime import Runtime, SimRuntime
 from fuzz.bench.kernel.caches import bench_cache, bytes_per_block, describe
 from fuzz.bench.kernel.timing import Budget, Timer, host_samples, summarize
 
@@ -250,7 +250,7 @@ def config_rows(ctx: Context) -> list[dict]:
 def _runtime(ctx: Context, path: str) -> Runtime:
     checked = path == "checked"
     if ctx.device.type == "cuda":
-        from zeroer.runtime.cuda import CudaRuntime
+        from kvdevice.runtime.cuda import CudaRuntime
 
         return CudaRuntime(mode="free", device=ctx.device, checked=checked)
     return SimRuntime() if checked else UncheckedSimRuntime()

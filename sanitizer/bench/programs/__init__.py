@@ -73,7 +73,7 @@ PROGRAMS: tuple[Program, ...] = (
 BY_NAME: dict[str, Program] = {p.name: p for p in PROGRAMS}
 
 # The fuzz campaigns' vLLM-style zeroers (examples/engine_zeroers.py), each driven by the plain
-# engine loop of :mod:`sanitizer.bench.engine_loop`: a row named ``zeroer:FACTORY``.
+# engine loop of :mod:`zeroer.engine_loop`: a row named ``zeroer:FACTORY``.
 ENGINE_ZEROERS = Path(__file__).resolve().parents[3] / "examples" / "engine_zeroers.py"
 _ZEROER_PATTERN = "a vLLM-style zeroer driven by an engine loop on two streams"
 
@@ -116,7 +116,7 @@ def script(program: Program, steps: int, sleep: bool = False) -> list[str]:
     """What follows ``python`` to run ``program`` for ``steps`` steps (with its forced delays if
     ``sleep``, which only the corpus takes)."""
     if program.collection == "zeroer":
-        return ["-m", "sanitizer.bench.engine_loop", "--zeroer", zeroer_spec(program), "--steps", str(steps)]
+        return ["-m", "zeroer.engine_loop", "--zeroer", zeroer_spec(program), "--steps", str(steps)]
     return [str(source(program)), "--steps", str(steps), *(["--sleep"] if sleep and program.sleeps else [])]
 
 

@@ -43,7 +43,7 @@ from zeroer.cache.geometries import geometry
 from zeroer.designs.common import KERNELS
 from zeroer.errors import ZeroerError
 from zeroer.registry import load_zeroer
-from zeroer.runtime import BACKENDS
+from kvdevice.runtime import BACKENDS
 
 Method = Callable[[EpisodeConfig, float, int], DetectionOutcome]
 

@@ -46,7 +46,7 @@ from fuzz.engine.episode import Episode, EpisodeConfig
 from fuzz.engine.trace import write_trace
 
 # vLLM's test stalls with torch.cuda._sleep(10_000_000); a delay unit is 200_000 cycles on cuda
-# (zeroer.runtime.cuda.DELAY_CYCLES_PER_UNIT), so 50 units is the same stall.
+# (kvdevice.runtime.cuda.DELAY_CYCLES_PER_UNIT), so 50 units is the same stall.
 VLLM_STALL_UNITS = 50
 
 

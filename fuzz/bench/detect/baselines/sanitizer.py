@@ -196,7 +196,7 @@ class CsanHooks(EpisodeHooks):
 
 def _device_buffers(zeroer: object) -> list[tuple[str, torch.Tensor]]:
     """The device buffers a zeroer keeps in its attributes (two levels deep), by attribute path."""
-    from zeroer.runtime import DeviceBuffer
+    from kvdevice.runtime import DeviceBuffer
 
     found: list[tuple[str, torch.Tensor]] = []
 

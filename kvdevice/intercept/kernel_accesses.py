@@ -1,0 +1,249 @@
+"""The bytes a Triton kernel read and wrote, resolved to what they fall in and declared as they were.
+
+A kernel that loads its addresses from a table (vLLM's CPU offloading handler: ``src =
+tl.load(src_ptrs + i).to(tl.pointer_type(...))``, then loads through ``src`` and stores through
+``dst``) touches memory no argument names. Its source cannot say which: the table's values do. On
+the simulator the interpreter runs the kernel, so its actual loads and stores are known once it
+has run (:class:`Touched`, filled by :class:`~kvdevice.intercept.triton_launch._AddressCheck`). Each
+run of addresses is resolved to what it falls in and declared to the happens-before checker with
+the launch's stamp, reads and writes apart (``late``: as an indexed op's rows are):
+
+* a KV-cache block, as the caller's own accesses name it (``("block", cache, id)``, through the
+  session's :class:`~zeroer.cache.block_map.CacheBlockMap`); a zeroer's session has none and
+  declares the blocks of its zero call instead, as before;
+* pinned host memory (a host pool slot, a staging buffer): a queued read or write of those bytes,
+  as a non-blocking copy's;
+* any other simulated device memory, by its bytes.
+
+Until then, the vLLM handler's store kernel was declared as writing the blocks of its call, and
+its race-free form was flagged (``triton _swap_blocks_kernel ... (store) writes [block 1]``) while
+the kernel only reads the device block.
+
+Example::
+
+    touched = Touched()
+    ...                                    # the kernel runs; _AddressCheck calls touched.add(...)
+    declare(session, stamp, touched, space, skip_keys=set())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from racecheck.ranges import Runs, clip
+from kvdevice.intercept.sim_memory import Block
+
+
+class Touched:
+    """The addresses one run of a kernel loaded from and stored to, as merged byte runs."""
+
+    def __init__(self) -> None:
+        self._parts: dict[bool, list[tuple[np.ndarray, int]]] = {False: [], True: []}
+
+    def clear(self) -> None:
+        """Forget what an earlier run touched (a captured launch replayed)."""
+        self._parts = {False: [], True: []}
+
+    def add(self, addresses: np.ndarray, width: int, *, write: bool) -> None:
+        """``addresses``: the first byte of each word accessed, ``width`` bytes each."""
+        if addresses.size:
+            self._parts[write].append((np.unique(addresses.astype(np.int64)), width))
+
+    def runs(self, *, write: bool) -> Runs:
+        parts = self._parts[write]
+        if not parts:
+            return []
+        starts = np.concatenate([a for a, _ in parts])
+        ends = np.concatenate([a + w for a, w in parts])
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], np.maximum.accumulate(ends[order])
+        # a new run wherever a word starts past every byte before it
+        new = np.ones(starts.shape, bool)
+        new[1:] = starts[1:] > ends[:-1]
+        firsts = np.flatnonzero(new)
+        lasts = np.append(firsts[1:] - 1, starts.size - 1)
+        return [(int(starts[f]), int(ends[l])) for f, l in zip(firsts, lasts)]
+
+
+def declare(session: Any, stamp: Any, touched: Touched, space: Any, *, skip: set, host: Any = None) -> None:
+    """Declare what ``touched`` holds for the op ``stamp`` (see the module docstring). ``skip``:
+    keys of memory the launch declared already from its arguments (a table it read). ``host``: the
+    pinned regions as they were when the launch was queued (the bytes it reads are theirs, though
+    the allocator may have handed them to a new tensor since)."""
+    hb = session.rt.hb
+    ranges = session.address_ranges(host)
+    for write in (False, True):
+        runs = touched.runs(write=write)
+        if not runs:
+            continue
+        blocks: set[int] = set()
+        for start, end, owner in ranges:
+            mine = clip(runs, start, end)
+            if not mine:
+                continue
+            if isinstance(owner, Block) and owner.cache_tensor is not None:
+                # The KV cache, argument or not, by the logical blocks the caller's accesses use; a
+                # zeroer's session has no map and declared the blocks of its zero call at launch.
+                if session.block_map is not None:
+                    blocks.update(session.block_map.of_runs(mine))
+                continue
+            key = getattr(owner, "key", None)
+            if key in skip:
+                continue
+            if isinstance(owner, Block):
+                hb.device_access(key, stamp, write=write, ranges=mine, late=True)
+            else:  # pinned host memory, read or written by the GPU when the kernel runs
+                hb.late_host_access(key, stamp, write=write, ranges=mine)
+                if write:
+                    session.host.pending.drop(owner, mine)
+                hb.device_access(key, stamp, write=write, ranges=mine, late=True)
+        for block in sorted(blocks):
+            hb.device_access(("block", space, block), stamp, write=write, late=True)
+
+
+def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables: dict[str, np.ndarray],
+                         is_device: Any) -> Touched:
+    """On a GPU: the bytes a kernel will touch through its tables, known before it runs from the
+    values the host staged into them (``tables``: parameter -> values).
+
+    The kernel runs under Triton's interpreter on the host, every device argument a host stand-in
+    (a table its values, any other zeros: what the kernel reads there steers nothing, which
+    :func:`racecheck.triton_stores.address_tables` made sure of). A load or store that lands
+    outside the stand-ins went through a table: it is recorded and skipped (a load yields
+    ``other``), so no device byte is read and nothing is written."""
+    import torch
+    from triton.runtime import interpreter as triton_interpreter
+
+    from kvdevice.triton_cpu import interpreted, nested_calls_interpreted
+
+    values, spans = [], []
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor) and is_device(value):
+            with torch._C.DisableTorchFunction():
+                if name in tables:
+                    value = torch.from_numpy(np.ascontiguousarray(tables[name])).to(value.dtype).reshape(value.shape)
+                else:
+                    value = torch.zeros(value.shape, dtype=value.dtype)
+                spans.append((value.data_ptr(), value.data_ptr() + max(1, value.numel() * value.element_size())))
+        elif isinstance(value, torch.Tensor):  # pinned host memory the kernel reads as it is
+            with torch._C.DisableTorchFunction():
+                value = value.clone()
+                spans.append((value.data_ptr(), value.data_ptr() + max(1, value.numel() * value.element_size())))
+        values.append(value)
+    touched = Touched()
+    builder = triton_interpreter.interpreter_builder
+    store, load = builder.create_masked_store, builder.create_masked_load
+
+    def foreign(ptrs: Any, mask: Any, write: bool) -> Any:
+        addresses = np.asarray(ptrs.data, dtype=np.uint64).reshape(-1)
+        shape = np.asarray(ptrs.data).shape
+        on = np.asarray(mask.data, dtype=bool).reshape(-1) if mask is not None else np.ones(addresses.shape, bool)
+        inside = np.zeros(addresses.shape, bool)
+        for lo, hi in spans:
+            inside |= (addresses >= np.uint64(lo)) & (addresses < np.uint64(hi))
+        width = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        touched.add(addresses[on & ~inside], width, write=write)
+        return (on & inside).reshape(shape)
+
+    def masked_store(ptrs: Any, value: Any, mask: Any, *rest: Any) -> Any:
+        return store(ptrs, value, _handle(foreign(ptrs, mask, True), mask), *rest)
+
+    def masked_load(ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
+        return load(ptrs, _handle(foreign(ptrs, mask, False), mask), other, *rest)
+
+    builder.create_masked_store, builder.create_masked_load = masked_store, masked_load
+    try:
+        with nested_calls_interpreted():
+            interpreted(fn)[grid](*values)
+    finally:
+        builder.create_masked_store, builder.create_masked_load = store, load
+    return touched
+
+
+class TableUnresolved(Exception):
+    """Tables a kernel goes through whose values cannot be known before it runs (``params`` names
+    every one, ``param`` the first; ``deeper``: they are loaded through another table)."""
+
+    def __init__(self, params: list[str], deeper: bool) -> None:
+        *rest, last = [repr(p) for p in params]
+        self.named = f"arguments {', '.join(rest)} and {last}" if rest else f"argument {last}"
+        super().__init__(self.named)
+        self.params, self.param, self.deeper = list(params), params[0], deeper
+
+
+def trace_tables(fn: Any, grid: Any, arguments: dict[str, Any], tables: list[str],
+                 values_of: Callable[[Any], Any], is_device: Callable[[Any], bool]) -> Touched:
+    """Before a launch on a GPU: what kernel ``fn`` will touch through ``tables`` (its parameters that
+    hold addresses), traced on their values (``values_of(tensor)``: what the host put there, or None
+    when unknown) by :func:`trace_through_tables`. Raises :class:`TableUnresolved` naming every table
+    whose values are unknown (in name order: the first named is not the first made), or all of them
+    when a table is loaded through another table."""
+    from racecheck.triton_stores import address_tables
+
+    _, deeper = address_tables(fn)
+    if deeper:
+        raise TableUnresolved(sorted(tables), deeper)
+    known: dict[str, np.ndarray] = {}
+    unknown = []
+    for param in sorted(tables):
+        values = values_of(arguments[param])
+        if values is None:
+            unknown.append(param)
+        else:
+            known[param] = np.asarray(values)
+    if unknown:
+        raise TableUnresolved(unknown, deeper)
+    launch_grid = grid(dict(arguments)) if callable(grid) else grid
+    launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
+    return trace_through_tables(fn, launch_grid, dict(arguments), known, is_device)
+
+
+def through_tables_on_cuda(session: Any, name: str, fn: Any, arguments: dict[str, Any], grid: Any,
+                           tables: list[str], is_device: Any = None) -> list[tuple[Any, bool]]:
+    """On CUDA, in a fuzzed session: the memory a kernel that loads its addresses from ``tables``
+    will touch, as (place, writes) pairs (:meth:`kvdevice.intercept.driver_copies.DriverCopies.place`:
+    device memory, the KV cache's bytes, or pinned host memory), from the tables' values as the code
+    made them (:mod:`racecheck.device_values`), the kernel traced on them under the
+    interpreter (:func:`trace_through_tables`). A table whose values are not known, or a table of
+    tables, cannot be followed: a harness error that names it (never a guess). ``is_device``: which
+    arguments are device memory (CUDA tensors; a test's stand-in says otherwise)."""
+    import torch
+
+    from kvdevice.intercept.errors import unroutable
+
+    try:
+        touched = trace_tables(fn, grid, arguments, tables, session.cuda_ops.values.values,
+                               is_device or (lambda t: isinstance(t, torch.Tensor) and t.is_cuda))
+    except TableUnresolved as unknown:
+        why = ("a table loaded through another table" if unknown.deeper else
+               "device memory whose values the code did not make from the host (or from values known so) "
+               "while the tool runs, or that a device op wrote since")
+        raise unroutable(f"{name}: {unknown.named}",
+                         f"{'they are tables' if len(unknown.params) > 1 else 'it is a table'} of addresses the "
+                         f"kernel loads and goes through, in {why}, so what the "
+                         f"kernel touches cannot be known before it runs",
+                         "build the table on the host and copy it to the device (torch.from_numpy(t).to('cuda')) "
+                         "while the tool runs, or fuzz on the simulator (--backend sim), which follows the "
+                         "kernel's actual loads and stores") from None
+    places = []
+    for write in (False, True):
+        for lo, hi in touched.runs(write=write):
+            role = "destination" if write else "source"
+            places.append((session.driver.place(lo, hi - lo, f"{name} through a table", role), write))
+    return places
+
+
+def _handle(kept: Any, mask: Any) -> Any:
+    """``kept`` (a boolean array) as the interpreter's mask handle."""
+    from triton.runtime import interpreter as triton_interpreter
+
+    data = np.asarray(getattr(kept, "data", kept), dtype=bool)
+    dtype = mask.dtype if mask is not None else None
+    if dtype is None:
+        import triton.language as tl
+
+        dtype = tl.int1
+    return triton_interpreter.TensorHandle(data, dtype)
