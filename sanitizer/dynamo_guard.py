@@ -1,6 +1,6 @@
 """Keeping torch.compile out of the sanitizer's own frames, without paying for it when unused.
 
-The sanitizer's dispatch modes are :class:`racecheck.lazy_dynamo.LazyDynamoMode`\ s: no
+The sanitizer's dispatch modes are :class:`racecheck.lazy_dynamo.LazyDynamoMode` modes: no
 ``torch._dynamo`` import (seconds) and no guard on every op (microseconds) until the program imports
 it to ``torch.compile``; from the first op after that import, every mode of the sanitizer (a
 :class:`SanitizerMode`) is wrapped as torch wraps modes by default (``torch._disable_dynamo``).

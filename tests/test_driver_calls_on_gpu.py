@@ -284,7 +284,7 @@ def test_the_tools_own_context_calls_never_go_through_a_patched_library_lookup()
     # On the H100 (2026-12-06) the sanitizer, which patches ctypes.CDLL's lookup to follow the
     # program's driver calls, reported this module's own cuStreamGetCtx as the program's
     # unfollowed call. Its entry points are made from the library's function type instead.
-    from zeroer.intercept.driver_context import LibcudaContexts
+    from kvdevice.intercept.driver_context import LibcudaContexts
 
     made = []
 

@@ -44,7 +44,8 @@ def marks(test_file: str) -> dict[str, tuple[str, int]]:
     sites: dict[str, tuple[str, int]] = {}
     for name in (test_file, module):
         for number, line in enumerate((ENGINE_STYLE / name).read_text().splitlines(), start=1):
-            match = re.search(r"# race: (queued|later)$", line.rstrip())
+            # a line may carry other races' marks after this one (``# race: later, race[27444]: later``)
+            match = re.search(r"# race: (queued|later)(?=,|$)", line.rstrip())
             if match:
                 assert match.group(1) not in sites, f"two '# race: {match.group(1)}' marks for {test_file}"
                 sites[match.group(1)] = (f"tests/engine_style/{name}", number)
