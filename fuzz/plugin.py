@@ -47,7 +47,7 @@ from fuzz.engine.trace import read_trace  # noqa: E402
 from fuzz.options import FuzzOptions, check_output_paths, fuzz_options, gpu_for_worker  # noqa: E402
 from racecheck.cli import USAGE as USAGE_EXIT  # noqa: E402
 from zeroer.errors import ZeroerError  # noqa: E402
-from racecheck.gate import request_eager_module_loading, request_hardware_queues  # noqa: E402
+from racecheck.gate import request_gate_settings  # noqa: E402
 
 CAMPAIGNS_MODULE = Path(__file__).with_name("test_campaigns.py")
 BUGS_KEY = "kvzero_fuzz_bugs"  # workerinput: the run's registry of shrunk bugs (fuzz.engine.known_bugs)
@@ -147,8 +147,7 @@ def _usage_exit(config: pytest.Config, error: BaseException) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    request_hardware_queues()  # before this worker's CUDA context exists: gated streams need their own queues
-    request_eager_module_loading()  # and no kernel's first launch may wait for gated streams to drain
+    request_gate_settings()  # before this worker's CUDA context exists: queues and modules for gated streams
     try:
         config._fuzz_options = fuzz_options(config)
         if not hasattr(config, "workerinput"):

@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ def _relative_runs(tensor: torch.Tensor, base: int) -> list[tuple[int, int]]:
 _OUT_TAG = getattr(torch.Tag, "out", None)
 
 
+@functools.lru_cache(maxsize=None)  # one answer per overload
 def _is_out_variant(func: Any) -> bool:
     """Whether ``func`` is an ``out=`` overload (``aten.add.out``): its ``out`` tensors are
     overwritten, not read. ``torch.Tag.out`` exists from torch 2.13 on; torch 2.11, on the GPU

@@ -275,6 +275,14 @@ def request_hardware_queues() -> Literal["set", "already set", "too late"]:
     return _request_env("CUDA_DEVICE_MAX_CONNECTIONS", str(REQUESTED_HARDWARE_QUEUES))
 
 
+
+def request_gate_settings() -> None:
+    """Both requests a process that may run gated streams makes before its CUDA context exists:
+    :func:`request_hardware_queues` and :func:`request_eager_module_loading` (where there is no
+    CUDA, two variables nothing reads)."""
+    request_hardware_queues()
+    request_eager_module_loading()
+
 # (device index, cuda_stream) of every stream a live CudaRuntime owns. torch.cuda.Stream() hands
 # out a pool of 32 streams round-robin, so a later Stream() can be one of ours, gate and all.
 _STREAMS_IN_USE: set[tuple[int, int]] = set()

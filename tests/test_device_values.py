@@ -284,9 +284,13 @@ def test_an_out_variant_is_told_with_or_without_torchs_out_tag(tagged, monkeypat
 
     if not tagged:
         monkeypatch.setattr(device_values, "_OUT_TAG", None)
-    assert device_values._is_out_variant(torch.ops.aten.add.out)
-    assert not device_values._is_out_variant(torch.ops.aten.add.Tensor)
-    assert not device_values._is_out_variant(torch.ops.aten.add_.Tensor)
+    device_values._is_out_variant.cache_clear()  # answers are kept per overload
+    try:
+        assert device_values._is_out_variant(torch.ops.aten.add.out)
+        assert not device_values._is_out_variant(torch.ops.aten.add.Tensor)
+        assert not device_values._is_out_variant(torch.ops.aten.add_.Tensor)
+    finally:
+        device_values._is_out_variant.cache_clear()
 
 
 # Tags of torch.Tag the product may name directly: those torch 2.11 has (the oldest torch the tools

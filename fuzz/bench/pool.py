@@ -25,10 +25,9 @@ def init_worker(device: int | None = None) -> None:
     harness error in every controlled campaign of the bench (H100, 2026-12-06)."""
     import torch
 
-    from racecheck.gate import request_eager_module_loading, request_hardware_queues
+    from racecheck.gate import request_gate_settings
 
-    request_hardware_queues()  # on a machine without CUDA: an unread variable
-    request_eager_module_loading()
+    request_gate_settings()
     torch.set_num_threads(1)
     if device is not None:
         torch.cuda.set_device(device)
@@ -41,10 +40,9 @@ def completed(run: Callable[[Any], dict], next_job: Callable[[], Any], workers: 
     record, so the caller may queue more) in ``workers`` processes set up by ``initializer(*initargs)``
     (1: in this one, as it is). No job starts once ``may_start()`` is false; running ones finish."""
     if workers <= 1:
-        from racecheck.gate import request_eager_module_loading, request_hardware_queues
+        from racecheck.gate import request_gate_settings
 
-        request_hardware_queues()  # this process runs the jobs: asked for while it still can
-        request_eager_module_loading()
+        request_gate_settings()  # this process runs the jobs: asked for while it still can
         while may_start() and (job := next_job()) is not None:
             yield run(job)
         return
