@@ -3,13 +3,36 @@ benchmark shares) and :class:`RealCuda`, the same calls on a GPU, so the same te
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from sanitizer.gpu.standin import FakeCuda
 
-__all__ = ["FakeCuda", "RealCuda"]
+__all__ = ["FakeCuda", "RealCuda", "kinds", "observing"]
+
+
+@contextlib.contextmanager
+def observing(cuda: Any) -> Iterator[Any]:
+    """The sanitizer's observer on ``cuda`` (the stand-in or :class:`RealCuda`), started; stopped on
+    the way out unless the test stopped it."""
+    from sanitizer.gpu.observer import Observer
+
+    observer = Observer(device=cuda.adapter())
+    cuda.obs = observer
+    observer.start()
+    try:
+        yield observer
+    finally:
+        if observer._started:
+            observer.stop()
+
+
+def kinds(races: list) -> list[str]:
+    """The kinds of ``races``, sorted, each once."""
+    return sorted({race.kind for race in races})
 
 
 class RealCuda:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fake_cuda import FakeCuda, RealCuda
+from fake_cuda import FakeCuda, RealCuda, kinds, observing
 from sanitizer.gpu import c_methods
 from sanitizer.gpu.observer import Observer
 
@@ -33,19 +33,8 @@ def cuda(request):
 
 @pytest.fixture
 def obs(cuda):
-    with cuda.generic_types():
-        observer = Observer(device=cuda.adapter())
-        cuda.obs = observer
-        observer.start()
-        try:
-            yield observer
-        finally:
-            if observer._started:
-                observer.stop()
-
-
-def kinds(races) -> list[str]:
-    return sorted({race.kind for race in races})
+    with cuda.generic_types(), observing(cuda) as observer:
+        yield observer
 
 
 def poll(done) -> None:

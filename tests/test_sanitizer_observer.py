@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from fake_cuda import FakeCuda, RealCuda
+from fake_cuda import FakeCuda, RealCuda, kinds, observing
 from racecheck import schedules
 from sanitizer.gpu.observer import Observer
 from kvdevice.origin import blame
@@ -41,18 +41,8 @@ def fake():
 
 @pytest.fixture
 def obs(cuda):
-    observer = Observer(device=cuda.adapter())
-    cuda.obs = observer
-    observer.start()
-    try:
+    with observing(cuda) as observer:
         yield observer
-    finally:
-        if observer._started:
-            observer.stop()
-
-
-def kinds(races) -> list[str]:
-    return sorted({r.kind for r in races})
 
 
 def lines(races, kind: str) -> set[tuple[int, int]]:
