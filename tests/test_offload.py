@@ -359,6 +359,32 @@ def test_without_an_evict_hook_the_caller_never_evicts_a_slot_under_a_load() -> 
         run_ops(_config("load_acked_on_event"), LOAD_THEN_EVICT)
 
 
+class EvictAnswersNone(engine_offloaders.HostLockedLoads):
+    """Forgets to return ``evict``'s answer: None, not True or False."""
+
+    def __init__(self, cache, host_pool, runtime=None) -> None:
+        super().__init__(cache, host_pool, unlock_on_issue=False)
+
+    def evict(self, slot_ids):
+        super().evict(slot_ids)
+
+
+class FinishedAnswersAString(engine_offloaders.CpuOffloadHandler):
+    def get_finished(self):
+        return ["job " + str(job) for job, _ in super().get_finished()]
+
+
+@pytest.mark.parametrize(("factory", "ops", "says"), [
+    ("EvictAnswersNone", LOAD_THEN_EVICT, r"evict\(\[1\]\) returned None; fix it to return True"),
+    ("FinishedAnswersAString", STORE, r"get_finished\(\) listed 'job \d+', not a job id"),
+])
+def test_an_answer_the_protocol_does_not_allow_is_the_users_to_fix_never_our_bug(factory: str, ops: list, says: str) -> None:
+    # The offloader's code is wrong but not racy: no finding, and not kvzero's bug (exit status 2).
+    with pytest.raises(HarnessError, match=says) as caught:
+        run_ops(EpisodeConfig(offloader=f"tests/test_offload.py:{factory}"), ops)
+    assert caught.value.status == 2 and "bug of kvzero" not in str(caught.value), caught.value
+
+
 class FreesSlotsOnceLoaded(engine_offloaders.HostLockedLoads):
     """Frees a slot once every load from it has completed on the device (its event queried), before
     ``get_finished()`` has reported them: right, since nothing reads the slot any more."""

@@ -6,8 +6,8 @@ what its factory may declare: :mod:`zeroer.offload.protocol`; the host pool the 
 """
 
 from zeroer.offload.host_pool import HOST_MEMORY, HostPool, build_host_pool
-from zeroer.offload.protocol import (BoundOffloader, OffloaderCapabilities, OffloaderSpecError, check_offloader_factory,
-                                     finished_job_ids)
+from zeroer.offload.protocol import (BoundOffloader, OffloaderAnswerError, OffloaderCapabilities, OffloaderSpecError,
+                                     check_offloader_factory, finished_job_ids)
 
-__all__ = ["HOST_MEMORY", "BoundOffloader", "HostPool", "OffloaderCapabilities", "OffloaderSpecError",
-           "build_host_pool", "check_offloader_factory", "finished_job_ids"]
+__all__ = ["HOST_MEMORY", "BoundOffloader", "HostPool", "OffloaderAnswerError", "OffloaderCapabilities",
+           "OffloaderSpecError", "build_host_pool", "check_offloader_factory", "finished_job_ids"]

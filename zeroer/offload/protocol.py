@@ -62,6 +62,14 @@ class OffloaderSpecError(ZeroerError, ValueError):
     user_fixable = True
 
 
+class OffloaderAnswerError(ZeroerError, TypeError):
+    """An answer of the offloader's that the protocol does not allow (``get_finished()`` listing
+    something that is not a job, ``evict`` answering other than True or False). Its code is wrong,
+    but not racy: the run cannot go on, and the user fixes it (exit status 2), never ours to fix."""
+
+    user_fixable = True
+
+
 @dataclass(frozen=True)
 class OffloaderCapabilities(Declared):
     """What an offloader's factory declares (every default is what an engine's class needs).
@@ -105,11 +113,12 @@ def check_offloader_factory(factory: object, spec: str) -> OffloaderCapabilities
 
 def finished_job_ids(reported: Any, spec: str) -> list[tuple[int, bool]]:
     """``get_finished()``'s answer as ``(job_id, success)`` pairs: it may list job ids, or pairs
-    as vLLM's ``TransferResult``; anything else is the offloader's error (a TypeError)."""
+    as vLLM's ``TransferResult``; anything else is the offloader's error (:class:`OffloaderAnswerError`)."""
     if reported is None:
         return []
     if not isinstance(reported, Iterable):
-        raise TypeError(f"offloader {spec!r}: get_finished() returned {type(reported).__name__}, not an iterable of job ids")
+        raise OffloaderAnswerError(f"offloader {spec!r}: get_finished() returned {type(reported).__name__}, not an "
+                                   f"iterable of job ids; fix it to return the finished job ids or (job_id, success) pairs")
     out = []
     for item in reported:
         if isinstance(item, tuple) and len(item) == 2:
@@ -122,7 +131,8 @@ def finished_job_ids(reported: Any, spec: str) -> list[tuple[int, bool]]:
             try:
                 job = int(job)  # a numpy or 0-d tensor id
             except (TypeError, ValueError):
-                raise TypeError(f"offloader {spec!r}: get_finished() listed {item!r}, not a job id or (job_id, success)") from None
+                raise OffloaderAnswerError(f"offloader {spec!r}: get_finished() listed {item!r}, not a job id or "
+                                           f"(job_id, success); fix it to list only those") from None
         out.append((int(job), bool(ok)))
     return out
 
@@ -208,11 +218,11 @@ class BoundOffloader:
 
     def evict(self, slot_ids: list[int]) -> bool:
         """Whether the offloader freed ``slot_ids`` for their next tenant; anything but a bool is the
-        offloader's error (a TypeError), as a malformed ``get_finished()`` answer is."""
+        offloader's error (:class:`OffloaderAnswerError`), as a malformed ``get_finished()`` answer is."""
         freed = self._evict(list(slot_ids))
         if not isinstance(freed, bool):
-            raise TypeError(f"offloader {self.spec!r}: evict({list(slot_ids)}) returned {freed!r}; it returns True "
-                            f"(the slots are freed) or False (a job of its own still uses them)")
+            raise OffloaderAnswerError(f"offloader {self.spec!r}: evict({list(slot_ids)}) returned {freed!r}; fix it to "
+                                       f"return True (the slots are freed) or False (a job of its own still uses them)")
         return freed
 
     def get_finished(self) -> list[tuple[int, bool]]:
