@@ -73,13 +73,15 @@ _NONDETERMINISTIC = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterminist
 
 
 class _Shadow:
-    """One allocation's bytes as the host knows them, and which of them it knows."""
+    """One allocation's bytes as the host knows them, and which of them it knows. The mask is a numpy
+    array: a device write marks its bytes unknown on every op that writes a shadowed table, and a
+    numpy slice costs a fraction of a torch op's dispatch (which every mode below would see)."""
 
     __slots__ = ("data", "known")
 
     def __init__(self, nbytes: int) -> None:
         self.data = torch.zeros(nbytes, dtype=torch.uint8)
-        self.known = torch.zeros(nbytes, dtype=torch.bool)
+        self.known = np.zeros(nbytes, dtype=np.bool_)
 
 
 @dataclass
@@ -149,7 +151,7 @@ class DeviceValues:
         if shadow is None:
             return None
         for lo, hi in _relative_runs(tensor, base):
-            if lo < 0 or hi > shadow.known.numel() or not bool(shadow.known[lo:hi].all()):
+            if lo < 0 or hi > shadow.known.size or not shadow.known[lo:hi].all():
                 return None
         return _view_over(shadow.data if data is None else data, tensor)
 
@@ -163,7 +165,7 @@ class DeviceValues:
         if ranges is None:
             self._drop(address)
             return
-        size = shadow.known.numel()
+        size = shadow.known.size
         for lo, hi in ranges:
             lo, hi = max(0, lo - address), min(size, hi - address)
             if lo < hi:

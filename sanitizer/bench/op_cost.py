@@ -5,7 +5,8 @@ an index_add, a few pointwise ops, a reduction on a side stream, two stream wait
 the dispatch mode, the trace callbacks and the checker. Rounds alternate plain and observed runs
 of the same steps; the result is microseconds per aten op (the ops of one step counted once by a
 dispatch mode that only counts) for each, their difference (the sanitizer's own cost per op) and
-ratio, and the split of that cost by stage (:mod:`sanitizer.bench.op_stages`, from one profiled run
+ratio, in wall-clock time and in the process's CPU time (``*_cpu_us_per_op``: on a machine whose
+cores other jobs share, the wall clock counts their time too, and the CPU time does not), and the split of that cost by stage (:mod:`sanitizer.bench.op_stages`, from one profiled run
 of each kind after the rounds). ``--profile`` writes the observed run's functions by own time.
 
 Without a GPU (or with ``--standin``) the loop runs on the CUDA stand-in
@@ -38,6 +39,8 @@ from racecheck.cli import CLEAN, ArgumentParser, UsageError, check_output, run_m
 from racecheck.environment import environment
 from sanitizer.bench import op_stages
 
+Timing = tuple[float, float]  # (wall-clock seconds, the process's CPU seconds)
+
 
 class Gpu:
     """The loop on CUDA: ``launch_bound.step`` itself."""
@@ -55,7 +58,7 @@ class Gpu:
     def attach(self, obs: Any) -> None:
         """``obs`` observes the next run (torch's trace callbacks reach it without help)."""
 
-    def steps(self, steps: int) -> float:
+    def steps(self, steps: int) -> Timing:
         return run_steps(steps)
 
 
@@ -82,7 +85,7 @@ class StandIn:
     def attach(self, obs: Any) -> None:
         self.cuda.obs = obs  # its streams' and events' calls go to the observer's trace handlers
 
-    def steps(self, steps: int) -> float:
+    def steps(self, steps: int) -> Timing:
         import torch
 
         cuda = self.cuda
@@ -90,11 +93,11 @@ class StandIn:
         ids = torch.ops.aten.empty.memory_format([16], dtype=torch.int64, device=_CUDA)
         side = cuda.new_stream()
         cuda.synchronize()
-        started = time.perf_counter()
+        started = _now()
         for index in range(steps):
             standin_step(cuda, state, ids, side, index)
         cuda.synchronize()
-        return time.perf_counter() - started
+        return _since(started)
 
 
 def standin_step(cuda: Any, state: Any, ids: Any, side: int, index: int) -> None:
@@ -118,8 +121,16 @@ def standin_step(cuda: Any, state: Any, ids: Any, side: int, index: int) -> None
 _CUDA = "cuda"  # the stand-in's aten calls ask for it by name, as torch.device("cuda") would
 
 
-def run_steps(steps: int) -> float:
-    """Seconds for ``steps`` steps, the device drained at the end."""
+def _now() -> Timing:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(started: Timing) -> Timing:
+    return time.perf_counter() - started[0], time.process_time() - started[1]
+
+
+def run_steps(steps: int) -> Timing:
+    """Seconds (wall clock, CPU) for ``steps`` steps, the device drained at the end."""
     import torch
 
     from sanitizer.bench.suites.launch_bound import step
@@ -128,11 +139,11 @@ def run_steps(steps: int) -> float:
     ids = torch.empty(16, dtype=torch.int64, device="cuda")
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
-    started = time.perf_counter()
+    started = _now()
     for index in range(steps):
         step(state, ids, side, index)
     torch.cuda.synchronize()
-    return time.perf_counter() - started
+    return _since(started)
 
 
 def ops_per_step(target: Gpu | StandIn) -> int:
@@ -156,12 +167,12 @@ def ops_per_step(target: Gpu | StandIn) -> int:
     return Count.seen - 2 * one
 
 
-def plain(target: Gpu | StandIn, steps: int, profile: cProfile.Profile | None = None) -> float:
+def plain(target: Gpu | StandIn, steps: int, profile: cProfile.Profile | None = None) -> Timing:
     with _profiling(profile):
         return target.steps(steps)
 
 
-def observed(target: Gpu | StandIn, steps: int, profile: cProfile.Profile | None = None) -> float:
+def observed(target: Gpu | StandIn, steps: int, profile: cProfile.Profile | None = None) -> Timing:
     from sanitizer.gpu.observer import Observer
 
     obs = Observer(device=target.device())
@@ -221,20 +232,27 @@ def _main(argv: list[str]) -> int:
     with target.session():
         ops = ops_per_step(target) * args.steps
         plain(target, 50), observed(target, 50)  # warm up: kernels, the allocator's pools, the observer's imports
-        plain_us, sanitized_us = [], []
+        plain_us, sanitized_us, plain_cpu, sanitized_cpu = [], [], [], []
         for _ in range(args.rounds):
-            plain_us.append(plain(target, args.steps) / ops * 1e6)
-            sanitized_us.append(observed(target, args.steps) / ops * 1e6)
+            for wall, cpu, timing in ((plain_us, plain_cpu, plain(target, args.steps)),
+                                      (sanitized_us, sanitized_cpu, observed(target, args.steps))):
+                wall.append(timing[0] / ops * 1e6)
+                cpu.append(timing[1] / ops * 1e6)
         own = [s - p for s, p in zip(sanitized_us, plain_us)]
+        own_cpu = [s - p for s, p in zip(sanitized_cpu, plain_cpu)]
         split, profile = stages(target, args.steps, ops, median(own))
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "environment": environment(), "device": target.name,
         "steps": args.steps, "ops": ops, "rounds": args.rounds, "plain_us_per_op": plain_us,
         "sanitized_us_per_op": sanitized_us, "own_us_per_op": own, "own_us_per_op_median": median(own),
         "ratio": median(sanitized_us) / median(plain_us), "stages_us_per_op": split,
+        "plain_cpu_us_per_op": plain_cpu, "sanitized_cpu_us_per_op": sanitized_cpu, "own_cpu_us_per_op": own_cpu,
+        "own_cpu_us_per_op_median": median(own_cpu),
     }
     print(f"on {target.name}: plain {median(plain_us):.1f} us/op, sanitized {median(sanitized_us):.1f} us/op, "
           f"own {median(own):.1f} us/op, ratio {result['ratio']:.2f}x (median of {args.rounds}, {ops} ops a run)")
+    print(f"CPU time: plain {median(plain_cpu):.1f} us/op, sanitized {median(sanitized_cpu):.1f} us/op, "
+          f"own {median(own_cpu):.1f} us/op")
     print("own cost by stage (us/op): " + ", ".join(f"{stage} {us:.1f}" for stage, us in split.items()))
     if profile_out is not None:
         text = io.StringIO()

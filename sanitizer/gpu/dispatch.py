@@ -33,6 +33,7 @@ import torch
 
 from racecheck.ops import op_info, op_name
 from sanitizer.gpu import custom
+from racecheck.lazy_dynamo import guard_once_dynamo_loaded
 from sanitizer.dynamo_guard import SanitizerMode
 from sanitizer.gpu.copies import copy
 from sanitizer.host_ops import tensors_of, written_tensors
@@ -55,11 +56,17 @@ class Ops(SanitizerMode):
         self.handler = Handler(observer)
 
     @forwarding  # the program's own call, handed on: what torch raises under it is the program's
-    def on_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        # SanitizerMode's handler with on_dispatch folded in: one Python frame less on every op
+        guard_once_dynamo_loaded(Ops)
         handler = self.handler
         if handler.obs.paused:
-            return func(*args, **kwargs)
-        return handler.on_op(func, args, kwargs)
+            return func(*args, **(kwargs or {}))
+        return handler.on_op(func, args, kwargs or {})
+
+    @forwarding
+    def on_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        return self.__torch_dispatch__(func, (), args, kwargs)
 
 
 def enter(observer: Any) -> Callable[[], None]:
@@ -126,7 +133,11 @@ class Handler:
             written = _written(info, func, args, kwargs)
             # an op on small integers is evaluated on the host, on the values it reads (racecheck.device_values)
             pending = obs.values.prepare(func, args, kwargs, on_device)
-            obs.indices.declare(func, args, kwargs, stamp, on_device, written)
+            if info.indexed is None and info.index_list is None:  # the common case: whole tensors, no rows
+                for tensor in on_device:
+                    obs.device_access(tensor, stamp, write=_is_in(tensor, written))
+            else:
+                obs.indices.declare(func, args, kwargs, stamp, on_device, written)
         result = func(*args, **kwargs)
         with obs.lock:
             if info.fresh != ():  # an in-place op's returns are its arguments: nothing new to declare
@@ -175,6 +186,14 @@ def _written(info: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     if written == (0,) and args and isinstance(args[0], torch.Tensor):
         return (args[0],)
     return written_tensors(func, args, kwargs)
+
+
+def _is_in(tensor: torch.Tensor, written: Any) -> bool:
+    """Whether ``tensor`` is one of ``written`` (by identity: equal tensors are not the same argument)."""
+    for other in written:
+        if other is tensor:
+            return True
+    return False
 
 
 def fresh_outputs(func: Any, result: Any, device: Any, on_device: list[torch.Tensor] | None = None) -> list[torch.Tensor]:

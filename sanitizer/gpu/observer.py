@@ -176,7 +176,8 @@ class Observer(HostWatch):
     def label(self, what: str, stream: int, site: Site | None) -> Label:
         self._ops += 1
         self.stream_thread(stream)
-        key = (what, stream, site)
+        # by the site's identity: one Site per program line (sanitizer.sites), kept alive by its Access
+        key = (what, stream, id(site))
         access = self._accesses.get(key)
         if access is None:  # one Access per op, stream and line: a loop's ops share it
             if len(self._accesses) > 65536:

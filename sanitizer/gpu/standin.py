@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import sys
@@ -63,6 +64,7 @@ class FakeCuda:
         # never share an address)
         self._device: dict[int, _Held] = {}
         self._sizes: dict[int, int] = {}  # storage address -> bytes, of the tensors made device memory
+        self._starts: list[int] = []  # the same addresses, sorted: allocation_at bisects them
         self._pinned: set[int] = set()
         self._host_pool: dict[int, list[bytearray]] = {}  # bytes -> blocks of pin_copy, free or in use
         self._local = threading.local()
@@ -73,7 +75,10 @@ class FakeCuda:
     def device(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         self._hold(storage)
-        self._sizes[storage.data_ptr()] = storage.nbytes()
+        address = storage.data_ptr()
+        if address not in self._sizes:
+            bisect.insort(self._starts, address)
+        self._sizes[address] = storage.nbytes()
         return tensor
     def _hold(self, storage: Any) -> None:
         address = storage.data_ptr()
@@ -84,12 +89,25 @@ class FakeCuda:
     def _freed(self, held: "_Held") -> None:
         if self._device.get(held.address) is held:
             del self._device[held.address]
-            self._sizes.pop(held.address, None)
+            if self._sizes.pop(held.address, None) is not None:
+                self._starts.pop(bisect.bisect_left(self._starts, held.address))
 
 
     def allocation_at(self, address: int, size: int) -> int | None:
-        """The device tensor's storage holding ``[address, address + size)`` (a raw access)."""
-        return next((b for b, n in self._sizes.items() if b <= address and address + size <= b + n), None)
+        """The device tensor's storage holding ``[address, address + size)`` (a raw access): the
+        nearest storage starting at or below ``address`` (live storages do not overlap), by bisection;
+        empty storages hold no byte and are passed over."""
+        starts, sizes = self._starts, self._sizes
+        i = bisect.bisect_right(starts, address) - 1
+        while i >= 0:
+            base = starts[i]
+            nbytes = sizes[base]
+            if nbytes:
+                return base if address + size <= base + nbytes else None
+            if size <= 0 and base == address:
+                return base
+            i -= 1
+        return None
 
     def is_pageable(self, address: int, size: int) -> bool:
         """Memory not made device memory here: the CPU's own (pinned memory is the observer's to know)."""
