@@ -123,6 +123,18 @@ def allocator_segments() -> list[tuple[int, int, torch.device]]:
             for s in torch.cuda.memory_snapshot()]
 
 
+def allocator_block_at(address: int) -> tuple[int, int] | None:
+    """[start, end) of the live block of PyTorch's CUDA caching allocator that holds ``address``."""
+    for segment in torch.cuda.memory_snapshot():
+        start = int(segment["address"])
+        for block in segment.get("blocks", ()):
+            begin = int(block.get("address", start))
+            start = begin + int(block["size"])
+            if block.get("state") == "active_allocated" and begin <= address < start:
+                return begin, start
+    return None
+
+
 def memory_type(address: int) -> str | None:
     """What ``cudaPointerGetAttributes`` says ``address`` is: ``"device"`` (device or managed memory),
     ``"pinned"`` (pinned or registered host memory), ``"pageable"`` (host memory CUDA never saw), or
@@ -171,5 +183,5 @@ def copy_bytes(copies: Copies, placement: Placement) -> None:
             byte_view(dst, nbytes, dst_device).copy_(byte_view(src, nbytes, src_device), non_blocking=True)
 
 
-__all__ = ["Placement", "Unplaced", "allocator_segments", "ask_driver", "byte_view", "copy_bytes", "cuda_running",
+__all__ = ["Placement", "Unplaced", "allocator_block_at", "allocator_segments", "ask_driver", "byte_view", "copy_bytes", "cuda_running",
            "memory_type"]

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from kvdevice.runtime import Event, Runtime, Stream
+from racecheck.placement import Placed
 
 SIM_DEVICE = torch.device("cuda", 0)
 MIN_BLOCK_SIZE = 512  # CUDACachingAllocator's kMinBlockSize: every request is a multiple of it
@@ -219,6 +220,14 @@ class SimDeviceMemory:
             if start <= address < end:
                 return block
         return None
+
+    def holding(self, start: int, end: int) -> Placed | None:
+        """The bytes of ``[start, end)`` the block holding ``start`` holds, the KV cache's apart
+        (:class:`racecheck.placement.Memories`)."""
+        block = self.block_at(start)
+        if block is None:
+            return None
+        return Placed(block, block.key, "device" if block.cache_tensor is None else "cache", [(start, min(end, block.end))])
 
     def ranges(self) -> list[tuple[int, int, Any]]:
         return list(self._ranges)

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from racecheck.lazy_dynamo import LazyDynamoMode, guard_once_dynamo_loaded
+from racecheck.placement import Placed
 from sanitizer.gpu import c_methods, trace
 from sanitizer.gpu.device import CudaDevice
 from sanitizer.sites import also_skip
@@ -87,13 +88,15 @@ class FakeCuda:
             self._sizes.pop(held.address, None)
 
 
-    def allocation_at(self, address: int, size: int) -> int | None:
-        """The device tensor's storage holding ``[address, address + size)`` (a raw access)."""
-        return next((b for b, n in self._sizes.items() if b <= address and address + size <= b + n), None)
+    def holding(self, start: int, end: int) -> Placed | None:
+        """The bytes of ``[start, end)`` in the device tensor's storage that holds ``start`` (a raw access)."""
+        base = next((b for b, n in self._sizes.items() if b <= start < b + n), None)
+        return None if base is None else Placed(base, ("cudamem", base), "device", [(start, min(end, base + self._sizes[base]))])
 
     def is_pageable(self, address: int, size: int) -> bool:
         """Memory not made device memory here: the CPU's own (pinned memory is the observer's to know)."""
-        return self.allocation_at(address, size) is None
+        held = self.holding(address, address + size)
+        return held is None or held.end < address + size
 
     def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` is pinned memory, allocated here (as ``pin_memory=True`` is, to the observer)."""
