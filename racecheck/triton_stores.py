@@ -77,10 +77,14 @@ def kernel_flow(fn: Any) -> KernelFlow:
     Env = dict[str, set[str]]
 
     def sources(expression: ast.AST, env: Env) -> set[str]:
-        found: set[str] = set()
-        for name in _pointer_names(expression):
-            found |= env.get(name, {name} if name in params else set())
-        return found
+        """The parameters whose pointer ``expression`` may carry: a ``tl.load(...)`` (or an atomic's
+        result) is data read through its argument, not that pointer (a loaded address writes elsewhere)."""
+        if isinstance(expression, ast.Call) and isinstance(expression.func, ast.Attribute) \
+                and expression.func.attr in ("load", "atomic_add", "atomic_cas"):
+            return set()
+        if isinstance(expression, ast.Name):
+            return set(env.get(expression.id, {expression.id} if expression.id in params else set()))
+        return set().union(*(sources(child, env) for child in ast.iter_child_nodes(expression)))
 
     def tokens(expression: ast.AST, env: Env) -> set[str]:
         if isinstance(expression, ast.Call) and isinstance(expression.func, ast.Attribute) \
@@ -91,10 +95,7 @@ def kernel_flow(fn: Any) -> KernelFlow:
             return loaded | ({"deep"} if any(t.startswith("l:") or t == "deep" for t in inner) else set())
         if isinstance(expression, ast.Name):
             return set(env.get(expression.id, {f"p:{expression.id}"} if expression.id in params else set()))
-        found: set[str] = set()
-        for child in ast.iter_child_nodes(expression):
-            found |= tokens(child, env)
-        return found
+        return set().union(*(tokens(child, env) for child in ast.iter_child_nodes(expression)))
 
     def sink(expression: ast.AST | None, env: Env) -> None:
         if expression is not None:
@@ -164,18 +165,3 @@ def _is_constexpr(annotation: ast.AST | None) -> bool:
         return False
     text = ast.unparse(annotation)
     return text == "constexpr" or text.endswith(".constexpr")
-
-
-def _pointer_names(expression: ast.AST) -> set[str]:
-    """Names whose pointer value ``expression`` may carry: a ``tl.load(...)`` yields data read
-    through its argument, not that pointer (an address loaded from a table writes elsewhere)."""
-    names: set[str] = set()
-    stack = [expression]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("load", "atomic_add", "atomic_cas"):
-            continue
-        if isinstance(node, ast.Name):
-            names.add(node.id)
-        stack.extend(ast.iter_child_nodes(node))
-    return names

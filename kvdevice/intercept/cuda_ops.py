@@ -36,7 +36,7 @@ from racecheck.custom_ops import is_custom, model_for
 from racecheck.ops import aliased_returns, args_by_position, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, written_args
 from racecheck.placement import Placed
 from racecheck.ranges import byte_runs, merge, row_runs
-from racecheck.raw_copies import allocator_block_at
+from racecheck.raw_copies import allocator_holding
 from kvdevice.runtime import Stream
 
 
@@ -84,14 +84,8 @@ class CudaOps(LazyDynamoMode):
         return ("cudamem", tensor.untyped_storage().data_ptr())
 
     def holding(self, start: int, end: int) -> Placed | None:
-        """The bytes of ``[start, end)`` in the caching allocator's live block that holds ``start``
-        (:class:`racecheck.placement.Memories`), for a raw access (:mod:`kvdevice.intercept.driver_copies`);
-        a tensor's storage starts where its block does."""
-        found = allocator_block_at(start)
-        if found is None:
-            return None
-        kind = "cache" if found[0] in self._cache_storages else "device"
-        return Placed(found[0], ("cudamem", found[0]), kind, [(start, min(end, found[1]))])
+        """Device memory a raw access lies in (:class:`racecheck.placement.Memories`), the KV cache's apart."""
+        return allocator_holding(start, end, self._cache_storages)
 
     def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         self._recorded.add(tensor.untyped_storage().data_ptr())

@@ -66,10 +66,10 @@ class _CacheBytes:
     """The KV cache's buffers, by the block map (:class:`racecheck.placement.Memories`)."""
 
     def __init__(self, block_map: Any) -> None:
-        self.block_map = block_map
+        self.contains = block_map.contains
 
     def holding(self, start: int, end: int) -> Placed | None:
-        return Placed(None, "cache", "cache", [(start, end)]) if self.block_map.contains(start) else None
+        return Placed(None, "cache", "cache", [(start, end)]) if self.contains(start) else None
 
 
 class CustomCalls:
@@ -77,7 +77,6 @@ class CustomCalls:
 
     def __init__(self, session: Any) -> None:
         self.session = session
-        self._host_args = Extents(())
 
     # -- the simulator -------------------------------------------------------------------------------
     def sim(self, model: EffectModel, args: tuple, kwargs: dict, func: Any = None) -> None:
@@ -108,12 +107,12 @@ class CustomCalls:
 
         # A host tensor argument (a block mapping, a table of addresses) is read by the host at the
         # call; only pinned memory is the device's to read later.
-        self._host_args = _host_arguments(given, session.host)
+        host_args = _host_arguments(given, session.host)
         try:
-            found = self._resolve_sim(model, model.declare(inner_args, now))
+            found = self._resolve(model, model.declare(inner_args, now), [host_args, session.memory, session.host.regions])
         except ValueUnknown:
             found = None
-        ids, host_args = session.ids, self._host_args
+        ids = session.ids
         regions = None
         if found is None:  # declared as it runs: the host's accesses meanwhile are kept, in the memory as queued
             session.rt.hb.expect_late_host_accesses()
@@ -123,8 +122,7 @@ class CustomCalls:
 
         def run() -> None:
             if found is None and isinstance(stamp[0], OpStamp):
-                self._host_args = host_args
-                late = self._resolve_sim(model, model.declare(inner_args, host_values), regions)
+                late = self._resolve(model, model.declare(inner_args, host_values), [host_args, session.memory, regions])
                 self._declare_late(late, stamp[0], space, ids)
             forward(model.reference, *inner_args)
 
@@ -147,14 +145,8 @@ class CustomCalls:
             self._host_pending(found, stamp[0])
         return None
 
-    def _resolve_sim(self, model: EffectModel, fx: Any, regions: Any = None) -> _Resolved:
-        """``fx``'s runs by the memory they fall in; ``regions``: the pinned regions to resolve host
-        bytes in (those when the op was queued), else those now."""
-        session = self.session
-        memories = [self._host_args, session.memory, regions if regions is not None else session.host.regions]
-        return self._resolve(model, fx, memories)
-
     def _resolve(self, model: EffectModel, fx: Any, memories: list[Any]) -> _Resolved:
+        """``fx``'s runs by the memory they fall in, an error naming the first no memory holds."""
         placed = []
         for runs, write in ((fx.reads, False), (fx.writes, True)):
             found, unplaced = place(runs, memories)

@@ -222,12 +222,10 @@ class SimDeviceMemory:
         return None
 
     def holding(self, start: int, end: int) -> Placed | None:
-        """The bytes of ``[start, end)`` the block holding ``start`` holds, the KV cache's apart
-        (:class:`racecheck.placement.Memories`)."""
+        """The block holding ``start``, the KV cache's apart (:class:`racecheck.placement.Memories`)."""
         block = self.block_at(start)
-        if block is None:
-            return None
-        return Placed(block, block.key, "device" if block.cache_tensor is None else "cache", [(start, min(end, block.end))])
+        kind = "device" if block is None or block.cache_tensor is None else "cache"
+        return None if block is None else Placed(block, block.key, kind, [(start, min(end, block.end))])
 
     def ranges(self) -> list[tuple[int, int, Any]]:
         return list(self._ranges)

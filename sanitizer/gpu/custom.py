@@ -108,7 +108,7 @@ def declare(obs: Any, model: EffectModel, given: list[Any], tensors: list[torch.
     # An argument in plain host memory (a mapping, a table) is read by the host at the call.
     arguments = Extents.of_storages(tensors, lambda t: "device" if device.is_device(t) else
                                     "host" if obs.region_of(t) is None else None)
-    memories = [arguments, obs.pinned.regions, *([device] if hasattr(device, "holding") else []), _Pageable(device)]
+    memories = [arguments, obs.pinned.regions, device, _Pageable(device)]
     for runs, write in ((fx.reads, False), (fx.writes, True)):
         placed, unplaced = place(runs, memories)
         for lo, hi in unplaced:
@@ -134,11 +134,10 @@ class _Pageable:
     (CUDA stages such a copy before the call returns)."""
 
     def __init__(self, device: Any) -> None:
-        self.device = device
+        self.is_pageable = device.is_pageable
 
     def holding(self, start: int, end: int) -> Placed | None:
-        pageable = getattr(self.device, "is_pageable", None)
-        return Placed(None, None, "host", [(start, end)]) if pageable is not None and pageable(start, end - start) else None
+        return Placed(None, None, "host", [(start, end)]) if self.is_pageable(start, end - start) else None
 
 
 __all__ = ["call", "on_op", "router"]

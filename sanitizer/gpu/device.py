@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from racecheck.placement import Placed
-from racecheck.raw_copies import allocator_block_at, memory_type
+from racecheck.raw_copies import allocator_holding, memory_type
 
 _CUDA = 1  # c10::DeviceType::CUDA, as a torch.Stream's device_type gives it
 
@@ -76,10 +76,8 @@ class CudaDevice:
         """``tensor`` is the fresh output of a device op (only a stand-in needs to be told)."""
 
     def holding(self, start: int, end: int) -> Placed | None:
-        """The bytes of ``[start, end)`` in the caching allocator's live block that holds ``start``
-        (a raw access: :class:`racecheck.placement.Memories`), the memory named by its first byte."""
-        found = allocator_block_at(start)
-        return None if found is None else Placed(found[0], ("cudamem", found[0]), "device", [(start, min(end, found[1]))])
+        """Device memory a raw access lies in (:class:`racecheck.placement.Memories`)."""
+        return allocator_holding(start, end)
 
     def is_pageable(self, address: int, size: int) -> bool:
         """Whether ``[address, address + size)`` is plain host memory: in no block of the caching

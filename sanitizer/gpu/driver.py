@@ -115,9 +115,7 @@ class DriverCalls:
         return places
 
     def _place(self, address: int, size: int, call: str, role: str) -> Placed:
-        obs = self.obs
-        memories = [obs.pinned.regions, *([obs.device] if hasattr(obs.device, "holding") else [])]
-        placed, unplaced = place([(address, address + size)], memories)
+        placed, unplaced = place([(address, address + size)], [self.obs.pinned.regions, self.obs.device])
         if unplaced:
             raise unroutable(f"{call}: {role} {address:#x} ({size} bytes)",
                              "it is not inside one allocation kvz-sanitize knows (device memory, pinned or registered "

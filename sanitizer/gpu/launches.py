@@ -116,9 +116,8 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
         obs.unfollowed.append(Unfollowed(f"{what}'s {unknown.named} ({tables_are} the kernel goes "
                                          f"through, in {why})", site))
         return
-    memories = [obs.pinned.regions, *([device] if hasattr(device, "holding") else [])]
     for write in (False, True):
-        placed, unplaced = place(touched.runs(write=write), memories)
+        placed, unplaced = place(touched.runs(write=write), [obs.pinned.regions, device])
         for lo, hi in unplaced:
             obs.unfollowed.append(Unfollowed(
                 f"{what}: the {hi - lo} bytes at 0x{lo:x} it {'writes' if write else 'reads'} through a table "
