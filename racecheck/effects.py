@@ -114,6 +114,11 @@ class EffectModel:
     def is_torch_op(self) -> bool:
         return "::" in self.name
 
+    @property
+    def short_name(self) -> str:
+        """How a report names the op: ``swap_blocks``, ``multi_layer_block_kv_transfer``."""
+        return self.name.replace("::", ".").rpartition(".")[2]
+
     def bind(self, args: tuple, kwargs: dict, func: Any = None) -> list[Any]:
         """The call's arguments by position (keywords placed by the schema or ``params``)."""
         if func is None and self.is_torch_op:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from racecheck.clocks import OpStamp
+from racecheck.placement import Placed
 from racecheck.ranges import Runs, byte_runs, clip
 from racecheck.shadow import overlaps
 
@@ -108,6 +109,11 @@ class PinnedMemory:
         if i >= 0 and address < self._regions[i].end:
             return self._regions[i]
         return None
+
+    def holding(self, start: int, end: int) -> Placed | None:
+        """The bytes of ``[start, end)`` the region holding ``start`` holds (:class:`racecheck.placement.Memories`)."""
+        region = self.find(start)
+        return None if region is None else Placed(region, region.key, "pinned", [(start, min(end, region.end))])
 
     def of(self, tensor: torch.Tensor) -> Region | None:
         """The region ``tensor`` (a CPU tensor, maybe a view) lives in, if any."""

@@ -27,14 +27,14 @@ Example::
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 import numpy as np
 import torch
 from torch.utils._mode_utils import no_dispatch
 
 from racecheck.errors import KvzeroError
+from racecheck.placement import Extents, Placed, place
 
 CPU = torch.device("cpu")
 Copies = Sequence[tuple[int, int, int]]  # (source address, destination address, bytes)
@@ -76,37 +76,22 @@ class Placement:
     simulator's device memory is CPU memory."""
 
     def __init__(self, tensors: Iterable[torch.Tensor] = ()) -> None:
-        self._known: list[tuple[int, int, torch.device]] = []
-        for tensor in tensors:
-            with torch._C.DisableTorchFunction():
-                storage = tensor.untyped_storage()
-                device = tensor.device
-            if device.type in ("cpu", "cuda") and storage.nbytes():
-                self._known.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), device))
-        self._segments: list[tuple[int, int, torch.device]] | None = None
-        self._starts: list[int] = []
+        with torch._C.DisableTorchFunction():
+            self._known = Extents((s.data_ptr(), s.data_ptr() + s.nbytes(), t.device, None, "device") for t in tensors
+                                  if t.device.type in ("cpu", "cuda") for s in (t.untyped_storage(),))
+        self._segments: Extents | None = None
 
     def device_of(self, address: int, nbytes: int) -> torch.device:
         """The device whose memory holds ``[address, address + nbytes)`` (``cpu``: host memory)."""
-        end = address + nbytes
-        for start, stop, device in self._known:
-            if start <= address and end <= stop:
-                return device
-        if not cuda_running():
-            return CPU
-        found = self._segment(address, end)
-        if found is not None:
-            return found
-        return ask_driver(address, nbytes)
-
-    def _segment(self, address: int, end: int) -> torch.device | None:
-        if self._segments is None:
-            self._segments = sorted(allocator_segments())
-            self._starts = [s for s, _, _ in self._segments]
-        i = bisect.bisect_right(self._starts, address) - 1
-        if i >= 0 and end <= self._segments[i][1]:
-            return self._segments[i][2]
-        return None
+        run = [(address, address + nbytes)]
+        placed, _ = place(run, [self._known])
+        if not placed and cuda_running():
+            if self._segments is None:  # read once, at the first address no argument holds
+                self._segments = Extents((start, end, device, None, "device") for start, end, device in allocator_segments())
+            placed, _ = place(run, [self._segments])
+            if not placed:
+                return ask_driver(address, nbytes)
+        return placed[0].memory if placed else CPU
 
 
 def cuda_running() -> bool:
@@ -121,6 +106,20 @@ def allocator_segments() -> list[tuple[int, int, torch.device]]:
         return []
     return [(int(s["address"]), int(s["address"]) + int(s["total_size"]), torch.device("cuda", int(s["device"])))
             for s in torch.cuda.memory_snapshot()]
+
+
+def allocator_holding(start: int, end: int, cache: Container[int] = ()) -> Placed | None:
+    """The bytes of ``[start, end)`` in the live block of PyTorch's CUDA caching allocator that holds
+    ``start`` (a :class:`racecheck.placement.Memories` answer), the memory named by its first byte, where
+    a tensor's storage starts; of kind ``cache`` where ``cache`` holds that byte."""
+    for segment in torch.cuda.memory_snapshot():
+        at = int(segment["address"])
+        for block in segment.get("blocks", ()):
+            begin = int(block.get("address", at))
+            at = begin + int(block["size"])
+            if block.get("state") == "active_allocated" and begin <= start < at:
+                return Placed(begin, ("cudamem", begin), "cache" if begin in cache else "device", [(start, min(end, at))])
+    return None
 
 
 def memory_type(address: int) -> str | None:
@@ -171,5 +170,5 @@ def copy_bytes(copies: Copies, placement: Placement) -> None:
             byte_view(dst, nbytes, dst_device).copy_(byte_view(src, nbytes, src_device), non_blocking=True)
 
 
-__all__ = ["Placement", "Unplaced", "allocator_segments", "ask_driver", "byte_view", "copy_bytes", "cuda_running",
+__all__ = ["Placement", "Unplaced", "allocator_holding", "allocator_segments", "ask_driver", "byte_view", "copy_bytes", "cuda_running",
            "memory_type"]

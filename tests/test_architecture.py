@@ -207,3 +207,13 @@ def test_the_runtime_keeps_the_name_the_zeroer_api_gave_it():
 
     assert sorted(zeroer.runtime.__all__) == sorted(kvdevice.runtime.__all__)
     assert all(getattr(zeroer.runtime, name) is getattr(kvdevice.runtime, name) for name in kvdevice.runtime.__all__)
+
+
+def test_raw_address_runs_are_placed_by_one_module_with_one_record():
+    """Bytes placed in a memory are racecheck.placement's ``Placed``, resolved by its ``place``: the
+    five records and the doubled helpers each tool once wrote for it stay gone (issue 52), and so do
+    the two readings of a Triton kernel's source (racecheck.triton_stores.kernel_flow is one)."""
+    gone = re.compile(r"^\s*(?:class (Touch|Span|_Key|RawDevice|Place)\b|def (_host_extents|stored_params"
+                      r"|address_tables)\b)", re.MULTILINE)
+    found = [f"{p.relative_to(ROOT)}: {''.join(m.groups(''))}" for p in MODULES for m in gone.finditer(p.read_text())]
+    assert not found, f"write these with racecheck.placement (Placed, place) or kernel_flow instead: {found}"

@@ -358,6 +358,7 @@ def test_on_cuda_without_its_extension_the_fuzzer_queues_the_models_copies_as_on
     # so the copies must be made there, not at the call (the session here queues issue() and runs
     # it later, as the schedule would). Host tensors stand in for the device's.
     from racecheck.device_values import DeviceValues
+    from racecheck.placement import Extents
     from kvdevice.intercept.custom_calls import CustomCalls
 
     src = [_kv(lambda t: t, base=10 * i) for i in range(2)]
@@ -369,7 +370,8 @@ def test_on_cuda_without_its_extension_the_fuzzer_queues_the_models_copies_as_on
     session = types.SimpleNamespace(
         call="offloader.load#1", block_map=None,
         cuda_ops=types.SimpleNamespace(values=DeviceValues(is_device=lambda t: t.is_cuda), _cache_storages={}),
-        host=types.SimpleNamespace(lookup=lambda tensor: everything, regions=types.SimpleNamespace(find=lambda at: everything)),
+        host=types.SimpleNamespace(lookup=lambda tensor: everything,
+                                   regions=Extents([(0, everything.end, everything, everything.key, "pinned")])),
         enqueue=lambda issue, **declared: queued.append((issue, declared)))
     model = _model("sgl_kernel::transfer_kv_all_layer")
     assert CustomCalls(session).cuda(model, None, (*tables, si, di, 32, 2, 2, 1), {}) is None

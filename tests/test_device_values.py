@@ -177,7 +177,9 @@ def test_the_tables_are_read_as_the_kernel_starts_even_where_every_argument_coun
     # ... dst_addrs, sizes and src_addrs' on vLLM's handler, 2026-12-06).
     from sanitizer.gpu import launches
 
-    monkeypatch.setattr(launches, "stored_params", lambda fn: frozenset(launches.inspect.signature(fn).parameters))
+    flow = launches.kernel_flow
+    monkeypatch.setattr(launches, "kernel_flow",
+                        lambda fn: flow(fn)._replace(stored=frozenset(launches.inspect.signature(fn).parameters)))
 
     def program(cuda, obs):
         kv = cuda.device(torch.ones((4 * ROWS, WORDS), dtype=torch.float32))
@@ -248,6 +250,7 @@ def test_a_table_a_device_op_the_tool_cannot_evaluate_wrote_is_one_line_and_no_v
 def test_on_cuda_the_fuzzer_follows_a_table_computed_on_the_device():
     """through_tables_on_cuda on the values its CudaOps keeps (the same DeviceValues, fed as it feeds it)."""
     from kvdevice.intercept.kernel_accesses import through_tables_on_cuda
+    from racecheck.placement import Placed
 
     values, device = _values()
     kv = torch.ones((4 * ROWS, WORDS), dtype=torch.float32)
@@ -260,9 +263,9 @@ def test_on_cuda_the_fuzzer_follows_a_table_computed_on_the_device():
     tables.append(_run(values, device, aten.full.default, [ROWS], stride, dtype=torch.int64, device=torch.device("cuda")))
     places: list = []
 
-    def place(address: int, size: int, call: str, role: str) -> SimpleNamespace:
+    def place(address: int, size: int, call: str, role: str) -> Placed:
         places.append((address, address + size, role))
-        return SimpleNamespace(start=address, end=address + size)
+        return Placed(None, ("cudamem", address), "device", [(address, address + size)])
 
     session = SimpleNamespace(cuda_ops=SimpleNamespace(values=values), driver=SimpleNamespace(place=place))
     arguments = {"src_addrs": tables[0], "dst_addrs": tables[1], "sizes": tables[2], "n_jobs": ROWS,

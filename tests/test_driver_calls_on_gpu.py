@@ -24,6 +24,7 @@ from fake_driver import PRIMARY, FakeContexts, real_batch, real_memcpy
 from kvdevice.intercept import driver_copies
 from kvdevice.intercept.driver_context import use_api
 from kvdevice.intercept.driver_copies import BATCH_TYPE, SIZE_MAX, MemcpyAttributes
+from racecheck.pinned import PinnedMemory
 
 N = 64
 
@@ -76,15 +77,11 @@ def test_a_followed_pointer_called_while_no_tool_follows_it_is_the_real_call_in_
     assert torch.equal(dst, src) and contexts.calls == [("cuMemcpyBatchAsync", PRIMARY)]
 
 
-class _Regions:
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self.spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors]
-
-    def find(self, address: int):
-        for start, end in self.spans:
-            if start <= address < end:
-                return type("Region", (), {"start": start, "end": end})()
-        return None
+def _regions(*tensors: torch.Tensor) -> PinnedMemory:
+    regions = PinnedMemory()
+    for tensor in tensors:
+        regions.add_tensor(tensor)
+    return regions
 
 
 class _CudaSession:
@@ -99,7 +96,7 @@ class _CudaSession:
     def __init__(self, *pinned: torch.Tensor) -> None:
         self.issued: list = []
         self.rt = type("Rt", (), {"default_stream": "main", "use_stream": lambda self, s: contextlib.nullcontext()})()
-        self.host = type("Host", (), {"regions": _Regions(*pinned), "note_read": lambda *a: None,
+        self.host = type("Host", (), {"regions": _regions(*pinned), "note_read": lambda *a: None,
                                       "note_device_write": lambda *a: None, "used_by_copy": lambda *a: None})()
 
     def boundary(self, call: str) -> None:

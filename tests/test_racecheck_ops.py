@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from racecheck.ops import aliased_returns, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, written_args
-from racecheck.triton_stores import stored_params
+from racecheck.triton_stores import kernel_flow
 
 aten = torch.ops.aten
 
@@ -307,7 +307,7 @@ def reuses_a_local(x_ptr, out_ptr, BLOCK: tl.constexpr):
 
 
 def pointers_stored(kernel: Any, pointers: set[str]) -> set[str]:
-    return set(stored_params(kernel.fn)) & pointers
+    return set(kernel_flow(kernel.fn).stored) & pointers
 
 
 def test_a_kernel_storing_through_one_param_writes_only_it():
@@ -334,18 +334,18 @@ def test_atomics_write_their_pointer_but_a_loaded_offset_does_not_write_its_sour
 def test_a_kernel_whose_source_cannot_be_read_writes_every_argument():
     namespace: dict[str, Any] = {}
     exec("def made_at_runtime(a_ptr, b_ptr, n):\n    pass\n", namespace)
-    assert stored_params(namespace["made_at_runtime"]) == frozenset({"a_ptr", "b_ptr", "n"})
+    assert kernel_flow(namespace["made_at_runtime"]).stored == frozenset({"a_ptr", "b_ptr", "n"})
 
 
 def test_a_kernel_that_stores_nothing_writes_nothing():
     def reads_only(x_ptr, n):
         return tl.load(x_ptr + n)
 
-    assert stored_params(reads_only) == frozenset()
+    assert kernel_flow(reads_only).stored == frozenset()
 
 
 def test_the_docstring_example_holds():
-    assert stored_params(add_one.fn) == frozenset({"out_ptr"})
+    assert kernel_flow(add_one.fn).stored == frozenset({"out_ptr"})
 
 
 def test_a_local_reused_for_loading_and_then_storing_writes_only_the_stored_param():

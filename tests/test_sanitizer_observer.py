@@ -560,13 +560,14 @@ def test_the_collectors_threshold_is_raised_while_any_observer_runs_and_put_back
 
 
 def test_the_stand_ins_allocation_lookup_finds_the_storage_holding_a_range_as_allocations_come_and_go():
-    # allocation_at bisects sorted starts (sanitizer.gpu.standin); a freed storage leaves them
+    # holding() bisects sorted starts (sanitizer.gpu.standin); a freed storage leaves them
     cuda = FakeCuda()
     tensors = [cuda.device(torch.zeros(n, dtype=torch.uint8)) for n in (64, 4096, 16, 256)]
     for t in tensors:
         base = t.untyped_storage().data_ptr()
-        assert cuda.allocation_at(base, t.numel()) == base
-        assert cuda.allocation_at(base + t.numel() // 2, 1) == base
-        assert cuda.allocation_at(base + t.numel() - 1, 2) is None  # runs past its end
+        end = base + t.numel()
+        assert cuda.holding(base, end).ranges == [(base, end)] and cuda.holding(base, end).memory == base
+        assert cuda.holding(base + t.numel() // 2, base + t.numel() // 2 + 1).memory == base
+        assert cuda.holding(end - 1, end + 1).ranges == [(end - 1, end)]  # the rest is another memory's or none's
     gone = tensors.pop(1).untyped_storage().data_ptr()
-    assert cuda.allocation_at(gone, 1) is None
+    assert cuda.holding(gone, gone + 1) is None

@@ -20,7 +20,7 @@ import torch
 
 import triton_swap_offload as swap
 from fake_cuda import FakeCuda
-from racecheck.triton_stores import address_tables
+from racecheck.triton_stores import kernel_flow
 from sanitizer.sim.session import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def test_the_swap_kernels_tables_are_read_from_its_source():
-    assert address_tables(swap._swap_blocks_kernel.fn) == (frozenset({"src_addrs", "dst_addrs", "sizes"}), False)
+    flow = kernel_flow(swap._swap_blocks_kernel.fn)
+    assert (flow.tables, flow.deeper) == (frozenset({"src_addrs", "dst_addrs", "sizes"}), False)
 
 
 def _tables(src: torch.Tensor, src_block: int, dst: torch.Tensor, dst_block: int) -> list[np.ndarray]:
@@ -185,9 +186,11 @@ def _cuda_session(places: list) -> SimpleNamespace:
     """What through_tables_on_cuda asks of a session: its known device values, and where a run lands."""
     from racecheck.device_values import DeviceValues
 
-    def place(address: int, size: int, call: str, role: str) -> tuple:
+    from racecheck.placement import Placed
+
+    def place(address: int, size: int, call: str, role: str) -> Placed:
         places.append((address, address + size, role))
-        return SimpleNamespace(kind="device", owner=None, start=address, end=address + size)
+        return Placed(None, ("cudamem", address), "device", [(address, address + size)])
 
     device: set[int] = set()  # the storages the test calls device memory (session.device)
     values = DeviceValues(lambda t: t.untyped_storage().data_ptr() in device)

@@ -34,7 +34,9 @@ from racecheck.lazy_dynamo import LazyDynamoMode, guard_once_dynamo_loaded
 from racecheck.device_values import DeviceValues
 from racecheck.custom_ops import is_custom, model_for
 from racecheck.ops import aliased_returns, args_by_position, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, written_args
+from racecheck.placement import Placed
 from racecheck.ranges import byte_runs, merge, row_runs
+from racecheck.raw_copies import allocator_holding
 from kvdevice.runtime import Stream
 
 
@@ -81,17 +83,9 @@ class CudaOps(LazyDynamoMode):
     def key(self, tensor: torch.Tensor) -> tuple:
         return ("cudamem", tensor.untyped_storage().data_ptr())
 
-    def place(self, address: int, size: int) -> "RawDevice | None":
-        """The caching allocator's live block that ``[address, address + size)`` lies in, for a raw
-        copy (:mod:`kvdevice.intercept.driver_copies`); a tensor's storage starts where its block does."""
-        for segment in torch.cuda.memory_snapshot():
-            start = int(segment["address"])
-            for block in segment.get("blocks", ()):
-                begin = int(block.get("address", start))
-                start = begin + int(block["size"])
-                if block.get("state") == "active_allocated" and begin <= address and address + size <= start:
-                    return RawDevice(("cudamem", begin), 0 if begin in self._cache_storages else None)
-        return None
+    def holding(self, start: int, end: int) -> Placed | None:
+        """Device memory a raw access lies in (:class:`racecheck.placement.Memories`), the KV cache's apart."""
+        return allocator_holding(start, end, self._cache_storages)
 
     def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         self._recorded.add(tensor.untyped_storage().data_ptr())
@@ -262,12 +256,3 @@ class CudaOps(LazyDynamoMode):
         if dst is None and pin and how != "d2h-async" and isinstance(result, torch.Tensor) and not result.is_cuda:
             self.session.host.register(result, "pinned result of .to()")
         return result
-
-
-class RawDevice:
-    """Device memory a raw address lies in: its key, and whether it is the KV cache's (``cache_tensor``)."""
-
-    __slots__ = ("key", "cache_tensor")
-
-    def __init__(self, key: tuple, cache_tensor: int | None) -> None:
-        self.key, self.cache_tensor = key, cache_tensor

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_map
 
 from racecheck.custom_ops import EffectModel, ValueUnknown, host_values, known_values, missing_model, op_name
 from racecheck.hb import OpStamp
+from racecheck.placement import Extents, Placed, by_memory, place
 from racecheck.ranges import merge
 from kvdevice.intercept.errors import InterceptError, forward, unroutable
 from kvdevice.intercept.cache_access import CacheAccess
@@ -43,37 +44,32 @@ def unmodelled(name: str) -> InterceptError:
     return InterceptError(f"custom op {name}: {missing_model(name)}")
 
 
-class Touch:
-    """Runs of one memory key an op reads or writes (what ``Runtime.launch`` declares)."""
-
-    __slots__ = ("key", "ranges", "block")
-
-    def __init__(self, key: Any, ranges: list[tuple[int, int]], block: Any = None) -> None:
-        self.key, self.ranges, self.block = key, ranges, block
-        if block is None:
-            del self.block  # ProgramSession reads ``.block`` of device memory only
-
-
 class _Resolved:
-    """A model's runs, sorted by the memory they fall in."""
+    """A model's runs, placed (:func:`racecheck.placement.place`): device and pinned memory by key,
+    the KV cache's bytes as runs (and, on the simulator, the blocks of cache memory they fall in)."""
 
-    def __init__(self) -> None:
-        self.device: dict[Any, tuple[Any, list, list]] = {}  # key -> (block or None, read runs, write runs)
-        self.host: dict[Any, tuple[Any, list, list]] = {}  # region key -> (region, read runs, write runs)
-        self.cache_read: list[tuple[int, int]] = []
-        self.cache_written: list[tuple[int, int]] = []
-        self.cache_blocks: dict[Any, Any] = {}  # key -> block (the simulator's cache memory)
+    def __init__(self, reads: list[Placed], writes: list[Placed]) -> None:
+        self.reads = by_memory(reads, ("device",)) + by_memory(reads, ("pinned",))
+        self.writes = by_memory(writes, ("device",)) + by_memory(writes, ("pinned",))
+        self.cache_read = merge([r for p in reads if p.kind == "cache" for r in p.ranges])
+        self.cache_written = merge([r for p in writes if p.kind == "cache" for r in p.ranges])
+        self.cache_blocks = {p.key: p.memory for p in reads + writes if p.kind == "cache"}  # the simulator's
 
-    def touches(self) -> tuple[list[Touch], list[Touch]]:
-        reads = [_touch(key, block, r) for key, (block, r, _) in self.device.items() if r]
-        writes = [_touch(key, block, w) for key, (block, _, w) in self.device.items() if w]
-        reads += [Touch(key, r) for key, (_, r, _) in self.host.items() if r]
-        writes += [Touch(key, w) for key, (_, _, w) in self.host.items() if w]
-        return reads, writes
+    def by_key(self, kind: str) -> list[tuple[Any, Any, Any]]:
+        """(key, runs read, runs written) of each memory of ``kind``, in the order first met."""
+        read = {p.key: p.ranges for p in self.reads if p.kind == kind}
+        written = {p.key: p.ranges for p in self.writes if p.kind == kind}
+        return [(key, read.get(key), written.get(key)) for key in {**read, **written}]
 
 
-def _touch(key: Any, block: Any, runs: list) -> Touch:
-    return Touch(key, merge(runs), block) if block is not None else Touch(key, merge(runs))
+class _CacheBytes:
+    """The KV cache's buffers, by the block map (:class:`racecheck.placement.Memories`)."""
+
+    def __init__(self, block_map: Any) -> None:
+        self.contains = block_map.contains
+
+    def holding(self, start: int, end: int) -> Placed | None:
+        return Placed(None, "cache", "cache", [(start, end)]) if self.contains(start) else None
 
 
 class CustomCalls:
@@ -81,7 +77,6 @@ class CustomCalls:
 
     def __init__(self, session: Any) -> None:
         self.session = session
-        self._host_args: list[tuple[int, int]] = []
 
     # -- the simulator -------------------------------------------------------------------------------
     def sim(self, model: EffectModel, args: tuple, kwargs: dict, func: Any = None) -> None:
@@ -100,7 +95,7 @@ class CustomCalls:
             return value
 
         inner_args = tree_map(inner, given)
-        name = _short(model.name)
+        name = model.short_name
         if model.reference is None:
             raise unroutable(f"{model.name} on the simulator", "its effect model has no reference implementation",
                              "give effect_model(...) a reference= (a CPU implementation) " + MODEL_FIX)
@@ -112,12 +107,12 @@ class CustomCalls:
 
         # A host tensor argument (a block mapping, a table of addresses) is read by the host at the
         # call; only pinned memory is the device's to read later.
-        self._host_args = _host_extents(given, session.host)
+        host_args = _host_arguments(given, session.host)
         try:
-            found = self._resolve_sim(model, model.declare(inner_args, now))
+            found = self._resolve(model, model.declare(inner_args, now), [host_args, session.memory, session.host.regions])
         except ValueUnknown:
             found = None
-        ids, host_args = session.ids, self._host_args
+        ids = session.ids
         regions = None
         if found is None:  # declared as it runs: the host's accesses meanwhile are kept, in the memory as queued
             session.rt.hb.expect_late_host_accesses()
@@ -127,8 +122,7 @@ class CustomCalls:
 
         def run() -> None:
             if found is None and isinstance(stamp[0], OpStamp):
-                self._host_args = host_args
-                late = self._resolve_sim(model, model.declare(inner_args, host_values), regions)
+                late = self._resolve(model, model.declare(inner_args, host_values), [host_args, session.memory, regions])
                 self._declare_late(late, stamp[0], space, ids)
             forward(model.reference, *inner_args)
 
@@ -138,45 +132,28 @@ class CustomCalls:
                                  "its accesses depend on device values the simulator reads only as it runs")
             stamp.append(session.enqueue(run, name=name))
             return None
-        reads, writes = found.touches()
+        reads, writes = list(found.reads), found.writes
         cache: Any
         if session.block_map is not None:
-            cache = CacheAccess(merge(found.cache_read), merge(found.cache_written))
+            cache = CacheAccess(found.cache_read, found.cache_written)
         else:
             cache = bool(found.cache_written)
-            reads += [Touch(key, merge(found.cache_read), block) for key, block in found.cache_blocks.items()
+            reads += [Placed(block, key, "cache", found.cache_read) for key, block in found.cache_blocks.items()
                       if found.cache_read]
         stamp.append(session.enqueue(run, name=name, reads=reads, writes=writes, cache_written=cache))
         if isinstance(stamp[0], OpStamp):
             self._host_pending(found, stamp[0])
         return None
 
-    def _resolve_sim(self, model: EffectModel, fx: Any, regions: Any = None) -> _Resolved:
-        """``fx``'s runs by the memory they fall in; ``regions``: the pinned regions to resolve host
-        bytes in (those when the op was queued), else those now."""
-        session = self.session
-        regions = regions if regions is not None else session.host.regions
-        found = _Resolved()
+    def _resolve(self, model: EffectModel, fx: Any, memories: list[Any]) -> _Resolved:
+        """``fx``'s runs by the memory they fall in, an error naming the first no memory holds."""
+        placed = []
         for runs, write in ((fx.reads, False), (fx.writes, True)):
-            for lo, hi in merge(runs):
-                if any(start <= lo and hi <= end for start, end in self._host_args):
-                    continue  # read by the host at the call
-                block = session.memory.block_at(lo)
-                if block is not None and hi <= block.end:
-                    if block.cache_tensor is not None:
-                        (found.cache_written if write else found.cache_read).append((lo, hi))
-                        found.cache_blocks[block.key] = block
-                        continue
-                    entry = found.device.setdefault(block.key, (block, [], []))
-                    entry[2 if write else 1].append((lo, hi))
-                    continue
-                region = regions.find(lo)
-                if region is not None and hi <= region.end:
-                    entry = found.host.setdefault(region.key, (region, [], []))
-                    entry[2 if write else 1].append((lo, hi))
-                    continue
-                raise self._outside(model, lo, hi, write)
-        return found
+            found, unplaced = place(runs, memories)
+            if unplaced:
+                raise self._outside(model, *unplaced[0], write)
+            placed.append(found)
+        return _Resolved(*placed)
 
     def _outside(self, model: EffectModel, lo: int, hi: int, write: bool) -> InterceptError:
         verb = "writes" if write else "reads"
@@ -190,18 +167,16 @@ class CustomCalls:
         """Declare what the op touches as it runs (its values are there now)."""
         session = self.session
         hb = session.rt.hb
-        for key, (_, reads, writes) in found.device.items():
-            for runs, write in ((reads, False), (writes, True)):
-                if runs:
-                    hb.device_access(key, stamp, write=write, ranges=merge(runs), late=True)
-        for key, (_, reads, writes) in found.host.items():
-            for runs, write in ((reads, False), (writes, True)):
-                if runs:
-                    hb.late_host_access(key, stamp, write=write, ranges=merge(runs))
-                    hb.device_access(key, stamp, write=write, ranges=merge(runs), late=True)
+        for kind in ("device", "pinned"):
+            for key, reads, writes in found.by_key(kind):
+                for runs, write in ((reads, False), (writes, True)):
+                    if runs and kind == "pinned":
+                        hb.late_host_access(key, stamp, write=write, ranges=runs)
+                    if runs:
+                        hb.device_access(key, stamp, write=write, ranges=runs, late=True)
         if session.block_map is not None:
             for runs, write in ((found.cache_read, False), (found.cache_written, True)):
-                for block in sorted(session.block_map.of_runs(merge(runs))):
+                for block in sorted(session.block_map.of_runs(runs)):
                     hb.device_access(("block", space, block), stamp, write=write, late=True)
         else:
             if found.cache_written:
@@ -209,16 +184,16 @@ class CustomCalls:
                     hb.device_access(("block", space, int(block)), stamp, write=True, late=True)
             if found.cache_read:
                 for key in found.cache_blocks:
-                    hb.device_access(key, stamp, write=False, ranges=merge(found.cache_read), late=True)
+                    hb.device_access(key, stamp, write=False, ranges=found.cache_read, late=True)
 
     def _host_pending(self, found: _Resolved, stamp: OpStamp) -> None:
         """Pinned bytes the op reads or writes when it runs: pending until the host has seen it."""
         hb = self.session.rt.hb
-        for key, (_, reads, writes) in found.host.items():
+        for key, reads, writes in found.by_key("pinned"):
             if reads:
-                hb.copy_reads_host(key, stamp, merge(reads))
+                hb.copy_reads_host(key, stamp, reads)
             if writes:
-                hb.copy_writes_host(key, stamp, merge(writes))
+                hb.copy_writes_host(key, stamp, writes)
 
     # -- CUDA (the fuzzer's cuda backend) ------------------------------------------------------------
     def cuda(self, model: EffectModel, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -249,34 +224,14 @@ class CustomCalls:
                              "reference=")
 
         fx = model.declare(given, now)
-        host_args = _host_extents(given, session.host)
-        storages = {}
-        for value in given:
-            if isinstance(value, torch.Tensor) and value.is_cuda:
-                storage = value.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
         cache = session.cuda_ops._cache_storages
-        found = _Resolved()
-        for runs, write in ((fx.reads, False), (fx.writes, True)):
-            for lo, hi in merge(runs):
-                if any(start <= lo and hi <= end for start, end in host_args):
-                    continue  # read by the host at the call
-                base = next((b for b, n in storages.items() if b <= lo and hi <= b + n), None)
-                if base is not None or (session.block_map is not None and session.block_map.contains(lo)):
-                    if base in cache or base is None:
-                        (found.cache_written if write else found.cache_read).append((lo, hi))
-                        continue
-                    entry = found.device.setdefault(("cudamem", base), (None, [], []))
-                    entry[2 if write else 1].append((lo, hi))
-                    continue
-                region = session.host.regions.find(lo)
-                if region is not None and hi <= region.end:
-                    entry = found.host.setdefault(region.key, (region, [], []))
-                    entry[2 if write else 1].append((lo, hi))
-                    continue
-                raise self._outside(model, lo, hi, write)
-        reads, writes = found.touches()
-        cache_access: Any = (CacheAccess(merge(found.cache_read), merge(found.cache_written))
+        storages = Extents.of_storages(given, lambda t: None if not t.is_cuda else
+                                       "cache" if t.untyped_storage().data_ptr() in cache else "device")
+        memories = [_host_arguments(given, session.host), storages, session.host.regions]
+        if session.block_map is not None:
+            memories.insert(2, _CacheBytes(session.block_map))
+        found = self._resolve(model, fx, memories)
+        cache_access: Any = (CacheAccess(found.cache_read, found.cache_written)
                              if session.block_map is not None else bool(found.cache_written))
         box: list[Any] = []
 
@@ -288,29 +243,20 @@ class CustomCalls:
             with known_values(lambda tensor: now(tensor)):
                 box.append(forward(model.reference, *given))
 
-        stamp = session.enqueue(issue, name=_short(model.name), reads=reads, writes=writes, cache_written=cache_access)
+        stamp = session.enqueue(issue, name=model.short_name, reads=found.reads, writes=found.writes,
+                                cache_written=cache_access)
         if isinstance(stamp, OpStamp):
             self._host_pending(found, stamp)
         return box[0] if box else None
 
 
-def _host_extents(given: list[Any], host: Any) -> list[tuple[int, int]]:
-    """[start, end) of the op's host tensor arguments outside pinned memory (the host reads them at
-    the call, as the extension's C++ does)."""
+def _host_arguments(given: list[Any], host: Any) -> Extents:
+    """The op's host tensor arguments outside pinned memory: the host reads them at the call, as
+    the extension's C++ does."""
     from kvdevice.intercept.sim_tensor import SimCudaTensor
 
-    extents = []
-    for value in given:
-        if isinstance(value, torch.Tensor) and not isinstance(value, SimCudaTensor) and not value.is_cuda:
-            if host.lookup(value) is None:
-                storage = value.untyped_storage()
-                extents.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
-    return extents
+    return Extents.of_storages(given, lambda t: "host" if not isinstance(t, SimCudaTensor) and not t.is_cuda
+                               and host.lookup(t) is None else None)
 
 
-def _short(name: str) -> str:
-    """How a report names the op: ``swap_blocks``, ``multi_layer_block_kv_transfer``."""
-    return name.replace("::", ".").rpartition(".")[2]
-
-
-__all__ = ["CustomCalls", "Touch", "op_name", "unmodelled"]
+__all__ = ["CustomCalls", "op_name", "unmodelled"]

@@ -49,7 +49,6 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -57,6 +56,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from kvdevice.intercept.driver_context import in_context, program_context
 from kvdevice.intercept.errors import InterceptError, unroutable
+from racecheck.placement import Placed, by_memory, place
 from racecheck.ranges import merge
 
 CUDA_SUCCESS = 0
@@ -87,20 +87,12 @@ class MemcpyAttributes(ctypes.Structure):
                 ("flags", ctypes.c_uint)]
 
 
-@dataclass
-class Place:
-    """Where one run of a raw copy lands: a simulated device block, or a pinned host region."""
-
-    kind: str  # "device" or "pinned"
-    owner: Any  # the Block (kvdevice.intercept.sim_memory) or the Region (racecheck.pinned)
-    start: int
-    end: int
-
-    def view(self) -> torch.Tensor:
-        """The bytes as a CPU tensor (what the pinned-memory watch snapshots and compares)."""
-        with torch._C.DisableTorchFunction(), no_dispatch():
-            return torch.frombuffer((ctypes.c_uint8 * (self.end - self.start)).from_address(self.start),
-                                    dtype=torch.uint8)
+def host_view(placed: Placed) -> torch.Tensor:
+    """The bytes of ``placed`` (one run of host memory) as a CPU tensor: what the pinned-memory
+    watch snapshots and compares."""
+    with torch._C.DisableTorchFunction(), no_dispatch():
+        return torch.frombuffer((ctypes.c_uint8 * (placed.end - placed.start)).from_address(placed.start),
+                                dtype=torch.uint8)
 
 
 # -- the process's followed entry points -------------------------------------------------------------
@@ -464,24 +456,18 @@ class DriverCopies:
                              "nor schedule the copy",
                              "pass stream.cuda_stream of a torch.cuda.Stream() made while the tool runs") from None
 
-    def place(self, address: int, size: int, call: str, role: str) -> Place:
+    def place(self, address: int, size: int, call: str, role: str) -> Placed:
         """The memory ``[address, address + size)`` lies in."""
         session = self.session
-        memory = session.memory
-        block = memory.block_at(address) if memory is not None else None
-        if block is not None and address + size <= block.end:
-            return Place("device", block, address, address + size)
-        region = session.host.regions.find(address)
-        if region is not None and address + size <= region.end:
-            return Place("pinned", region, address, address + size)
-        if session.backend != "sim":
-            found = session.cuda_ops.place(address, size)
-            if found is not None:
-                return Place("device", found, address, address + size)
-        raise unroutable(f"{call}: {role} {address:#x} ({size} bytes)",
-                         f"it is {session.describe_address(address)}, not inside one allocation the harness knows "
-                         f"(device memory, pinned or registered host memory)",
-                         "copy between device tensors and pinned host memory made while the tool runs")
+        memories = [m for m in (session.memory, session.host.regions,
+                                getattr(session, "cuda_ops", None) if session.backend != "sim" else None) if m is not None]
+        placed, unplaced = place([(address, address + size)], memories)
+        if unplaced:
+            raise unroutable(f"{call}: {role} {address:#x} ({size} bytes)",
+                             f"it is {session.describe_address(address)}, not inside one allocation the harness "
+                             f"knows (device memory, pinned or registered host memory)",
+                             "copy between device tensors and pinned host memory made while the tool runs")
+        return placed[0]
 
     def copy(self, call: str, runs: list[tuple[int, int, int, str]], handle: int, real: Any) -> None:
         """One queued op on the stream ``handle`` names, moving ``runs`` (dst, src, bytes, source order)."""
@@ -502,9 +488,7 @@ class DriverCopies:
             except InterceptError as error:
                 error.copy_index = index  # type: ignore[attr-defined]  # the batch's failIdx
                 raise
-        device_reads = [(p.owner, p.start, p.end) for _, p, _ in moves if p.kind == "device"]
-        device_writes = [(p.owner, p.start, p.end) for p, _, _ in moves if p.kind == "device"]
-        reads, writes, cache = self.accesses(device_reads, device_writes)
+        reads, writes, cache = self.accesses([src for _, src, _ in moves], [dst for dst, _, _ in moves])
         if session.backend == "sim":
             staged = {i: ctypes.string_at(src.start, src.end - src.start)
                       for i, (_, src, order) in enumerate(moves) if order == "DURING_API_CALL"}
@@ -533,37 +517,28 @@ class DriverCopies:
             stamp = session.enqueue(run, name=call, reads=reads, writes=writes, cache_written=cache)
         for dst, src, _ in moves:
             if src.kind == "pinned":
-                view = src.view()
-                session.host.note_read(src.owner, view, stamp)
+                view = host_view(src)
+                session.host.note_read(src.memory, view, stamp)
                 session.host.used_by_copy(view, stream)
             if dst.kind == "pinned":
-                view = dst.view()
-                session.host.note_device_write(dst.owner, view, stamp)
+                view = host_view(dst)
+                session.host.note_device_write(dst.memory, view, stamp)
                 session.host.used_by_copy(view, stream)
 
-    def accesses(self, read: list[tuple[Any, int, int]], written: list[tuple[Any, int, int]]) -> tuple[list, list, Any]:
+    def accesses(self, read: list[Placed], written: list[Placed]) -> tuple[list, list, Any]:
         """(reads, writes, the cache) as ``Runtime.launch`` takes them, as a ``copy_`` of those bytes
-        declares them (:meth:`kvdevice.intercept.sim_ops.SimOps._accesses`): device memory by its runs; the
-        KV cache's bytes as a :class:`~kvdevice.intercept.cache_access.CacheAccess` for an offloader, as "the
-        cache is written" for a zeroer."""
+        declares them (:meth:`kvdevice.intercept.sim_ops.SimOps._accesses`), pinned memory left out:
+        device memory by its runs; the KV cache's bytes as a
+        :class:`~kvdevice.intercept.cache_access.CacheAccess` for an offloader, as "the cache is
+        written" for a zeroer."""
         from kvdevice.intercept.cache_access import CacheAccess
-        from kvdevice.intercept.sim_ops import Span
 
-        def spans(places: list[tuple[Any, int, int]]) -> list[Any]:
-            by_owner: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
-            for owner, start, end in places:
-                by_owner.setdefault(id(owner), (owner, []))[1].append((start, end))
-            return [Span(owner, merge(runs)) for owner, runs in by_owner.values()]
-
-        def on_cache(owner: Any) -> bool:
-            return getattr(owner, "cache_tensor", None) is not None
+        def cache(places: list[Placed]) -> list[tuple[int, int]]:
+            return merge([r for p in places if p.kind == "cache" for r in p.ranges])
 
         if self.session.block_map is not None:
-            cache = CacheAccess(merge([(s, e) for o, s, e in read if on_cache(o)]),
-                                merge([(s, e) for o, s, e in written if on_cache(o)]))
-            return (spans([p for p in read if not on_cache(p[0])]), spans([p for p in written if not on_cache(p[0])]),
-                    cache)
-        return spans(read), spans([p for p in written if not on_cache(p[0])]), any(on_cache(p[0]) for p in written)
+            return by_memory(read, ("device",)), by_memory(written, ("device",)), CacheAccess(cache(read), cache(written))
+        return by_memory(read, ("device", "cache")), by_memory(written, ("device",)), bool(cache(written))
 
     def _real_call(self, symbol: str, args: tuple) -> Callable[[], int]:
         fn = _REAL.get(symbol)

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from racecheck.ranges import Runs, clip
-from kvdevice.intercept.sim_memory import Block
+from racecheck.placement import by_memory, place
+from racecheck.ranges import Runs
 
 
 class Touched:
@@ -74,32 +74,29 @@ def declare(session: Any, stamp: Any, touched: Touched, space: Any, *, skip: set
     pinned regions as they were when the launch was queued (the bytes it reads are theirs, though
     the allocator may have handed them to a new tensor since)."""
     hb = session.rt.hb
-    ranges = session.address_ranges(host)
+    memories = [session.memory, host if host is not None else session.host.regions]
     for write in (False, True):
         runs = touched.runs(write=write)
         if not runs:
             continue
+        # The address check skipped (and reported) every word outside the memory there was when
+        # the kernel ran, so nothing is left unplaced but bytes of a region made since it was queued.
+        placed, _ = place(runs, memories, split=True)
         blocks: set[int] = set()
-        for start, end, owner in ranges:
-            mine = clip(runs, start, end)
-            if not mine:
-                continue
-            if isinstance(owner, Block) and owner.cache_tensor is not None:
+        for part in by_memory(placed):
+            if part.kind == "cache":
                 # The KV cache, argument or not, by the logical blocks the caller's accesses use; a
                 # zeroer's session has no map and declared the blocks of its zero call at launch.
                 if session.block_map is not None:
-                    blocks.update(session.block_map.of_runs(mine))
+                    blocks.update(session.block_map.of_runs(part.ranges))
                 continue
-            key = getattr(owner, "key", None)
-            if key in skip:
+            if part.key in skip:
                 continue
-            if isinstance(owner, Block):
-                hb.device_access(key, stamp, write=write, ranges=mine, late=True)
-            else:  # pinned host memory, read or written by the GPU when the kernel runs
-                hb.late_host_access(key, stamp, write=write, ranges=mine)
+            if part.kind == "pinned":  # read or written by the GPU when the kernel runs
+                hb.late_host_access(part.key, stamp, write=write, ranges=part.ranges)
                 if write:
-                    session.host.pending.drop(owner, mine)
-                hb.device_access(key, stamp, write=write, ranges=mine, late=True)
+                    session.host.pending.drop(part.memory, part.ranges)
+            hb.device_access(part.key, stamp, write=write, ranges=part.ranges, late=True)
         for block in sorted(blocks):
             hb.device_access(("block", space, block), stamp, write=write, late=True)
 
@@ -111,7 +108,7 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
 
     The kernel runs under Triton's interpreter on the host, every device argument a host stand-in
     (a table its values, any other zeros: what the kernel reads there steers nothing, which
-    :func:`racecheck.triton_stores.address_tables` made sure of). A load or store that lands
+    :func:`racecheck.triton_stores.kernel_flow` made sure of). A load or store that lands
     outside the stand-ins went through a table: it is recorded and skipped (a load yields
     ``other``), so no device byte is read and nothing is written."""
     import torch
@@ -181,9 +178,9 @@ def trace_tables(fn: Any, grid: Any, arguments: dict[str, Any], tables: list[str
     when unknown) by :func:`trace_through_tables`. Raises :class:`TableUnresolved` naming every table
     whose values are unknown (in name order: the first named is not the first made), or all of them
     when a table is loaded through another table."""
-    from racecheck.triton_stores import address_tables
+    from racecheck.triton_stores import kernel_flow
 
-    _, deeper = address_tables(fn)
+    deeper = kernel_flow(fn).deeper
     if deeper:
         raise TableUnresolved(sorted(tables), deeper)
     known: dict[str, np.ndarray] = {}

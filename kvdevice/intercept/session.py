@@ -48,6 +48,7 @@ from kvdevice.intercept.unroutable import unroutable_guard
 from kvdevice.runtime import Runtime
 from racecheck import custom_ops
 from racecheck.hb import OpStamp
+from racecheck.placement import Placed
 
 
 class InterceptSession:
@@ -215,7 +216,7 @@ class InterceptSession:
 
     # -- device work -------------------------------------------------------------------------------
     def _declare(self, reads: Sequence[Any], writes: Sequence[Any], cache_written: Any) -> dict[str, Any]:
-        declared = {"reads": [_Key(k) for k in reads], "writes": [_Key(k) for k in writes]}
+        declared = {"reads": [Placed.whole(k) for k in reads], "writes": [Placed.whole(k) for k in writes]}
         cuda_ops = getattr(self, "cuda_ops", None)
         if cuda_ops is not None:  # values known in written memory are stale (a table kernel's)
             cuda_ops.forget_written([w.key[1] for w in declared["writes"]
@@ -284,17 +285,6 @@ class InterceptSession:
 
 
 LABELLED_WITH_IDS = ("zero_block_ids", "store", "load")
-
-
-class _Key:
-    """A memory key in the shape ``Runtime.launch`` reads (an object with ``.key``, and the
-    ``.ranges`` of bytes touched where known)."""
-
-    __slots__ = ("key", "ranges")
-
-    def __init__(self, key: Any) -> None:
-        self.key = key.key if hasattr(key, "key") else key
-        self.ranges = getattr(key, "ranges", None)
 
 
 def _name(owner: Any) -> str:

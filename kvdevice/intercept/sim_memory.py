@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from kvdevice.runtime import Event, Runtime, Stream
+from racecheck.placement import Placed
 
 SIM_DEVICE = torch.device("cuda", 0)
 MIN_BLOCK_SIZE = 512  # CUDACachingAllocator's kMinBlockSize: every request is a multiple of it
@@ -219,6 +220,12 @@ class SimDeviceMemory:
             if start <= address < end:
                 return block
         return None
+
+    def holding(self, start: int, end: int) -> Placed | None:
+        """The block holding ``start``, the KV cache's apart (:class:`racecheck.placement.Memories`)."""
+        block = self.block_at(start)
+        kind = "device" if block is None or block.cache_tensor is None else "cache"
+        return None if block is None else Placed(block, block.key, kind, [(start, min(end, block.end))])
 
     def ranges(self) -> list[tuple[int, int, Any]]:
         return list(self._ranges)

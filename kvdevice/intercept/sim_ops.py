@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kvdevice.intercept.errors import forward, unroutable
 from racecheck.custom_ops import is_custom, model_for
 from racecheck.ops import SET_STORAGE, aliased_returns, args_by_position, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, op_name, written_args
+from racecheck.placement import Placed
 from racecheck.ranges import byte_runs, merge, row_runs
 from kvdevice.intercept.cache_access import CacheAccess
 from kvdevice.intercept.sim_graphs import CapturedOp
@@ -161,7 +162,7 @@ class SimOps:
         return self._like(meta, f"{func}")
 
     def _accesses(self, tensors: list[SimCudaTensor], written: list[SimCudaTensor]) -> tuple[list, list, Any]:
-        """(bytes read, bytes written, whether the KV cache is written): each a :class:`Span`, the
+        """(bytes read, bytes written, whether the KV cache is written): each a :class:`~racecheck.placement.Placed`, the
         block and the runs of its bytes the tensor covers, so that two views of one allocation that
         do not meet (``kv[3]`` and ``kv[7]``) are not taken for one memory. An offloader's session
         gets the cache's bytes apart, as a :class:`CacheAccess` the session maps to blocks."""
@@ -349,23 +350,14 @@ def _composite(func: Any) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
-class Span:
-    """The bytes of a simulated block an op touches: what ``Runtime.launch`` declares."""
-
-    __slots__ = ("block", "key", "ranges")
-
-    def __init__(self, block: Block, ranges: list[tuple[int, int]]) -> None:
-        self.block, self.key, self.ranges = block, block.key, ranges
-
-
-def _spans(tensors: Any) -> list[Span]:
-    """One :class:`Span` per block among ``tensors``, with the runs all of them cover there."""
+def _spans(tensors: Any) -> list[Placed]:
+    """One :class:`~racecheck.placement.Placed` per block among ``tensors``, with the runs all of them cover there."""
     by_block: dict[int, tuple[Block, list[tuple[int, int]]]] = {}
     for tensor in tensors:
         block = tensor._alloc.block
         entry = by_block.setdefault(id(block), (block, []))
         entry[1].extend(byte_runs(tensor._inner))
-    return [Span(block, merge(runs)) for block, runs in by_block.values()]
+    return [Placed(block, block.key, "device", merge(runs)) for block, runs in by_block.values()]
 
 
 Runner = Callable[[], None]

@@ -42,12 +42,13 @@ from triton.runtime import interpreter as triton_interpreter
 from triton.runtime.jit import JITFunction
 
 from kvdevice.intercept.errors import SimulatorGap, forward, unroutable
+from kvdevice.intercept.driver_copies import host_view
 from kvdevice.intercept.kernel_accesses import Touched, declare, through_tables_on_cuda
 from kvdevice.intercept.sim_graphs import CapturedOp
 from kvdevice.intercept.sim_tensor import SimCudaTensor
 from racecheck.gate import is_gate_kernel
 from racecheck.hb import Hazard
-from racecheck.triton_stores import address_tables, stored_params
+from racecheck.triton_stores import kernel_flow
 from kvdevice.triton_cpu import interpreted, kernel_error, nested_calls_interpreted, raised_by_interpreter
 
 
@@ -148,7 +149,8 @@ class TritonLaunches:
             error.add_note(f"launching {name}")
             raise
         bound.apply_defaults()
-        written = stored_params(jit.fn)
+        flow = kernel_flow(jit.fn)
+        written = flow.stored
         reads, writes, pinned = [], [], []
         for param, value in bound.arguments.items():
             if isinstance(value, torch.Tensor):
@@ -209,7 +211,7 @@ class TritonLaunches:
         else:
             if warmup:
                 return self.original(jit, *args, grid=grid, warmup=True, **kwargs)
-            tables = sorted(n for n in address_tables(jit.fn)[0] if isinstance(bound.arguments.get(n), torch.Tensor))
+            tables = sorted(n for n in flow.tables if isinstance(bound.arguments.get(n), torch.Tensor))
             cache_written: Any = True  # a zeroer's session: its kernel writes the blocks of its zero call
             through: list[tuple[Any, bool]] = []
             if tables and session.block_map is not None:
@@ -217,9 +219,8 @@ class TritonLaunches:
                 # the values the host staged into the table: traced before the launch, declared as
                 # the copy those bytes make would be (kvdevice.intercept.kernel_accesses).
                 through = through_tables_on_cuda(session, name, jit.fn, dict(bound.arguments), grid, tables)
-                device_reads = [(p.owner, p.start, p.end) for p, write in through if p.kind == "device" and not write]
-                device_writes = [(p.owner, p.start, p.end) for p, write in through if p.kind == "device" and write]
-                more_reads, more_writes, cache_written = session.driver.accesses(device_reads, device_writes)
+                more_reads, more_writes, cache_written = session.driver.accesses(
+                    [p for p, write in through if not write], [p for p, write in through if write])
                 reads, writes = reads + more_reads, writes + more_writes
             box: list[Any] = []
 
@@ -230,7 +231,7 @@ class TritonLaunches:
             result = box[0] if box else None
             for place, stored in through:  # pinned host memory the kernel reaches through a table
                 if place.kind == "pinned":
-                    pinned.append((place.owner, place.view(), stored))
+                    pinned.append((place.memory, host_view(place), stored))
         for buffer, view, stored in pinned:
             if stored:  # the kernel writes this pinned memory, as a device-to-host copy would
                 session.host.note_device_write(buffer, view, stamp)

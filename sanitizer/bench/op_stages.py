@@ -36,7 +36,7 @@ STAGES: tuple[tuple[str, tuple[str, ...], frozenset[str] | None], ...] = (
                 "racecheck/custom_ops.py", "racecheck/dtypes.py"), None),
     ("memory lookup", ("sanitizer/gpu/device.py", "racecheck/ranges.py"), None),
     ("memory lookup", ("sanitizer/gpu/standin.py",),
-     frozenset({"is_device", "is_pinned", "adopt", "device_index", "allocation_at", "current_stream"})),
+     frozenset({"is_device", "is_pinned", "adopt", "device_index", "holding", "current_stream"})),
     ("memory lookup", ("sanitizer/gpu/observer.py",),
      frozenset({"device_access", "device_access_at", "region_of", "memory_allocated", "_gone"})),
     ("happens-before", ("racecheck/hb.py", "racecheck/clocks.py", "racecheck/shadow.py", "sanitizer/races.py",

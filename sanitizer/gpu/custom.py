@@ -27,7 +27,7 @@ import torch
 
 from racecheck.custom_ops import (EffectModel, ValueUnknown, host_values, known_values, missing_model, model_for, op_name,
                                   route, unrouted)
-from racecheck.ranges import merge
+from racecheck.placement import Extents, Placed, place
 from sanitizer.sites import Site, caller_site
 from kvdevice.intercept.sim_tensor import SimCudaTensor
 from kvdevice.origin import forwarding
@@ -80,7 +80,7 @@ def call(obs: Any, model: EffectModel, given: list[Any], run: Any, site: Site) -
     with obs.lock:
         obs.boundary(site)
         index = device.device_index(on_device[0] if on_device else None)
-        stamp = obs.enqueue(model.name.replace("::", ".").rpartition(".")[2], device.current_stream(index), site)
+        stamp = obs.enqueue(model.short_name, device.current_stream(index), site)
         declare(obs, model, given, tensors, stamp, site)
     result = run()
     with obs.lock:
@@ -105,36 +105,39 @@ def declare(obs: Any, model: EffectModel, given: list[Any], tensors: list[torch.
         obs.notes.append(f"kvz-sanitize could not tell what {model.name} at {site} touches (its effect model "
                          f"needs values held in device memory that the host never staged); its accesses are not checked")
         return
-    storages: dict[int, int] = {}
-    host_args: list[tuple[int, int]] = []
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if device.is_device(tensor):
-            storages[storage.data_ptr()] = storage.nbytes()
-        elif obs.region_of(tensor) is None:  # read by the host at the call (a mapping, a table)
-            host_args.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
-    hb = obs.hb
+    # An argument in plain host memory (a mapping, a table) is read by the host at the call.
+    arguments = Extents.of_storages(tensors, lambda t: "device" if device.is_device(t) else
+                                    "host" if obs.region_of(t) is None else None)
+    memories = [arguments, obs.pinned.regions, device, _Pageable(device)]
     for runs, write in ((fx.reads, False), (fx.writes, True)):
-        for lo, hi in merge(runs):
-            if any(start <= lo and hi <= end for start, end in host_args):
-                continue
-            region = obs.pinned.regions.find(lo)
-            if region is not None and hi <= region.end:
-                (hb.copy_writes_host if write else hb.copy_reads_host)(region.key, stamp, [(lo, hi)])
-                hb.device_access(region.key, stamp, write=write, ranges=[(lo, hi)])
-                continue
-            base = next((b for b, n in storages.items() if b <= lo and hi <= b + n), None)
-            if base is None:
-                finder = getattr(device, "allocation_at", None)
-                base = finder(lo, hi - lo) if finder is not None else None
-            if base is None and getattr(device, "is_pageable", lambda *_: False)(lo, hi - lo):
-                continue  # plain host memory: the op's copy from or to it is the host's, at the call
-            if base is None:
-                obs.notes.append(f"kvz-sanitize could not place the {hi - lo} bytes at 0x{lo:x} that {model.name} at "
-                                 f"{site} {'writes' if write else 'reads'} (no allocation it knows holds them); "
-                                 f"that access is not checked")
-                continue
-            obs.device_access_at(base, [(lo, hi)], stamp, write=write)
+        placed, unplaced = place(runs, memories)
+        for lo, hi in unplaced:
+            obs.notes.append(f"kvz-sanitize could not place the {hi - lo} bytes at 0x{lo:x} that {model.name} at "
+                             f"{site} {'writes' if write else 'reads'} (no allocation it knows holds them); "
+                             f"that access is not checked")
+        declare_placed(obs, placed, stamp, write=write)
+
+
+def declare_placed(obs: Any, placed: list[Placed], stamp: Any, *, write: bool) -> None:
+    """``stamp`` reads or writes each run of ``placed`` (device or pinned memory; the host's are its own)."""
+    hb = obs.hb
+    for part in placed:
+        if part.kind == "pinned":
+            (hb.copy_writes_host if write else hb.copy_reads_host)(part.key, stamp, part.ranges)
+            hb.device_access(part.key, stamp, write=write, ranges=part.ranges)
+        elif part.kind == "device":
+            obs.device_access_at(part.memory, part.ranges, stamp, write=write)
+
+
+class _Pageable:
+    """Plain host memory, as the driver says: an op's copy from or to it is the host's, at the call
+    (CUDA stages such a copy before the call returns)."""
+
+    def __init__(self, device: Any) -> None:
+        self.is_pageable = device.is_pageable
+
+    def holding(self, start: int, end: int) -> Placed | None:
+        return Placed(None, None, "host", [(start, end)]) if self.is_pageable(start, end - start) else None
 
 
 __all__ = ["call", "on_op", "router"]

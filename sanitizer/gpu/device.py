@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from racecheck.raw_copies import memory_type
+from racecheck.placement import Placed
+from racecheck.raw_copies import allocator_holding, memory_type
 
 _CUDA = 1  # c10::DeviceType::CUDA, as a torch.Stream's device_type gives it
 
@@ -74,23 +75,16 @@ class CudaDevice:
     def adopt(self, tensor: torch.Tensor) -> None:
         """``tensor`` is the fresh output of a device op (only a stand-in needs to be told)."""
 
-    def allocation_at(self, address: int, size: int) -> int | None:
-        """The first byte of the caching allocator's live block holding ``[address, address + size)``
-        (a custom op's raw access, :mod:`sanitizer.gpu.custom`), or None."""
-        for segment in torch.cuda.memory_snapshot():
-            start = int(segment["address"])
-            for block in segment.get("blocks", ()):
-                begin, start = start, start + int(block["size"])
-                if block.get("state") == "active_allocated" and begin <= address and address + size <= start:
-                    return begin
-        return None
+    def holding(self, start: int, end: int) -> Placed | None:
+        """Device memory a raw access lies in (:class:`racecheck.placement.Memories`)."""
+        return allocator_holding(start, end)
 
     def is_pageable(self, address: int, size: int) -> bool:
         """Whether ``[address, address + size)`` is plain host memory: in no block of the caching
         allocator, and neither pinned nor registered as the driver says (a custom op's raw access
         there is the host's, at the call: CUDA stages a copy from or to pageable memory before the
         call returns). False where the driver cannot be asked."""
-        if self.allocation_at(address, size) is not None:
+        if self.holding(address, address + size) is not None:
             return False
         return memory_type(address) == "pageable" and memory_type(address + size - 1) == "pageable"
 

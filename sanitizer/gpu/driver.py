@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from racecheck.placement import Placed, place
 from sanitizer.races import Unfollowed
 from sanitizer.sites import Site, also_skip, caller_site
 from kvdevice.intercept import driver_copies
@@ -87,7 +88,7 @@ class DriverCalls:
         if places is not None:
             with obs.lock:
                 obs.boundary(site)
-                pinned = any(p[0] == "pinned" for dst, src, _ in places for p in (dst, src))
+                pinned = any(p.kind == "pinned" for dst, src, _ in places for p in (dst, src))
                 held = self._hold(handle) if pinned else None
                 stamp = obs.enqueue(call.rpartition(".")[2], handle, site)
                 for dst, src, _ in places:
@@ -100,8 +101,8 @@ class DriverCalls:
         return result
 
     def _places(self, call: str, runs: list[tuple[int, int, int, str]], site: Site) -> list[tuple]:
-        """Each run's (destination, source) as ("device", base, lo, hi) or ("pinned", region, lo, hi);
-        None (and one line) where one lies in memory the observer does not know."""
+        """Each run's (destination, source, source order), placed in device or pinned memory; None
+        (and one line) where one lies in memory the observer does not know."""
         places = []
         for dst, src, n, order in runs:
             if n <= 0:
@@ -113,18 +114,13 @@ class DriverCalls:
                 return None
         return places
 
-    def _place(self, address: int, size: int, call: str, role: str) -> tuple:
-        obs = self.obs
-        region = obs.pinned.regions.find(address)
-        if region is not None and address + size <= region.end:
-            return ("pinned", region, address, address + size)
-        finder = getattr(obs.device, "allocation_at", None)
-        base = finder(address, size) if finder is not None else None
-        if base is not None:
-            return ("device", base, address, address + size)
-        raise unroutable(f"{call}: {role} {address:#x} ({size} bytes)",
-                         "it is not inside one allocation kvz-sanitize knows (device memory, pinned or registered "
-                         "host memory): pageable memory, or memory allocated around torch")
+    def _place(self, address: int, size: int, call: str, role: str) -> Placed:
+        placed, unplaced = place([(address, address + size)], [self.obs.pinned.regions, self.obs.device])
+        if unplaced:
+            raise unroutable(f"{call}: {role} {address:#x} ({size} bytes)",
+                             "it is not inside one allocation kvz-sanitize knows (device memory, pinned or registered "
+                             "host memory): pageable memory, or memory allocated around torch")
+        return placed[0]
 
     def _hold(self, handle: int) -> Any:
         """Force mode: a closed gate on the copy's stream, as a pinned ``copy_`` gets."""
@@ -134,18 +130,16 @@ class DriverCalls:
         with obs.own_work():
             return obs.forcing.hold(torch.cuda.ExternalStream(handle) if handle else torch.cuda.default_stream())
 
-    def _declare(self, place: tuple, stamp: Any, held: Any, *, write: bool) -> None:
+    def _declare(self, place: Placed, stamp: Any, held: Any, *, write: bool) -> None:
         obs = self.obs
-        kind, owner, lo, hi = place
-        if kind == "device":
-            obs.device_access_at(owner, [(lo, hi)], stamp, write=write)
+        if place.kind == "device":
+            obs.device_access_at(place.memory, place.ranges, stamp, write=write)
             return
-        with torch._C.DisableTorchFunction():
-            view = torch.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=torch.uint8)
+        view = driver_copies.host_view(place)
         if write:
-            obs.queued_write(owner, view, stamp, held)
+            obs.queued_write(place.memory, view, stamp, held)
         else:  # the region keeps the snapshot: a raw address has no tensor to outlive
-            obs.queued_read(owner, view, stamp, held, keep=owner)
+            obs.queued_read(place.memory, view, stamp, held, keep=place.memory)
 
     # -- the bindings' entry points -------------------------------------------------------------------------
     def binding(self, module: Any, module_name: str, name: str, original: Any) -> Callable[..., Any] | None:

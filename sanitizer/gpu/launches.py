@@ -3,7 +3,7 @@ writing those that reach a ``tl.store``.
 
 ``kernel[grid](*args)`` is ``JITFunction.run``, no aten op, so the observer wraps it. A device
 tensor argument is read (or written, when the kernel's source stores through it:
-:func:`racecheck.triton_stores.stored_params`) over the bytes of its view; a pinned host tensor
+:func:`racecheck.triton_stores.kernel_flow`) over the bytes of its view; a pinned host tensor
 argument is read by the GPU when the kernel runs (zero-copy), as a non-blocking copy reads it, so
 it gets a snapshot and, in force mode, a gate; one the kernel stores into is written as a
 device-to-host copy writes it (the host may read it once it has seen the kernel end). A kernel that
@@ -24,7 +24,9 @@ from triton.runtime.jit import JITFunction
 
 from racecheck.gate import is_gate_kernel
 from racecheck.custom_ops import host_values
-from racecheck.triton_stores import address_tables, stored_params
+from racecheck.placement import place
+from racecheck.triton_stores import kernel_flow
+from sanitizer.gpu.custom import declare_placed
 from sanitizer.sites import caller_site
 from kvdevice.intercept.kernel_accesses import TableUnresolved, trace_tables
 from kvdevice.intercept.sim_tensor import SimCudaTensor
@@ -53,12 +55,13 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any = None) -
     pinned = [(obs.region_of(v), v, n) for n, v in tensors if not device.is_device(v)]
     if not on_device and not any(region is not None for region, _, _ in pinned):
         return
-    stored = stored_params(jit.fn)
+    flow = kernel_flow(jit.fn)
+    stored = flow.stored
     pinned = [(region, v, n in stored) for region, v, n in pinned if region is not None]
     site = caller_site()
     obs.boundary(site)
     what = f"Triton kernel {getattr(jit, '__name__', 'kernel')}"
-    tables = [n for n in address_tables(jit.fn)[0] if isinstance(bound.get(n), torch.Tensor)]
+    tables = [n for n in flow.tables if isinstance(bound.get(n), torch.Tensor)]
     record = obs.graphs.capturing()
     if record is not None:
         if tables:  # a replay's tables may hold other values: not followed
@@ -113,22 +116,13 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
         obs.unfollowed.append(Unfollowed(f"{what}'s {unknown.named} ({tables_are} the kernel goes "
                                          f"through, in {why})", site))
         return
-    hb = obs.hb
     for write in (False, True):
-        for lo, hi in touched.runs(write=write):
-            region = obs.pinned.regions.find(lo)
-            if region is not None and hi <= region.end:
-                (hb.copy_writes_host if write else hb.copy_reads_host)(region.key, stamp, [(lo, hi)])
-                hb.device_access(region.key, stamp, write=write, ranges=[(lo, hi)])
-                continue
-            finder = getattr(device, "allocation_at", None)
-            base = finder(lo, hi - lo) if finder is not None else None
-            if base is None:
-                obs.unfollowed.append(Unfollowed(
-                    f"{what}: the {hi - lo} bytes at 0x{lo:x} it {'writes' if write else 'reads'} through a table "
-                    f"(no allocation or pinned region the sanitizer knows holds them)", site))
-                continue
-            obs.device_access_at(base, [(lo, hi)], stamp, write=write)
+        placed, unplaced = place(touched.runs(write=write), [obs.pinned.regions, device])
+        for lo, hi in unplaced:
+            obs.unfollowed.append(Unfollowed(
+                f"{what}: the {hi - lo} bytes at 0x{lo:x} it {'writes' if write else 'reads'} through a table "
+                f"(no allocation or pinned region the sanitizer knows holds them)", site))
+        declare_placed(obs, placed, stamp, write=write)
 
 
 __all__ = ["on_launch", "patch"]

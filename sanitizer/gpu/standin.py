@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from racecheck.lazy_dynamo import LazyDynamoMode, guard_once_dynamo_loaded
+from racecheck.placement import Placed
 from sanitizer.gpu import c_methods, trace
 from sanitizer.gpu.device import CudaDevice
 from sanitizer.sites import also_skip
@@ -64,7 +65,7 @@ class FakeCuda:
         # never share an address)
         self._device: dict[int, _Held] = {}
         self._sizes: dict[int, int] = {}  # storage address -> bytes, of the tensors made device memory
-        self._starts: list[int] = []  # the same addresses, sorted: allocation_at bisects them
+        self._starts: list[int] = []  # the same addresses, sorted: holding() bisects them
         self._pinned: set[int] = set()
         self._host_pool: dict[int, list[bytearray]] = {}  # bytes -> blocks of pin_copy, free or in use
         self._local = threading.local()
@@ -93,25 +94,23 @@ class FakeCuda:
                 self._starts.pop(bisect.bisect_left(self._starts, held.address))
 
 
-    def allocation_at(self, address: int, size: int) -> int | None:
-        """The device tensor's storage holding ``[address, address + size)`` (a raw access): the
-        nearest storage starting at or below ``address`` (live storages do not overlap), by bisection;
-        empty storages hold no byte and are passed over."""
+    def holding(self, start: int, end: int) -> Placed | None:
+        """The bytes of ``[start, end)`` in the device tensor's storage that holds ``start`` (a raw
+        access): the nearest storage starting at or below ``start`` (live storages do not overlap),
+        by bisection; empty storages hold no byte and are passed over."""
         starts, sizes = self._starts, self._sizes
-        i = bisect.bisect_right(starts, address) - 1
-        while i >= 0:
-            base = starts[i]
-            nbytes = sizes[base]
-            if nbytes:
-                return base if address + size <= base + nbytes else None
-            if size <= 0 and base == address:
-                return base
+        i = bisect.bisect_right(starts, start) - 1
+        while i >= 0 and not sizes[starts[i]]:
             i -= 1
-        return None
+        if i < 0 or start >= starts[i] + sizes[starts[i]]:
+            return None
+        base = starts[i]
+        return Placed(base, ("cudamem", base), "device", [(start, min(end, base + sizes[base]))])
 
     def is_pageable(self, address: int, size: int) -> bool:
         """Memory not made device memory here: the CPU's own (pinned memory is the observer's to know)."""
-        return self.allocation_at(address, size) is None
+        held = self.holding(address, address + size)
+        return held is None or held.end < address + size
 
     def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` is pinned memory, allocated here (as ``pin_memory=True`` is, to the observer)."""

@@ -121,7 +121,7 @@ class ProgramSession(InterceptSession):
             finally:
                 self.rt.labels = str
         if isinstance(stamp, OpStamp) and isinstance(stamp.label, Label):
-            touched = (getattr(item, "block", item) for item in (*reads, *writes))
+            touched = (getattr(item, "memory", item) for item in (*reads, *writes))
             stamp.label.generations.update(
                 (block.id, block.generation) for block in touched if hasattr(block, "generation"))
         return stamp
