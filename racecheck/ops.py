@@ -205,7 +205,7 @@ class OpInfo:
     for every op; an OpOverload's ``__hash__`` is Python code, so the answers are looked up by id)."""
 
     __slots__ = ("func", "kind", "name", "written", "aliased", "fresh", "indexed", "index_list", "custom",
-                 "positional")
+                 "positional", "composite")
 
     def __init__(self, func: Any) -> None:
         from racecheck.custom_ops import is_custom
@@ -224,6 +224,10 @@ class OpInfo:
         self.index_list = _INDEX_LIST.get(func)
         # The schema's argument names past each count of positional arguments (keyword arguments by position).
         self.positional = tuple(a.name for a in schema.arguments) if schema is not None else ()
+        # An op autograd decomposes before a dispatch mode sees it, except under torch.inference_mode()
+        # (see decomposed): Tensor.to's aten.to.*, Tensor.pin_memory's aten.pin_memory.
+        self.composite = schema is not None and not self.custom and torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd")
 
 
 _INFO: dict[int, OpInfo] = {}
@@ -235,6 +239,23 @@ def op_info(func: Any) -> OpInfo:
     if info is None or info.func is not func:
         info = _INFO[id(func)] = OpInfo(func)
     return info
+
+
+def decomposed(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` run as the ops it decomposes into, each of them dispatched to ``mode`` (entered
+    again for them); NotImplemented where it has no decomposition.
+
+    Outside inference mode, autograd runs a CompositeImplicitAutograd op's decomposition before the
+    Python dispatch key: a mode sees ``x.to("cuda", non_blocking=True)`` as ``aten._to_copy`` and
+    ``x.pin_memory()`` as ``aten._pin_memory``. Under ``torch.inference_mode()`` (the decorator
+    inference engines put on their forward passes and their tests) autograd is skipped and the mode
+    gets ``aten.to.dtype_layout`` or ``aten.pin_memory`` whole: a copy to the device, or into pinned
+    memory, that a tool reading the op's name would take for some kernel of the program's (seen on an
+    H100 under ``pytest --kvz-sanitize``: every table staged by ``.to()`` in an inference-mode test
+    was unknown). The simulator's tensors decompose such ops the same way (kvdevice.intercept.sim_ops);
+    a mode has to enter itself again, as torch's FakeTensorMode does for its decompositions."""
+    with mode:
+        return func.decompose(*args, **kwargs)
 
 
 def args_by_position(func: Any, args: tuple, kwargs: dict) -> list[Any]:

@@ -316,3 +316,33 @@ def test_the_product_names_only_torch_tags_that_torch_2_11_has():
                         and node.value.value.id == "torch" and node.attr not in TAGS_IN_TORCH_2_11):
                     named.append(f"{path.relative_to(root)}:{node.lineno}: torch.Tag.{node.attr}")
     assert not named, named
+
+
+# What ``x.to("cuda", non_blocking=True)`` and ``x.to(device, dtype, non_blocking)`` dispatch to under
+# torch.inference_mode(): the composite op, whole (racecheck.ops.decomposed). A CPU build refuses
+# "cuda" in Tensor.to's own arguments, so the test calls the overloads it reaches.
+TO_FORMS = {
+    "to.dtype_layout": lambda t: aten.to.dtype_layout(t, dtype=t.dtype, layout=torch.strided, device=CUDA,
+                                                      non_blocking=True),
+    "to.device": lambda t: aten.to.device(t, CUDA, t.dtype, True),
+}
+
+
+@pytest.mark.parametrize("form", sorted(TO_FORMS))
+@pytest.mark.parametrize(("beside", "kind"), [("none", None), ("device", "unordered-device-access")])
+def test_under_inference_mode_the_observer_follows_tables_staged_through_to(form, beside, kind):
+    """vLLM's tests run its handlers under ``@torch.inference_mode()``: seen on an H100, every table
+    staged by ``.to()`` there was unknown to the sanitizer, and the kernel not followed."""
+
+    def program(cuda, obs):
+        kv = cuda.device(torch.ones((4 * ROWS, WORDS), dtype=torch.float32))
+        host = cuda.pinned(torch.zeros((4 * ROWS, WORDS), dtype=torch.float32))
+        with torch.inference_mode():
+            _launch(cuda, obs, lambda: [TO_FORMS[form](torch.from_numpy(t)) for t in _handler_tables(host, kv, 1)],
+                    ROWS)
+            if beside == "device":
+                kv[ROWS:2 * ROWS].sum()
+
+    races, unfollowed, _ = _observe(program)
+    assert unfollowed == []
+    assert [r.kind for r in races] == ([kind] if kind else [])

@@ -127,8 +127,28 @@ def cuda_bindings_imported(racy: bool) -> None:
     host.fill_(-1.0)
 
 
+@torch.inference_mode()
+def under_inference_mode(racy: bool) -> None:
+    # vLLM's handlers and their tests run under @torch.inference_mode(), where Tensor.to and
+    # Tensor.pin_memory reach a dispatch mode undecomposed (aten.to.dtype_layout, aten.pin_memory):
+    # on an H100 the sanitizer took such a copy for some kernel and lost the values it staged
+    stream = torch.cuda.Stream()
+    host = torch.arange(N, dtype=torch.float32).pin_memory()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        device = host.to("cuda", non_blocking=True)
+        back = (device * 2).to("cpu", non_blocking=True)  # into pinned memory torch allocates
+    done = torch.cuda.Event()
+    done.record(stream)
+    if not racy:
+        done.synchronize()
+    host.fill_(-1.0)
+    if not racy:
+        assert float(back[1]) == 2.0
+
+
 IDIOMS: list[Callable[[bool], None]] = [timing_events_from_a_pool, low_priority_streams, raw_stream_handles,
-                                        copy_thread, cuda_bindings_imported]
+                                        copy_thread, cuda_bindings_imported, under_inference_mode]
 # A spin on a query inside one call: the fuzzer's simulator moves queued work between the calls it
 # schedules (an engine polls across calls: the scheduler's get_finished), so only the sanitizer,
 # whose simulator lets a polled event complete, takes it.

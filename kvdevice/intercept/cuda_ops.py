@@ -33,7 +33,8 @@ from kvdevice.intercept.cache_access import CacheAccess
 from racecheck.lazy_dynamo import LazyDynamoMode, guard_once_dynamo_loaded
 from racecheck.device_values import DeviceValues
 from racecheck.custom_ops import is_custom, model_for
-from racecheck.ops import aliased_returns, args_by_position, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, written_args
+from racecheck.ops import (aliased_returns, args_by_position, copy_kind, decomposed, host_temporary, index_needs_host,
+                           indexed_rows, kind, op_info, written_args)
 from racecheck.placement import Placed
 from racecheck.ranges import byte_runs, merge, row_runs
 from racecheck.raw_copies import allocator_holding
@@ -153,6 +154,10 @@ class CudaOps(LazyDynamoMode):
                 if isinstance(out, torch.Tensor) and out.is_cuda:
                     self.values.written(out.untyped_storage().data_ptr())
             return result
+        if op_info(func).composite:  # under torch.inference_mode(): x.to("cuda") whole (racecheck.ops.decomposed)
+            result = decomposed(self, func, args, kwargs)
+            if result is not NotImplemented:
+                return result
         tensors = _cuda_tensors(args, kwargs)
         device = kwargs.get("device")
         on_device = bool(tensors) or (device is not None and torch.device(device).type == "cuda")

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from racecheck.ops import op_info, op_name
+from racecheck.ops import decomposed, op_info, op_name
 from sanitizer.gpu import custom
 from racecheck.lazy_dynamo import guard_once_dynamo_loaded
 from sanitizer.dynamo_guard import SanitizerMode
@@ -53,7 +53,7 @@ class Ops(SanitizerMode):
 
     def __init__(self, observer: Any) -> None:
         super().__init__()
-        self.handler = Handler(observer)
+        self.handler = Handler(observer, self)
 
     @forwarding  # the program's own call, handed on: what torch raises under it is the program's
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -79,15 +79,20 @@ def enter(observer: Any) -> Callable[[], None]:
 class Handler:
     """What one op means to the observer (see the module docstring)."""
 
-    def __init__(self, observer: Any) -> None:
+    def __init__(self, observer: Any, mode: Any = None) -> None:
         self.obs = observer
         self.device = observer.device
+        self.mode = mode  # the thread's Ops, entered again for a composite op's parts
 
     @forwarding
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         info = op_info(func)
         if info.custom:  # an extension's op: its effect model says what it touches (sanitizer.gpu.custom)
             return custom.on_op(self, func, args, kwargs)
+        if info.composite and self.mode is not None:  # under torch.inference_mode(): x.to(...) whole
+            result = decomposed(self.mode, func, args, kwargs)
+            if result is not NotImplemented:
+                return result
         device = self.device
         tensors = tensors_of(args, kwargs)
         on_device = []  # one pass: this runs for every op of the program

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from racecheck.lazy_dynamo import LazyDynamoMode, guard_once_dynamo_loaded
+from racecheck.ops import decomposed, op_info
 from racecheck.placement import Placed
 from sanitizer.gpu import c_methods, trace
 from sanitizer.gpu.device import CudaDevice
@@ -277,8 +278,11 @@ class FakeCuda:
         of torch refuses ``"cuda"`` in the Python call of ``.to()`` and the factories, so call the aten
         op it dispatches to: ``torch.ops.aten._to_copy.default(t, device=torch.device("cuda"),
         non_blocking=True)``. ``torch.tensor``, ``torch.as_tensor``, ``torch.asarray`` and
-        ``Tensor.new_tensor`` take a CUDA device here as a CUDA build does (:class:`_Constructors`)."""
-        with _Placing(self), _Constructors(self):
+        ``Tensor.new_tensor`` take a CUDA device here as a CUDA build does (:class:`_Constructors`).
+        Under ``torch.inference_mode()`` a mode gets ``aten.to.dtype_layout``, ``aten.to.device`` and
+        ``aten.pin_memory`` whole, and decomposes them (:func:`racecheck.ops.decomposed`); a CPU build's
+        decomposition refuses a CUDA target, so here they decompose as :class:`_Composites` says."""
+        with _Placing(self), _Constructors(self), _Composites(self):
             yield
 
     def allocated(self, tensor: torch.Tensor) -> None:
@@ -298,6 +302,10 @@ class _Placing(LazyDynamoMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         guard_once_dynamo_loaded(_Placing)
+        if op_info(func).composite:  # under torch.inference_mode(): x.to("cuda") whole, as on a GPU
+            result = decomposed(self, func, args, kwargs or {})
+            if result is not NotImplemented:
+                return result
         if func in _PIN:  # ``t.pin_memory()`` (a CPU build refuses it): a pinned copy, as CUDA's would be
             return self.cuda.pin_copy(args[0])
         kwargs = dict(kwargs or {})
@@ -317,6 +325,58 @@ class _Placing(LazyDynamoMode):
         if isinstance(result, torch.Tensor):
             self.cuda.allocated(result)
         return result
+
+
+class _Composites:
+    """Python decompositions, while the stand-in places, of the composite ops that ``Tensor.to`` and
+    ``Tensor.pin_memory`` dispatch to, as a CUDA build's C++ ones behave: ``to`` is its argument where
+    nothing would change (a CUDA target for a tensor that already is the stand-in's device memory,
+    the same dtype, layout and memory format) and ``aten._to_copy`` otherwise; ``pin_memory`` is its
+    argument where it is pinned, else ``aten._pin_memory``. ``OpOverload.decompose`` takes a Python
+    kernel registered for ``CompositeImplicitAutograd`` before the C++ one, which on a CPU build
+    refuses a CUDA device before it dispatches anything."""
+
+    _KEY = torch._C.DispatchKey.CompositeImplicitAutograd
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda = cuda
+        self._added: list[Any] = []
+
+    def __enter__(self) -> "_Composites":
+        aten, cuda = torch.ops.aten, self.cuda
+        kernels = {
+            aten.to.dtype_layout: lambda t, *, dtype=None, layout=None, device=None, pin_memory=None,
+            non_blocking=False, copy=False, memory_format=None: self._to(
+                t, dtype, layout, device, pin_memory, non_blocking, copy, memory_format),
+            aten.to.device: lambda t, device, dtype, non_blocking=False, copy=False, memory_format=None: self._to(
+                t, dtype, None, device, None, non_blocking, copy, memory_format),
+            aten.to.dtype: lambda t, dtype, non_blocking=False, copy=False, memory_format=None: self._to(
+                t, dtype, None, None, None, non_blocking, copy, memory_format),
+            aten.to.other: lambda t, other, non_blocking=False, copy=False, memory_format=None: self._to(
+                t, other.dtype, None, torch.device("cuda") if cuda.is_device(other) else other.device, None,
+                non_blocking, copy, memory_format),
+            aten.pin_memory.default: lambda t, device=None: t if cuda.is_pinned(t) else aten._pin_memory.default(t),
+        }
+        for op, kernel in kernels.items():
+            if self._KEY not in op.py_kernels:
+                op.py_kernels[self._KEY] = kernel
+                self._added.append(op)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for op in self._added:
+            op.py_kernels.pop(self._KEY, None)
+        self._added.clear()
+
+    def _to(self, t: torch.Tensor, dtype: Any, layout: Any, device: Any, pin_memory: Any, non_blocking: bool,
+            copy: bool, memory_format: Any) -> torch.Tensor:
+        on_device = self.cuda.is_device(t)
+        same_side = device is None or (torch.device(device).type == "cuda") == on_device
+        if (not copy and same_side and dtype in (None, t.dtype) and layout in (None, t.layout)
+                and (memory_format in (None, torch.preserve_format) or t.is_contiguous(memory_format=memory_format))):
+            return t
+        return torch.ops.aten._to_copy.default(t, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory,
+                                               non_blocking=non_blocking, memory_format=memory_format)
 
 
 def _elapsed_time(start: Any, end: Any) -> float:
