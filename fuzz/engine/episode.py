@@ -334,8 +334,8 @@ class Episode:
 
     def device_work(self, fn: Any, *args: Any) -> Any:
         """Run a runtime call that may execute queued device work. An op of the code under test
-        that raises there (the runtime notes which op it was) is its finding; one of the harness's
-        own is an internal error."""
+        that raises there (the runtime marks the error with the op and its origin) is its finding;
+        any other op's is a harness error."""
         with _Scope(self._raised_in_device_work):
             return fn(*args)
 
