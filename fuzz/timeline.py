@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from racecheck.atomic_file import write_json_atomically, write_text_atomically
-from fuzz.engine.episode import Episode, ZeroerRaised
+from fuzz.engine.episode import CodeUnderTestRaised, Episode
 from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.ops import FIELDS
 from fuzz.trace import Trace, load_trace
@@ -166,7 +166,7 @@ def _replay(trace: Trace) -> _Replay:
                 break  # like the fuzzer and the replayer: stop at the first hazard, then judge
         host_op(len(trace.ops), TEARDOWN, episode.finish,
                 {"does": "synchronise once, then the oracle checks every read and every block"})
-    except ZeroerRaised:
+    except CodeUnderTestRaised:
         pass  # a finding of its own, already in episode.findings
     except (HarnessError, Exception) as error:  # noqa: BLE001 - draw what ran; the reason goes in the picture
         # A HarnessError (a BaseException): what the simulator cannot run (a Triton kernel its interpreter cannot).

@@ -3,7 +3,8 @@
 What lives here is the substrate of every tool, not a part of any system under test:
 
 * :mod:`kvdevice.runtime`: the stream runtime (streams, events, buffers, holds) with its simulated
-  backend (``sim``) and its CUDA backends (controlled and free modes);
+  backend (``sim``) and its CUDA backends (controlled and free modes); each queued op carries whose
+  code queued it, in which call (:mod:`kvdevice.runtime.op_origin`);
 * :mod:`kvdevice.intercept`: a torch program's GPU work routed to a runtime: torch dispatch, Triton
   launches, custom ops, CUDA driver calls, helper threads, pinned and registered host memory;
 * :mod:`kvdevice.origin`: whose an exception is, the code under test's or the harness's;

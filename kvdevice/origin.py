@@ -1,15 +1,15 @@
-"""Where an exception comes from: the zeroer's own code, or the harness that runs it.
+"""Where an exception comes from: the code under test (a zeroer, an offloader, a program), or the harness that runs it.
 
-A finding claims that the user's zeroer is wrong, so an exception raised while a zeroer runs is
-its finding only when the zeroer's code raised it; one that the harness raised (a simulator gap,
+A finding claims that the user's code is wrong, so an exception raised while that code runs is
+its finding only when its own code raised it; one that the harness raised (a simulator gap,
 an op the interception cannot route, a clash in the runtime, a bug of ours) is a harness error,
 never a finding. The decision is made from the traceback, not from the exception's type:
 
 * read the frames from the raise outwards, skipping **library** frames (torch, Triton, numpy,
   Hypothesis, pytest, the standard library): a library raises on behalf of whoever called it;
-* the first other frame decides. A frame of the **zeroer's code** (the user's module, vLLM, the
+* the first other frame decides. A frame of the **code under test** (the user's module, vLLM, the
   built-in designs and zoo: anything that is neither a library nor the harness) makes it the
-  zeroer's. A **forwarding** frame, harness code that hands the zeroer's own call on unchanged
+  code's. A **forwarding** frame, harness code that hands the zeroer's own call on unchanged
   (the interception passing a torch call through, marked with :func:`forwarding`), makes it the
   zeroer's too: the library refused the zeroer's call. Any other **harness** frame makes it the
   harness's;
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from racecheck.errors import KvzeroError as ZeroerError
+from racecheck.errors import KvzeroError
 
 # Module name prefixes of the harness; everything of this distribution that is not a zeroer.
 HARNESS_MODULES = ("zeroer", "kvdevice", "fuzz", "repro", "kvzero_fuzz", "racecheck", "sanitizer")
@@ -108,7 +108,7 @@ def _module(frame: types.FrameType) -> str:
 
 
 def _kind(frame: types.FrameType) -> str:
-    """``library``, ``forwarding``, ``harness`` or ``zeroer``."""
+    """``library``, ``forwarding``, ``harness`` or ``code`` (the code under test's)."""
     if frame.f_code in _FORWARDING:
         return "forwarding"
     module = _module(frame)
@@ -117,7 +117,7 @@ def _kind(frame: types.FrameType) -> str:
         return "library"
     if top in HARNESS_MODULES and not any(module == z or module.startswith(z + ".") for z in ZEROER_MODULES):
         return "harness"
-    return "zeroer"
+    return "code"
 
 
 def describe_frame(frame: types.FrameType, line: int) -> str:
@@ -137,15 +137,15 @@ def blame(error: BaseException) -> Blame:
     frames = list(traceback.walk_tb(error.__traceback__))  # (frame, line), outermost first
     kinds = [_kind(frame) for frame, _ in frames]
     decisive = next((i for i in range(len(frames) - 1, -1, -1) if kinds[i] != "library"), None)
-    zeroer_frames = [i for i, kind in enumerate(kinds) if kind == "zeroer"]
-    where_index = max((i for i in zeroer_frames if decisive is None or i <= decisive), default=None)
+    code_frames = [i for i, kind in enumerate(kinds) if kind == "code"]
+    where_index = max((i for i in code_frames if decisive is None or i <= decisive), default=None)
     where = describe_frame(*frames[where_index]) if where_index is not None else None
     # a library called from outside any frame we know, or forwarding the zeroer's own call: the zeroer's
     if decisive is None or kinds[decisive] == "forwarding":
         return Blame(False, None, where)
     if getattr(error, "refused_by_cuda", False) and _called_by_the_code(frames, kinds, decisive):
         return Blame(False, None, where)
-    if kinds[decisive] == "zeroer":
+    if kinds[decisive] == "code":
         owner = getattr(error, "obj", None) if isinstance(error, AttributeError) else None
         if isinstance(owner, tuple(_DOCUMENTED)):
             return Blame(True, USER_FIXABLE, where)
@@ -162,7 +162,7 @@ def _called_by_the_code(frames: list, kinds: list[str], decisive: int) -> bool:
     while outer >= 0 and (kinds[outer] == "library" or (
             kinds[outer] == "harness" and _module(frames[outer][0]).startswith(RUNTIME_MODULE + "."))):
         outer -= 1
-    return outer >= 0 and outer < decisive and kinds[outer] in ("zeroer", "forwarding")
+    return outer >= 0 and outer < decisive and kinds[outer] in ("code", "forwarding")
 
 
 def _status(error: BaseException, frames: list, kinds: list[str], decisive: int) -> int:
@@ -170,13 +170,13 @@ def _status(error: BaseException, frames: list, kinds: list[str], decisive: int)
     called itself; 3 for everything else, which is a bug of ours."""
     if getattr(error, "user_fixable", False):  # a refusal that names its fix (zeroer.errors.ZeroerError)
         return USER_FIXABLE
-    if isinstance(error, ZeroerError):
+    if isinstance(error, KvzeroError):
         # The harness frames between the zeroer's call and the raise: all the runtime's means the
         # zeroer called the runtime itself and passed it something wrong.
         start = decisive
         while start > 0 and kinds[start - 1] in ("harness", "library"):
             start -= 1
         chain = [_module(frames[i][0]) for i in range(start, decisive + 1) if kinds[i] == "harness"]
-        if start > 0 and kinds[start - 1] == "zeroer" and chain and all(m.startswith(RUNTIME_MODULE) for m in chain):
+        if start > 0 and kinds[start - 1] == "code" and chain and all(m.startswith(RUNTIME_MODULE) for m in chain):
             return USER_FIXABLE
     return HARNESS_BUG

@@ -188,12 +188,72 @@ class _Token:
 
 
 def install() -> None:
-    """Patch the threading primitives once per process; they do nothing while no watch is active."""
+    """Patch the threading primitives once per process; they do nothing while no watch is active.
+    One installer per family of primitives (:data:`_FAMILIES`), as PyTorch's CUDA sanitizer has
+    one handler per trace callback."""
     global _INSTALLED
     if _INSTALLED:
         return
     _INSTALLED = True
+    for hook in _FAMILIES:
+        hook()
 
+
+# -- how a primitive is followed: the wrappers each family's installer applies ---------------------
+def _releasing(cls: type, name: str) -> None:
+    """``cls.name`` hands off: the calling thread releases the object (a put, a set, a notify)."""
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _hand_off(self, release=True)
+        return original(self, *args, **kwargs)
+
+    setattr(cls, name, call)
+
+
+def _acquiring(cls: type, name: str, *, when: Callable[[Any], bool] = lambda result: True) -> None:
+    """``cls.name`` receives a hand-off once it returns a result ``when`` accepts (a wait that did
+    not time out)."""
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if when(result):
+            _hand_off(self, release=False)
+        return result
+
+    setattr(cls, name, call)
+
+
+def _blocking(cls: type, name: str, condition: Callable[..., bool], timed_out: Callable[[], Any]) -> None:
+    """``cls.name(self, ..., block/timeout)`` asks a scheduling watch before it would block. Applied
+    before :func:`_acquiring` on the same method, so the hand-off follows the turn."""
+    original = getattr(cls, name)
+    parameters = list(inspect.signature(original).parameters)
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = dict(zip(parameters[1:], args), **kwargs)
+        if bound.get("block", True):
+            if _turn(self, lambda: condition(self, bound), bound.get("timeout")) is False:
+                return timed_out()
+        return original(self, *args, **kwargs)
+
+    setattr(cls, name, call)
+
+
+def _raise(error: type[BaseException]) -> Callable[[], Any]:
+    def timed_out() -> Any:
+        raise error()
+    return timed_out
+
+
+# -- one installer per family -----------------------------------------------------------------------
+def _hook_threads() -> None:
+    """``Thread.start`` sets a thread up for the watch before its target runs; ``join`` receives
+    what the joined thread had seen."""
     start, bootstrap, join = threading.Thread.start, threading.Thread._bootstrap_inner, threading.Thread.join
 
     @functools.wraps(start)
@@ -253,80 +313,47 @@ def install() -> None:
     threading.Thread._bootstrap_inner = thread_bootstrap  # type: ignore[attr-defined]
     threading.Thread.join = thread_join  # type: ignore[method-assign]
 
-    def releasing(cls: type, name: str) -> None:
-        original = getattr(cls, name)
 
-        @functools.wraps(original)
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            _hand_off(self, release=True)
-            return original(self, *args, **kwargs)
+def _hook_queues() -> None:
+    """``queue.Queue``: a put hands off to the get that takes it; both wait their turn to block."""
+    _blocking(queue.Queue, "get", lambda q, _: not q.empty(), _raise(queue.Empty))
+    _blocking(queue.Queue, "put", lambda q, _: not q.full(), _raise(queue.Full))
+    _releasing(queue.Queue, "put")
+    _acquiring(queue.Queue, "get")
 
-        setattr(cls, name, call)
 
-    def acquiring(cls: type, name: str, *, when: Callable[[Any], bool] = lambda result: True) -> None:
-        original = getattr(cls, name)
+def _hook_events() -> None:
+    """``threading.Event``: a set hands off to a wait that saw it set."""
+    _blocking(threading.Event, "wait", lambda e, _: e.is_set(), lambda: False)
+    _releasing(threading.Event, "set")
+    _acquiring(threading.Event, "wait", when=bool)
 
-        @functools.wraps(original)
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            if when(result):
-                _hand_off(self, release=False)
-            return result
 
-        setattr(cls, name, call)
-
-    def blocking(cls: type, name: str, condition: Callable[..., bool], timed_out: Callable[[], Any]) -> None:
-        """``cls.name(self, ..., block/timeout)`` asks a scheduling watch before it would block."""
-        original = getattr(cls, name)
-        parameters = list(inspect.signature(original).parameters)
-
-        @functools.wraps(original)
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            bound = dict(zip(parameters[1:], args), **kwargs)
-            if bound.get("block", True):
-                if _turn(self, lambda: condition(self, bound), bound.get("timeout")) is False:
-                    return timed_out()
-            return original(self, *args, **kwargs)
-
-        setattr(cls, name, call)
-
-    def raise_(error: type[BaseException]) -> Callable[[], Any]:
-        def timed_out() -> Any:
-            raise error()
-        return timed_out
-
-    blocking(queue.Queue, "get", lambda q, _: not q.empty(), raise_(queue.Empty))
-    blocking(queue.Queue, "put", lambda q, _: not q.full(), raise_(queue.Full))
-    blocking(threading.Event, "wait", lambda e, _: e.is_set(), lambda: False)
-    blocking(concurrent.futures.Future, "result", lambda f, _: f.done(), raise_(concurrent.futures.TimeoutError))
-    blocking(concurrent.futures.Future, "exception", lambda f, _: f.done(), raise_(concurrent.futures.TimeoutError))
+def _hook_conditions() -> None:
+    """``threading.Condition``: a notify hands off to a wait it ended, and to whoever takes the lock after."""
     _hook_condition_wait()
-
-    sleep = time.sleep
-
-    @functools.wraps(sleep)
-    def time_sleep(seconds: float) -> None:
-        if _turn(time, lambda: False, seconds) is None:
-            sleep(seconds)
-
-    time.sleep = time_sleep
-
-    releasing(queue.Queue, "put")
-    acquiring(queue.Queue, "get")
-    releasing(threading.Event, "set")
-    acquiring(threading.Event, "wait", when=bool)
-    releasing(threading.Condition, "notify")
-    releasing(threading.Condition, "notify_all")
-    acquiring(threading.Condition, "wait", when=bool)
-    acquiring(threading.Condition, "wait_for", when=bool)
+    _releasing(threading.Condition, "notify")
+    _releasing(threading.Condition, "notify_all")
+    _acquiring(threading.Condition, "wait", when=bool)
+    _acquiring(threading.Condition, "wait_for", when=bool)
     # ``with cond: while not ready: cond.wait()`` calls no wait() where the notify came first:
     # taking the Condition's lock after the notifier let it go is the hand-off then.
-    acquiring(threading.Condition, "__enter__")
-    releasing(concurrent.futures.Future, "set_result")
-    releasing(concurrent.futures.Future, "set_exception")
-    acquiring(concurrent.futures.Future, "result")
-    acquiring(concurrent.futures.Future, "exception")
+    _acquiring(threading.Condition, "__enter__")
 
+
+def _hook_futures() -> None:
+    """``concurrent.futures.Future``: its result (or exception) set hands off to whoever reads it."""
+    timed_out = _raise(concurrent.futures.TimeoutError)
+    _blocking(concurrent.futures.Future, "result", lambda f, _: f.done(), timed_out)
+    _blocking(concurrent.futures.Future, "exception", lambda f, _: f.done(), timed_out)
+    _releasing(concurrent.futures.Future, "set_result")
+    _releasing(concurrent.futures.Future, "set_exception")
+    _acquiring(concurrent.futures.Future, "result")
+    _acquiring(concurrent.futures.Future, "exception")
+
+
+def _hook_executors() -> None:
+    """``ThreadPoolExecutor.submit`` hands off to the task, in a worker set up for the watch."""
     submit = concurrent.futures.ThreadPoolExecutor.submit
 
     @functools.wraps(submit)
@@ -355,6 +382,18 @@ def install() -> None:
         return submit(self, task, *args, **kwargs)
 
     concurrent.futures.ThreadPoolExecutor.submit = executor_submit  # type: ignore[method-assign]
+
+
+def _hook_sleep() -> None:
+    """``time.sleep``: under a scheduling watch a timed wait passes the turn instead of sleeping."""
+    sleep = time.sleep
+
+    @functools.wraps(sleep)
+    def time_sleep(seconds: float) -> None:
+        if _turn(time, lambda: False, seconds) is None:
+            sleep(seconds)
+
+    time.sleep = time_sleep
 
 
 def _hook_condition_wait() -> None:
@@ -396,6 +435,12 @@ def _hook_condition_wait() -> None:
     threading.Condition.wait = condition_wait  # type: ignore[method-assign]
     threading.Condition.notify = condition_notify  # type: ignore[method-assign]
     threading.Condition.notify_all = condition_notify_all  # type: ignore[method-assign]
+
+
+# Every family install() patches, in the order it patches them.
+_FAMILIES: tuple[Callable[[], None], ...] = (
+    _hook_threads, _hook_queues, _hook_events, _hook_futures, _hook_conditions, _hook_sleep, _hook_executors,
+)
 
 
 class FollowedSimpleQueue(queue.SimpleQueue):

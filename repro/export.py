@@ -141,7 +141,7 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "",
         "from fuzz.cli import ArgumentParser, run_main  # noqa: E402",
         "from fuzz.environment import describe, environment  # noqa: E402",
-        "from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised  # noqa: E402",
+        "from fuzz.engine.episode import CodeUnderTestRaised, Episode, EpisodeConfig  # noqa: E402",
         "",
         "# -- the episode, as found " + "-" * 70,
         f"ZEROER = {config.zeroer!r}" + ("  # the caller's own zeroer, which allocates the blocks the offloader moves"
@@ -178,7 +178,7 @@ def render_script(trace: Trace, output: str, *, title: str | None = None, today:
         "    try:",
         "        steps(episode)",
         "        return episode.finish()  # one synchronisation, then the oracle checks every read and block",
-        "    except ZeroerRaised:  # the zeroer raised: a finding, with those made before it",
+        "    except CodeUnderTestRaised:  # the code under test raised: a finding, with those made before it",
         "        return list(episode.findings)",
         "    finally:",
         "        if not episode.finished:  # stopped by an error: still free the runtime (open every gate on cuda)",

@@ -182,3 +182,23 @@ def test_a_hand_off_the_sanitizer_follows_orders_the_other_threads_copy_before_t
 def test_the_same_program_accessing_the_buffer_before_the_hand_off_is_a_race(name: str) -> None:
     outcome, _ = _sanitized(name, racy=True)
     assert [r.kind for r in outcome.races] == [KINDS.get(name, HOST_READ)], (outcome.races, outcome.notes)
+
+
+def test_each_family_of_primitives_has_one_installer_of_its_own():
+    """racecheck/thread_hooks.py patches each family (threads, queues, events, conditions, futures,
+    executors, sleep) in an installer of its own, as torch.cuda._sanitizer has one handler per
+    trace callback: no installer patches two families, and no family is patched by two."""
+    import ast
+    import inspect
+
+    from racecheck import thread_hooks
+
+    primitives = {"threading.Thread", "queue.Queue", "threading.Event", "threading.Condition",
+                  "concurrent.futures.Future", "concurrent.futures.ThreadPoolExecutor", "time.sleep"}
+    touched = {}
+    for hook in thread_hooks._FAMILIES:
+        names = {ast.unparse(node) for node in ast.walk(ast.parse(inspect.getsource(hook)))
+                 if isinstance(node, ast.Attribute)}
+        touched[hook.__name__] = primitives & names
+    assert all(len(families) == 1 for families in touched.values()), touched
+    assert sorted(p for families in touched.values() for p in families) == sorted(primitives), touched

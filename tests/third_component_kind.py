@@ -33,7 +33,7 @@ class TouchSide:
     def touch(self, block: int, stream: int = 0) -> None:
         group = self.core.groups[0]
         self.core.check_live(group, block, "touch")
-        with self.core.component_call(group, f"the toucher's touch({block})"):
+        with self.core.component_call(group, f"touch({block})"):
             if self.core.config.toucher == "raises":
                 raise RuntimeError(f"block {block} touched too hard")
 

@@ -9,24 +9,16 @@ methods :class:`CallerCore` names, so neither module imports the other's interna
 ``fuzz.engine.offload`` does not import ``fuzz.engine.episode`` at all). Its rules in the state
 machine are a part of their own (:class:`fuzz.engine.offload_rules.OffloadPart`) beside the caller's.
 
-A call of the code under test is labelled in reports by what it is: ``the zeroer's zero_block_ids
-([3])`` or, for an offloader, :data:`OFFLOADER_CALL` followed by the call (``the offloader's
-store(2, [1], [1])``); a finding raised there is filed as ``zeroer raised`` or ``offloader raised``
-accordingly.
+A component makes each call of its code inside ``core.component_call(group, "store(2, [1], [1])")``:
+the core knows which kind is under test, so the ops the call queues carry that kind as their owner
+(:mod:`kvdevice.runtime.op_origin`), reports name it (``the offloader's store(2, [1], [1])``), and
+a finding raised there is filed under it (``offloader raised``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-def call_prefix(kind: str) -> str:
-    """How a call of a kind's code begins in reports and findings: ``the offloader's ``."""
-    return f"the {kind}'s "
-
-
-OFFLOADER_CALL = call_prefix("offloader")
-
 
 class CallerCore(Protocol):
     """The caller's methods a component uses (an :class:`~fuzz.engine.episode.Episode` provides them)."""
@@ -43,8 +35,9 @@ class CallerCore(Protocol):
     def note(self, text: str) -> str:
         """``text`` placed at the current step, for a finding's history."""
 
-    def component_call(self, group: Any, what: str) -> Any:
-        """A context for one call of the code under test (``what`` names it): what it raises is its finding."""
+    def component_call(self, group: Any, call: str) -> Any:
+        """A context for one call of the component's code (``call`` names it, ``store(2, [1], [1])``):
+        the ops it queues are the component's, and what it raises is its finding."""
 
     def factory_call(self, component: str, spec: str, signature: str) -> Any:
         """A context for building a component: a factory that raises is a usage error, never a finding."""
@@ -141,15 +134,6 @@ COMPONENT_KINDS: dict[str, ComponentKind] = {
 }
 
 
-def code_of(what: str) -> tuple[str, str]:
-    """Which code under test a call's label names, and the call: ``("offloader", "store(2, [1], [1])")``
-    for ``"the offloader's store(2, [1], [1])"``; ``("zeroer", what)`` for any other."""
-    for kind in COMPONENT_KINDS:
-        if what.startswith(call_prefix(kind)):
-            return kind, what[len(call_prefix(kind)):]
-    return "zeroer", what
-
-
 def chosen_kinds(config: Any) -> list[str]:
     """The kinds whose field ``config`` sets (at most one in a valid config)."""
     return [name for name in COMPONENT_KINDS if getattr(config, name, None) is not None]
@@ -169,5 +153,4 @@ def build_component(core: CallerCore) -> Component | None:
     return load(COMPONENT_KINDS[chosen[0]].side)(core) if chosen else None
 
 
-__all__ = ["COMPONENT_KINDS", "OFFLOADER_CALL", "CallerCore", "Component", "ComponentKind", "build_component", "call_prefix",
-           "chosen_kinds", "code_of", "load"]
+__all__ = ["COMPONENT_KINDS", "CallerCore", "Component", "ComponentKind", "build_component", "chosen_kinds", "load"]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import traceback
 from collections import deque
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ import torch
 
 from fuzz.engine.free_queue import FreeQueue
 from fuzz.engine.cache_pool import CachePool
-from fuzz.engine.component import COMPONENT_KINDS, Component, build_component, chosen_kinds, code_of
+from fuzz.engine.component import COMPONENT_KINDS, Component, build_component, chosen_kinds
 from fuzz.engine.cuda_error import CUDA_ERROR, cuda_error_message, cuda_refusal
 from fuzz.engine.harness_error import factory_error, harness_error, raise_if_harness
 from fuzz.engine.ops import OPS, check_op
@@ -60,12 +60,12 @@ from kvdevice.origin import blame
 from zeroer.protocol import BoundZeroer
 from zeroer.registry import kernel_options, load_zeroer
 from kvdevice.runtime import Event, make_runtime
+from kvdevice.runtime.op_origin import HARNESS, failed_op
 
 CALLER_FAULTS = ("no-free-fence", "no-zero-wait")
 MAX_ZEROERS = 4
-_HARNESS_OPS = ("write#", "read#", "poison#", "record#", "wait#", "hold#", "delay(")  # the caller's own ops
 
-__all__ = ["CALLER_FAULTS", "OPS", "CachePool", "Episode", "EpisodeConfig", "ZeroerRaised", "run_ops"]
+__all__ = ["CALLER_FAULTS", "OPS", "CachePool", "CodeUnderTestRaised", "Episode", "EpisodeConfig", "ZeroerRaised", "run_ops"]
 
 
 @dataclass(frozen=True)
@@ -117,12 +117,18 @@ class ContractError(ZeroerError, ValueError):
     user_fixable = True
 
 
-class ZeroerRaised(Exception):
-    """A zeroer's own call (or the device work it queued) raised: a finding of its own kind."""
+class CodeUnderTestRaised(Exception):
+    """A call of the code under test (the zeroer, or a component: an offloader), or the device work
+    it queued, raised: ``finding`` is the finding filed under its kind (``offloader raised``)."""
 
     def __init__(self, finding: Finding) -> None:
         super().__init__(finding.message)
         self.finding = finding
+
+
+# The name it had while only zeroers were under test: scripts exported before the rename
+# (python -m repro export) import it.
+ZeroerRaised = CodeUnderTestRaised
 
 
 @dataclass
@@ -160,6 +166,7 @@ class CacheGroup:
 
 
 # ids_as -> the ids as the caller hands them over (an engine passes lists, arrays and tensors).
+_NOT_OWNED = nullcontext()  # a scope that names no owner (device work: each op's own origin says)
 _CONTAINERS = {"list": list, "tuple": tuple, "array": lambda ids: np.array(ids, dtype=np.int64),
                "tensor": lambda ids: torch.tensor(ids, dtype=torch.int64)}
 
@@ -276,23 +283,37 @@ class Episode:
     def note(self, text: str) -> str:
         return f"step {self.step} {text}"
 
-    def component_call(self, group: CacheGroup, what: str) -> _Scope:
-        """What a call of the code under test raises is its finding, not the harness's error."""
-        return _Scope(lambda error: self._raised_in_call(group, what, error))
+    @property
+    def under_test(self) -> str:
+        """The kind of code under test: the component's (``"offloader"``), else ``"zeroer"``. Beside a
+        component the zeroer is the harness's own (fuzz.engine.offload)."""
+        kinds = chosen_kinds(self.config)
+        return kinds[0] if kinds else "zeroer"
 
-    def _raised_in_call(self, group: CacheGroup, what: str, error: Exception) -> None:
-        raise_if_resource(error, f"in {what}")
-        who, call = code_of(what)  # the code under test that made the call
+    def zeroer_call(self, group: CacheGroup, call: str) -> _Scope:
+        """One call of ``group``'s zeroer (``call`` names it: ``zero_block_ids([3])``): the ops it
+        queues are the zeroer's, and what it raises is its finding, not the harness's error."""
+        return _Scope(lambda error: self._raised_in_call(group, "zeroer", call, error), self.rt.annotate(owner="zeroer"))
+
+    def component_call(self, group: CacheGroup, call: str) -> _Scope:
+        """One call of the component's code (``call`` names it: ``store(2, [1], [1])``): the ops it
+        queues are the component's, and what it raises is its finding, not the harness's error."""
+        who = self.under_test
+        return _Scope(lambda error: self._raised_in_call(group, who, call, error), self.rt.annotate(owner=who))
+
+    def _raised_in_call(self, group: CacheGroup, who: str, call: str, error: Exception) -> None:
+        during = f"the {who}'s {call}"
+        raise_if_resource(error, f"in {call if who == 'zeroer' else during}")
         # An unroutable call, a simulator gap, a clash in the runtime: the harness's, not a finding.
-        during = what if who != "zeroer" else f"the zeroer's {what.removeprefix('its ')}"
         raise_if_harness(error, during + (f" (cache {group.index})" if group.label else ""), step=self.step)
-        raise ZeroerRaised(_raised_finding(self, who, group.label + call, error)) from error
+        raise CodeUnderTestRaised(_raised_finding(self, who, group.label + call, error)) from error
 
     def factory_call(self, component: str, spec: str, signature: str) -> _Scope:
         """What a factory raises is a usage error (exit status 2), never a finding. Code that cannot
         be built was never run; only what the zeroer or offloader raises once it exists is judged
-        (fuzz.engine.harness_error.factory_error)."""
-        return _Scope(lambda error: self._raised_in_factory(component, spec, signature, error))
+        (fuzz.engine.harness_error.factory_error). The ops its constructor queues are its own."""
+        return _Scope(lambda error: self._raised_in_factory(component, spec, signature, error),
+                      self.rt.annotate(owner=component))
 
     def _raised_in_factory(self, component: str, spec: str, signature: str, error: Exception) -> None:
         raise_if_resource(error, f"in the {component}'s factory")
@@ -313,23 +334,22 @@ class Episode:
 
     def device_work(self, fn: Any, *args: Any) -> Any:
         """Run a runtime call that may execute queued device work. An op of the code under test
-        that raises there (the runtime notes which op it was) is its finding; one of the harness's
-        own is an internal error."""
+        that raises there (the runtime marks the error with the op and its origin) is its finding;
+        any other op's is a harness error."""
         with _Scope(self._raised_in_device_work):
             return fn(*args)
 
     def _raised_in_device_work(self, error: Exception) -> None:
-        notes = [n for n in getattr(error, "__notes__", ()) if n.startswith("while running ")]
-        origin = notes[0][len("while running "):] if notes else None  # the op the runtime noted
-        raise_if_resource(error, f"running queued device work ({origin or 'op unknown'})")
-        # Beside a component the zeroer is the harness's own; the component's ops carry its spec in
-        # their label (the intercept session annotates each call with it).
-        kinds = chosen_kinds(self.config)
-        who = kinds[0] if kinds else "zeroer"
-        if origin is None or origin.startswith(_HARNESS_OPS) or (kinds and f"({getattr(self.config, who)}" not in origin):
-            raise harness_error(error, f"the harness's queued op {origin or '(unknown)'}", step=self.step) from error
-        raise_if_harness(error, f"the {who}'s queued op {origin}", step=self.step)
-        raise ZeroerRaised(_raised_finding(self, who, f"its queued op {origin}", error)) from error
+        failed = failed_op(error)  # the queued op the runtime ran when it raised
+        label = failed.label if failed is not None else None
+        raise_if_resource(error, f"running queued device work ({label or 'op unknown'})")
+        # Whose the op is, its origin says (kvdevice.runtime.op_origin), never its label: the code
+        # under test names its own kernels, and may call one "write" as the caller does.
+        who = self.under_test
+        if failed is None or failed.origin is None or failed.origin.owner != who:
+            raise harness_error(error, f"the harness's queued op {label or '(unknown)'}", step=self.step) from error
+        raise_if_harness(error, f"the {who}'s queued op {label}", step=self.step)
+        raise CodeUnderTestRaised(_raised_finding(self, who, f"queued op {label}", error, its=True)) from error
 
     # -- ops ---------------------------------------------------------------------------------
     def _op_start(self, in_flight: int = 1) -> None:
@@ -338,13 +358,13 @@ class Episode:
         self.in_flight = in_flight
         # On controlled cuda the first launch of a kernel loads its module, which waits for the
         # GPU to drain and never returns while a gate spins: warm every kernel up ungated.
-        with self.rt.ungated(), self.rt.annotate("warm-up"):
+        with self.rt.ungated(), self.rt.annotate("warm-up", owner=HARNESS):
             for group in self.groups:
                 with self.rt.block_space(group.index):
                     group.cache.fill_pages([0], 0)  # the write/poison kernel
                     for words in group.cache.block_words(0):
                         words.clone()  # the read kernel
-                    with self.component_call(group, "warmup"):
+                    with self.zeroer_call(group, "warmup"):
                         group.zeroer.warmup(group.cache.spec.num_blocks)
             if self.component is not None:  # the harness's own zeroer is not under test: drain it first
                 self.device_work(self.rt.synchronize)
@@ -382,8 +402,8 @@ class Episode:
             self.order_before(group, block, stream, skip)  # caller promise (a)
         self.owners += 1
         handed = _CONTAINERS[ids_as](ids)
-        with self.rt.use_stream(self.stream_of(stream)), self.rt.annotate(f"step {self.step} allocate_blocks"), \
-                self.rt.block_space(group.index), self.component_call(group, f"zero_block_ids({ids})"):
+        with self.rt.use_stream(self.stream_of(stream)), self.rt.annotate(f"step {self.step} allocate_blocks", owner=HARNESS), \
+                self.rt.block_space(group.index), self.zeroer_call(group, f"zero_block_ids({ids})"):
             group.zeroer.zero_block_ids(handed)
         # The list is the caller's again (promise 3): reuse it for something else, or let it go.
         if then == "scribble":
@@ -428,7 +448,7 @@ class Episode:
         self.order_before(group, block, stream, skip)  # caller promise (b)
         value = group.shadow.written(block, self.note(f"write_block on stream {stream}"))
         pages = group.cache
-        with self.rt.annotate(f"step {self.step} write_block"), self.rt.block_space(group.index):
+        with self.rt.annotate(f"step {self.step} write_block", owner=HARNESS), self.rt.block_space(group.index):
             self.rt.launch(lambda: pages.fill_pages([block], value), name="write", stream=self.stream_of(stream), blocks_written=[block])
         self._accessed(group, [block], stream, "write")
 
@@ -448,7 +468,7 @@ class Episode:
         def read() -> None:
             capture.data = [words.clone() for words in pages.block_words(block)]
 
-        with self.rt.annotate(f"step {self.step} read_block"), self.rt.block_space(group.index):
+        with self.rt.annotate(f"step {self.step} read_block", owner=HARNESS), self.rt.block_space(group.index):
             self.rt.launch(read, name="read", stream=self.stream_of(stream), blocks_read=[block])
         group.captures.append(capture)
         capture.done = self._accessed(group, [block], stream, "read")
@@ -462,7 +482,7 @@ class Episode:
         pages = group.cache
         # The page's next tenant (fp32 Mamba state) leaves NaN bytes behind; ordered after the
         # block's last access on that access's stream.
-        with self.rt.annotate(f"step {self.step} free_block"), self.rt.block_space(group.index):
+        with self.rt.annotate(f"step {self.step} free_block", owner=HARNESS), self.rt.block_space(group.index):
             self.rt.launch(lambda: pages.poison([block]), name="poison", stream=self.stream_of(last.stream), blocks_written=[block])
         self._accessed(group, [block], last.stream, "poison")
         group.free.append(block)
@@ -584,7 +604,7 @@ class Episode:
                 self.component.close()
             for group in self.groups:
                 if group.zeroer is not None:
-                    with self.component_call(group, "close"):
+                    with self.zeroer_call(group, "close"):
                         group.zeroer.close()
         finally:
             self.rt.close()
@@ -653,39 +673,42 @@ def _verify(group: CacheGroup) -> list[Finding]:
 
 
 class _Scope:
-    """The scope of one call of the code under test: an Exception it raises (other than a finding
-    already made) goes to ``handle``, which raises what it stands for (a finding, a usage error)."""
+    """The scope of one call of the code under test: inside, ``owned`` (the runtime's annotation
+    naming whose code it is) holds; an Exception it raises (other than a finding already made) goes
+    to ``handle``, which raises what it stands for (a finding, a usage error)."""
 
-    __slots__ = ("_handle",)
+    __slots__ = ("_handle", "_owned")
 
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
+    def __init__(self, handle: Any, owned: Any = None) -> None:
+        self._handle, self._owned = handle, owned if owned is not None else _NOT_OWNED
 
     def __enter__(self) -> None:
-        return None
+        self._owned.__enter__()
 
     def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
-        if isinstance(error, Exception) and not isinstance(error, ZeroerRaised):
+        self._owned.__exit__(kind, error, tb)
+        if isinstance(error, Exception) and not isinstance(error, CodeUnderTestRaised):
             if interrupted():  # after Ctrl-C, not the code's error: what caught the KeyboardInterrupt made it
                 raise KeyboardInterrupt("the run was interrupted") from error
             self._handle(error)
         return False
 
 
-def _raised_finding(episode: Episode, who: str, call: str, error: BaseException) -> Finding:
-    """``who`` (``zeroer`` or a component kind) raised in ``call``: its finding, filed under its name,
-    or as a ``cuda error`` when CUDA refused a call of its own (fuzz.engine.cuda_error)."""
+def _raised_finding(episode: Episode, who: str, call: str, error: BaseException, *, its: bool = False) -> Finding:
+    """``who`` (``zeroer`` or a component kind) raised in ``call`` (``its``: a thing of the code's
+    own, its queued op): its finding, filed under its name, or as a ``cuda error`` when CUDA
+    refused a call of its own (fuzz.engine.cuda_error)."""
     details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     # Where in the zeroer's code it came from: what makes two raises the same bug (fuzz.engine.signature).
     where = blame(error).where or ""
     refusal = cuda_refusal(error)
     if refusal is not None:
         kind = CUDA_ERROR
-        message = cuda_error_message(episode.step, f"the {who}'s {call.removeprefix('its ')}", where, refusal,
+        message = cuda_error_message(episode.step, f"the {who}'s {call}", where, refusal,
                                      _cuda_error_meaning(episode, who, call, error), error)
     else:
         kind = f"{who} raised"
-        message = f"{who} raised at step {episode.step} in {call}: {type(error).__name__}: {error}"
+        message = f"{who} raised at step {episode.step} in {'its ' if its else ''}{call}: {type(error).__name__}: {error}"
     finding = Finding(kind, None, message, episode.config.caller_fault is not None, details, where)
     episode.findings.append(finding)
     return finding
@@ -720,7 +743,7 @@ def run_ops(config: EpisodeConfig, ops: list[dict], caches: CachePool | None = N
             if episode.new_hazard_findings():
                 break
         return episode.finish()
-    except ZeroerRaised:
+    except CodeUnderTestRaised:
         return list(episode.findings)
     finally:
         if not episode.finished:  # an op raised: still free the runtime (open every gate on cuda)

@@ -42,7 +42,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 
 from fuzz.engine.cache_pool import CachePool
 from fuzz.engine.component import COMPONENT_KINDS, chosen_kinds, load
-from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised
+from fuzz.engine.episode import CodeUnderTestRaised, Episode, EpisodeConfig
 from fuzz.engine.harness_error import harness_error
 from fuzz.engine.journal import Journal
 from fuzz.engine.known_bugs import KnownBugs
@@ -166,7 +166,7 @@ class CallerMachine(RuleBasedStateMachine):
             self.stats.steps += 1
         try:
             result = episode.apply(op)
-        except ZeroerRaised as error:
+        except CodeUnderTestRaised as error:
             self._fail(list(episode.findings), list(episode.trace))
             raise AssertionError("unreachable") from error  # _fail raised
         except Exception as error:  # the zeroer's own calls are judged in the episode: this is the harness's
@@ -303,7 +303,7 @@ class CallerMachine(RuleBasedStateMachine):
             self.stats.deepest_queue = self._deepest
         try:
             findings = episode.finish()
-        except ZeroerRaised:
+        except CodeUnderTestRaised:
             findings = list(episode.findings)
         except BaseException as error:  # Ctrl-C while judging, or an error of the harness: no verdict
             episode.abandon()

@@ -49,6 +49,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +60,8 @@ from zeroer.cache.layout import POISON_WORD
 from zeroer.offload import build_host_pool
 from zeroer.registry import load_offloader
 
-from fuzz.engine.component import OFFLOADER_CALL, CallerCore
+from fuzz.engine.component import CallerCore
+from kvdevice.runtime.cuda_errors import NOT_COMPLETED
 from fuzz.engine.free_queue import FreeQueue
 
 
@@ -98,6 +101,7 @@ class OffloadSide:
         self.jobs: dict[int, Job] = {}
         self.reported: set[int] = set()
         self.busy: dict[int, int] = {}  # device block -> the job it is under
+        self.calling: str | None = None  # the offloader's method being called now ("get_finished")
         self.next_job = WARMUP_JOBS[-1] + 1
         self.offloader: Any = None
         group = episode.groups[0]
@@ -126,13 +130,20 @@ class OffloadSide:
         """What CUDA refusing the offloader's ``call`` says of it: ``get_finished()`` timing a job
         whose events had not completed (vLLM's handler reports each job with
         ``start.elapsed_time(end)``) was reporting that job before its copies ran (promise 3)."""
-        if call.startswith("get_finished()") and str(getattr(error, "state", "")).endswith("had not completed"):
+        if self.calling == "get_finished" and getattr(error, "reason", None) == NOT_COMPLETED:
             return "the job was reported before its copy finished"
         return None
 
-    # -- labels ---------------------------------------------------------------------------------------
-    def _call(self, what: str) -> Any:
-        return self.episode.component_call(self.episode.groups[0], OFFLOADER_CALL + what)
+    # -- calls of the offloader ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _call(self, what: str, method: str | None = None) -> Iterator[None]:
+        """One call of the offloader's ``method``, shown in reports as ``what``."""
+        self.calling = method
+        try:
+            with self.episode.component_call(self.episode.groups[0], what):
+                yield
+        finally:
+            self.calling = None
 
     # -- warm-up --------------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -150,7 +161,7 @@ class OffloadSide:
                 with self._call(self.offloader.spelled(kind, job, [0], [0]) + " (the warm-up)"):
                     getattr(self.offloader, kind)(job, [0], [0])
                 episode.device_work(rt.synchronize)
-                with self._call("get_finished() (the warm-up)"):
+                with self._call("get_finished() (the warm-up)", "get_finished"):
                     self.offloader.get_finished()  # warm-up jobs: whatever it says of them is ignored
 
     # -- ops ------------------------------------------------------------------------------------------
@@ -251,7 +262,7 @@ class OffloadSide:
         episode = self.episode
         if sync:  # the caller waits for the whole device first
             episode.device_work(episode.rt.synchronize)
-        with episode.rt.block_space(0), self._call("get_finished()"):
+        with episode.rt.block_space(0), self._call("get_finished()", "get_finished"):
             reported = self.offloader.get_finished()
         done = []
         for job_id, ok in reported:

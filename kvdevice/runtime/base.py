@@ -42,7 +42,9 @@ from typing import Callable
 import torch
 
 from racecheck.errors import RuntimeUsageError
-from kvdevice.runtime.cuda_errors import CudaStateRuntimeError, CudaStateValueError, events_in_state
+from kvdevice.runtime.cuda_errors import (NO_TIMING, NOT_COMPLETED, NOT_RECORDED, CudaStateRuntimeError,
+                                          CudaStateValueError, events_in_state)
+from kvdevice.runtime.op_origin import OpOrigin
 from racecheck.clocks import HOST
 from racecheck.hb import HappensBefore, Hazard, OpStamp
 from racecheck.threads import HostThreads
@@ -50,6 +52,7 @@ from racecheck.threads import HostThreads
 # What an unchecked runtime hands its backend instead of a real stamp: no clock, a fixed label.
 UNCHECKED_STAMP = OpStamp(0, 0, (), "an op of an unchecked runtime (no labels)")
 _NO_CONTEXT = contextlib.nullcontext()  # stateless, so one serves every call (annotations, stream scopes)
+_NO_ORIGIN = OpOrigin(None, None)  # outside every annotation: nobody said whose an op is
 
 
 def _nothing(*args: object, **kwargs: object) -> None:
@@ -165,13 +168,17 @@ class _Annotation:
     """``Runtime.annotate``'s context: a plain class, as it wraps every zero call and fuzzer op
     (a ``contextlib.contextmanager`` generator costs several times more to enter and leave)."""
 
-    __slots__ = ("_stack", "_origin")
+    __slots__ = ("_stack", "_call", "_owner")
 
-    def __init__(self, stack: list[str], origin: str) -> None:
-        self._stack, self._origin = stack, origin
+    def __init__(self, stack: list[OpOrigin], call: str | None, owner: str | None) -> None:
+        self._stack, self._call, self._owner = stack, call, owner
 
     def __enter__(self) -> None:
-        self._stack.append(self._origin)
+        stack = self._stack
+        # What the annotation does not say it inherits: code annotating its own calls stays the
+        # owner its caller named, and a caller naming the owner keeps the label's call.
+        outer = stack[-1] if stack else _NO_ORIGIN
+        stack.append(OpOrigin(self._owner or outer.owner, self._call if self._call is not None else outer.call))
 
     def __exit__(self, *exc: object) -> None:
         self._stack.pop()
@@ -237,7 +244,7 @@ class Runtime(ABC):
         self.labels: Callable[[str], str] = str
         self._event_ids = itertools.count(1)
         self._buffer_ids = itertools.count(1)
-        self._origin: list[str] = []
+        self._origin: list[OpOrigin] = []  # the annotations entered, innermost last
         self._block_space = 0  # which KV cache "block N" means (block_space)
         self._local = threading.local()  # each Python thread's current stream, as CUDA keeps one per thread
         self.threads = HostThreads(self.hb)
@@ -257,9 +264,17 @@ class Runtime(ABC):
         return self.threads.current()
 
     # -- labels ------------------------------------------------------------------------------
-    def annotate(self, origin: str) -> contextlib.AbstractContextManager[None]:
-        """Tag every op enqueued inside with ``origin`` (e.g. ``"zero_block_ids#3"``)."""
-        return _Annotation(self._origin, origin) if self.checked else _NO_CONTEXT
+    def annotate(self, call: str | None = None, *, owner: str | None = None) -> contextlib.AbstractContextManager[None]:
+        """Tag every op enqueued inside with the ``call`` it belongs to (e.g. ``"zero_block_ids#3"``,
+        shown in its label) and the ``owner`` whose code queued it (``"zeroer"``, ``"offloader"``,
+        :data:`~kvdevice.runtime.op_origin.HARNESS`: :mod:`kvdevice.runtime.op_origin`). What is
+        not given is the enclosing annotation's."""
+        return _Annotation(self._origin, call, owner) if self.checked else _NO_CONTEXT
+
+    @property
+    def origin(self) -> OpOrigin:
+        """The origin an op enqueued now gets (:meth:`annotate`)."""
+        return self._origin[-1] if self._origin else _NO_ORIGIN
 
     def _label(self, what: str, stream: Stream | None = None) -> str:
         if not self.checked:
@@ -267,8 +282,9 @@ class Runtime(ABC):
         label = f"{what}#{next(self._op_ids)}"
         if stream is not None:
             label += f" on stream '{stream.name}'"
-        if self._origin:
-            label += f" ({self._origin[-1]})"
+        call = self._origin[-1].call if self._origin else None
+        if call is not None:
+            label += f" ({call})"
         return self.labels(label)
 
     def block_space(self, index: int) -> contextlib.AbstractContextManager[None]:
@@ -377,12 +393,12 @@ class Runtime(ABC):
             state = events_in_state(not start.timing, not end.timing, "made without enable_timing=True",
                                     "made without enable_timing=True")
             raise CudaStateValueError("Both events must be created with argument 'enable_timing=True'.",
-                                      call="elapsed_time", state=state)
+                                      call="elapsed_time", state=state, reason=NO_TIMING)
         if start.stream is None or end.stream is None:
             state = events_in_state(start.stream is None, end.stream is None, "that was never recorded",
                                     "that were never recorded")
             raise CudaStateValueError("Both events must be recorded before calculating elapsed time.",
-                                      call="elapsed_time", state=state)
+                                      call="elapsed_time", state=state, reason=NOT_RECORDED)
         # torch queries the end event only once the start has completed (query() && other.query())
         if not (self.query_event(start) and self.query_event(end)):
             # Named by the end event whenever it has not completed, whatever the start's state (which
@@ -390,7 +406,7 @@ class Runtime(ABC):
             end_done = self._event_done(end)
             state = events_in_state(end_done, not end_done, "that had not completed", "that had not completed")
             raise CudaStateRuntimeError("Both events must be completed before calculating elapsed time.",
-                                        call="elapsed_time", state=state)
+                                        call="elapsed_time", state=state, reason=NOT_COMPLETED)
         return self._elapsed(start, end)
 
     def synchronize_event(self, event: Event) -> None:
@@ -434,7 +450,8 @@ class Runtime(ABC):
                 f"writing {data.numel()} values at offset {offset} overflows pinned host buffer "
                 f"{buf.block} of {buf.tensor.numel()} elements"
             )
-        self.hb.host_write(buf.key, self._label("host-write") if not self._origin else self._origin[-1],
+        call = self.origin.call
+        self.hb.host_write(buf.key, self._label("host-write") if call is None else call,
                            self.host_thread())
         buf.tensor[offset : offset + data.numel()] = data
 

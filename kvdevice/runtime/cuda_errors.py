@@ -26,23 +26,31 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["CudaStateError", "CudaStateRuntimeError", "CudaStateValueError", "events_in_state"]
+__all__ = ["NOT_COMPLETED", "NOT_RECORDED", "NO_TIMING", "CudaStateError", "CudaStateRuntimeError", "CudaStateValueError",
+           "events_in_state"]
+
+# What was wrong, for code that acts on it (``CudaStateError.reason``); ``state`` says it in words.
+NO_TIMING = "no timing"  # an event made without enable_timing=True
+NOT_RECORDED = "not recorded"  # an event never recorded
+NOT_COMPLETED = "not completed"  # an event whose recorded work had not run
 
 
 class CudaStateError(Exception):
     """A call CUDA (torch) refuses for the state its arguments are in; raised as torch raises it.
 
     ``call`` is the call as the code spells it (``elapsed_time``), ``state`` what was wrong, in the
-    words a finding uses (``an end event that had not completed``)."""
+    words a finding uses (``an end event that had not completed``), ``reason`` the same as one of
+    :data:`NO_TIMING`, :data:`NOT_RECORDED`, :data:`NOT_COMPLETED` (None: another)."""
 
     # kvdevice.origin: raised by the runtime on behalf of whoever called it (the code under test's
     # own call into torch.cuda is the code's error, the harness's own call is the harness's).
     refused_by_cuda = True
 
-    def __init__(self, message: str, *, call: str, state: str) -> None:
+    def __init__(self, message: str, *, call: str, state: str, reason: str | None = None) -> None:
         super().__init__(message)
         self.call = call
         self.state = state
+        self.reason = reason
 
     @property
     def torch_type(self) -> str:

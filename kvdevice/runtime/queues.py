@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from racecheck.errors import DeadlockError, RuntimeUsageError
 
 if TYPE_CHECKING:
+    from kvdevice.runtime.op_origin import OpOrigin
     from racecheck.hb import OpStamp
     from kvdevice.runtime.base import Event, Hold, Stream
 
@@ -61,6 +62,7 @@ class QueuedOp:
     released: bool = False  # "hold" ops only
     seq: int = 0  # 1-based position in its stream, set by enqueue
     payload: dict = field(default_factory=dict)  # backend-specific data (gates, cuda events)
+    origin: OpOrigin | None = None  # whose code queued it, in which call (kvdevice.runtime.op_origin)
 
 
 Observer = Callable[[str, int, QueuedOp], None]  # (what, stream, op); see the module docstring
@@ -203,6 +205,7 @@ class ModelledStreams:
     which provides ``_enqueue(stream, op)`` and ``_check_usable()``)."""
 
     queues: StreamQueues
+    origin: OpOrigin  # the runtime's: what an op enqueued now carries (Runtime.annotate)
 
     def pending(self, stream: Stream) -> int:
         return self.queues.pending(stream.index)
@@ -219,12 +222,12 @@ class ModelledStreams:
     def _delay(self, stream: Stream, amount: int, stamp: OpStamp) -> None:
         self._check_usable()
         # The model makes the stream take ``amount`` steps (on cuda the op's gate alone enforces that).
-        self._enqueue(stream, QueuedOp("sleep", stamp.label, remaining=amount))
+        self._enqueue(stream, QueuedOp("sleep", stamp.label, remaining=amount, origin=self.origin))
 
     def _hold(self, hold: Hold, stamp: OpStamp) -> None:
         self._check_usable()
         # It runs once the host released the hold AND the model runs it.
-        op = QueuedOp("hold", stamp.label)
+        op = QueuedOp("hold", stamp.label, origin=self.origin)
         hold.payload["op"] = op
         self._enqueue(hold.stream, op)
 

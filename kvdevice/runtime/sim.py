@@ -43,6 +43,7 @@ import torch
 from kvdevice.runtime.base import Event, HostBuffer, Runtime, Stream
 from racecheck.hb import OpStamp
 from kvdevice.runtime.host_memory import size_class
+from kvdevice.runtime.op_origin import mark_failed
 from kvdevice.runtime.queues import ModelledStreams, QueuedOp, StreamQueues
 
 #: Simulated milliseconds per scheduling step: what a timing event's elapsed_time counts in.
@@ -147,7 +148,8 @@ class SimRuntime(ModelledStreams, Runtime):
             self.executing += 1  # device work, run on the CPU: no host access of the program's
             try:
                 op.action()
-            except Exception as error:  # a kernel that fails: say which op, for whoever reports it
+            except Exception as error:  # a kernel that fails: say which op, for whoever judges and reports it
+                mark_failed(error, op.label, op.origin)
                 error.add_note(f"while running {op.label}")
                 raise
             finally:
@@ -166,7 +168,7 @@ class SimRuntime(ModelledStreams, Runtime):
 
     # -- events ------------------------------------------------------------------------------
     def _record(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
-        op = QueuedOp("record", stamp.label)
+        op = QueuedOp("record", stamp.label, origin=self.origin)
         if event.timing:
             def stamp_time() -> None:  # only the latest record of the event sets its time
                 if event.stream is stream and event.position == op.seq:
@@ -181,7 +183,7 @@ class SimRuntime(ModelledStreams, Runtime):
 
     def _wait(self, event: Event, stream: Stream, stamp: OpStamp) -> None:
         target = (event.stream.index, event.position) if event.stream is not None else None
-        self._enqueue(stream, QueuedOp("wait", stamp.label, wait_for=target))
+        self._enqueue(stream, QueuedOp("wait", stamp.label, wait_for=target, origin=self.origin))
 
     def _sync_event(self, event: Event) -> None:
         self.queues.run_until(event.stream.index, event.position)
@@ -201,7 +203,7 @@ class SimRuntime(ModelledStreams, Runtime):
 
     # -- work --------------------------------------------------------------------------------
     def _copy(self, action: Callable[[], None], src: HostBuffer, stream: Stream, stamp: OpStamp) -> None:
-        self.queues.enqueue(stream.index, QueuedOp("copy", stamp.label, action=action))
+        self.queues.enqueue(stream.index, QueuedOp("copy", stamp.label, action=action, origin=self.origin))
         if src.protected:
             # PyTorch records an event on the pinned block behind every non-blocking copy of it
             # (CachingHostAllocator_recordEvent, pytorch/pytorch#130785); it is internal, so it
@@ -212,4 +214,4 @@ class SimRuntime(ModelledStreams, Runtime):
         self._after_host_call()
 
     def _launch(self, fn: Callable[[], None], stream: Stream, stamp: OpStamp) -> None:
-        self._enqueue(stream, QueuedOp("kernel", stamp.label, action=fn))
+        self._enqueue(stream, QueuedOp("kernel", stamp.label, action=fn, origin=self.origin))

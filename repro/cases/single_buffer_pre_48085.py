@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from fuzz.cli import ArgumentParser, run_main  # noqa: E402
 from fuzz.environment import describe, environment  # noqa: E402
-from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised  # noqa: E402
+from fuzz.engine.episode import CodeUnderTestRaised, Episode, EpisodeConfig  # noqa: E402
 
 # -- the episode, as found ----------------------------------------------------------------------
 ZEROER = 'single_buffer'
@@ -64,7 +64,7 @@ def run_once(config: EpisodeConfig) -> list:
     try:
         steps(episode)
         return episode.finish()  # one synchronisation, then the oracle checks every read and block
-    except ZeroerRaised:  # the zeroer raised: a finding, with those made before it
+    except CodeUnderTestRaised:  # the code under test raised: a finding, with those made before it
         return list(episode.findings)
     finally:
         if not episode.finished:  # stopped by an error: still free the runtime (open every gate on cuda)

@@ -44,6 +44,7 @@ from sanitizer.sites import Site, also_skip, caller_site
 from sanitizer.watch import HostWatch
 from kvdevice.intercept.host_memory import HostMemory
 from kvdevice.intercept.session import InterceptSession
+from kvdevice.runtime.op_origin import PROGRAM
 from kvdevice.intercept.sim_graphs import SimGraphs, graph_classes
 from kvdevice.intercept.sim_tensor import SimCudaTensor
 from kvdevice.intercept.torch_mode import InterceptMode
@@ -309,7 +310,7 @@ def sanitized(session: ProgramSession, what: str) -> Iterator[None]:
     """Run ``what`` of the program under ``session``, its host hooks active."""
     session.watch.activate_host_hooks()
     try:
-        with session.running(what):
+        with session.rt.annotate(owner=PROGRAM), session.running(what):
             session.watch.mark_set_up()
             yield
     finally:

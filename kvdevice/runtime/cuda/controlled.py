@@ -77,7 +77,7 @@ class ControlledCudaRuntime(ModelledStreams, CudaRuntimeBase):
     # -- the gated model ---------------------------------------------------------------------
     def _submit(self, stream: Stream, kind: str, label: str, issue: Callable[[], None] | None = None,
                 **fields: object) -> int:
-        return self._enqueue(stream, QueuedOp(kind, label, **fields), issue)
+        return self._enqueue(stream, QueuedOp(kind, label, origin=self.origin, **fields), issue)
 
     def _enqueue(self, stream: Stream, op: QueuedOp, issue: Callable[[], None] | None = None) -> int:
         """Issue ``op`` behind a fresh closed gate and queue it in the model. Inside :meth:`ungated`

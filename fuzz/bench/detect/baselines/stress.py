@@ -33,7 +33,7 @@ import torch
 from fuzz.bench import BenchUsageError
 from fuzz.bench.detect.outcome import DetectionOutcome
 from racecheck.cli import one_line  # noqa: F401 - one_line: re-exported to the other baselines
-from fuzz.engine.episode import Episode, EpisodeConfig, ZeroerRaised
+from fuzz.engine.episode import CodeUnderTestRaised, Episode, EpisodeConfig
 from fuzz.engine.oracle import Finding
 from fuzz.engine.trace import write_trace
 
@@ -223,7 +223,7 @@ def stress(
     if config.backend == "cuda" and not torch.cuda.is_available():
         return NEEDS_CUDA
     result = stress_loop(config, budget_s, seed)
-    if isinstance(result.exception, ZeroerRaised):
+    if isinstance(result.exception, CodeUnderTestRaised):
         # The code under test's own call failed (it raised, or CUDA refused it: a handler that times
         # a job it has not seen finish): a user's loop fails there too, so the bug showed.
         result.first, result.first_findings = result.exception.finding, [result.exception.finding]
