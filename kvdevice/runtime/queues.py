@@ -63,6 +63,7 @@ class QueuedOp:
     seq: int = 0  # 1-based position in its stream, set by enqueue
     payload: dict = field(default_factory=dict)  # backend-specific data (gates, cuda events)
     origin: OpOrigin | None = None  # whose code queued it, in which call (kvdevice.runtime.op_origin)
+    inference: bool = False  # queued under torch.inference_mode(): a backend that runs it later runs it so
 
 
 Observer = Callable[[str, int, QueuedOp], None]  # (what, stream, op); see the module docstring

@@ -147,7 +147,11 @@ class SimRuntime(ModelledStreams, Runtime):
         if op.action is not None:
             self.executing += 1  # device work, run on the CPU: no host access of the program's
             try:
-                op.action()
+                if op.inference == torch.is_inference_mode_enabled():
+                    op.action()
+                else:  # torch checks inference tensors when the op runs here, not when it was queued
+                    with torch.inference_mode(op.inference):
+                        op.action()
             except Exception as error:  # a kernel that fails: say which op, for whoever judges and reports it
                 mark_failed(error, op.label, op.origin)
                 error.add_note(f"while running {op.label}")
@@ -203,7 +207,8 @@ class SimRuntime(ModelledStreams, Runtime):
 
     # -- work --------------------------------------------------------------------------------
     def _copy(self, action: Callable[[], None], src: HostBuffer, stream: Stream, stamp: OpStamp) -> None:
-        self.queues.enqueue(stream.index, QueuedOp("copy", stamp.label, action=action, origin=self.origin))
+        self.queues.enqueue(stream.index, QueuedOp("copy", stamp.label, action=action, origin=self.origin,
+                                                   inference=torch.is_inference_mode_enabled()))
         if src.protected:
             # PyTorch records an event on the pinned block behind every non-blocking copy of it
             # (CachingHostAllocator_recordEvent, pytorch/pytorch#130785); it is internal, so it
@@ -214,4 +219,5 @@ class SimRuntime(ModelledStreams, Runtime):
         self._after_host_call()
 
     def _launch(self, fn: Callable[[], None], stream: Stream, stamp: OpStamp) -> None:
-        self._enqueue(stream, QueuedOp("kernel", stamp.label, action=fn, origin=self.origin))
+        self._enqueue(stream, QueuedOp("kernel", stamp.label, action=fn, origin=self.origin,
+                                       inference=torch.is_inference_mode_enabled()))
