@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvdevice.origin import forwarding
 from racecheck.hb import HOST_READ, HOST_WRITE, HappensBefore, Hazard
 from racecheck.pinned import PinnedWatch, Region, Snapshot
 from racecheck.ranges import Runs, clip
@@ -129,6 +130,7 @@ class HostWatch:
             self.boundary(site)
             self.host_access(tensor, write=False, what="host read (.tolist() of the pinned buffer)", site=site)
 
+    @forwarding  # the program's own op, run here: what torch raises under it is the program's
     def host_op(self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
         """An aten op on host tensors: its reads and writes of pinned memory are host accesses,
         checked against the copies pending on those bytes (:mod:`sanitizer.host_ops`); then it runs."""
