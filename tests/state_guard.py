@@ -127,7 +127,7 @@ def undo_leaks(before: OpenState) -> list[str]:
     for what, how in _modes(before):
         undo(what, how)
     for finder in sys.meta_path:
-        if _new(finder, before.meta_path):
+        if _new(finder, before.meta_path) and _our_finder(finder):
             undo(f"an import finder left on sys.meta_path ({type(finder).__qualname__})",
                  lambda finder=finder: sys.meta_path.remove(finder))
     for what, how in _attributes(before):
@@ -136,6 +136,18 @@ def undo_leaks(before: OpenState) -> list[str]:
         undo(f"the garbage collector's thresholds changed from {before.collector} to {gc.get_threshold()}",
              lambda: gc.set_threshold(*before.collector))
     return leaked
+
+
+# Packages whose import finders a test may leave behind: the tools' own (racecheck.effects' stand-in
+# modules, kvdevice.intercept.unroutable) and the suite's. A library's finder installed by its own
+# import (six's _SixMetaPathImporter, which matplotlib's dateutil brings; seen on the H100 image) is
+# the library's for the process's life: taking it away breaks its later imports.
+_OUR_PACKAGES = frozenset({"racecheck", "kvdevice", "sanitizer", "fuzz", "zeroer", "repro", "tests", "examples"})
+
+
+def _our_finder(finder: Any) -> bool:
+    module = type(finder).__module__ or ""
+    return module.split(".")[0] in _OUR_PACKAGES or module.startswith("test_") or "conftest" in module
 
 
 def _new(item: Any, before: list[Any]) -> bool:

@@ -221,6 +221,27 @@ def test_the_guard_names_and_undoes_each_kind_of_state_a_test_leaves_open():
     assert state_guard.undo_leaks(before) == []
 
 
+class _OurFinder:
+    def find_spec(self, *args):
+        return None
+
+
+def test_a_library_s_import_finder_stays_and_one_of_ours_is_taken_away():
+    # six puts _SixMetaPathImporter on sys.meta_path when matplotlib's dateutil imports it (the H100
+    # image): the library's for the process's life, not a test's leak; taking it away breaks six
+    library = type("_SixMetaPathImporter", (_OurFinder,), {"__module__": "six"})()
+    ours = _OurFinder()
+    before = state_guard.open_state()
+    sys.meta_path.extend([library, ours])
+    try:
+        assert state_guard.undo_leaks(before) == ["an import finder left on sys.meta_path (_OurFinder)"]
+        assert library in sys.meta_path and ours not in sys.meta_path
+    finally:
+        for finder in (library, ours):
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+
+
 def test_an_observer_left_started_is_named_once_and_its_stop_undoes_its_patches():
     before = state_guard.open_state()
     numpy = torch.Tensor.numpy
