@@ -346,3 +346,43 @@ def test_under_inference_mode_the_observer_follows_tables_staged_through_to(form
     races, unfollowed, _ = _observe(program)
     assert unfollowed == []
     assert [r.kind for r in races] == ([kind] if kind else [])
+
+
+@pytest.mark.parametrize("synced", [False, True])
+def test_a_pinned_temporary_dropped_under_a_kernel_reading_it_through_its_pointer_races_its_next_tenant(synced):
+    """LMCache #4830 on a GPU: torch's caching host allocator waits only for torch's own copies of a
+    block; one a kernel reads through its raw address goes to the next ``pin_memory()`` at once. An
+    H100 run missed it: the sanitizer forgot the old block when the new tenant was noted."""
+
+    def program(cuda, obs):
+        kv = cuda.device(torch.zeros((4 * ROWS, WORDS), dtype=torch.float32))
+        chunk = torch.ones((4 * ROWS, WORDS), dtype=torch.float32)
+        temporary = aten._pin_memory.default(chunk)
+        address = temporary.data_ptr()
+        _launch(cuda, obs, lambda: [to_cuda(torch.from_numpy(t)) for t in _handler_tables(temporary, kv, 1)], ROWS)
+        if synced:
+            cuda.synchronize()
+        del temporary  # the program's last reference: the block is free (no event records the kernel's read)
+        again = aten._pin_memory.default(chunk)
+        assert again.data_ptr() == address  # the stand-in's pool, as torch's allocator, handed it out again
+
+    races, unfollowed, _ = _observe(program)
+    assert unfollowed == []
+    assert [r.kind for r in races] == ([] if synced else ["host-write-vs-pending-copy"])
+    if not synced:
+        assert races[0].later.what.startswith("pinned memory handed out again"), races[0]
+
+
+def test_a_pinned_block_a_torch_copy_read_is_not_raced_by_its_next_tenant():
+    # torch's own non-blocking copy records an event on the block and the allocator waits for it
+    def program(cuda, obs):
+        chunk = torch.ones(64, dtype=torch.float32)
+        temporary = aten._pin_memory.default(chunk)
+        device = cuda.device(torch.zeros(64, dtype=torch.float32))
+        with cuda.stream(cuda.new_stream()):
+            device.copy_(temporary, non_blocking=True)
+        del temporary
+        aten._pin_memory.default(chunk)
+
+    races, unfollowed, _ = _observe(program)
+    assert races == [] and unfollowed == []

@@ -125,6 +125,7 @@ def declare_placed(obs: Any, placed: list[Placed], stamp: Any, *, write: bool) -
         if part.kind == "pinned":
             (hb.copy_writes_host if write else hb.copy_reads_host)(part.key, stamp, part.ranges)
             hb.device_access(part.key, stamp, write=write, ranges=part.ranges)
+            obs.raw_pinned_access(part.memory, stamp, part.ranges, write=write)
         elif part.kind == "device":
             obs.device_access_at(part.memory, part.ranges, stamp, write=write)
 

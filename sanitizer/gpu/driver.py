@@ -136,6 +136,7 @@ class DriverCalls:
             obs.device_access_at(place.memory, place.ranges, stamp, write=write)
             return
         view = driver_copies.host_view(place)
+        obs.raw_pinned_access(place.memory, stamp, place.ranges, write=write)
         if write:
             obs.queued_write(place.memory, view, stamp, held)
         else:  # the region keeps the snapshot: a raw address has no tensor to outlive

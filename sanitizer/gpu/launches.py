@@ -87,6 +87,7 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any = None) -
             obs.queued_write(region, tensor, stamp, held)
         else:
             obs.queued_read(region, tensor, stamp, held)
+        obs.raw_pinned_access(region, stamp, region.runs(tensor), write=writes)  # through its pointer
     obs.collect()
 
 

@@ -41,7 +41,7 @@ from racecheck.pinned import PinnedWatch, Region, Snapshot
 from racecheck.ranges import byte_runs
 from racecheck.threads import HostThreads
 from sanitizer.gpu.device import CudaDevice
-from sanitizer.races import Access, Label, Race, Unfollowed
+from sanitizer.races import HANDED_OUT_AGAIN, Access, Label, Race, Unfollowed
 from sanitizer.sites import Site, caller_site
 from sanitizer.watch import HostWatch
 
@@ -71,6 +71,7 @@ class Observer(HostWatch):
         self._recorded: set[int] = set()  # device addresses record_stream tied to another stream
         self._device_sites: dict[int, Site] = {}  # device address -> where it was last handed out
         self._named: dict[int, tuple[str, int]] = {}  # device address -> its checker key, once named
+        self._raw_pinned: dict[int, Region] = {}  # pinned regions accessed through raw addresses, by id
         self._accesses: dict[tuple, Access] = {}
         self._ops = 0
         self._started = False
@@ -256,10 +257,42 @@ class Observer(HostWatch):
     def note_pinned(self, tensor: torch.Tensor, site: Site | None, how: str) -> Region:
         with _disable_current_modes():
             shape, dtype = tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")
+            storage = tensor.untyped_storage()
+            start = storage.data_ptr()
+            end = start + max(storage.nbytes(), 1)
+        self._handed_out_again(start, end, site, how)
         region = self.pinned.register(tensor, keep=False, site=site)
         self.pinned.rename(region, f"pinned host buffer {shape} {dtype} ({how})")
         self._numpy_at.pop(region.id, None)
         return region
+
+    def raw_pinned_access(self, region: Region, stamp: OpStamp, runs: list[tuple[int, int]], *, write: bool) -> None:
+        """``stamp`` reads or writes ``runs`` of pinned ``region`` through a raw address (an extension's
+        op, a Triton kernel, a driver copy). torch's caching host allocator records an event on a
+        block only for torch's own copies of it, and waits for those before it hands the block out
+        again; a raw access it never hears of, so a block the program drops under one goes to the
+        next pinned allocation at once (LMCache #4830). These accesses are kept under a key of their
+        own, checked when the block comes back (:meth:`_handed_out_again`)."""
+        if region.registered:
+            return  # cudaHostRegister'ed memory: the program's own, never recycled by the allocator
+        key = ("pinned-raw", region.id)
+        if region.id not in self._raw_pinned:
+            self.hb.name_resource(key, region.name or f"pinned host buffer p{region.id}")
+        self._raw_pinned[region.id] = region
+        (self.hb.copy_writes_host if write else self.hb.copy_reads_host)(key, stamp, runs)
+
+    def _handed_out_again(self, start: int, end: int, site: Site | None, how: str) -> None:
+        """A pinned allocation took ``[start, end)``: a block an earlier tenant's raw accesses used is
+        written by the host now (its new tenant's), checked against those still pending (the
+        simulator's model of the allocator says the same: sanitizer.sim.session)."""
+        if not self._raw_pinned:
+            return
+        for old in [r for r in self._raw_pinned.values() if r.start < end and start < r.end]:
+            del self._raw_pinned[old.id]
+            what = f"{HANDED_OUT_AGAIN} ({how})"
+            self.hb.host_write(("pinned-raw", old.id), self.host_label(what, site), self.threads.current(),
+                               [(max(start, old.start), min(end, old.end))])
+        self.collect()
 
     def queued_read(self, region: Region, view: torch.Tensor, stamp: OpStamp, held: Any, keep: Any = None) -> None:
         """``stamp`` (a copy, a kernel) reads ``view`` of pinned ``region`` when it runs: a snapshot of
