@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import gpu_budget
-from gpu_budget import HELD, Slot, children_take_the_slot, gpu_memory_gib, plan, uses_gpu
+from gpu_budget import HELD, Slot, children_take_the_slot, gpu_memory_gib, plan, stays_off_the_gpu, uses_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,6 +139,25 @@ def test_a_test_takes_its_slot_when_it_starts_a_child_and_the_child_is_inside_it
     assert subprocess.Popen.__init__ is not None and "start" not in subprocess.Popen.__init__.__name__
     slot.give_back()
     assert HELD not in os.environ and not warnings
+
+
+def test_a_child_on_the_simulator_takes_no_slot_and_one_that_may_use_the_gpu_does(tmp_path, monkeypatch):
+    monkeypatch.delenv(HELD, raising=False)
+    slot = Slot(tmp_path, 1)
+    code = "import sys; sys.exit(0)"
+    with children_take_the_slot(slot, []):
+        for argv in ([sys.executable, "-c", code, "fuzz", "--backend", "sim"],
+                     [sys.executable, "-c", code, "--kvz-sanitize-backend=sim"]):
+            subprocess.run(argv, check=True)
+            assert not slot.held, argv
+        subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert not slot.held
+        subprocess.run([sys.executable, "-c", code, "--backend", "sim", "--backend", "cuda"], check=True)
+        assert slot.held  # one of its backends is the GPU
+    slot.give_back()
+    assert stays_off_the_gpu(([sys.executable, "-m", "sanitizer", "--backend", "sim"],), {})
+    assert not stays_off_the_gpu(([sys.executable, "-m", "pytest", "fuzz"],), {})  # auto: the GPU where there is one
+    assert not stays_off_the_gpu(("python -m pytest fuzz --backend sim",), {"shell": True})  # a shell line is not read
 
 
 def test_a_test_that_needs_cuda_is_known_by_its_skip_mark():
