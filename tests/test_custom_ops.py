@@ -117,7 +117,9 @@ def _lmcache(dev, pinned):
         ops.multi_layer_block_kv_transfer(table, [obj.data_ptr()], block_ids, torch.device("cuda"),
                                           ops.TransferDirection.H2D, desc, chunk, ops.GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, 0)
 
-    return types.SimpleNamespace(read=obj, written=layers[1], expected=expected, call=call)
+    # keep: the table holds only the layers' addresses; layer 0, dropped, was written after its free
+    # (a CI run aborted in the next allocation)
+    return types.SimpleNamespace(read=obj, written=layers[1], expected=expected, call=call, keep=layers)
 
 
 CASES = {"swap_blocks": _swap_blocks, "swap_blocks_batch": _swap_blocks_batch,
