@@ -80,11 +80,21 @@ class PinnedMemory:
         self._starts: list[int] = []
         self._regions: list[Region] = []
 
+    def _overlapped(self, start: int, end: int) -> tuple[int, int]:
+        """``[j, i)``: the positions of the regions ``[start, end)`` overlaps."""
+        i = j = bisect.bisect_left(self._starts, end)  # regions starting before ``end``: [0, i)
+        while j > 0 and self._regions[j - 1].end > start:
+            j -= 1
+        return j, i
+
+    def overlapping(self, start: int, end: int) -> list[Region]:
+        """The regions ``[start, end)`` overlaps (those a new region there makes forgotten)."""
+        j, i = self._overlapped(start, end)
+        return self._regions[j:i]
+
     def add(self, start: int, end: int, name: str = "", **details: Any) -> Region:
         """A pinned region ``[start, end)``; regions it overlaps are forgotten (the memory is new)."""
-        i = j = bisect.bisect_left(self._starts, end)  # regions starting before ``end``: [0, i)
-        while j > 0 and self._regions[j - 1].end > start:  # [j, i): the regions it overlaps
-            j -= 1
+        j, i = self._overlapped(start, end)
         del self._starts[j:i], self._regions[j:i]
         region = Region(next(self._ids), start, end, name, **details)
         i = bisect.bisect(self._starts, start)

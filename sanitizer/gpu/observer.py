@@ -71,7 +71,8 @@ class Observer(HostWatch):
         self._recorded: set[int] = set()  # device addresses record_stream tied to another stream
         self._device_sites: dict[int, Site] = {}  # device address -> where it was last handed out
         self._named: dict[int, tuple[str, int]] = {}  # device address -> its checker key, once named
-        self._raw_pinned: dict[int, Region] = {}  # pinned regions accessed through raw addresses, by id
+        # Pinned regions accessed through raw addresses, by id; one leaves when a new region takes its memory.
+        self._raw_pinned: dict[int, Region] = {}
         self._accesses: dict[tuple, Access] = {}
         self._ops = 0
         self._started = False
@@ -287,8 +288,9 @@ class Observer(HostWatch):
         simulator's model of the allocator says the same: sanitizer.sim.session)."""
         if not self._raw_pinned:
             return
-        for old in [r for r in self._raw_pinned.values() if r.start < end and start < r.end]:
-            del self._raw_pinned[old.id]
+        for old in self.pinned.regions.overlapping(start, end):
+            if self._raw_pinned.pop(old.id, None) is None:
+                continue
             what = f"{HANDED_OUT_AGAIN} ({how})"
             self.hb.host_write(("pinned-raw", old.id), self.host_label(what, site), self.threads.current(),
                                [(max(start, old.start), min(end, old.end))])
