@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from racecheck.ops import aliased_returns, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, written_args
+from racecheck.ops import aliased_returns, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, op_info, written_args
 from racecheck.triton_stores import kernel_flow
 
 aten = torch.ops.aten
@@ -351,3 +351,12 @@ def test_the_docstring_example_holds():
 def test_a_local_reused_for_loading_and_then_storing_writes_only_the_stored_param():
     assert pointers_stored(reuses_a_local, {"x_ptr", "out_ptr"}) == {"out_ptr"}
 
+
+
+def test_only_an_op_with_no_kernel_of_its_own_is_decomposed_under_inference_mode():
+    # Under torch.inference_mode() a CompositeImplicitAutograd op reaches a dispatch mode whole; one
+    # with a CPU or CUDA kernel of its own runs that kernel there, so the tools leave it whole too
+    aten = torch.ops.aten
+    assert op_info(aten.to.dtype_layout).composite and op_info(aten.pin_memory.default).composite
+    assert not op_info(aten.silu_backward.default).composite  # composite, with a CPU kernel of its own
+    assert not op_info(aten._to_copy.default).composite and not op_info(aten.add.Tensor).composite
