@@ -351,3 +351,17 @@ def test_the_docstring_example_holds():
 def test_a_local_reused_for_loading_and_then_storing_writes_only_the_stored_param():
     assert pointers_stored(reuses_a_local, {"x_ptr", "out_ptr"}) == {"out_ptr"}
 
+
+
+def test_a_composite_op_with_a_kernel_of_its_own_for_a_device_is_not_decomposed():
+    """silu_backward and mish_backward have CompositeImplicitAutograd kernels for other backends and
+    kernels of their own for the CPU and CUDA: a dispatch mode gets them whole outside inference mode
+    too, and decomposing them would run the math version instead of the program's kernel."""
+    from racecheck.ops import op_info
+
+    aten = torch.ops.aten
+    assert op_info(aten.to.dtype_layout).composite and op_info(aten.pin_memory.default).composite
+    assert op_info(aten.to.device).composite
+    assert not op_info(aten.silu_backward.default).composite
+    assert not op_info(aten.mish_backward.default).composite
+    assert not op_info(aten.detach.default).composite
