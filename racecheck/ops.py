@@ -225,11 +225,12 @@ class OpInfo:
         # The schema's argument names past each count of positional arguments (keyword arguments by position).
         self.positional = tuple(a.name for a in schema.arguments) if schema is not None else ()
         # An op autograd decomposes before a dispatch mode sees it, except under torch.inference_mode()
-        # (see decomposed): Tensor.to's aten.to.*, Tensor.pin_memory's aten.pin_memory. One with a
-        # kernel of its own for CPU or CUDA runs that kernel under inference mode: never decomposed.
+        # (see decomposed): Tensor.to's aten.to.*, Tensor.pin_memory's aten.pin_memory.
+        # One with a kernel of its own for the CPU or CUDA (silu_backward, mish_backward: the composite
+        # serves other backends) runs that kernel without a mode, so it is handed on whole.
         has = torch._C._dispatch_has_kernel_for_dispatch_key
         self.composite = (schema is not None and not self.custom and has(func.name(), "CompositeImplicitAutograd")
-                          and not has(func.name(), "CUDA") and not has(func.name(), "CPU"))
+                          and not has(func.name(), "CPU") and not has(func.name(), "CUDA"))
 
 
 _INFO: dict[int, OpInfo] = {}

@@ -386,3 +386,38 @@ def test_a_pinned_block_a_torch_copy_read_is_not_raced_by_its_next_tenant():
 
     races, unfollowed, _ = _observe(program)
     assert races == [] and unfollowed == []
+
+
+@pytest.mark.parametrize(("copy", "kind"), [("none", "host-write-vs-pending-copy"), ("after", None),
+                                            ("before", "host-write-vs-pending-copy")])
+def test_a_pinned_block_a_torch_copy_read_after_its_raw_access_is_not_raced_by_its_next_tenant(copy, kind):
+    """torch's caching host allocator hands a block out again only once the events behind torch's own
+    copies of it have completed (CachingHostAllocator_recordEvent): a kernel that read the block
+    through its pointer before such a copy, on that copy's stream, has completed too. A raw access
+    after the copy is still pending when the block comes back."""
+
+    def program(cuda, obs):
+        from sanitizer.sites import caller_site
+
+        kv = cuda.device(torch.zeros((4 * ROWS, WORDS), dtype=torch.float32))
+        dev = cuda.device(torch.zeros((4 * ROWS, WORDS), dtype=torch.float32))
+        chunk = torch.ones((4 * ROWS, WORDS), dtype=torch.float32)
+        temporary = aten._pin_memory.default(chunk)
+        address = temporary.data_ptr()
+        side = cuda.new_stream()
+        if copy == "before":
+            with cuda.stream(side):
+                dev.copy_(temporary, non_blocking=True)
+        _launch(cuda, obs, lambda: [to_cuda(torch.from_numpy(t)) for t in _handler_tables(temporary, kv, 1)], ROWS,
+                side=side)
+        if copy == "after":
+            with cuda.stream(side):
+                dev.copy_(temporary, non_blocking=True)  # torch's own: an event on the block behind the kernel
+        del temporary
+        obs.scope_end(caller_site())  # a test's end: the observer lets go of its alias of the copy's source
+        again = aten._pin_memory.default(chunk)
+        assert again.data_ptr() == address
+
+    races, unfollowed, _ = _observe(program)
+    assert unfollowed == []
+    assert [r.kind for r in races] == ([kind] if kind else [])

@@ -353,10 +353,15 @@ def test_a_local_reused_for_loading_and_then_storing_writes_only_the_stored_para
 
 
 
-def test_only_an_op_with_no_kernel_of_its_own_is_decomposed_under_inference_mode():
-    # Under torch.inference_mode() a CompositeImplicitAutograd op reaches a dispatch mode whole; one
-    # with a CPU or CUDA kernel of its own runs that kernel there, so the tools leave it whole too
+def test_a_composite_op_with_a_kernel_of_its_own_for_a_device_is_not_decomposed():
+    """silu_backward and mish_backward have CompositeImplicitAutograd kernels for other backends and
+    kernels of their own for the CPU and CUDA: a dispatch mode gets them whole outside inference mode
+    too, and decomposing them would run the math version instead of the program's kernel."""
+    from racecheck.ops import op_info
+
     aten = torch.ops.aten
     assert op_info(aten.to.dtype_layout).composite and op_info(aten.pin_memory.default).composite
-    assert not op_info(aten.silu_backward.default).composite  # composite, with a CPU kernel of its own
-    assert not op_info(aten._to_copy.default).composite and not op_info(aten.add.Tensor).composite
+    assert op_info(aten.to.device).composite
+    assert not op_info(aten.silu_backward.default).composite
+    assert not op_info(aten.mish_backward.default).composite
+    assert not op_info(aten.detach.default).composite

@@ -79,10 +79,12 @@ def copy(handler: Any, func: Any, args: tuple, kwargs: dict, what: str, site: Si
         obs.values.commit(pending, result)
     if reads_pinned:
         obs.queued_read(region, src, stamp, held)
+        obs.torch_copied_pinned(region, stamp)
     if writes_pinned and isinstance(target_tensor, torch.Tensor):
         if region is None:
             region = obs.note_pinned(target_tensor, site, f"the pinned result of .to('cpu', non_blocking=True)")
         obs.queued_write(region, target_tensor, stamp, held)
+        obs.torch_copied_pinned(region, stamp)
     if host_waits:
         obs.observes_stream(stream)
     obs.collect()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -73,6 +74,8 @@ class Observer(HostWatch):
         self._named: dict[int, tuple[str, int]] = {}  # device address -> its checker key, once named
         # Pinned regions accessed through raw addresses, by id; one leaves when a new region takes its memory.
         self._raw_pinned: dict[int, Region] = {}
+        # Of those, the clocks of torch's own copies made after a raw access: the allocator waits for them.
+        self._allocator_waits: dict[int, tuple[int, ...]] = {}
         self._accesses: dict[tuple, Access] = {}
         self._ops = 0
         self._started = False
@@ -282,6 +285,16 @@ class Observer(HostWatch):
         self._raw_pinned[region.id] = region
         (self.hb.copy_writes_host if write else self.hb.copy_reads_host)(key, stamp, runs)
 
+    def torch_copied_pinned(self, region: Region, stamp: OpStamp) -> None:
+        """``stamp`` is torch's own non-blocking copy of pinned ``region``: the caching host allocator
+        records an event behind it (CachingHostAllocator_recordEvent) and hands the block out again
+        only once that event has completed, so a raw access ordered before the copy has completed
+        too when the block comes back. Kept only for blocks raw accesses used."""
+        if region.id not in self._raw_pinned:
+            return
+        waits = self._allocator_waits.get(region.id, ())
+        self._allocator_waits[region.id] = tuple(map(max, itertools.zip_longest(waits, stamp.vc, fillvalue=0)))
+
     def _handed_out_again(self, start: int, end: int, site: Site | None, how: str) -> None:
         """A pinned allocation took ``[start, end)``: a block an earlier tenant's raw accesses used is
         written by the host now (its new tenant's), checked against those still pending (the
@@ -291,8 +304,11 @@ class Observer(HostWatch):
         for old in self.pinned.regions.overlapping(start, end):
             if self._raw_pinned.pop(old.id, None) is None:
                 continue
+            host = self.threads.current()
+            # the allocator saw the events behind torch's own copies of the block complete
+            self.hb.host_observes(self._allocator_waits.pop(old.id, None), host)
             what = f"{HANDED_OUT_AGAIN} ({how})"
-            self.hb.host_write(("pinned-raw", old.id), self.host_label(what, site), self.threads.current(),
+            self.hb.host_write(("pinned-raw", old.id), self.host_label(what, site), host,
                                [(max(start, old.start), min(end, old.end))])
         self.collect()
 
