@@ -365,3 +365,10 @@ def test_a_composite_op_with_a_kernel_of_its_own_for_a_device_is_not_decomposed(
     assert not op_info(aten.silu_backward.default).composite
     assert not op_info(aten.mish_backward.default).composite
     assert not op_info(aten.detach.default).composite
+
+
+def test_a_device_argument_names_cuda_as_torch_takes_it():
+    from racecheck.devices import names_cuda
+
+    assert names_cuda("cuda") and names_cuda("cuda:1") and names_cuda(torch.device("cuda", 0)) and names_cuda(0)
+    assert not any(names_cuda(d) for d in (None, "cpu", torch.device("cpu"), True, "no such device"))

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map
 from kvdevice.intercept import host_reads
 from kvdevice.intercept.errors import InterceptError, forward, raise_as_cuda, simulator_gap
 from kvdevice.intercept.sim_tensor import SimCudaTensor, cloak, uncloak
+from racecheck.devices import names_cuda
 
 _HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 _EMPTY = {torch.empty, torch.empty_strided, torch.empty_like}
@@ -41,15 +42,6 @@ _T = torch.Tensor
 _METADATA = frozenset(f"Tensor.{name}" for name in (
     "size", "stride", "dim", "ndimension", "numel", "nelement", "element_size", "is_contiguous", "storage_offset",
     "is_pinned", "untyped_storage", "get_device", "is_floating_point", "is_complex", "is_signed", "__len__"))
-
-
-def _is_cuda(device: Any) -> bool:
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True  # an index means a CUDA device in torch's factories
-    try:
-        return torch.device(device).type == "cuda"
-    except (RuntimeError, TypeError):
-        return False
 
 
 def _name(func: Any) -> str:
@@ -109,7 +101,7 @@ class InterceptMode(TorchFunctionMode):
         handler = self._handlers.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        cuda = kwargs.get("device") is not None and _is_cuda(kwargs["device"])
+        cuda = names_cuda(kwargs.get("device"))
         route = (self._device_factory if cuda and self.sim
                  else self._host_data_to_cuda if cuda and func in _HOST_DATA and not _tensor_data(args, kwargs)
                  else self._pinned_factory if kwargs.get("pin_memory")
@@ -211,7 +203,7 @@ class InterceptMode(TorchFunctionMode):
         """``x.new_tensor(data)``: torch's host-data copy again (:meth:`_host_data_to_cuda`)."""
         tensor, data = args[0], args[1] if len(args) > 1 else kwargs.get("data")
         device = kwargs.get("device") or tensor.device
-        if not _is_cuda(device) or isinstance(data, torch.Tensor):
+        if not names_cuda(device) or isinstance(data, torch.Tensor):
             return forward(func, *args, **kwargs)
         self.session.boundary("Tensor.new_tensor")
         factory = {"dtype": kwargs.get("dtype") or tensor.dtype, "device": device}

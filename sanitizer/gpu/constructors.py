@@ -43,6 +43,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from racecheck.device_values import INTEGERS, MAX_STORAGE
+from racecheck.devices import names_cuda
 from sanitizer.sites import caller_site
 from kvdevice.intercept.sim_tensor import SimCudaTensor
 from kvdevice.origin import forwarding
@@ -155,12 +156,7 @@ def _may_target_cuda(name: str, args: tuple, kwargs: dict) -> bool:
         device = args[0].device
     if device is None:
         device = torch.get_default_device()
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True  # an index names a CUDA device in torch's factories
-    try:
-        return torch.device(device).type == "cuda"
-    except (RuntimeError, TypeError):
-        return False
+    return names_cuda(device)
 
 
 __all__ = ["CONSTRUCTORS", "hidden_copy", "made", "patch", "rereadable"]

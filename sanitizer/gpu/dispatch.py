@@ -25,12 +25,12 @@ it (:class:`sanitizer.dynamo_guard.SanitizerMode`), so dynamo never traces the s
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from racecheck.devices import names_cuda
 from racecheck.ops import decomposed, op_info, op_name
 from sanitizer.gpu import custom
 from racecheck.lazy_dynamo import guard_once_dynamo_loaded
@@ -103,7 +103,7 @@ class Handler:
                 on_device.append(tensor)
         if not on_device:
             target = kwargs.get("device") if kwargs else None
-            if target is None or not _is_cuda(target):
+            if not names_cuda(target):
                 return self.host_op(func, args, kwargs, tensors)
         what = info.kind
         if what == "view":
@@ -173,14 +173,6 @@ class Handler:
 
 
 # -- what an op touches --------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _is_cuda(device: Any) -> bool:
-    try:
-        return torch.device(device).type == "cuda"
-    except (RuntimeError, TypeError):
-        return False
-
 
 def _written(info: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     """The tensors ``func`` writes in place; for the most frequent kind, a method that writes its own

@@ -43,6 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from racecheck.devices import names_cuda
 from racecheck.lazy_dynamo import LazyDynamoMode, guard_once_dynamo_loaded
 from racecheck.ops import decomposed, op_info
 from racecheck.placement import Placed
@@ -456,15 +457,6 @@ def _stream_class(cuda: FakeCuda) -> type:
     return Stream
 
 
-def _cuda_target(device: Any) -> bool:
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True
-    try:
-        return device is not None and torch.device(device).type == "cuda"
-    except (RuntimeError, TypeError):
-        return False
-
-
 def _dispatched(name: str, data: Any) -> bool:
     """Whether a CUDA build moves ``data`` with a ``.to()`` the modes see (tensor_new.cpp: a tensor,
     a numpy array, or for ``asarray`` a numpy scalar or a buffer, come to a tensor first)."""
@@ -518,7 +510,7 @@ class _Constructors:
                 device = rest[1]
             if device is None and method and kwargs.get("device") is None and cuda.is_device(base):
                 device = "cuda"
-            if not _cuda_target(device):
+            if not names_cuda(device):
                 return original(*args, **kwargs)
             dtype = kwargs.get("dtype") or (rest[0] if name == "as_tensor" and rest else None)
             if dtype is None and method:
