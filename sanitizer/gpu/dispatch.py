@@ -64,10 +64,6 @@ class Ops(SanitizerMode):
             return func(*args, **(kwargs or {}))
         return handler.on_op(func, args, kwargs or {})
 
-    @forwarding
-    def on_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        return self.__torch_dispatch__(func, (), args, kwargs)
-
 
 def enter(observer: Any) -> Callable[[], None]:
     """Enter a fresh mode in the calling thread; the function that leaves it again."""
@@ -79,7 +75,7 @@ def enter(observer: Any) -> Callable[[], None]:
 class Handler:
     """What one op means to the observer (see the module docstring)."""
 
-    def __init__(self, observer: Any, mode: Any = None) -> None:
+    def __init__(self, observer: Any, mode: Any) -> None:
         self.obs = observer
         self.device = observer.device
         self.mode = mode  # the thread's Ops, entered again for a composite op's parts
@@ -89,7 +85,7 @@ class Handler:
         info = op_info(func)
         if info.custom:  # an extension's op: its effect model says what it touches (sanitizer.gpu.custom)
             return custom.on_op(self, func, args, kwargs)
-        if info.composite and self.mode is not None:  # under torch.inference_mode(): x.to(...) whole
+        if info.composite:  # under torch.inference_mode(): x.to(...) whole
             result = decomposed(self.mode, func, args, kwargs)
             if result is not NotImplemented:
                 return result
