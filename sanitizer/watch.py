@@ -10,7 +10,10 @@ seen and stamped, what a thread needs set up).
 
 A host write that no call showed is placed between two program lines: the last boundary of the
 thread that found it (an op, a trace callback, a scope's end) and this one, or at the line that
-took the numpy view it most likely went through.
+took the numpy view it most likely went through. Only the program's threads look for such writes:
+the one that made the watch, those started under it, and any other once the program ran an op on
+it. A bystander (pytest-xdist's receiver thread, a library's own) that only hands something off
+records the hand-off and nothing more: it would otherwise be named the writer, at its own line.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class HostWatch:
         self._numpy_at: dict[int, Site] = {}  # region id -> where its numpy view was last taken
         self._undo: list[Callable[[], None]] = []
         self._quick = 0  # quick boundaries since the last comparison
+        self._local.program = True  # the thread that made the watch is the program's
 
     # -- life -------------------------------------------------------------------------------------
     def activate_host_hooks(self) -> None:
@@ -85,7 +89,9 @@ class HostWatch:
         boundary that no call showed are found by the snapshots and placed in between. A ``quick``
         boundary (a device op: the most frequent) compares only every :data:`QUICK_EVERY`-th time;
         one that does not compare leaves the window open, so a write found later is still placed
-        between two lines that hold it (every synchronisation compares, so none is missed)."""
+        between two lines that hold it (every synchronisation compares, so none is missed).
+        The calling thread is the program's from now on."""
+        self._local.program = True
         if quick and self.pinned.pending:
             self._quick += 1
             if self._quick < QUICK_EVERY:
@@ -99,6 +105,12 @@ class HostWatch:
                     self.hb.host_write(snapshot.region.key, self._unseen_write(snapshot, site), host, snapshot.runs)
                 self.collect()
         self.last_site = site
+
+    def handoff_boundary(self, site: Site) -> None:
+        """A thread hands something off (or starts a thread) at ``site``: a boundary if it is the
+        program's thread; a bystander's hand-off compares nothing (module docstring)."""
+        if getattr(self._local, "program", False):
+            self.boundary(site)
 
     def _gone(self, snapshot: Snapshot) -> bool:
         """Whether nothing but the snapshot holds the memory any more (the backend may know)."""
@@ -172,12 +184,13 @@ class HostWatch:
     def thread_starting(self, thread: threading.Thread) -> Any:
         """``thread.start()`` is being called: what the starter knows now is what the thread knows."""
         with self.lock:
-            self.boundary(caller_site())
+            self.handoff_boundary(caller_site())
             return self.hb.host_snapshot(self.threads.current())
 
     def thread_running(self, thread: threading.Thread, token: Any) -> Callable[[], None]:
         with self.lock:
             self.threads.started_from(token, threading.get_ident(), thread.name, thread)
+        self._local.program = True  # started under the watch
         teardown = self.thread_setup()
 
         def finish() -> None:
@@ -216,7 +229,7 @@ class HostWatch:
 
     def release(self, obj: Any) -> None:
         with self.lock:
-            self.boundary(caller_site())
+            self.handoff_boundary(caller_site())
             self.handoffs.release(obj)
 
     def acquire(self, obj: Any) -> None:

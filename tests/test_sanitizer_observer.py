@@ -576,3 +576,80 @@ def test_the_stand_ins_allocation_lookup_finds_the_storage_holding_a_range_as_al
         assert cuda.holding(end - 1, end + 1).ranges == [(end - 1, end)]  # the rest is another memory's or none's
     gone = tensors.pop(1).untyped_storage().data_ptr()
     assert cuda.holding(gone, gone + 1) is None
+
+
+class _Bystander:
+    """A thread the program never ran on (a test runner's, a library's), started before the watch,
+    that hands something off whenever the test lets it, as pytest-xdist's receiver thread does."""
+
+    def __init__(self) -> None:
+        self.go, self.done = threading.Lock(), threading.Lock()  # raw locks: no hook sees them
+        self.go.acquire(); self.done.acquire()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        event = threading.Event()
+        while True:
+            self.go.acquire()
+            if self.stopping:
+                return
+            event.set()  # a hand-off, in a thread no op of the program ran on
+            self.done.release()
+
+    def hand_off(self) -> None:
+        self.go.release(); self.done.acquire()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.go.release()
+        self.thread.join()
+
+
+@pytest.fixture
+def bystander():
+    helper = _Bystander()
+    helper.thread.start()  # before the watch: it is not followed
+    yield helper
+    helper.stop()
+
+
+@pytest.fixture
+def watched(bystander, cuda):
+    with observing(cuda) as observer:
+        yield observer
+
+
+def test_a_write_no_call_shows_is_placed_in_the_programs_thread_not_a_bystanders(bystander, watched, cuda):
+    # CI (xdist 3.8, Python 3.11): xdist's receiver thread set an Event between the write and the
+    # synchronisation, and the write was placed at that line of xdist/remote.py.
+    import ctypes
+
+    staging = cuda.pinned(torch.zeros(8, dtype=torch.int64))
+    ids = cuda.device(torch.zeros(8, dtype=torch.int64))
+    ids.copy_(staging, non_blocking=True); copied = here()
+    ctypes.memmove(staging.data_ptr(), (ctypes.c_int64 * 1)(9), 8)
+    bystander.hand_off()
+    cuda.synchronize(); seen = here()
+    (race,) = watched.stop()
+    assert race.kind == "host-write-vs-pending-copy" and race.queued.site.line == copied
+    assert race.later.until is not None and race.later.until.line == seen
+
+
+def test_a_bystanders_hand_off_makes_no_write_of_its_own_after_the_program_synchronised(bystander, watched, cuda):
+    # The program waited for its copy, then rewrote the buffer where no call shows: right. A thread
+    # that saw none of it must not be called the writer.
+    import ctypes
+
+    staging = cuda.pinned(torch.zeros(8, dtype=torch.int64))
+    other = cuda.pinned(torch.zeros(8, dtype=torch.int64))  # a copy of it stays pending throughout
+    ids = cuda.device(torch.zeros(8, dtype=torch.int64))
+    for step in range(3):
+        ids.copy_(staging, non_blocking=True)
+        done = cuda.record()
+        cuda.synchronize_event(done)
+        cuda.device(torch.zeros(8, dtype=torch.int64)).copy_(other, non_blocking=True)
+        ctypes.memmove(staging.data_ptr(), (ctypes.c_int64 * 1)(step), 8)
+        bystander.hand_off()
+    cuda.synchronize()
+    assert watched.stop() == []
