@@ -77,6 +77,7 @@ class Access:
     stream: str
     site: Site | None
     until: Site | None = None  # a host write seen between ``site`` and ``until``
+    reused: bool = False  # the write is the caching host allocator handing the bytes out again
 
     def where(self) -> str:
         if self.site is None:
@@ -130,8 +131,7 @@ class Race:
         ]
         if self.values:
             lines.append(f"  forced:  {self.values}")
-        freed = self.later.what.startswith(HANDED_OUT_AGAIN)
-        lines.append(f"  fix:     {_FREED_ADVICE if freed else _ADVICE[self.kind]}")
+        lines.append(f"  fix:     {_FREED_ADVICE if self.later.reused else _ADVICE[self.kind]}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -145,7 +145,8 @@ class Race:
             return Site(**value) if value else None
 
         def access(value: dict) -> Access:
-            return Access(value["what"], value["stream"], site(value["site"]), site(value.get("until")))
+            return Access(value["what"], value["stream"], site(value["site"]), site(value.get("until")),
+                          bool(value.get("reused", False)))
 
         return cls(data["kind"], data["resource"], site(data["allocated_at"]), access(data["queued"]),
                    access(data["later"]), data.get("values", ""), data.get("where", ""))

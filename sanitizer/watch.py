@@ -81,8 +81,8 @@ class HostWatch:
         self._local.site = site
 
     # -- pinned memory ------------------------------------------------------------------------------
-    def host_label(self, what: str, site: Site | None, until: Site | None = None) -> Label:
-        return Label.of(what, Access(what, "the host", site, until=until))
+    def host_label(self, what: str, site: Site | None, until: Site | None = None, *, reused: bool = False) -> Label:
+        return Label.of(what, Access(what, "the host", site, until=until, reused=reused))
 
     def boundary(self, site: Site, *, quick: bool = False) -> None:
         """The host reached ``site`` (an op, a callback, a scope's end): host writes since the last
@@ -156,12 +156,13 @@ class HostWatch:
         """The pinned region ``tensor`` lives in (a backend may also find memory pinned before it started)."""
         return self.pinned.lookup(tensor)
 
-    def host_access(self, tensor: torch.Tensor, *, write: bool, what: str, site: Site) -> bool:
-        """A call the sanitizer sees reads or writes ``tensor`` on the host; whether it is pinned."""
+    def host_access(self, tensor: torch.Tensor, *, write: bool, what: str, site: Site, reused: bool = False) -> bool:
+        """A call the sanitizer sees reads or writes ``tensor`` on the host; whether it is pinned.
+        ``reused``: the write is the caching host allocator handing the bytes out again."""
         region = self.region_of(tensor)
         if region is None:
             return False
-        label = self.host_label(what, site)
+        label = self.host_label(what, site, reused=reused)
         (self.pinned.host_write if write else self.pinned.host_read)(region, tensor, label)
         self.collect()
         return True

@@ -370,7 +370,10 @@ def test_a_pinned_temporary_dropped_under_a_kernel_reading_it_through_its_pointe
     assert unfollowed == []
     assert [r.kind for r in races] == ([] if synced else ["host-write-vs-pending-copy"])
     if not synced:
-        assert races[0].later.what.startswith("pinned memory handed out again"), races[0]
+        assert races[0].later.reused and races[0].later.what.startswith("pinned memory handed out again"), races[0]
+        from sanitizer.races import Race
+        assert Race.from_json(races[0].to_json()).later.reused  # a saved report keeps which advice it gets
+        assert "before the last reference goes (LMCache #4830)" in races[0].format()
 
 
 def test_a_pinned_block_a_torch_copy_read_is_not_raced_by_its_next_tenant():

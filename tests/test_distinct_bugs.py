@@ -210,6 +210,14 @@ def test_a_record_without_a_signature_or_whose_owner_is_missing_is_a_bug_of_its_
     assert gone["shrunk_by"] == "z-gone-sim-shard0" and gone["trace"] == "repro/failures/z-gone-sim-shard0.json"
 
 
+def test_a_signature_that_reads_like_a_campaign_id_is_still_a_signature():
+    # Groups were once keyed by text ("campaign <id>" for a record without a signature).
+    bugs = distinct_bugs([record("z-tiny-sim-shard0", "campaign z-tiny-sim-shard0"), record("z-tiny-sim-shard1", None)])
+    by_campaign = {b["campaigns"][0]: b for b in bugs}
+    assert by_campaign["z-tiny-sim-shard0"]["signature"] == "campaign z-tiny-sim-shard0"
+    assert by_campaign["z-tiny-sim-shard0"]["id"] is not None and by_campaign["z-tiny-sim-shard1"]["signature"] is None
+
+
 def test_the_summary_prints_one_block_per_bug():
     text, data = render_summary(RECORDS, "quick")
     lines = text.splitlines()

@@ -159,6 +159,7 @@ def test_lmcache_4830_temporaries_read_by_a_kernel_and_dropped_on_return_are_a_r
     found = {(race.kind, race.queued.site.line, race.later.site.line) for race in races}
     assert found == {("host-write-vs-pending-copy", lines["queued"], lines["later"])}
     assert races[0].later.what.startswith("pinned memory handed out again by torch's caching host allocator")
+    assert races[0].later.reused and "(LMCache #4830)" in races[0].format()  # the advice for a dropped buffer
 
 
 @pytest.mark.parametrize("twin", ["fixed", "copy"])

@@ -43,30 +43,35 @@ def distinct_bugs(records: list[dict]) -> list[dict]:
     first (a finding in a design that must be clean), then by their first campaign id."""
     found = sorted((r for r in records if r.get("found") and not r.get("resource_error") and not r.get("harness_error")),
                    key=lambda r: r["campaign"])
-    groups: dict[str, list[dict]] = {}
-    owner_group: dict[str, str] = {}
+    # A group's key: ("signature", its signature), or ("campaign", an id) for a record without one.
+    groups: dict[tuple[str, str], list[dict]] = {}
+    owner_group: dict[str, tuple[str, str]] = {}
     for record in found:  # first the campaigns that shrank their own finding
         if record.get("same_as"):
             continue
-        key = record.get("signature") or f"campaign {record['campaign']}"
+        key = _key(record.get("signature"), record["campaign"])
         groups.setdefault(key, []).append(record)
         owner_group[record["campaign"]] = key
     for record in found:  # then the ones that stopped at a bug another campaign had shrunk
         if record.get("same_as"):
             # Its owner's record may be missing (its worker died after registering the bug): a
             # group of its own under the owner's name, with the owner's trace.
-            key = owner_group.get(record["same_as"]) or record.get("signature") or f"campaign {record['same_as']}"
+            key = owner_group.get(record["same_as"]) or _key(record.get("signature"), record["same_as"])
             groups.setdefault(key, []).append(record)
     bugs = [_bug(key, members) for key, members in groups.items()]
     return sorted(bugs, key=lambda b: (not b["unexpected"], b["campaigns"][0]))
 
 
-def _bug(key: str, members: list[dict]) -> dict:
+def _key(signature: str | None, campaign: str) -> tuple[str, str]:
+    return ("signature", signature) if signature else ("campaign", campaign)
+
+
+def _bug(key: tuple[str, str], members: list[dict]) -> dict:
     shrunk = sorted((r for r in members if not r.get("same_as") and r.get("trace")),
                     key=lambda r: (r.get("trace_ops") or 0, r["campaign"]))
     # Without a campaign of its own trace (only duplicates here), the trace they point at.
     first = shrunk[0] if shrunk else min(members, key=lambda r: r["campaign"])
-    signature = None if key.startswith("campaign ") else key
+    signature = key[1] if key[0] == "signature" else None
     findings = first.get("findings") or [""]
     return {
         "id": bug_id(signature) if signature else None,

@@ -309,7 +309,7 @@ class Observer(HostWatch):
             # the allocator saw the events behind torch's own copies of the block complete
             self.hb.host_observes(self._allocator_waits.pop(old.id, None), host)
             what = f"{HANDED_OUT_AGAIN} ({how})"
-            self.hb.host_write(("pinned-raw", old.id), self.host_label(what, site), host,
+            self.hb.host_write(("pinned-raw", old.id), self.host_label(what, site, reused=True), host,
                                [(max(start, old.start), min(end, old.end))])
         self.collect()
 

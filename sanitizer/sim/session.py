@@ -155,7 +155,7 @@ class ProgramSession(InterceptSession):
         """The caching host allocator handed ``tensor``'s bytes out again: a host write of them, checked
         against the device work still pending on the block's last tenant (LMCache #4830)."""
         what = f"{HANDED_OUT_AGAIN} ({origin})"
-        self.watch.host_access(tensor, write=True, what=what, site=caller_site())
+        self.watch.host_access(tensor, write=True, what=what, site=caller_site(), reused=True)
 
     # -- what the program runs under ------------------------------------------------------------------
     def patch_tables(self) -> list[tuple[Any, dict[str, Any]]]:
