@@ -99,6 +99,8 @@ def test_each_race_free_example_is_clean_in_the_ci_profile(name: str, tmp_path: 
     result = run_campaign(Campaign(_config(name, host_memory="registered"), shard=1, expect="clean"), PROFILES["ci"], tmp_path)
     assert not result.found, result.violation and str(result.violation.findings[0])
     assert result.harness_error is None and result.steps > 200
+    # an offloader's campaign runs its kind's multiple of the profile's examples (its races need longer programs)
+    assert result.examples >= COMPONENT_KINDS["offloader"].examples_factor * PROFILES["ci"].max_examples > 40
 
 
 @pytest.mark.parametrize("memory", ["pinned", "registered"])

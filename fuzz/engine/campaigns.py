@@ -39,6 +39,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 from hypothesis.statistics import collector
 
+from fuzz.engine.component import examples_factor
 from fuzz.engine.episode import EpisodeConfig, count_shown, run_ops
 from fuzz.engine.harness_error import HarnessError
 from fuzz.engine.journal import Journal
@@ -330,7 +331,7 @@ def run_campaign(
         journal.seed = run_seed
     machine = machine_for(campaign.config, campaign.id, stats=stats, journal=journal,
                           database_key=campaign.database_key, known_bugs=known_bugs)
-    factor = FINDS_BUDGET_FACTOR if campaign.expect == "finds" else 1
+    factor = (FINDS_BUDGET_FACTOR if campaign.expect == "finds" else 1) * examples_factor(campaign.config)
     examples = UNBOUNDED_EXAMPLES if budget is not None else profile.max_examples * factor
     # Every full garbage collection re-scans the ~300k objects torch and the imports left
     # behind, which cost 13-20% of a simulator campaign (cProfile). Frozen, they are skipped;

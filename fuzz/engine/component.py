@@ -102,6 +102,9 @@ class ComponentKind:
     # Its settings in the episode's config, each with its choices (the first is the default).
     options: dict[str, tuple[str, ...]] = field(default_factory=dict)
     one_cache: bool = False  # its episode holds one KV cache (one zeroer)
+    # Examples a campaign of its kind runs, as a multiple of the profile's: its races need longer
+    # programs than a zeroer's (see COMPONENT_KINDS).
+    examples_factor: int = 1
 
     def config_fields(self, name: str) -> list[tuple[str, Any, Any]]:
         """The config fields the kind adds, as ``dataclasses.make_dataclass`` takes them: ``name``
@@ -130,7 +133,12 @@ COMPONENT_KINDS: dict[str, ComponentKind] = {
         "evict": (("slot",), {}),
         "poll": ((), {"sync": 0}),
         "wait": (("slot",), {}),
-    }, options={"host_memory": ("pinned", "registered")}, one_cache=True),  # registered: cudaHostRegister
+    }, options={"host_memory": ("pinned", "registered")}, one_cache=True,  # registered: cudaHostRegister
+        # An offloader's race needs a store, its report, a load and the call that races it (an
+        # eviction, a free, the next load) in one program. SGLang #36738 and #27444 in the
+        # controller's real shape were found by 7 and 9 of 16 seeds with the ci profile's 40
+        # examples, by 10 and 14 with 120; a race-free offloader's campaign costs a few seconds more.
+        examples_factor=3),
 }
 
 
@@ -147,10 +155,17 @@ def load(where: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def examples_factor(config: Any) -> int:
+    """How many times the profile's examples a campaign of ``config`` runs (its kind's factor)."""
+    chosen = chosen_kinds(config)
+    return COMPONENT_KINDS[chosen[0]].examples_factor if chosen else 1
+
+
 def build_component(core: CallerCore) -> Component | None:
     """The component ``core.config`` names, built on ``core``; None for a zeroer's campaign."""
     chosen = chosen_kinds(core.config)
     return load(COMPONENT_KINDS[chosen[0]].side)(core) if chosen else None
 
 
-__all__ = ["COMPONENT_KINDS", "CallerCore", "Component", "ComponentKind", "build_component", "chosen_kinds", "load"]
+__all__ = ["COMPONENT_KINDS", "CallerCore", "Component", "ComponentKind", "build_component", "chosen_kinds",
+           "examples_factor", "load"]
