@@ -24,7 +24,8 @@ class OffloadPart:
     # The caller's optional rules may be left out (its swarm); the offloader's are not: Hypothesis
     # already leaves each rule out of an example at a rate of its own drawing, and a second swarm
     # over evict_slot kept it out of two programs in three. SGLang #27444 needs allocate, store,
-    # load and evict in one program: with it, 3 of 16 seeds of 40 examples found it; without, 7.
+    # load and evict in one program: with it, 3 of 16 seeds of 40 examples found it; without, 7
+    # (fuzz.engine.machine runs, no shrinking; docs/fuzzing.md has the figures of `pytest fuzz`).
     # ``blocks``: the program starts holding some (an initializer is never left out, the allocate
     # rule may be: a quarter of the examples allocated nothing); 9 of 16 with both.
     @initialize(target=BLOCKS, in_flight=st.integers(1, 3), disabled=st.frozensets(st.sampled_from(OPTIONAL_RULES)),
