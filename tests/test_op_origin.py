@@ -9,6 +9,8 @@ reads like the code's call is still the harness's.
 from __future__ import annotations
 
 import ast
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,17 @@ def _fails() -> None:
     raise RuntimeError("planted: the harness's own op fails as it runs")
 
 
+@contextlib.contextmanager
+def _started(config: EpisodeConfig) -> Iterator[Episode]:
+    """An episode past its start op, abandoned however the test ends."""
+    episode = Episode(config)
+    try:
+        episode.apply({"op": "start"})
+        yield episode
+    finally:
+        episode.abandon()
+
+
 def test_an_op_carries_whose_code_queued_it_and_its_label_keeps_the_call():
     rt = make_runtime("sim")
     with rt.annotate(owner="zeroer"), rt.annotate("my.zero_block_ids#1([3])"):
@@ -77,43 +90,31 @@ def test_an_op_of_the_zeroer_labelled_like_the_callers_write_is_the_zeroers_find
 
 
 def test_an_op_of_the_harness_labelled_like_the_zeroers_call_is_a_harness_error():
-    episode = Episode(EpisodeConfig(zeroer="reference"))
-    try:
-        episode.apply({"op": "start"})
+    with _started(EpisodeConfig(zeroer="reference")) as episode:
         with episode.rt.annotate("reference.zero_block_ids#9([1])"):  # the zeroer's words, the harness's op
             episode.rt.launch(_fails, name="zero_kernel")
         with pytest.raises(HarnessError, match=r"^harness error at step 1 in the harness's queued op zero_kernel#\d+ "
                                                r"on stream 'main' \(reference\.zero_block_ids#9\(\[1\]\)\), not a finding"):
             episode.device_work(episode.rt.synchronize)
-    finally:
-        episode.abandon()
 
 
 def test_an_op_of_the_harness_labelled_like_the_offloaders_call_is_a_harness_error():
-    episode = Episode(EpisodeConfig(offloader=OFFLOADER))
-    try:
-        episode.apply({"op": "start"})
+    with _started(EpisodeConfig(offloader=OFFLOADER)) as episode:
         with episode.rt.annotate(f"{OFFLOADER}.store#1([1])"):  # the offloader's spec in its label
             episode.rt.launch(_fails, name="copy")
         with pytest.raises(HarnessError, match=r"^harness error at step 1 in the harness's queued op copy#"):
             episode.device_work(episode.rt.synchronize)
         assert not any(f.kind == "offloader raised" for f in episode.findings), episode.findings
-    finally:
-        episode.abandon()
 
 
 def test_an_op_the_offloader_queued_in_its_call_is_its_own():
-    episode = Episode(EpisodeConfig(offloader=OFFLOADER))
-    try:
-        episode.apply({"op": "start"})
+    with _started(EpisodeConfig(offloader=OFFLOADER)) as episode:
         with episode.component_call(episode.groups[0], "store(9, [1], [1])"):
             episode.rt.launch(_fails, name="write")  # named as the caller's writes are
         with pytest.raises(CodeUnderTestRaised) as raised:
             episode.device_work(episode.rt.synchronize)
         assert raised.value.finding.kind == "offloader raised", raised.value.finding
         assert raised.value.finding.message.startswith("offloader raised at step 1 in its queued op write#")
-    finally:
-        episode.abandon()
 
 
 # -- read from the tree: the modules that decide blame never read it from text ----------------------
