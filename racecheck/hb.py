@@ -10,7 +10,7 @@ All of this is computed when work is enqueued, never from when it happens to run
 does not depend on timing: a race is reported on a run whose values came out right. That is what
 PyTorch's CUDA sanitizer cannot do for this bug class: it ignores host access to pinned memory.
 
-Four checks, each on the bytes the two sides touch (:mod:`racecheck.shadow`):
+Five checks, each on the bytes the two sides touch (:mod:`racecheck.shadow`):
 
 * **host write vs. pending copy**: a host thread writes host memory that a queued copy (or kernel)
   reads or writes when its stream reaches it, and that thread has not observed the copy complete
@@ -18,7 +18,10 @@ Four checks, each on the bytes the two sides touch (:mod:`racecheck.shadow`):
 * **host read vs. pending copy**: a host thread reads host memory that a queued device-to-host
   copy has not been observed to write yet (vLLM #36013);
 * **unordered device accesses**: two accesses to the same bytes of a device resource from
-  different streams, at least one a write, with no event path between them.
+  different streams, at least one a write, with no event path between them;
+* **host read vs. pending event**: a host thread reads what the device writes when a stream
+  reaches an event (its time: ``elapsed_time``) before it has observed the event complete: CUDA
+  answers ``cudaErrorNotReady`` or the time, by timing (a job reported done before its copy ran).
 
 When the conflict would be ordered by what *another* host thread saw (it observed the copy
 complete, then handed over in a way the checker does not follow: a lock, a flag in memory), it is
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 from racecheck.clocks import HOST, Clocks, OpStamp, ordered
 from racecheck.shadow import RangeShadow, Ranges, overlaps
 
-__all__ = ["HOST", "HappensBefore", "Hazard", "Key", "OpStamp", "Ranges"]
+__all__ = ["DEVICE", "EVENT_READ", "HOST", "HOST_READ", "HOST_WRITE", "HappensBefore", "Hazard", "Key", "OpStamp", "Ranges"]
 
 Key = tuple  # ("host", id) / ("dev", id) / ("block", cache, id) / ("cudamem", address) ...
 MAX_PENDING_PER_KEY = 256  # pending copies kept per host buffer; the oldest are dropped (a miss, never a false race)
@@ -52,6 +55,7 @@ MAX_HOST_LOG_PER_KEY = 64  # host accesses kept per host buffer for copies decla
 HOST_WRITE = "host-write-vs-pending-copy"
 HOST_READ = "host-read-vs-pending-copy"
 DEVICE = "unordered-device-access"
+EVENT_READ = "host-read-vs-pending-event"
 
 
 @dataclass(frozen=True)
@@ -275,6 +279,25 @@ class HappensBefore:
             text = (f"{text}; another host thread saw the copy complete first, and a hand-off the checker "
                     f"does not follow may order it")
         return Hazard(kind, resource, stamp.label, label, text, key)
+
+    # -- events -------------------------------------------------------------------------------------
+    def host_reads_event(self, key: Key, record: OpStamp, label: str, host: int = HOST) -> None:
+        """Host thread ``host`` reads what the device writes when it reaches ``record`` (an event's
+        record: ``elapsed_time`` reads its time); a hazard unless the host has seen it complete.
+        ``record`` stands for the point on its stream (``record.thread``, ``record.clock``): an event
+        recorded on an idle stream (clock 0) is complete for everyone."""
+        if ordered(record, self.clocks.vc(host)):
+            return
+        resource = self.name(key)
+        text = (f"host read of {resource} by {label} while {record.label} may not have completed: no event or "
+                f"synchronisation observed by the host orders the record before the read; CUDA answers "
+                f"cudaErrorNotReady or the time, by timing")
+        if ordered(record, self.clocks.union):
+            self.notes.append(Hazard(EVENT_READ, resource, record.label, label,
+                                     f"{text}; another host thread saw the event complete, and a hand-off the "
+                                     f"checker does not follow may order it", key))
+        else:
+            self.hazards.append(Hazard(EVENT_READ, resource, record.label, label, text, key))
 
     # -- device memory ----------------------------------------------------------------------------
     def device_access(self, key: Key, stamp: OpStamp, *, write: bool, ranges: Ranges = None, late: bool = False) -> None:

@@ -7,7 +7,7 @@ arrived. Two races are the same bug when their :meth:`Race.signature` matches: k
 code locations, never addresses, buffers, op numbers or stream handles, so a loop that races on
 every step, or a helper that races on every buffer it is given, is reported once.
 
-The three kinds:
+The kinds:
 
 * ``host-write-vs-pending-copy``: the host rewrote pinned memory that a queued non-blocking copy
   (or a kernel reading pinned memory, or a replayed CUDA graph) may not have read yet, or that a
@@ -17,7 +17,9 @@ The three kinds:
 * ``unordered-device-access``: two streams touch the same device memory, one writing, with no event
   path between them;
 * ``reuse-without-record-stream``: the caching allocator handed memory another stream may still be
-  using to a new tensor (its first owner was used on another stream without ``record_stream``).
+  using to a new tensor (its first owner was used on another stream without ``record_stream``);
+* ``host-read-vs-pending-event``: the host read an event's time (``elapsed_time``) before it saw the
+  event complete: a job reported finished before its copy ran.
 
 Example::
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from racecheck.hb import EVENT_READ
 from sanitizer.sites import Site
 
 _HEADLINES = {
@@ -39,6 +42,7 @@ _HEADLINES = {
     "host-read-vs-pending-copy": "host read of pinned memory a queued copy may not have written yet",
     "unordered-device-access": "device memory accessed from two streams with no event between them",
     "reuse-without-record-stream": "device memory reused while another stream may still use it",
+    "host-read-vs-pending-event": "host read of an event's time before the host saw the event complete",
 }
 
 _ADVICE = {
@@ -57,6 +61,10 @@ _ADVICE = {
     "reuse-without-record-stream": (
         "call tensor.record_stream(other_stream) before dropping a tensor another stream used, or "
         "make the allocating stream wait for that stream first"
+    ),
+    "host-read-vs-pending-event": (
+        "see the end event complete before timing it or reporting its job finished: end.query() answered "
+        "True, or end.synchronize(); until then CUDA answers elapsed_time with cudaErrorNotReady or not, by timing"
     ),
 }
 
@@ -124,7 +132,7 @@ class Race:
         allocated = f"allocated at {self.allocated_at}" if self.allocated_at else "allocated outside the sanitizer's view"
         lines = [
             f"kvz-sanitize: {_HEADLINES[self.kind]} [{self.kind}]",
-            f"  memory:  {self.resource}, {allocated}",
+            f"  event:   {self.resource}" if self.kind == EVENT_READ else f"  memory:  {self.resource}, {allocated}",
             f"  queued:  {self.queued.what} on {self.queued.stream}, {self.queued.where()}",
             f"  then:    {self.later.what} on {self.later.stream}, {self.later.where()}",
             "  no event or synchronisation the second side observed orders the queued op before it",

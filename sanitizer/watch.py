@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kvdevice.origin import forwarding
-from racecheck.hb import HOST_READ, HOST_WRITE, HappensBefore, Hazard
+from racecheck.hb import HOST_READ, HOST_WRITE, HappensBefore, Hazard, OpStamp
 from racecheck.pinned import PinnedWatch, Region, Snapshot
 from racecheck.ranges import Runs, clip
 from racecheck.threads import HostThreads
@@ -180,6 +180,27 @@ class HostWatch:
             self.pinned.host_access_runs(region, clip(runs, region.start, region.end), self.host_label(what, site),
                                          write=write)
             self.collect()
+
+    # -- events ---------------------------------------------------------------------------------------
+    def event_times_read(self, records: list[OpStamp | None], site: Site) -> None:
+        """``start.elapsed_time(end)`` at ``site``, called under the lock: the host reads the times the
+        device wrote when it reached the two records (``records``: start's, end's; None for an event
+        recorded outside the watch). The end event is checked first and one race said per call: timing a
+        job claims its end has completed (a transfer reported finished before its end event was seen)."""
+        hb = self.hb
+        host = self.threads.current()
+        label = self.host_label("elapsed_time (the events' times)", site)
+        for record in reversed(records):
+            if record is None:
+                continue
+            found = len(hb.hazards) + len(hb.notes)
+            key = ("event time", record.thread)  # one name per stream, however many records
+            stream = getattr(getattr(record.label, "access", None), "stream", "its stream")
+            hb.name_resource(key, f"the time of an event recorded on {stream}")
+            hb.host_reads_event(key, record, label, host)
+            if len(hb.hazards) + len(hb.notes) > found:
+                break
+        self.collect()
 
     # -- threads (racecheck.thread_hooks.ThreadWatch) -----------------------------------------------------
     def thread_starting(self, thread: threading.Thread) -> Any:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from racecheck.hb import DEVICE, HOST, HOST_READ, HOST_WRITE, MAX_PENDING_PER_KEY, HappensBefore, Hazard
+from racecheck.hb import DEVICE, EVENT_READ, HOST, HOST_READ, HOST_WRITE, MAX_PENDING_PER_KEY, HappensBefore, Hazard
 
 BUF = ("host", 7)
 DEV = ("dev", 1)
@@ -584,3 +584,41 @@ def test_after_its_late_declaration_the_op_is_pending_like_any_copy():
     _write(hb)
     (hazard,) = hb.hazards
     assert (hazard.kind, hazard.first) == (HOST_WRITE, "kernel#1")
+
+
+# -- host read vs. pending event (elapsed_time) ---------------------------------------------------------
+
+EVENT = ("event time", 1)
+
+
+def test_reading_an_events_time_before_seeing_it_complete_is_a_hazard_and_after_is_not():
+    hb, (s,) = checker("side")
+    hb.enqueue(s, "copy#1")
+    record = hb.enqueue(s, "event record#2")
+    hb.host_reads_event(EVENT, record, "elapsed_time")
+    (hazard,) = hb.hazards
+    assert (hazard.kind, hazard.first, hazard.second) == (EVENT_READ, "event record#2", "elapsed_time")
+    assert f"| `{EVENT_READ}` |" in (Path(__file__).resolve().parents[1] / "docs" / "sanitizer.md").read_text()
+    hb.host_observes(record.vc)  # end.synchronize(), or a query that answered True
+    hb.host_reads_event(EVENT, record, "elapsed_time")
+    assert len(hb.hazards) == 1 and hb.notes == []
+
+
+def test_an_event_recorded_on_another_stream_than_the_one_the_host_saw_is_still_pending():
+    hb, (a, b) = checker("a", "b")
+    start = hb.enqueue(a, "event record#1")
+    end = hb.enqueue(b, "event record#2")
+    hb.host_observes(end.vc)  # the end seen, the start (on a stream the end never waited for) not
+    hb.host_reads_event(EVENT, end, "elapsed_time")
+    assert hb.hazards == []
+    hb.host_reads_event(EVENT, start, "elapsed_time")
+    assert kinds(hb.hazards) == [EVENT_READ]
+
+
+def test_an_event_time_another_host_thread_saw_complete_is_a_note_not_a_hazard():
+    hb, (s,) = checker("side")
+    worker = hb.add_host("worker")
+    record = hb.enqueue(s, "event record#1")
+    hb.host_observes(record.vc, worker)  # the worker synchronised; the main thread learned it unseen
+    hb.host_reads_event(EVENT, record, "elapsed_time")
+    assert hb.hazards == [] and kinds(hb.notes) == [EVENT_READ]

@@ -9,6 +9,7 @@ and pinned memory recycled by a model of torch's caching host allocator.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from pathlib import Path
 from typing import Any, Callable
 
@@ -224,3 +225,37 @@ def test_a_host_read_after_a_query_that_answered_false_is_still_a_race():
     races, (not_yet, values) = simulated(main)
     assert not_yet is False and values == [0.0] * 8
     assert [race.kind for race in races] == ["host-read-vs-pending-copy"]
+
+
+@pytest.mark.parametrize("waited", ["synchronize", "query", "none"])
+def test_a_transfer_timed_before_its_end_event_was_seen_complete_is_a_race_named_by_the_end_record(waited):
+    # An offload handler's get_finished that reports a job and times it with elapsed_time before its
+    # end event answered True: CUDA answers cudaErrorNotReady or the time, by timing. The simulator
+    # runs the copy only at a synchronisation, so the call raises here, after the race is reported.
+    def main():
+        stream = torch.cuda.Stream()
+        device = torch.arange(8.0, device="cuda")
+        host = torch.empty(8, pin_memory=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            host.copy_(device, non_blocking=True)
+            end.record(stream)  # the end's record
+        if waited == "synchronize":
+            end.synchronize()
+        elif waited == "query":
+            _poll(end.query)
+        return start.elapsed_time(end)  # the read
+
+    races, error, _, _ = simulate(main)
+    if waited == "none":
+        assert [race.kind for race in races] == ["host-read-vs-pending-event"]
+        assert "Both events must be completed" in str(error)
+        (race,) = races
+        lines = inspect.getsource(main).splitlines()
+        first = main.__code__.co_firstlineno
+        assert lines[race.queued.site.line - first].strip().startswith("end.record(stream)")
+        assert lines[race.later.site.line - first].strip().startswith("return start.elapsed_time(end)")
+    else:
+        assert races == [] and error is None

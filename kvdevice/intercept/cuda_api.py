@@ -166,6 +166,7 @@ class EventProxy:
     def record(self, stream: StreamProxy | None = None) -> None:
         if self._api.ordering("Event.record"):
             self._api.rt.record_event(self.runtime_event, stream=self._api.stream_of(stream))
+            self._api.session.event_recorded(self.runtime_event)
 
     def wait(self, stream: StreamProxy | None = None) -> None:
         if self._api.ordering("Event.wait"):
@@ -184,7 +185,9 @@ class EventProxy:
         """Milliseconds between the two records (``Runtime.elapsed_time``: torch's errors where
         an event was made without timing, never recorded, or has not completed)."""
         self._api.syncing("Event.elapsed_time")
-        return self._api.rt.elapsed_time(self.runtime_event, self._api.event_of(end_event))
+        end = self._api.event_of(end_event)
+        self._api.session.event_times_read(self.runtime_event, end)
+        return self._api.rt.elapsed_time(self.runtime_event, end)
 
     def ipc_handle(self) -> Any:
         raise unroutable("torch.cuda.Event.ipc_handle", "events cannot leave the harness's process")

@@ -187,6 +187,13 @@ class InterceptSession:
         reported and the code may go on (a program session's line); else the harness raises it."""
         return False
 
+    def event_recorded(self, event: Any) -> None:
+        """The code recorded ``event`` (a runtime event; a program session keeps the line)."""
+
+    def event_times_read(self, start: Any, end: Any) -> None:
+        """The code is about to read ``start``'s and ``end``'s times (``elapsed_time``; a program
+        session checks that the host has seen them complete)."""
+
     def query_event(self, event: Any) -> bool:
         """The code's ``Event.query()`` (a program session lets a polled event complete)."""
         return self.rt.query_event(event)

@@ -66,7 +66,7 @@ class Observer(HostWatch):
         self._schedules = 0  # runtimes with a schedule of their own are running (racecheck.schedules)
         self._streams: dict[int, int] = {}  # cudaStream_t -> checker thread
         self._stream_names: dict[int, str] = {}
-        self._events: dict[int, tuple[int, ...]] = {}  # cudaEvent_t -> clock snapshot at its record
+        self._events: dict[int, OpStamp] = {}  # cudaEvent_t -> its last record's stamp (its clock, its line)
         self._alloc_stream: dict[int, int] = {}  # device address -> stream it was last handed out on
         self._generation: dict[int, int] = {}  # device address -> how many times it was handed out
         self._recorded: set[int] = set()  # device addresses record_stream tied to another stream
@@ -193,6 +193,12 @@ class Observer(HostWatch):
     def enqueue(self, what: str, stream: int, site: Site | None) -> OpStamp:
         """Stamp an op the calling thread enqueues on ``stream``."""
         return self.hb.enqueue(self.stream_thread(stream), self.label(what, stream, site), self.threads.current())
+
+    def event_time_read(self, events: tuple, site: Site) -> None:
+        """``start.elapsed_time(end)`` at ``site`` (``events``: the two torch events): a host read of
+        their times (:meth:`HostWatch.event_times_read`)."""
+        handles = [self.device.event_handle(event) for event in events]
+        self.event_times_read([self._events.get(h) if h is not None else None for h in handles], site)
 
     def observes_stream(self, stream: int) -> None:
         """The calling thread waited for everything queued on ``stream``."""

@@ -8,7 +8,9 @@ Each wrapper hands the program's call on unchanged; all are put back by the func
   query); the host may wait there, so force mode's gates open first. The device-generic two are C
   types that refuse ``setattr``: their namespace takes the wrapper (:mod:`sanitizer.gpu.c_methods`),
   so every instance is followed, however and whenever it was made;
-* ``elapsed_time`` of both event types: torch answers only once both events have completed, so an
+* ``elapsed_time`` of both event types: a host read of the events' times, checked before the call
+  (a host that has not seen the events complete gets ``cudaErrorNotReady`` or the time, by timing:
+  ``host-read-vs-pending-event``); torch answers only once both events have completed, so an
   answer is the host seeing both;
 * ``torch.cuda.empty_cache``: memory given back to CUDA is reused only after a device synchronisation;
 * ``torch.Tensor.numpy``: a pinned tensor's numpy view is a :class:`~sanitizer.numpy_views.WatchedArray`,
@@ -106,6 +108,10 @@ def install(obs: Any) -> Callable[[], None]:
         if handle is not None:
             trace.event_completed(obs, handle)
 
+    def time_read(start: Any, end: Any, *args: Any, **kwargs: Any) -> None:
+        # Checked before the call: whether it answers depends on the GPU's timing, the verdict does not.
+        obs.event_time_read((start, end), caller_site())
+
     def both_done(args: tuple, milliseconds: float) -> None:
         # elapsed_time answers only once both events have completed (cudaEventElapsedTime returns
         # cudaErrorNotReady before, which torch raises): an answer is the host seeing both.
@@ -151,8 +157,8 @@ def install(obs: Any) -> Callable[[], None]:
         # sanitizer.gpu.trace through torch's GPU trace callbacks.
         patch(torch._C.Event, "query", wrap(host_waits, event_done))
         patch(torch._C.Stream, "query", wrap(host_waits, stream_done))
-        patch(torch.cuda.Event, "elapsed_time", wrap(after=both_done))
-        patch(torch._C.Event, "elapsed_time", wrap(after=both_done))
+        patch(torch.cuda.Event, "elapsed_time", wrap(time_read, both_done))
+        patch(torch._C.Event, "elapsed_time", wrap(time_read, both_done))
         patch(torch.cuda, "empty_cache", wrap(host_waits, lambda args, result: obs.cache_emptied()))
         patch(torch.Tensor, "numpy", numpy)
         # Programs call tolist() often and most have no pinned memory: take no lock for those.

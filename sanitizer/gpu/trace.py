@@ -7,7 +7,8 @@ host thread's observation, whichever thread it is. Each callback is a boundary: 
 since the last one are looked for before what it reports counts as seen.
 
 * stream creation: the stream is named by the line that made it;
-* event record: the event carries its stream's clock; event wait: the waiting stream joins it;
+* event record: the event carries its stream's clock (the record's stamp); event wait: the waiting
+  stream joins it;
 * event, stream and device synchronisation: the calling thread has seen that work complete, and
   force mode's gates open just before (the host is about to wait for them);
 * memory allocation: the caching allocator handed an address out (its reuse rule is the
@@ -85,8 +86,9 @@ def event_recorded(obs: Any, event: int, stream: int) -> None:
     if _capturing(obs):
         return
     _boundary(obs)
-    obs.enqueue("event record", stream, None)
-    obs._events[event] = obs.hb.snapshot(obs.stream_thread(stream))
+    # the record's stamp: its clock is what a wait on the event joins, and its line what a report
+    # of the event's time read too early names (Observer.event_time_read)
+    obs._events[event] = obs.enqueue("event record", stream, caller_site(3))
 
 
 def event_waited(obs: Any, event: int, stream: int) -> None:
@@ -94,7 +96,8 @@ def event_waited(obs: Any, event: int, stream: int) -> None:
         return
     _boundary(obs)
     obs.enqueue("event wait", stream, None)
-    obs.hb.stream_waits(obs.stream_thread(stream), obs._events.get(event))
+    record = obs._events.get(event)
+    obs.hb.stream_waits(obs.stream_thread(stream), record.vc if record is not None else None)
 
 
 def event_deleted(obs: Any, event: int) -> None:
@@ -114,7 +117,8 @@ def event_synchronized(obs: Any, event: int) -> None:
 
 def event_completed(obs: Any, event: int) -> None:
     """``Event.query()`` answered True: the host has seen everything the event covers."""
-    obs.hb.host_observes(obs._events.get(event), obs.threads.current())
+    record = obs._events.get(event)
+    obs.hb.host_observes(record.vc if record is not None else None, obs.threads.current())
     _observed(obs)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,7 @@ class ProgramSession(InterceptSession):
         self.lock = self.watch.lock
         self.mode = ProgramMode(self)
         self._polls: set[tuple] = set()  # what a query of the program found not done (query_event)
+        self._records: weakref.WeakKeyDictionary[Any, OpStamp] = weakref.WeakKeyDictionary()  # event -> its record
         self.unfollowed: list[str] = []  # one line each: what the program did that could not be followed
         self.sim_ops.dispatch = self._locked(self.sim_ops.dispatch)  # type: ignore[method-assign]
         self._lock_stand_ins()
@@ -173,6 +175,20 @@ class ProgramSession(InterceptSession):
 
     def modes(self) -> list[Any]:
         return [*super().modes(), HostOps(self)]
+
+    def event_recorded(self, event: Any) -> None:
+        """The program recorded ``event``: its record, as a stamp whose label names the line, for a
+        read of its time (:meth:`event_times_read`)."""
+        stream = event.stream
+        thread = stream.thread
+        name = "the default stream" if stream.name == "main" else stream.name
+        label = Label.of("event record", Access("event record", name, caller_site()))
+        self._records[event] = OpStamp(thread, event.hb_snapshot[thread], event.hb_snapshot, label)
+
+    def event_times_read(self, start: Any, end: Any) -> None:
+        """``start.elapsed_time(end)``: the host reads the events' times (:meth:`HostWatch.event_times_read`)."""
+        with self.lock:
+            self.watch.event_times_read([self._records.get(start), self._records.get(end)], caller_site())
 
     def query_event(self, event: Any) -> bool:
         """The program's ``Event.query()``: a polled event completes, as a GPU's does while the host
