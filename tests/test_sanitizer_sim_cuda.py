@@ -259,3 +259,19 @@ def test_a_transfer_timed_before_its_end_event_was_seen_complete_is_a_race_named
         assert lines[race.later.site.line - first].strip().startswith("return start.elapsed_time(end)")
     else:
         assert races == [] and error is None
+
+
+def test_a_race_on_device_memory_names_the_line_that_allocated_it():
+    def main():
+        side = torch.cuda.Stream()
+        kv = torch.ones(64, device="cuda")  # the allocation
+        with torch.cuda.stream(side):
+            kv.mul_(2)  # no wait for the default stream's write
+
+    races, error, _, _ = simulate(main)
+    assert error is None and [race.kind for race in races] == ["unordered-device-access"]
+    lines = inspect.getsource(main).splitlines()
+    allocated = races[0].allocated_at
+    assert allocated is not None, races[0].format()
+    assert lines[allocated.line - main.__code__.co_firstlineno].strip().startswith("kv = torch.ones")
+    assert "allocated outside the sanitizer's view" not in races[0].format()

@@ -187,6 +187,10 @@ class InterceptSession:
         reported and the code may go on (a program session's line); else the harness raises it."""
         return False
 
+    def device_allocated(self, block: Any) -> None:
+        """The code's op was handed device ``block`` (new, or freed and handed out again; a program
+        session keeps the line)."""
+
     def event_recorded(self, event: Any) -> None:
         """The code recorded ``event`` (a runtime event; a program session keeps the line)."""
 

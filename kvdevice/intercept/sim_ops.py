@@ -82,6 +82,7 @@ class SimOps:
         nbytes = storage_bytes(tuple(size), tuple(stride), dtype.itemsize)
         where = self.session.call
         allocation = self.memory.alloc(nbytes, self.session.rt.current_stream(), f"{name or 'a tensor'} in {where}")
+        self.session.device_allocated(allocation.block)
         capture = self.session.graphs.current() if self.session.graphs is not None else None
         if capture is not None:
             capture.keep.append(allocation)  # a graph's memory stays reserved for its replays (CUDA's private pool)

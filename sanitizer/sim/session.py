@@ -96,6 +96,7 @@ class ProgramSession(InterceptSession):
         self.mode = ProgramMode(self)
         self._polls: set[tuple] = set()  # what a query of the program found not done (query_event)
         self._records: weakref.WeakKeyDictionary[Any, OpStamp] = weakref.WeakKeyDictionary()  # event -> its record
+        self._device_sites: dict[tuple, Site] = {}  # a device block's key -> the line its latest allocation came from
         self.unfollowed: list[str] = []  # one line each: what the program did that could not be followed
         self.sim_ops.dispatch = self._locked(self.sim_ops.dispatch)  # type: ignore[method-assign]
         self._lock_stand_ins()
@@ -175,6 +176,14 @@ class ProgramSession(InterceptSession):
 
     def modes(self) -> list[Any]:
         return [*super().modes(), HostOps(self)]
+
+    def device_allocated(self, block: Any) -> None:
+        """An op of the program was handed ``block``: its line is where a race on it says it was allocated."""
+        self._device_sites[block.key] = caller_site()
+
+    def device_site(self, key: Any) -> Site | None:
+        """The line the device block keyed ``key`` was last allocated at (None: not a device block of the program)."""
+        return self._device_sites.get(key)
 
     def event_recorded(self, event: Any) -> None:
         """The program recorded ``event``: its record, as a stamp whose label names the line, for a
@@ -307,6 +316,10 @@ class SimWatch(HostWatch):
     def __init__(self, session: ProgramSession) -> None:
         super().__init__(session.rt.hb, session.rt.threads, session.host)
         self.session = session
+
+    def allocated_at(self, hazard: Any) -> Site | None:
+        site = self.session.device_site(hazard.key)
+        return site if site is not None else super().allocated_at(hazard)
 
     def _setup_thread(self) -> Callable[[], None] | None:
         """Enter the session's modes in a thread the program started; the function that leaves them."""
