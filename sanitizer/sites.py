@@ -96,7 +96,10 @@ def _display(filename: str) -> str:
 
 def caller_site(skip: int = 1) -> Site:
     """The innermost frame of the program's own code above the caller (``skip`` frames up)."""
-    frame: FrameType | None = sys._getframe(skip)
+    try:
+        frame: FrameType | None = sys._getframe(skip)
+    except ValueError:  # fewer frames than that: a trace callback on a thread of C++ code (no Python caller)
+        return UNKNOWN
     while frame is not None and _is_library(frame.f_code):
         frame = frame.f_back
     if frame is None:

@@ -385,3 +385,17 @@ def test_the_op_cost_benchmark_refuses_bad_input_in_one_line(args: list[str], me
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(message, lines[0]), done.stderr
+
+
+def test_a_site_asked_of_a_thread_with_fewer_frames_is_unknown_not_an_error() -> None:
+    # torch's trace callbacks name the line a few frames up; on a thread of C++ code (an extension's
+    # worker recording an event) there is no Python caller, and sys._getframe raised ValueError there.
+    import threading
+
+    from sanitizer.sites import UNKNOWN, caller_site
+
+    found: list = []
+    thread = threading.Thread(target=lambda: found.append(caller_site(50)))
+    thread.start()
+    thread.join()
+    assert found == [UNKNOWN]
