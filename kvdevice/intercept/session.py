@@ -187,6 +187,11 @@ class InterceptSession:
         reported and the code may go on (a program session's line); else the harness raises it."""
         return False
 
+    def allocation_context(self) -> str:
+        """What a device block's name says it was allocated in: the call of the code under test
+        (a program session says nothing here: a race names the allocating line)."""
+        return self.call
+
     def device_allocated(self, block: Any) -> None:
         """The code's op was handed device ``block`` (new, or freed and handed out again; a program
         session keeps the line)."""

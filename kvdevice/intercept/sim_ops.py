@@ -80,8 +80,9 @@ class SimOps:
         if stride is None:
             stride = torch.empty(size, device="meta").stride()
         nbytes = storage_bytes(tuple(size), tuple(stride), dtype.itemsize)
-        where = self.session.call
-        allocation = self.memory.alloc(nbytes, self.session.rt.current_stream(), f"{name or 'a tensor'} in {where}")
+        where = self.session.allocation_context()
+        allocation = self.memory.alloc(nbytes, self.session.rt.current_stream(),
+                                       f"{name or 'a tensor'}" + (f" in {where}" if where else ""))
         self.session.device_allocated(allocation.block)
         capture = self.session.graphs.current() if self.session.graphs is not None else None
         if capture is not None:

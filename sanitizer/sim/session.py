@@ -177,6 +177,9 @@ class ProgramSession(InterceptSession):
     def modes(self) -> list[Any]:
         return [*super().modes(), HostOps(self)]
 
+    def allocation_context(self) -> str:
+        return ""  # the race's "allocated at" line says where (device_allocated)
+
     def device_allocated(self, block: Any) -> None:
         """An op of the program was handed ``block``: its line is where a race on it says it was allocated."""
         self._device_sites[block.key] = caller_site()
