@@ -169,12 +169,18 @@ def uses_gpu(markers: list) -> bool:
 
 
 _SIM_FLAGS = ("--backend", "--kvz-sanitize-backend")
+# Programs the suite starts that make no CUDA context: ``git`` (the commit a report or a benchmark's
+# data file records, racecheck.environment). A test of test_examples or test_intercept that asked git
+# for the commit took a slot and held it for the rest of its simulator run (the suite's children,
+# logged on the CPU, 2026-12-06).
+_NO_CUDA_PROGRAMS = frozenset({"git"})
 
 
 def stays_off_the_gpu(args: tuple, kwargs: dict) -> bool:
     """Whether a child started with ``Popen(*args, **kwargs)`` makes no CUDA context: one of our
-    commands told to run on the simulator (``--backend sim``, ``--kvz-sanitize-backend sim``), or
-    a child whose environment hides the GPU (``CUDA_VISIBLE_DEVICES=""``). On an H100 the README's
+    commands told to run on the simulator (``--backend sim``, ``--kvz-sanitize-backend sim``), a
+    program that never makes one (``git``), or a child whose environment hides the GPU
+    (``CUDA_VISIBLE_DEVICES=""``). On an H100 the README's
     test command ran out of its 8 minutes with 4 of 8 workers waiting for a slot that tests with
     such children held: most of the suite's children fuzz on the simulator."""
     env = kwargs.get("env")
@@ -184,6 +190,8 @@ def stays_off_the_gpu(args: tuple, kwargs: dict) -> bool:
     if isinstance(argv, (str, bytes)) or not isinstance(argv, (list, tuple)):
         return False  # a shell line: not read
     words = [str(a) for a in argv]
+    if words and os.path.basename(words[0]) in _NO_CUDA_PROGRAMS:
+        return True
     backends = [words[i + 1] for i, w in enumerate(words[:-1]) if w in _SIM_FLAGS]
     backends += [w.split("=", 1)[1] for w in words if w.split("=", 1)[0] in _SIM_FLAGS and "=" in w]
     return bool(backends) and all(b == "sim" for b in backends)

@@ -158,6 +158,9 @@ def test_a_child_on_the_simulator_takes_no_slot_and_one_that_may_use_the_gpu_doe
     assert stays_off_the_gpu(([sys.executable, "-m", "sanitizer", "--backend", "sim"],), {})
     assert not stays_off_the_gpu(([sys.executable, "-m", "pytest", "fuzz"],), {})  # auto: the GPU where there is one
     assert not stays_off_the_gpu(("python -m pytest fuzz --backend sim",), {"shell": True})  # a shell line is not read
+    assert stays_off_the_gpu((["git", "-C", str(ROOT), "rev-parse", "HEAD"],), {})  # the commit a report records
+    assert stays_off_the_gpu((), {"args": ["/usr/bin/git", "status", "--porcelain"]})
+    assert not stays_off_the_gpu((["bash", "-c", "git status && python -m pytest fuzz"],), {})
 
 
 def test_a_test_that_needs_cuda_is_known_by_its_skip_mark():
