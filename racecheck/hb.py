@@ -281,13 +281,13 @@ class HappensBefore:
         return Hazard(kind, resource, stamp.label, label, text, key)
 
     # -- events -------------------------------------------------------------------------------------
-    def host_reads_event(self, key: Key, record: OpStamp, label: str, host: int = HOST) -> None:
+    def host_reads_event(self, key: Key, record: OpStamp, label: str, host: int = HOST) -> bool:
         """Host thread ``host`` reads what the device writes when it reaches ``record`` (an event's
         record: ``elapsed_time`` reads its time); a hazard unless the host has seen it complete.
         ``record`` stands for the point on its stream (``record.thread``, ``record.clock``): an event
-        recorded on an idle stream (clock 0) is complete for everyone."""
+        recorded on an idle stream (clock 0) is complete for everyone. Whether a hazard or a note was said."""
         if ordered(record, self.clocks.vc(host)):
-            return
+            return False
         resource = self.name(key)
         text = (f"host read of {resource} by {label} while {record.label} may not have completed: no event or "
                 f"synchronisation observed by the host orders the record before the read; CUDA answers "
@@ -298,6 +298,7 @@ class HappensBefore:
                                      f"checker does not follow may order it", key))
         else:
             self.hazards.append(Hazard(EVENT_READ, resource, record.label, label, text, key))
+        return True
 
     # -- device memory ----------------------------------------------------------------------------
     def device_access(self, key: Key, stamp: OpStamp, *, write: bool, ranges: Ranges = None, late: bool = False) -> None:

@@ -193,12 +193,9 @@ class HostWatch:
         for record in reversed(records):
             if record is None:
                 continue
-            found = len(hb.hazards) + len(hb.notes)
             key = ("event time", record.thread)  # one name per stream, however many records
-            stream = getattr(getattr(record.label, "access", None), "stream", "its stream")
-            hb.name_resource(key, f"the time of an event recorded on {stream}")
-            hb.host_reads_event(key, record, label, host)
-            if len(hb.hazards) + len(hb.notes) > found:
+            hb.name_resource(key, f"the time of an event recorded on {record.label.access.stream}")
+            if hb.host_reads_event(key, record, label, host):
                 break
         self.collect()
 

@@ -105,8 +105,9 @@ class ProgramSession(InterceptSession):
     def stream_name(self, number: int) -> str:
         return f"stream {number} (created at {caller_site().short})"
 
-    def _stream(self) -> str:
-        name = self.rt.current_stream().name
+    def _stream(self, stream: Any = None) -> str:
+        """How a report names ``stream`` (None: the current one)."""
+        name = (stream or self.rt.current_stream()).name
         return "the default stream" if name == "main" else name
 
     def site_text(self) -> str:
@@ -191,10 +192,8 @@ class ProgramSession(InterceptSession):
     def event_recorded(self, event: Any) -> None:
         """The program recorded ``event``: its record, as a stamp whose label names the line, for a
         read of its time (:meth:`event_times_read`)."""
-        stream = event.stream
-        thread = stream.thread
-        name = "the default stream" if stream.name == "main" else stream.name
-        label = Label.of("event record", Access("event record", name, caller_site()))
+        thread = event.stream.thread
+        label = Label.of("event record", Access("event record", self._stream(event.stream), caller_site()))
         self._records[event] = OpStamp(thread, event.hb_snapshot[thread], event.hb_snapshot, label)
 
     def event_times_read(self, start: Any, end: Any) -> None:
