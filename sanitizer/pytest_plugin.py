@@ -6,7 +6,8 @@ with a race fails with the race's report (a test that failed anyway keeps its ow
 the report beside it); the terminal summary lists each distinct race once, with the tests it was
 seen in. ``--kvz-sanitize-force`` also holds queued copies to and from pinned memory until the host
 next synchronises (:mod:`sanitizer.gpu.forcing`). Something the sanitizer cannot follow fails the
-test with one line saying so, unless ``--kvz-sanitize-partial``; what it assumed (an order between
+test with one line saying so, unless ``--kvz-sanitize-partial``, and a run whose only failures are
+those exits 2 (the command's status for it), never 1; what it assumed (an order between
 threads it cannot see) is a note beside the test, never a failure.
 
 With pytest-xdist each worker sanitizes its own tests; the reports carry their races to the
@@ -25,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from racecheck.cli import USAGE
 from sanitizer.races import Race, distinct
 
 PROPERTY = "kvz_sanitize"
@@ -84,6 +86,10 @@ class SanitizePlugin:
         self.gpu: Any = None
         self.session: Any = None  # the simulator's session of the running test
         self.reports: list[tuple[str, dict]] = []  # (nodeid, what its phase found), on the controller
+        # On the controller: the phases that failed only because something was not followed, and the
+        # others that failed; a run whose every failure is the first kind exits 2 as the command does.
+        self.unfollowed_failures: set[str] = set()
+        self.other_failures: set[str] = set()
 
     # -- the sanitizer's life ---------------------------------------------------------------------
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -97,6 +103,11 @@ class SanitizePlugin:
         if self.gpu is not None:
             self.gpu.stop()
             self.gpu = None
+        # What the sanitizer could not follow is not a finding: the run says so with exit 2 (add an
+        # effect model, or --kvz-sanitize-partial), never 1, unless a test also failed otherwise.
+        if (session.exitstatus == pytest.ExitCode.TESTS_FAILED and self.unfollowed_failures
+                and not self.other_failures):
+            session.exitstatus = USAGE
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: Any) -> Any:
@@ -142,7 +153,9 @@ class SanitizePlugin:
         lines += [f"{line}{hint}" for line in unfollowed]
         failing = bool(races) or (bool(unfollowed) and not self.partial)
         text = "\n\n".join(lines)
+        only_unfollowed = False
         if report.passed and failing:
+            only_unfollowed = not races
             report.outcome = "failed"
             report.longrepr = text + ("\n\n" + "\n".join(notes) if notes else "")
         else:
@@ -152,12 +165,17 @@ class SanitizePlugin:
                 report.sections.append((f"kvz-sanitize notes ({call.when})", "\n".join(notes)))
         report.user_properties.append(
             (PROPERTY, json.dumps({"races": [r.to_json() for r in races], "unfollowed": unfollowed, "notes": notes,
-                                   "failed_inside": inside})))
+                                   "failed_inside": inside, "failed_unfollowed": only_unfollowed})))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        failed_unfollowed = False
         for name, value in report.user_properties:
             if name == PROPERTY:
-                self.reports.append((report.nodeid, json.loads(value)))
+                data = json.loads(value)
+                failed_unfollowed = failed_unfollowed or data.get("failed_unfollowed", False)
+                self.reports.append((report.nodeid, data))
+        if report.failed:
+            (self.unfollowed_failures if failed_unfollowed else self.other_failures).add(f"{report.nodeid} {report.when}")
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if hasattr(self.config, "workerinput"):

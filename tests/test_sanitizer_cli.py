@@ -399,3 +399,35 @@ def test_a_site_asked_of_a_thread_with_fewer_frames_is_unknown_not_an_error() ->
     thread.start()
     thread.join()
     assert found == [UNKNOWN]
+
+
+@pytest.mark.parametrize("also_failing", [False, True], ids=["only-unfollowed", "and-a-real-failure"])
+def test_pytest_plugin_exits_2_when_all_it_failed_is_what_it_could_not_follow(tmp_path: Path, also_failing) -> None:
+    # A custom op with no effect model is not a finding: the run says so and exits 2 (the command's
+    # status), never 1; a test that fails on its own still makes it 1.
+    (tmp_path / "test_ops.py").write_text(textwrap.dedent(f"""
+        import torch
+
+        LIB = torch.library.Library("kvz_cli_test", "DEF")
+        LIB.define("twice(Tensor src, Tensor(a!) dst) -> ()")
+
+        @torch.library.impl(LIB, "twice", "CompositeExplicitAutograd")
+        def _twice(src, dst):
+            dst.copy_(src * 2)
+
+        def test_own_op():
+            dst = torch.zeros(4, device="cuda")
+            torch.ops.kvz_cli_test.twice(torch.ones(4, device="cuda"), dst)
+            torch.cuda.synchronize()
+
+        def test_other():
+            assert not {also_failing}
+    """))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fuzz.plugin",
+                           "-p", "sanitizer.pytest_plugin", "--rootdir", str(tmp_path), "-c", "/dev/null", "--kvz-sanitize",
+                           "--kvz-sanitize-backend", "sim", str(tmp_path / "test_ops.py")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    out = done.stdout
+    assert "kvz-sanitize cannot follow custom op kvz_cli_test::twice" in out, out + done.stderr
+    assert done.returncode == (1 if also_failing else 2), out + done.stderr
