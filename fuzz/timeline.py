@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +129,7 @@ class _Replay:
     runs: list[_Run]
     findings: list[Any]  # fuzz.engine.oracle.Finding
     stopped: str | None  # why the replay stopped early (an op the program cannot run), if it did
+    stopped_at: int | None = None  # the index of the op it stopped at
 
 
 def _replay(trace: Trace) -> _Replay:
@@ -145,7 +145,7 @@ def _replay(trace: Trace) -> _Replay:
     # "before the first op". (Episode builds its own runtime; no hook is needed before that.)
     episode.rt.queues.observers.append(recorder)
     hosts: list[_HostOp] = []
-    stopped = None
+    stopped = stopped_at = None
 
     def host_op(index: int, name: str, fn: Any, args: dict[str, Any]) -> Any:
         recorder.host = index
@@ -172,6 +172,7 @@ def _replay(trace: Trace) -> _Replay:
         # A HarnessError (a BaseException): what the simulator cannot run (a Triton kernel its interpreter cannot).
         why = error.message if isinstance(error, HarnessError) else f"{type(error).__name__}: {error}"
         stopped = f"replay stopped{f' at op {hosts[-1].index} ({hosts[-1].name})' if hosts else ''}: {why}"
+        stopped_at = hosts[-1].index if hosts else None
     finally:
         if not episode.finished:  # what is still queued runs now: draw it inside a teardown too
             host_op(len(trace.ops), TEARDOWN, episode.abandon,
@@ -179,26 +180,25 @@ def _replay(trace: Trace) -> _Replay:
     for host in hosts:
         host.args["queued"] = recorder.queued.get(host.index, [])
     streams = [s.name for s in episode.rt.streams]  # the episode's, then any a zeroer made itself
-    return _Replay(streams, hosts, recorder.runs, list(episode.findings), stopped)
+    return _Replay(streams, hosts, recorder.runs, list(episode.findings), stopped, stopped_at)
 
 
 # -- the trace-event JSON --------------------------------------------------------------------
 
-def _finding_place(message: str, replay: _Replay) -> tuple[int, int]:
-    """(tid, ts) of the instant for a finding: the read it judged, the host op it names, or the
-    teardown where the oracle found it."""
-    read = re.search(r"at step (\d+) read_block on stream (\d+)", message)
-    if read:
-        index, stream = int(read[1]) - 1, int(read[2])
-        for run in replay.runs:
-            if run.stream == stream and run.queued_by == index and run.op.label.startswith("read#"):
+def _finding_place(finding: dict[str, Any], replay: _Replay) -> tuple[int, int]:
+    """(tid, ts) of the instant for a finding, from the place it records (never from its text): the
+    read it judged (``step`` and ``stream``), the step it was found at, the op a worker died in or
+    the replay stopped at; else the teardown, where the oracle found it."""
+    step, stream = finding.get("step"), finding.get("stream")
+    if isinstance(step, int) and isinstance(stream, int):
+        for run in replay.runs:  # the read: the kernel that step queued on that stream
+            if run.stream == stream and run.queued_by == step - 1 and run.op.kind == "kernel":
                 return stream_tid(stream), run.tick * TICK_US + HALF
-    step = re.search(r"(?:hazard|zeroer raised|offloader raised) at step (\d+)", message)
-    crash = re.search(r"(?:while running|replay stopped at) op (\d+)", message)
-    index = int(step[1]) - 1 if step else int(crash[1]) if crash else None
+    op = finding.get("op")
+    index = step - 1 if isinstance(step, int) else op if isinstance(op, int) else None
     host = {h.index: h for h in replay.hosts}.get(index)  # None: no op named, or none with that index
     if host is None and replay.hosts:
-        host = replay.hosts[-1]  # the teardown, or the op where the replay stopped
+        host = replay.hosts[-1]  # the teardown
     ts = (host.end - 1) * TICK_US + HALF if host is not None else 0
     return HOST_TID, ts
 
@@ -241,7 +241,7 @@ def build_timeline(trace: Trace) -> dict[str, Any]:
         events.append({**common, "ph": "s", "tid": stream_tid(record.stream), "ts": record.tick * TICK_US + HALF})
         events.append({**common, "ph": "f", "bp": "e", "tid": stream_tid(run.stream), "ts": run.tick * TICK_US + HALF})
     for message, finding in _findings(trace, replay):
-        tid, ts = _finding_place(message, replay)
+        tid, ts = _finding_place(finding, replay)
         events.append({"ph": "i", "s": "t", "name": f"finding: {finding['kind']}", "cat": "finding",
                        "pid": PID, "tid": tid, "ts": ts, "args": {"message": message, **finding}})
     end = replay.hosts[-1].end if replay.hosts else 0
@@ -257,20 +257,35 @@ def build_timeline(trace: Trace) -> dict[str, Any]:
     }
 
 
+PLACE = ("step", "stream", "op")  # a finding's recorded place (fuzz.engine.oracle.Finding, a crash's op)
+
+
 def _findings(trace: Trace, replay: _Replay) -> list[tuple[str, dict[str, Any]]]:
-    """The trace's findings, then any the replay found besides; each says whether both saw it."""
+    """The trace's findings, then any the replay found besides; each says whether both saw it, and
+    where it was found (:data:`PLACE`) where that is recorded."""
     replayed = {f.message: f for f in replay.findings}
     out: dict[str, dict[str, Any]] = {}
     for finding in trace.findings:
         message = finding.get("message", "")
+        place = {k: finding[k] for k in PLACE if finding.get(k) is not None}
+        if not place and message in replayed:  # a trace written before findings kept their place
+            place = _place(replayed[message])
         out[message] = {"kind": finding.get("kind", "finding"), "block": finding.get("block"),
-                        "recorded in the trace": True, "found by this replay": message in replayed}
-    found_here = {message: (f.kind, f.block) for message, f in replayed.items() if message not in out}
-    if replay.stopped:
-        found_here[replay.stopped] = ("replay stopped", None)
-    for message, (kind, block) in found_here.items():
-        out[message] = {"kind": kind, "block": block, "recorded in the trace": False, "found by this replay": True}
+                        "recorded in the trace": True, "found by this replay": message in replayed, **place}
+    for message, found in replayed.items():
+        if message not in out:
+            out[message] = {"kind": found.kind, "block": found.block, "recorded in the trace": False,
+                            "found by this replay": True, **_place(found)}
+    if replay.stopped and replay.stopped not in out:
+        out[replay.stopped] = {"kind": "replay stopped", "block": None, "recorded in the trace": False,
+                               "found by this replay": True,
+                               **({"op": replay.stopped_at} if replay.stopped_at is not None else {})}
     return list(out.items())
+
+
+def _place(finding: Any) -> dict[str, int]:
+    """A replayed finding's place (fuzz.engine.oracle.Finding), the parts it knows."""
+    return {k: v for k, v in (("step", finding.step), ("stream", finding.stream)) if v is not None}
 
 
 # -- the HTML page ---------------------------------------------------------------------------

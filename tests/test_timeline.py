@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fuzz.engine.episode import EpisodeConfig
+from fuzz.engine.oracle import Finding
 from fuzz.engine.trace import write_trace
 from fuzz.trace import load_trace
 from repro.__main__ import main
@@ -105,6 +106,21 @@ def test_the_recorded_finding_is_marked_on_the_host_op_where_it_fired(curated):
     assert mark["name"] == "finding: hazard" and mark["tid"] == HOST_TID
     assert mark["args"]["recorded in the trace"] and mark["args"]["found by this replay"]
     assert enclosing(curated, HOST_TID, mark["ts"]) is slices(curated, HOST_TID)[2]  # "hazard at step 3"
+
+
+def test_a_finding_is_placed_by_the_step_it_records_never_by_its_text(tmp_path):
+    # The text names step 1 and a read on stream 1; the place recorded says step 2. A finding whose
+    # text looks placed but which records no place (and which this replay did not find) goes to the
+    # teardown: messages are for people, and a zeroer's own label may say anything.
+    findings = [Finding("hazard", None, "hazard at step 1: said by the text", step=2),
+                Finding("clobbered", 1, "clobbered: at step 2 read_block on stream 1")]
+    timeline = build_timeline(load_trace(write_trace(tmp_path, EpisodeConfig(zeroer="per_call"), MULTI[:4], findings, seed=1)))
+    marks = {i["args"]["message"]: i for i in instants(timeline)}
+    host = slices(timeline, HOST_TID)
+    placed, unplaced = marks[findings[0].message], marks[findings[1].message]
+    assert placed["tid"] == HOST_TID and enclosing(timeline, HOST_TID, placed["ts"]) is host[1]
+    assert placed["args"]["step"] == 2
+    assert unplaced["tid"] == HOST_TID and enclosing(timeline, HOST_TID, unplaced["ts"]) is host[-1]
 
 
 def test_a_multi_stream_trace_has_a_slice_per_op_and_a_flow_per_wait(multi):

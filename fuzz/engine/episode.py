@@ -38,7 +38,7 @@ from __future__ import annotations
 import traceback
 from collections import deque
 from contextlib import nullcontext, suppress
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, make_dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -146,6 +146,8 @@ class _Capture:
     history: list[str]
     data: list[torch.Tensor] = field(default_factory=list)
     kind: str | None = None  # the finding's kind if it differs (None: by the words, fuzz.engine.oracle)
+    step: int | None = None  # the step that queued the read, and the stream it ran on: its finding's place
+    stream: int | None = None
     done: Event | None = None  # recorded behind the read on its stream: its words are final once it completes
 
 
@@ -462,7 +464,7 @@ class Episode:
     def read_capture(self, group: CacheGroup, block: int, stream: int, where: str, kind: str | None = None) -> None:
         """Read ``block`` on ``stream`` (the caller has ordered it) and keep what it saw for the verdict."""
         shadow = group.shadow.blocks[block]
-        capture = _Capture(block, shadow.expect, where, list(shadow.history), kind=kind)
+        capture = _Capture(block, shadow.expect, where, list(shadow.history), kind=kind, step=self.step, stream=stream)
         pages = group.cache
 
         def read() -> None:
@@ -542,7 +544,8 @@ class Episode:
         hazards = self.rt.hazards[self._hazards_seen :]
         self._hazards_seen = len(self.rt.hazards)
         found = [
-            Finding("hazard", None, f"hazard at step {self.step}: {h.message}", self.config.caller_fault is not None)
+            Finding("hazard", None, f"hazard at step {self.step}: {h.message}", self.config.caller_fault is not None,
+                    step=self.step)
             for h in hazards
         ]
         self.findings.extend(found)
@@ -580,7 +583,7 @@ class Episode:
         for group in self.groups:
             self._reads_done(group)
             for finding in _verify(group):
-                self.findings.append(Finding(finding.kind, finding.block, group.label + finding.message, fault))
+                self.findings.append(replace(finding, message=group.label + finding.message, caller_fault=fault))
 
     def _reads_done(self, group: CacheGroup) -> None:
         """Wait for every read of ``group`` before the verdict looks at its words.
@@ -660,7 +663,7 @@ def _verify(group: CacheGroup) -> list[Finding]:
             data = [d.cpu() for d in capture.data]
             finding = shadow.verify(capture.block, capture.expect, data, capture.where, capture.history, kind=capture.kind)
             if finding is not None:
-                findings.append(finding)
+                findings.append(replace(finding, step=capture.step, stream=capture.stream))
     if not all_rows_match([cache.pages(seg) for seg in segments], [s.expect for s in shadow.blocks]):
         for block, expected in enumerate(shadow.blocks):
             words = [w.cpu() for w in cache.block_words(block)]
@@ -709,7 +712,7 @@ def _raised_finding(episode: Episode, who: str, call: str, error: BaseException,
     else:
         kind = f"{who} raised"
         message = f"{who} raised at step {episode.step} in {'its ' if its else ''}{call}: {type(error).__name__}: {error}"
-    finding = Finding(kind, None, message, episode.config.caller_fault is not None, details, where)
+    finding = Finding(kind, None, message, episode.config.caller_fault is not None, details, where, step=episode.step)
     episode.findings.append(finding)
     return finding
 

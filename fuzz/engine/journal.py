@@ -76,6 +76,7 @@ def rescue(repro_dir: Path, worker: str, campaign: str) -> Path | None:
         "block": None,
         "message": f"worker {worker} died (a CUDA fault or another crash) while running op {len(data['ops']) - 1}: {json.dumps(last)}",
         "caller_fault": False,
+        "op": len(data["ops"]) - 1,  # the op it died in (0-based): where a timeline draws it
     }]
     config = EpisodeConfig(**data["config"])
     target = write_json_atomically(repro_dir / trace_name(config, data["ops"]), data)

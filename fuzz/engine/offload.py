@@ -360,7 +360,7 @@ class OffloadSide:
 
     def _finding(self, kind: str, block: int | None, message: str) -> None:
         episode = self.episode
-        finding = Finding(kind, block, message, episode.config.caller_fault is not None)
+        finding = Finding(kind, block, message, episode.config.caller_fault is not None, step=episode.step)
         episode.findings.append(finding)
         episode.fresh_findings.append(finding)
 

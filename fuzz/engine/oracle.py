@@ -72,6 +72,8 @@ class Finding:
     caller_fault: bool = False
     details: str = ""  # "zeroer raised", "offloader raised" or "cuda error": the exception's traceback
     where: str = ""  # "... raised", "cuda error": the line of the code under test it came from, "file:line (code)" (kvdevice.origin.blame)
+    step: int | None = None  # the step (1-based op of the trace) it was found at; None: at the episode's end
+    stream: int | None = None  # a read's verdict: the stream the read ran on (with ``step``, which read it was)
 
     def __str__(self) -> str:
         prefix = "[caller fault] " if self.caller_fault else ""
