@@ -236,6 +236,26 @@ def parse_seed(value: object) -> int | None:
         ) from None
 
 
+DEFAULT_REPRO_DIR = Path("repro", "failures")
+DEFAULT_SUMMARY = Path("repro", "summary.json")
+
+
+def output_path(config: pytest.Config, option: str, default: Path) -> Path:
+    """The path an output option gives (relative to the working directory, as given), or by default
+    ``default`` under pytest's rootdir, written relative to the working directory where it can be.
+    Not under the working directory: run from another one (``cd tests; pytest ../fuzz``), a
+    ``repro/`` written there would hide this project's own ``repro`` package from the next run
+    there (an editable install is searched after every directory on sys.path)."""
+    given = config.getoption(option)
+    if given is not None:
+        return Path(given)
+    path = config.rootpath / default
+    try:
+        return Path(os.path.relpath(path))
+    except ValueError:  # another drive (Windows): no relative form
+        return path
+
+
 def fuzz_options(config: pytest.Config) -> FuzzOptions:
     cuda = torch.cuda.is_available()
     minutes = parse_minutes(config.getoption("fuzz_minutes"))
@@ -255,9 +275,9 @@ def fuzz_options(config: pytest.Config) -> FuzzOptions:
         zeroer=zeroer,
         profile=parse_profile(config.getoption("fuzz_profile"), minutes),
         minutes=minutes,
-        repro_dir=Path(config.getoption("repro_dir")),
+        repro_dir=output_path(config, "repro_dir", DEFAULT_REPRO_DIR),
         database_dir=parse_database(database),  # the local layer when a Redis URL is given
-        summary_path=Path(config.getoption("fuzz_summary")),
+        summary_path=output_path(config, "fuzz_summary", DEFAULT_SUMMARY),
         journal=parse_journal(config.getoption("fuzz_journal"), backend),
         seed=parse_seed(config.getoption("hypothesis_seed", None)),
         geometries=parse_geometries(config.getoption("fuzz_geometry"), zeroer or offloader),

@@ -23,6 +23,7 @@ from fuzz.options import (
     check_zeroer_runs_here,
     fuzz_options,
     gpu_for_worker,
+    output_path,
     parse_backend,
     parse_cuda_mode,
     parse_journal,
@@ -326,6 +327,21 @@ def test_fuzz_options_gathers_every_parsed_value(monkeypatch):
         repro_dir=Path("repro/failures"), database_dir=Path("/tmp/db"), summary_path=Path("repro/summary.json"),
         database="/tmp/db",
     )
+
+
+def test_the_default_outputs_go_under_the_rootdir_wherever_pytest_runs(tmp_path, monkeypatch):
+    # Run from tests/ (cd tests; pytest ../fuzz), a repro/ written into the working directory
+    # would hide this project's repro package from the next run there: the defaults are the rootdir's.
+    (tmp_path / "tests").mkdir()
+    values = {"repro_dir": None, "fuzz_summary": None}
+    config = SimpleNamespace(rootpath=tmp_path, getoption=lambda name, default=None: values[name])
+    monkeypatch.chdir(tmp_path / "tests")
+    assert output_path(config, "repro_dir", Path("repro/failures")) == Path("../repro/failures")
+    assert output_path(config, "fuzz_summary", Path("repro/summary.json")) == Path("../repro/summary.json")
+    monkeypatch.chdir(tmp_path)
+    assert output_path(config, "repro_dir", Path("repro/failures")) == Path("repro/failures")
+    values["repro_dir"] = "out/traces"  # a path given is the user's, relative to where they are
+    assert output_path(config, "repro_dir", Path("repro/failures")) == Path("out/traces")
 
 
 def test_hypothesis_seed_runs_every_campaign_once_with_that_seed_and_the_journal_follows_the_backend():
