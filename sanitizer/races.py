@@ -63,8 +63,9 @@ _ADVICE = {
         "make the allocating stream wait for that stream first"
     ),
     "host-read-vs-pending-event": (
-        "see the end event complete before timing it or reporting its job finished: end.query() answered "
-        "True, or end.synchronize(); until then CUDA answers elapsed_time with cudaErrorNotReady or not, by timing"
+        "see the event the then: line names complete before timing it or reporting its job finished: its query() "
+        "answered True, or its synchronize() (the end event's covers a start recorded before it on the same "
+        "stream); until then CUDA answers elapsed_time with cudaErrorNotReady or not, by timing"
     ),
 }
 

@@ -189,10 +189,10 @@ class HostWatch:
         job claims its end has completed (a transfer reported finished before its end event was seen)."""
         hb = self.hb
         host = self.threads.current()
-        label = self.host_label("elapsed_time (the events' times)", site)
-        for record in reversed(records):
+        for which, record in reversed(list(zip(("start", "end"), records))):
             if record is None:
                 continue
+            label = self.host_label(f"elapsed_time (the {which} event's time)", site)  # which one was pending
             key = ("event time", record.thread)  # one name per stream, however many records
             hb.name_resource(key, f"the time of an event recorded on {record.label.access.stream}")
             if hb.host_reads_event(key, record, label, host):

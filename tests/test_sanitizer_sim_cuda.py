@@ -261,6 +261,27 @@ def test_a_transfer_timed_before_its_end_event_was_seen_complete_is_a_race_named
         assert races == [] and error is None
 
 
+def test_a_start_event_on_a_stream_the_end_does_not_cover_is_the_one_the_race_names():
+    # The host saw the end complete, but the start was recorded on a stream the end's never waited
+    # for: its time is still pending. The race says which of the two events it is.
+    def main():
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(a):
+            start.record()  # the start's record
+        with torch.cuda.stream(b):
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    races, _, _, _ = simulate(main)
+    (race,) = races
+    lines = inspect.getsource(main).splitlines()
+    assert race.kind == "host-read-vs-pending-event"
+    assert lines[race.queued.site.line - main.__code__.co_firstlineno].strip().startswith("start.record()")
+    assert "the start event's time" in race.format() and "the end event's time" not in race.format()
+
+
 def test_a_race_on_device_memory_names_the_line_that_allocated_it():
     def main():
         side = torch.cuda.Stream()
