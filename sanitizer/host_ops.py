@@ -21,9 +21,10 @@ import torch
 
 from racecheck.dtypes import NUMPY_INTEGERS
 from racecheck.ops import SET_STORAGE, args_by_position, indexed_rows, kind, masked_rows, op_info, op_name
-from racecheck.ranges import row_runs
+from racecheck.ranges import Runs, merge, row_runs
 from sanitizer.sites import Site, caller_site
 
+aten = torch.ops.aten
 MAX_INDEX = 1 << 16  # elements of a host index whose values are read to narrow an access to rows
 _INDEX_DTYPES = {**NUMPY_INTEGERS, torch.bool: np.bool_}  # a boolean mask's values are read too
 
@@ -41,6 +42,7 @@ def pinned_access(watch: Any, func: Any, args: tuple, kwargs: dict, tensors: lis
     written = written_tensors(func, args, kwargs)
     name = op_name(func)
     indexed = _indexed_target(func, args, kwargs)
+    masked = _masked_target(func, args, kwargs) if indexed is None else None
     with watch.lock:
         watch.boundary(site)
         for tensor in pinned:
@@ -50,6 +52,10 @@ def pinned_access(watch: Any, func: Any, args: tuple, kwargs: dict, tensors: lis
                 verb = "write" if writes else "read"
                 label = watch.host_label(f"host {verb} ({name} of rows of the pinned buffer)", site)
                 watch.pinned.host_access_runs(region, row_runs(tensor, dim, rows), label, write=writes)
+                watch.collect()
+            elif masked is not None and tensor is masked[0]:
+                label = watch.host_label(f"host write ({name} of the mask's elements of the pinned buffer)", site)
+                watch.pinned.host_access_runs(watch.region_of(tensor), masked[1], label, write=True)
                 watch.collect()
             elif any(tensor is w for w in written):
                 watch.host_access(tensor, write=True, what=f"host write ({name} on the pinned buffer)", site=site)
@@ -76,6 +82,36 @@ def _indexed_target(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
     if not isinstance(target, torch.Tensor) or rows is None:
         return None
     return target, dim, rows, writes
+
+
+_MASKED_WRITES = {getattr(aten, name).default if overload == "default" else getattr(getattr(aten, name), overload)
+                  for name, overload in (("masked_fill_", "Scalar"), ("masked_fill_", "Tensor"),
+                                         ("masked_scatter_", "default"))}
+
+
+def _masked_target(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor, Runs] | None:
+    """(the tensor, the runs of the elements its mask selects) for ``x.masked_fill_(mask, v)`` and
+    ``x.masked_scatter_(mask, src)`` on the host with a host mask whose values can be read: torch's
+    CPU kernels write only those elements, so a write to the other rows of a pinned buffer is not a
+    write to rows a queued copy is reading. None for any other op (the whole tensor is taken)."""
+    if func not in _MASKED_WRITES:
+        return None
+    given = args_by_position(func, args, kwargs)
+    target, mask = given[0], given[1] if len(given) > 1 else None
+    if not isinstance(target, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return None
+    values = _host_values(mask)
+    if values is None or target.numel() > MAX_INDEX:
+        return None
+    try:
+        chosen = np.broadcast_to(np.asarray(values, dtype=bool).reshape(tuple(mask.shape)), tuple(target.shape))
+    except ValueError:
+        return None  # torch raises on its own
+    size = target.element_size()
+    offsets = sum((index * stride for index, stride in zip(np.nonzero(chosen), target.stride())),
+                  np.zeros(int(chosen.sum()), dtype=np.int64))
+    start = target.data_ptr()
+    return target, merge((start + int(o) * size, start + (int(o) + 1) * size) for o in offsets)
 
 
 def _host_values(index: torch.Tensor) -> list[int] | None:

@@ -145,10 +145,15 @@ class WatchedArray(np.ndarray):
                 at = _selected(inputs[0], inputs[1]) if len(inputs) > 1 else None
                 _report(inputs[0], True, f"host write through the buffer's numpy view ({what}.at)", at)
                 read = inputs[1:]
+            # An elementwise call with where= computes only the elements the mask selects: it reads
+            # and writes those alone (a reduction's where= selects its input's elements, not its out's).
+            where = kwargs.get("where", True) if method == "__call__" else True
             for array in _watched_in(read):
-                _report(array, False, f"read through the buffer's numpy view ({what})")
+                _report(array, False, f"read through the buffer's numpy view ({what})",
+                        None if where is True else _masked(array, where))
             for array in _watched_in(out):
-                _report(array, True, f"host write through the buffer's numpy view ({what})")
+                _report(array, True, f"host write through the buffer's numpy view ({what})",
+                        None if where is True else _masked(array, where))
         args = _plain(inputs)
         if out is not None:
             kwargs["out"] = _plain(out)
@@ -162,7 +167,11 @@ class WatchedArray(np.ndarray):
         if _ACTIVE and func not in _METADATA:
             written = _watched_in(kwargs.get("out"))
             what = f"np.{func.__name__}"
-            if func in _WRITES_FIRST and args and isinstance(args[0], WatchedArray):
+            if func is np.take and args and isinstance(args[0], WatchedArray):
+                _report(args[0], False, f"read through the buffer's numpy view ({what})",
+                        _taken(args[0], args[1:], kwargs))
+                skip = [args[0]]
+            elif func in _WRITES_FIRST and args and isinstance(args[0], WatchedArray):
                 target = args[0]
                 _report(target, True, f"host write through the buffer's numpy view ({what})",
                         _written_by(func, target, args, kwargs))
@@ -196,8 +205,17 @@ def _touches(name: str, write: bool) -> Callable[..., Any]:
     return call
 
 
+def _take(self: "WatchedArray", *args: Any, **kwargs: Any) -> Any:
+    """``a.take(indices, axis=...)``: a read of the elements it names."""
+    if _ACTIVE:
+        _report(self, False, "read through the buffer's numpy view (.take)", _taken(self, args, kwargs))
+    return np.ndarray.take(self.view(np.ndarray), *_plain(args), **_plain(kwargs))
+
+
+WatchedArray.take = _take  # type: ignore[method-assign]
+
 # Methods that read or write every element without passing through the hooks above.
-for _name in ("tolist", "item", "copy", "astype", "tobytes", "flatten", "take", "__int__", "__float__", "__index__",
+for _name in ("tolist", "item", "copy", "astype", "tobytes", "flatten", "__int__", "__float__", "__index__",
               "__bool__", "__iter__", "__reduce__", "__copy__", "__deepcopy__", "__repr__", "__str__", "fill", "sort"):
     setattr(WatchedArray, _name, _touches(_name, write=_name in ("fill", "sort")))
 
@@ -280,6 +298,9 @@ def _written_by(func: Any, array: np.ndarray, args: tuple, kwargs: dict) -> Runs
         return None
     offsets = _offsets(array)
     try:
+        if func is np.copyto:  # np.copyto(dst, src, casting, where): where=True (all) unless given
+            where = kwargs["where"] if "where" in kwargs else args[3] if len(args) > 3 else True
+            return None if where is True else _masked(array, where)
         if func is np.put:
             chosen = offsets.reshape(-1)[np.asarray(_plain(args[1])).reshape(-1) % array.size]
         elif func in (np.place, np.putmask):
@@ -289,6 +310,34 @@ def _written_by(func: Any, array: np.ndarray, args: tuple, kwargs: dict) -> Runs
     except (IndexError, TypeError, ValueError):
         return None
     return _runs_of(array, chosen.reshape(-1))
+
+
+def _masked(array: np.ndarray, where: Any) -> Runs | None:
+    """The bytes of the elements of ``array`` a ``where=`` mask (broadcast to its shape) selects
+    (None: the whole array)."""
+    if array.size > MAX_SELECTED:
+        return None
+    try:
+        chosen = _offsets(array)[np.broadcast_to(np.asarray(_plain(where), dtype=bool), array.shape)]
+    except (IndexError, TypeError, ValueError):
+        return None
+    return _runs_of(array, chosen.reshape(-1))
+
+
+def _taken(array: np.ndarray, args: tuple, kwargs: dict) -> Runs | None:
+    """The bytes ``np.take(array, *args, **kwargs)`` reads: ``take`` of the elements' offsets with the
+    same indices, axis and mode names exactly those elements (None: the whole array)."""
+    if array.size > MAX_SELECTED or not (args or "indices" in kwargs):
+        return None
+    args, kwargs = _plain(tuple(args)), _plain(kwargs)
+    indices = args[0] if args else kwargs["indices"]
+    axis = args[1] if len(args) > 1 else kwargs.get("axis")  # take(indices, axis, out, mode): never out here
+    mode = args[3] if len(args) > 3 else kwargs.get("mode", "raise")
+    try:
+        chosen = np.take(_offsets(array), indices, axis=axis, mode=mode)
+    except (IndexError, TypeError, ValueError):
+        return None
+    return _runs_of(array, np.asarray(chosen).reshape(-1))
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:

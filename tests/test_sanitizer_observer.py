@@ -110,7 +110,8 @@ def test_a_write_to_other_bytes_of_the_buffer_is_not_a_race(obs, cuda):
     assert obs.stop() == []
 
 
-@pytest.mark.parametrize("how", ["index_put", "index_fill", "torch_mask", "numpy_fancy", "numpy_put", "numpy_mask"])
+@pytest.mark.parametrize("how", ["index_put", "index_fill", "torch_mask", "masked_fill", "masked_scatter", "numpy_fancy",
+                                 "numpy_put", "numpy_mask", "numpy_copyto_where", "numpy_ufunc_where"])
 def test_an_indexed_host_write_touches_only_the_rows_it_names(obs, cuda, how):
     # vLLM fills a pinned block table row by row while the copy of earlier rows is queued.
     table = cuda.pinned(torch.zeros(8, 2, dtype=torch.int32))
@@ -131,11 +132,22 @@ def test_an_indexed_host_write_touches_only_the_rows_it_names(obs, cuda, how):
             view[names] = 7; return here()
         if how == "numpy_put":
             np.put(view, [2 * n for n in names], 7); return here()
+        if how in ("masked_fill", "masked_scatter"):  # torch's CPU kernels write the mask's elements only
+            chosen = torch.zeros(8, 2, dtype=torch.bool)
+            chosen[names] = True
+            if how == "masked_fill":
+                table.masked_fill_(chosen, 7); return here()
+            table.masked_scatter_(chosen, torch.full((16,), 7, dtype=torch.int32)); return here()
         mask = np.zeros(view.shape, dtype=bool)
         mask[names] = True
+        if how == "numpy_copyto_where":
+            np.copyto(view, 7, where=mask); return here()
+        if how == "numpy_ufunc_where":
+            np.add(view, 7, out=view, where=mask); return here()
         np.putmask(view, mask, 7); return here()
 
     write([5, 6])  # rows the copy does not read
+    assert obs.races == [], obs.races[0].format()  # (both writes are at one line of write: say it here)
     written = write([6, 1])
     races = obs.stop()
     assert kinds(races) == ["host-write-vs-pending-copy"], races
@@ -150,6 +162,7 @@ def test_an_indexed_host_read_reads_only_the_rows_it_names(obs, cuda):
     assert host[torch.tensor([5, 6])].tolist() == [0, 0]
     assert host[torch.arange(8) >= 6].tolist() == [0, 0]
     assert view[[4, 7]].tolist() == [0, 0]
+    assert np.take(view, [4, 7]).tolist() == view.take([5, -1], mode="wrap").tolist() == [0, 0]
     view[[2, 5]].sum(); read = here()
     races = obs.stop()
     assert lines(races, "host-read-vs-pending-copy") == {(copied, read)}
