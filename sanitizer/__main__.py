@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import racecheck.interrupts as interrupts
+from kvdevice.origin import blame
 from racecheck.atomic_file import write_json_atomically
 from racecheck.cli import CLEAN, FINDING, INTERNAL, USAGE, ArgumentParser, UsageError, check_output, run_main
 from sanitizer.gpu.forcing import HOLD_LIMIT_S
@@ -96,6 +97,11 @@ def report(outcome: Outcome, name: str, *, partial: bool, forced: bool = False, 
     if groups:
         print(f"kvz-sanitize: {len(groups)} distinct race{'s' if len(groups) != 1 else ''} "
               f"({len(outcome.races)} seen) in {name} [{mode}]", file=out)
+    refused = outcome.error is not None and outcome.inside and outcome.inside_status == USAGE and not groups
+    if refused:  # a refusal that names its fix: one line, the program's line and ours, no traceback
+        where = blame(outcome.error).where
+        print(f"kvz-sanitize cannot run {where or name} [{mode}]: {outcome.error}", file=sys.stderr)
+        return USAGE
     if outcome.error is not None:
         print(outcome.error_text, file=sys.stderr, end="")
         ended = (f"exited with status {outcome.exit_status}" if outcome.exit_status is not None

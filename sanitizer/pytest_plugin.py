@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from racecheck.cli import USAGE
+from racecheck.cli import INTERNAL, USAGE
 from sanitizer.races import Race, distinct
 
 PROPERTY = "kvz_sanitize"
@@ -84,11 +84,15 @@ class SanitizePlugin:
         self.mode = mode
         self.partial = config.getoption("kvz_sanitize_partial")
         self.gpu: Any = None
-        self.session: Any = None  # the simulator's session of the running test
+        # The simulator's session: one for the whole run, as one GPU serves every test: a stream, an
+        # event or device memory a module- or session-scoped fixture made lives on into later tests.
+        self.session: Any = None
+        self.in_test = False
         self.reports: list[tuple[str, dict]] = []  # (nodeid, what its phase found), on the controller
         # On the controller: the phases that failed only because something was not followed, and the
         # others that failed; a run whose every failure is the first kind exits 2 as the command does.
         self.unfollowed_failures: set[str] = set()
+        self.internal_failures: set[str] = set()  # failed inside the sanitizer's own code: its bug
         self.other_failures: set[str] = set()
 
     # -- the sanitizer's life ---------------------------------------------------------------------
@@ -105,9 +109,12 @@ class SanitizePlugin:
             self.gpu = None
         # What the sanitizer could not follow is not a finding: the run says so with exit 2 (add an
         # effect model, or --kvz-sanitize-partial), never 1, unless a test also failed otherwise.
-        if (session.exitstatus == pytest.ExitCode.TESTS_FAILED and self.unfollowed_failures
-                and not self.other_failures):
-            session.exitstatus = USAGE
+        # A failure of the sanitizer's own exits 3 (racecheck.cli), one of the tests' or a race 1.
+        if session.exitstatus == pytest.ExitCode.TESTS_FAILED and not self.other_failures:
+            if self.internal_failures:
+                session.exitstatus = INTERNAL
+            elif self.unfollowed_failures:
+                session.exitstatus = USAGE
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: Any) -> Any:
@@ -116,15 +123,19 @@ class SanitizePlugin:
             return
         from sanitizer.sim.session import ProgramSession, sanitized
 
-        self.session = ProgramSession(item.nodeid)
-        with sanitized(self.session, "test"):
-            yield
-        self.session = None
+        if self.session is None:
+            self.session = ProgramSession("tests")
+        self.in_test = True
+        try:
+            with sanitized(self.session, "test"):
+                yield
+        finally:
+            self.in_test = False
 
     def _checkpoint(self, failed: bool) -> tuple[list[Race], list[str], list[str]]:
         if self.gpu is not None:
             return self.gpu.checkpoint(failed=failed)
-        if self.session is None:
+        if self.session is None or not self.in_test:
             return [], [], []
         from sanitizer.sites import caller_site
 
@@ -163,19 +174,28 @@ class SanitizePlugin:
                 report.sections.append((f"kvz-sanitize ({call.when})", text))
             if notes:
                 report.sections.append((f"kvz-sanitize notes ({call.when})", "\n".join(notes)))
+        # A phase that failed only for what the sanitizer could not follow or refused (the user's to
+        # act on: exit 2), or only inside the sanitizer's own code (its bug: exit 3), is no finding.
+        refused = inside.startswith("kvz-sanitize cannot run")
+        failed_in_ours = bool(inside) and not refused and not races
+        only_unfollowed = only_unfollowed or (refused and not races)
         report.user_properties.append(
             (PROPERTY, json.dumps({"races": [r.to_json() for r in races], "unfollowed": unfollowed, "notes": notes,
-                                   "failed_inside": inside, "failed_unfollowed": only_unfollowed})))
+                                   "failed_inside": inside, "failed_unfollowed": only_unfollowed,
+                                   "failed_in_ours": failed_in_ours})))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        failed_unfollowed = False
+        failed_unfollowed = failed_in_ours = False
         for name, value in report.user_properties:
             if name == PROPERTY:
                 data = json.loads(value)
                 failed_unfollowed = failed_unfollowed or data.get("failed_unfollowed", False)
+                failed_in_ours = failed_in_ours or data.get("failed_in_ours", False)
                 self.reports.append((report.nodeid, data))
         if report.failed:
-            (self.unfollowed_failures if failed_unfollowed else self.other_failures).add(f"{report.nodeid} {report.when}")
+            phase = f"{report.nodeid} {report.when}"
+            (self.internal_failures if failed_in_ours else self.unfollowed_failures if failed_unfollowed
+             else self.other_failures).add(phase)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if hasattr(self.config, "workerinput"):
@@ -196,10 +216,13 @@ class SanitizePlugin:
             write(line)
         for nodeid, line in unfollowed + inside:
             write(f"{nodeid}: {line}")
+        refused = [line for _, line in inside if line.startswith("kvz-sanitize cannot run")]
+        ours = [line for _, line in inside if not line.startswith("kvz-sanitize cannot run")]
         write(f"kvz-sanitize: {len(groups)} distinct race{'s' if len(groups) != 1 else ''}"
               f"{'' if not unfollowed else f', {len(unfollowed)} thing(s) not followed'}"
               f"{'' if not notes else f', {len(notes)} note(s)'}"
-              f"{'' if not inside else f', {len(inside)} test failure(s) inside kvz-sanitize'}")
+              f"{'' if not refused else f', {len(refused)} test phase(s) it cannot run'}"
+              f"{'' if not ours else f', {len(ours)} test failure(s) inside kvz-sanitize'}")
 
 
 def failed_inside_line(call: pytest.CallInfo) -> str:
@@ -207,15 +230,19 @@ def failed_inside_line(call: pytest.CallInfo) -> str:
     patches (:func:`sanitizer.runner.inside_sanitizer`), which it names; empty where it did not."""
     if call.excinfo is None or call.excinfo.errisinstance(pytest.skip.Exception):
         return ""
-    from racecheck.cli import INTERNAL
     from sanitizer.runner import inside_sanitizer
 
     found = inside_sanitizer(call.excinfo.value)
     if found is None:
         return ""
     inside, status = found
-    bug = "; a bug of kvz-sanitize, not of the test: please report this line" if status == INTERNAL else ""
-    return f"kvz-sanitize: this {call.when} failed inside {inside}, not on its own{bug}"
+    if status != INTERNAL:  # a refusal that names its fix: what it says, at the test's line
+        from kvdevice.origin import blame
+
+        where = blame(call.excinfo.value).where
+        return f"kvz-sanitize cannot run this {call.when}{f' at {where}' if where else ''}: {call.excinfo.value}"
+    return (f"kvz-sanitize: this {call.when} failed inside {inside}, not on its own; a bug of kvz-sanitize, "
+            f"not of the test: please report this line")
 
 
 def seen_in(members: list[Race]) -> str:

@@ -431,3 +431,86 @@ def test_pytest_plugin_exits_2_when_all_it_failed_is_what_it_could_not_follow(tm
     out = done.stdout
     assert "kvz-sanitize cannot follow custom op kvz_cli_test::twice" in out, out + done.stderr
     assert done.returncode == (1 if also_failing else 2), out + done.stderr
+
+
+AUTOGRAD = {  # programs that use torch.nn / autograd on "cuda", as an engine's model tests do
+    "autograd": "w = torch.ones(2, 4, device='cuda', requires_grad=True)\ny = w * 2\n",
+    "parameter": "w = torch.nn.Parameter(torch.ones(2, 4, device='cuda'))\ny = torch.nn.functional.linear(torch.ones(3, 4, device='cuda'), w)\n",
+    "module_to": "m = torch.nn.Linear(4, 2).to('cuda')\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(AUTOGRAD))
+def test_autograd_on_the_simulators_cuda_tensors_is_refused_in_one_line_not_a_crash(tmp_path: Path, case: str) -> None:
+    # A CPU build of torch aborts the whole process (a C++ terminate: pytest dies with its workers)
+    # when autograd meets a tensor that claims CUDA, and nn.Module.to('cuda') left parameters that
+    # claimed CUDA with no memory. The simulator refuses both at the call, in one line, exit 2.
+    script = tmp_path / f"{case}.py"
+    script.write_text("import torch\n" + AUTOGRAD[case])
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script))
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("kvz-sanitize cannot run ") and f"{case}.py:" in line and "on a GPU" in line, line
+    assert ("t.data = x" if case == "module_to" else "cannot run autograd") in line
+
+
+def test_a_module_made_on_the_device_runs_on_the_simulator_under_no_grad(tmp_path: Path) -> None:
+    script = tmp_path / "model.py"
+    script.write_text(
+        "import torch\n"
+        "m = torch.nn.Linear(4, 2, device='cuda')\n"
+        "w = torch.zeros(3, device='cuda', requires_grad=True)\n"
+        "x = torch.ones(3, 4, device='cuda')\n"
+        "with torch.no_grad():\n    y = m(x)\n"
+        "with torch.inference_mode():\n    z = m(x)\n"
+        "assert m.weight.requires_grad and w.requires_grad and not y.requires_grad\n"
+        "assert torch.equal(y.cpu(), z.cpu()) and y.shape == (3, 2)\n")
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no race" in done.stdout
+
+
+def _plugin_run(tmp_path: Path, source: str) -> subprocess.CompletedProcess:
+    (tmp_path / "test_prog.py").write_text(textwrap.dedent(source))
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fuzz.plugin",
+                           "-p", "sanitizer.pytest_plugin", "--rootdir", str(tmp_path), "-c", "/dev/null", "--kvz-sanitize",
+                           "--kvz-sanitize-backend", "sim", str(tmp_path / "test_prog.py")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_pytest_plugin_keeps_a_module_scoped_stream_and_event_across_tests(tmp_path: Path) -> None:
+    # One simulated device for the whole run, as one GPU serves every test: a fixture's stream made
+    # in the first test is the same stream in the next (it was "not a stream of this runtime").
+    done = _plugin_run(tmp_path, """
+        import pytest, torch
+
+        @pytest.fixture(scope="module")
+        def side():
+            return torch.cuda.Stream(), torch.cuda.Event(), torch.ones(4, device="cuda")
+
+        @pytest.mark.parametrize("step", range(3))
+        def test_uses_it(side, step):
+            stream, event, kv = side
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                kv.add_(1)
+                event.record()
+            torch.cuda.current_stream().wait_event(event)
+            assert kv.sum().item() == 4 * (2 + step)
+    """)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3 passed" in done.stdout and "0 distinct races" in done.stdout
+
+
+def test_pytest_plugin_says_what_the_simulator_cannot_run_at_the_tests_line_and_exits_2(tmp_path: Path) -> None:
+    done = _plugin_run(tmp_path, """
+        import torch
+
+        def test_model():
+            torch.nn.Linear(4, 2).to("cuda")
+    """)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "test_prog.py::test_model: kvz-sanitize cannot run this call at test_prog.py:5 (torch.nn.Linear(4, 2)" \
+           ".to(\"cuda\")): t.data = x between a simulated CUDA tensor and a plain one" in done.stdout, done.stdout
+    assert "1 test phase(s) it cannot run" in done.stdout

@@ -24,6 +24,7 @@ Every handled call is a boundary at which pinned bytes are checked (:meth:`Inter
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable
 
 import torch
@@ -98,6 +99,8 @@ class InterceptMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.sim:
+            _check_simulable(func, args, kwargs)
         handler = self._handlers.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
@@ -222,8 +225,11 @@ class InterceptMode(TorchFunctionMode):
                 return data if dtype is None or dtype == data.dtype else data.to(dtype)
             host = forward(func, *args, **host_kwargs)
             return ops.to_device(host, None, non_blocking=False)  # a synchronous copy, as on CUDA
+        requires_grad = bool(host_kwargs.pop("requires_grad", False))
         meta = forward(func, *tree_map(_meta, args), **{**host_kwargs, "device": "meta"})
         out = ops.new(tuple(meta.size()), meta.dtype, tuple(meta.stride()), name=_name(func))
+        if requires_grad:  # a leaf that requires grad, as on CUDA (autograd on it is refused: _check_simulable)
+            out.requires_grad_(True)
         if func in _EMPTY:
             return out
         inner_args = tree_map(lambda v: v._inner if isinstance(v, SimCudaTensor) else v, args)
@@ -338,6 +344,55 @@ class InterceptMode(TorchFunctionMode):
 
 def _plain(value: Any) -> Any:
     return value._inner.clone(memory_format=torch.preserve_format) if isinstance(value, SimCudaTensor) else value
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]  # ``t.data = x``'s descriptor
+# Calls that record no autograd graph whatever their inputs require.
+_NO_GRAPH = _METADATA | {f"Tensor.{name}" for name in ("detach", "detach_", "requires_grad_", "retain_grad", "is_leaf")} \
+    | {"torch._has_compatible_shallow_copy_type", "torch.is_tensor", "torch.numel"}
+
+
+def _check_simulable(func: Any, args: tuple, kwargs: dict) -> None:
+    """Refuse, in one line, what the simulator cannot run and a CPU build of torch would crash on
+    rather than raise: autograd on its CUDA tensors (torch asks for a CUDA device guard a CPU build
+    lacks and aborts the process), and ``t.data = x`` between a simulated CUDA tensor and a plain
+    one (``nn.Module.to("cuda")`` does it: the parameter would claim CUDA with no memory behind it)."""
+    if getattr(func, "__self__", None) is _DATA and len(args) == 2:
+        if isinstance(args[0], SimCudaTensor) != isinstance(args[1], SimCudaTensor):
+            raise InterceptError(
+                "t.data = x between a simulated CUDA tensor and a plain one (nn.Module.to('cuda') or .cuda() "
+                "does it for each parameter): the simulator cannot move a tensor's storage in place; build the "
+                "module on the device (nn.Linear(..., device='cuda')) or run the code on a GPU")
+        return
+    if not torch.is_grad_enabled() or isinstance(func, types.FunctionType):
+        return  # a torch function written in Python (nn.init's, under no_grad): its calls are checked one by one
+    if not _requires_grad(args) and not (kwargs and _requires_grad(kwargs.values())):
+        return  # the common case, one pass
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    tensors += [i for v in (*args, *kwargs.values()) if isinstance(v, (list, tuple))
+                for i in v if isinstance(i, torch.Tensor)]
+    name = _name(func)
+    if name in _NO_GRAPH or name.endswith(("__get__", "__set__")):
+        return
+    if any(isinstance(t, SimCudaTensor) for t in tensors) or names_cuda(kwargs.get("device")) or (
+            func in (_T.to, _T.cuda) and any(names_cuda(a) for a in args[1:])):
+        raise InterceptError(
+            f"{name} with grad enabled on a tensor that requires grad: the simulator cannot run autograd "
+            f"on its CUDA tensors (CPU memory under a CPU build of torch, which has no CUDA autograd); run the "
+            f"code under torch.no_grad() or torch.inference_mode() where it needs no gradients, or on a GPU")
+
+
+def _requires_grad(values: Any) -> bool:
+    """Whether a tensor among ``values`` (or in a list among them) requires grad."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor) and item.requires_grad:
+                    return True
+    return False
 
 
 def _raises_on_plain_tensors(func: Any, args: tuple, kwargs: dict, kind: type) -> bool:
