@@ -20,9 +20,11 @@ passes through it.)
 in a checkout that is not installed it imports :mod:`fuzz.plugin` directly.
 """
 
-from kvzero_fuzz.shadowing import exit_if_shadowed
+from kvzero_fuzz.shadowing import shadowed_plugin, shadowing_problem
 
-exit_if_shadowed()
-
-# Every public name of fuzz.plugin: its hooks and fixtures, whatever it adds later.
-from fuzz.plugin import *  # noqa: E402,F401,F403
+_PROBLEM = shadowing_problem()
+if _PROBLEM is None:
+    # Every public name of fuzz.plugin: its hooks and fixtures, whatever it adds later.
+    from fuzz.plugin import *  # noqa: F401,F403
+else:  # only a run that asks for kvzero-fuzz stops; another project's pytest runs as if it were not installed
+    pytest_load_initial_conftests = shadowed_plugin(_PROBLEM)

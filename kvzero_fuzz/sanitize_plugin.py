@@ -7,8 +7,10 @@ line naming what was found and the fix. ``pytest -p sanitizer.pytest_plugin`` lo
 too; in a checkout that is not installed it imports :mod:`sanitizer.pytest_plugin` directly.
 """
 
-from kvzero_fuzz.shadowing import exit_if_shadowed
+from kvzero_fuzz.shadowing import shadowed_plugin, shadowing_problem
 
-exit_if_shadowed()
-
-from sanitizer.pytest_plugin import *  # noqa: E402,F401,F403
+_PROBLEM = shadowing_problem()
+if _PROBLEM is None:
+    from sanitizer.pytest_plugin import *  # noqa: F401,F403
+else:  # only a run that asks for the sanitizer (or kvzero-fuzz) stops (kvzero_fuzz.pytest_plugin)
+    pytest_load_initial_conftests = shadowed_plugin(_PROBLEM)

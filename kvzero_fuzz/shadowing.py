@@ -21,7 +21,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,10 +130,61 @@ def check_own_packages(names: Iterable[str] = OWN_PACKAGES) -> None:
 
 
 def exit_if_shadowed() -> None:
-    """What the pytest entry points do first: exit with status 2 and one line on stderr unless every
-    own package is this distribution's."""
+    """Exit with status 2 and one line on stderr unless every own package is this distribution's."""
     try:
         check_own_packages()
     except ShadowedPackageError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(USAGE_EXIT) from None
+
+
+def shadowing_problem() -> str | None:
+    """The one-line error when one of this distribution's packages is shadowed here; None if none is."""
+    try:
+        check_own_packages()
+    except ShadowedPackageError as error:
+        return str(error)
+    return None
+
+
+# Options only this distribution's plugins define, and the names its plugins load under with -p.
+OWN_OPTIONS = ("--kvz-sanitize", "--zeroer", "--offloader", "--fuzz-", "--repro-dir", "--cuda-mode", "--host-memory",
+               "--strict-caller", "--gpu-tests-only")
+OWN_PLUGINS = ("fuzz.plugin", "sanitizer.pytest_plugin")
+
+
+def asks_for_us(args: Sequence[str], cwd: Path | None = None) -> bool:
+    """Whether a pytest command line asks for this distribution: one of its options, ``-p`` of one of
+    its plugins, or a test path inside its checkout (``pytest fuzz`` in the repository; no path: the
+    working directory). Another project's plain ``pytest`` asks for none of them: there a shadowed
+    package (the project's own ``repro/`` directory, say) must not stop its run."""
+    root = Path(__file__).resolve().parent.parent
+    paths: list[Path] = []
+    for i, arg in enumerate(args):
+        if arg.startswith(OWN_OPTIONS) or arg in tuple(f"-p{name}" for name in OWN_PLUGINS):
+            return True
+        if arg == "-p" and i + 1 < len(args) and args[i + 1] in OWN_PLUGINS:
+            return True
+        if not arg.startswith("-") and (i == 0 or not args[i - 1].startswith("-")):
+            paths.append(Path(arg.split("::")[0]))
+    base = cwd or Path.cwd()
+    for path in paths or [base]:
+        try:
+            (base / path).resolve().relative_to(root)
+        except ValueError:
+            continue
+        return True
+    return False
+
+
+def shadowed_plugin(problem: str) -> Callable[..., None]:
+    """The one hook an entry point registers when a package is shadowed: it stops a run that asks
+    for this distribution (:func:`asks_for_us`) with ``problem`` (exit 2, one line on stderr), before
+    pytest would call its options unknown; any other run goes on without this distribution."""
+
+    def pytest_load_initial_conftests(early_config: object, parser: object, args: list[str]) -> None:
+        if asks_for_us(args):
+            print(f"error: {problem}", file=sys.stderr)
+            raise SystemExit(USAGE_EXIT)
+
+    return pytest_load_initial_conftests

@@ -156,3 +156,28 @@ def test_another_distribution_installing_fuzz_is_named_in_the_error(tmp_path):
         f"error: kvzero-fuzz cannot load: 'import fuzz' finds {site / 'fuzz' / '__init__.py'}, which the "
         f"distribution 'fuzz-other' installed"), result.stderr
     assert "pip uninstall fuzz-other && pip install --force-reinstall kvzero-fuzz" in result.stderr
+
+
+@needs_entry_point
+def test_another_projects_plain_pytest_runs_beside_a_directory_that_hides_ours(tmp_path):
+    # A project with a repro/ directory of its own (no __init__.py) hides our editable repro package
+    # from a run started there: its own pytest must run as if kvzero-fuzz were not installed, and
+    # only a run that asks for our plugins stops, with the fix.
+    (tmp_path / "repro").mkdir()
+    (tmp_path / "repro" / "notes.json").write_text("{}")
+    (tmp_path / "test_theirs.py").write_text("def test_it():\n    assert True\n")
+    theirs = run_pytest("-q", "-p", "no:cacheprovider", cwd=tmp_path)
+    assert theirs.returncode == 0 and "1 passed" in theirs.stdout, theirs.stdout + theirs.stderr
+    ours = run_pytest("-q", "-p", "no:cacheprovider", "--kvz-sanitize", cwd=tmp_path)
+    assert ours.returncode == 2, ours.stdout + ours.stderr
+    assert ours.stderr.startswith(f"error: kvzero-fuzz cannot load: 'import repro' finds {tmp_path / 'repro'}, a "
+                                  f"directory without an __init__.py"), ours.stderr
+
+
+def test_a_command_line_asks_for_us_by_option_plugin_or_a_path_in_the_checkout(tmp_path):
+    from kvzero_fuzz.shadowing import asks_for_us
+
+    assert asks_for_us(["--kvz-sanitize"], cwd=tmp_path) and asks_for_us(["-p", "fuzz.plugin"], cwd=tmp_path)
+    assert asks_for_us(["--zeroer=ring", "-q"], cwd=tmp_path) and asks_for_us([str(ROOT / "fuzz")], cwd=tmp_path)
+    assert asks_for_us([], cwd=ROOT) and asks_for_us(["tests/test_x.py::test_y"], cwd=ROOT)
+    assert not asks_for_us([], cwd=tmp_path) and not asks_for_us(["-k", "fuzz", "tests"], cwd=tmp_path)
