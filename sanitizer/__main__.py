@@ -17,17 +17,22 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import racecheck.interrupts as interrupts
 from kvdevice.origin import blame
 from racecheck.atomic_file import write_json_atomically
 from racecheck.cli import CLEAN, FINDING, INTERNAL, USAGE, ArgumentParser, UsageError, check_output, run_main
 from sanitizer.gpu.forcing import HOLD_LIMIT_S
+from sanitizer import numpy_views
 from sanitizer.races import distinct
+from sanitizer.sites import caller_site
 from sanitizer.runner import BACKENDS, Outcome, prepare, sanitize
 
 # What the user typed: the console script, or the module form (its --help and messages say the same).
@@ -141,6 +146,40 @@ def _forced_end() -> int:
     return FINDING if groups else 130
 
 
+@contextlib.contextmanager
+def _reported_on_hard_exit(name: str, json_path: Path | None) -> Iterator[None]:
+    """While the program runs, ``os._exit(code)`` (no ``finally``, no ``atexit``: the way a program
+    skips a slow shutdown) first reports the races seen so far, each checker's last checks made, and
+    exits with the command's status for them: 1 for races, else 0, or 2 for a non-zero code of the
+    program's own. A forked child's ``os._exit`` is its own."""
+    real_exit, parent = os._exit, os.getpid()
+
+    def hard_exit(code: int) -> NoReturn:
+        if os.getpid() != parent:
+            real_exit(code)
+        site = caller_site()
+        races = []
+        for watch in numpy_views.watches():  # every running checker's watch, innermost last
+            watch.scope_end(site)
+            races.extend(watch.races)
+        groups = distinct(races)
+        for first, _members in groups:
+            print(first.format(), file=sys.stdout)
+            print(file=sys.stdout)
+        said = "the races above were seen before it" if groups else "no race seen before it"
+        print(f"{PROG}: {name} ended with os._exit({code}) at {site.short}; {said}"
+              f"{' (--json not written)' if json_path is not None else ''}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        real_exit(FINDING if groups else CLEAN if code == 0 else USAGE)
+
+    os._exit = hard_exit
+    try:
+        yield
+    finally:
+        os._exit = real_exit
+
+
 def _main(argv: list[str]) -> int:
     interrupts.install()  # SIGTERM stops the program as Ctrl-C does
     interrupts.set_forced_status(_forced_end)
@@ -161,7 +200,8 @@ def _main(argv: list[str]) -> int:
     kind, target, program_argv = _program(args.command)
     mode = "force" if args.force else "observe"
     prepare(mode)
-    outcome = sanitize(lambda: _run(kind, target, program_argv), backend=args.backend, mode=mode, name=target)
+    with _reported_on_hard_exit(target, json_path):
+        outcome = sanitize(lambda: _run(kind, target, program_argv), backend=args.backend, mode=mode, name=target)
     if outcome.interrupted:
         # Nothing seen is lost, and no result file is written from a run cut short (it could
         # replace a complete one): the races so far go to the terminal, then the interruption.

@@ -514,3 +514,24 @@ def test_pytest_plugin_says_what_the_simulator_cannot_run_at_the_tests_line_and_
     assert "test_prog.py::test_model: kvz-sanitize cannot run this call at test_prog.py:5 (torch.nn.Linear(4, 2)" \
            ".to(\"cuda\")): t.data = x between a simulated CUDA tensor and a plain one" in done.stdout, done.stdout
     assert "1 test phase(s) it cannot run" in done.stdout
+
+
+@pytest.mark.parametrize(("racy", "code", "status"), [(True, 0, 1), (False, 3, 2), (False, 0, 0)])
+def test_a_program_that_ends_with_os_exit_keeps_its_races_and_the_commands_status(tmp_path: Path, racy: bool,
+                                                                                 code: int, status: int) -> None:
+    # os._exit skips finally and atexit: without help the report was never printed and the run exited 0.
+    script = tmp_path / "hard_exit.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, torch
+        host = torch.zeros(16, pin_memory=True)
+        out = torch.zeros(16, device="cuda")
+        out.copy_(host, non_blocking=True)
+        if not {racy}:
+            torch.cuda.synchronize()
+        host.fill_(1.0)
+        os._exit({code})
+    """))
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script))
+    assert done.returncode == status, done.stdout + done.stderr
+    assert done.stdout.count("[host-write-vs-pending-copy]") == (1 if racy else 0), done.stdout
+    assert f"hard_exit.py ended with os._exit({code}) at " in done.stderr and "Traceback" not in done.stderr
