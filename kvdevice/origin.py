@@ -124,8 +124,7 @@ def describe_frame(frame: types.FrameType, line: int) -> str:
     """``path/file.py:41 (the line's code)``: where a user reads it (relative to the working
     directory when it lies below it)."""
     path = frame.f_code.co_filename
-    source = linecache.getline(path, line).split("  # ")[0].strip().rstrip("([{ ")  # no comment; a call spread
-    # over lines shows its first, unbracketed
+    source = linecache.getline(path, line).strip().rstrip("([{ ")  # a call spread over lines: its first, unbracketed
     try:
         path = Path(path).resolve().relative_to(Path.cwd().resolve()).as_posix()
     except (ValueError, OSError):

@@ -433,7 +433,8 @@ def test_a_program_that_fails_inside_a_patch_of_the_simulator_is_told_so_with_th
     last = capsys.readouterr().err.strip().splitlines()[-1]
     # one line: the program's line and the refusal, which says what to do instead
     assert re.fullmatch(r"kvz-sanitize cannot run (\S*/)?tests/test_program_names\.py:\d+ "
-                        r"\(torch\.zeros\(4, device=\"cuda\"\)\.resize_\(8\)\) \[simulator\]: "
+                        r"\(torch\.zeros\(4, device=\"cuda\"\)\.resize_\(8\)  # the simulator refuses, and says "
+                        r"what to do instead\) \[simulator\]: "
                         r"aten\.resize_\.default on a simulated CUDA tensor: .* run the code on a GPU .*", last), last
 
 
