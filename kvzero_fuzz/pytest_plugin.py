@@ -6,9 +6,11 @@ it re-exports, so pytest registers them once, under the entry point's name. It l
 ``fuzz`` because a shadowed ``fuzz`` would make ``fuzz.plugin`` itself unimportable, and pytest
 would report a bare ``ModuleNotFoundError`` before any of our code ran.
 
-A shadowed package stops pytest before it parses the command line (so before ``--zeroer`` would
-be an unknown option), as every usage error of this project does (docs/bad-input.md): exit 2 and
-one line on stderr that says what was found and how to fix it::
+A shadowed package stops a run that asks for kvzero-fuzz (one of its options, ``-p`` of its
+plugins, a test path in its checkout: :func:`kvzero_fuzz.shadowing.asks_for_us`) before pytest
+parses the whole command line (so before ``--zeroer`` would be an unknown option), as every usage
+error of this project does (docs/bad-input.md): exit 2 and one line on stderr that says what was
+found and how to fix it; another project's run goes on without kvzero-fuzz::
 
     error: kvzero-fuzz cannot load: 'import fuzz' finds /repo/fuzz/__init__.py, a 'fuzz' package that
     no installed distribution provides: its directory /repo comes before kvzero-fuzz on sys.path ...

@@ -129,15 +129,6 @@ def check_own_packages(names: Iterable[str] = OWN_PACKAGES) -> None:
         raise ShadowedPackageError(message)
 
 
-def exit_if_shadowed() -> None:
-    """Exit with status 2 and one line on stderr unless every own package is this distribution's."""
-    try:
-        check_own_packages()
-    except ShadowedPackageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(USAGE_EXIT) from None
-
-
 def shadowing_problem() -> str | None:
     """The one-line error when one of this distribution's packages is shadowed here; None if none is."""
     try:
@@ -151,6 +142,7 @@ def shadowing_problem() -> str | None:
 OWN_OPTIONS = ("--kvz-sanitize", "--zeroer", "--offloader", "--fuzz-", "--repro-dir", "--cuda-mode", "--host-memory",
                "--strict-caller", "--gpu-tests-only")
 OWN_PLUGINS = ("fuzz.plugin", "sanitizer.pytest_plugin")
+_JOINED = tuple(f"-p{name}" for name in OWN_PLUGINS)  # -pfuzz.plugin
 
 
 def asks_for_us(args: Sequence[str], cwd: Path | None = None) -> bool:
@@ -161,7 +153,7 @@ def asks_for_us(args: Sequence[str], cwd: Path | None = None) -> bool:
     root = Path(__file__).resolve().parent.parent
     paths: list[Path] = []
     for i, arg in enumerate(args):
-        if arg.startswith(OWN_OPTIONS) or arg in tuple(f"-p{name}" for name in OWN_PLUGINS):
+        if arg.startswith(OWN_OPTIONS) or arg in _JOINED:
             return True
         if arg == "-p" and i + 1 < len(args) and args[i + 1] in OWN_PLUGINS:
             return True

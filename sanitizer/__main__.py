@@ -131,16 +131,22 @@ def report(outcome: Outcome, name: str, *, partial: bool, forced: bool = False, 
     return CLEAN
 
 
+def _print_races(races: list) -> list:
+    """Print each distinct race of a run that ends early (stdout flushed); the groups."""
+    groups = distinct(races)
+    for first, _members in groups:
+        print(first.format(), file=sys.stdout)
+        print(file=sys.stdout)
+    sys.stdout.flush()
+    return groups
+
+
 def _forced_end() -> int:
     """A run still stuck after Ctrl-C or SIGTERM is ended by force (racecheck.interrupts): the races
     the GPU observer had seen are printed first, and the status is the interrupted run's."""
     from sanitizer.gpu.observer import races_so_far
 
-    groups = distinct(races_so_far())
-    for first, _members in groups:
-        print(first.format(), file=sys.stdout)
-        print(file=sys.stdout)
-    sys.stdout.flush()
+    groups = _print_races(races_so_far())
     print(f"{PROG}: interrupted, and ended by force; "
           + ("the races above were seen before it" if groups else "no race seen before it"), file=sys.stderr)
     return FINDING if groups else 130
@@ -162,14 +168,10 @@ def _reported_on_hard_exit(name: str, json_path: Path | None) -> Iterator[None]:
         for watch in numpy_views.watches():  # every running checker's watch, innermost last
             watch.scope_end(site)
             races.extend(watch.races)
-        groups = distinct(races)
-        for first, _members in groups:
-            print(first.format(), file=sys.stdout)
-            print(file=sys.stdout)
+        groups = _print_races(races)
         said = "the races above were seen before it" if groups else "no race seen before it"
         print(f"{PROG}: {name} ended with os._exit({code}) at {site.short}; {said}"
               f"{' (--json not written)' if json_path is not None else ''}", file=sys.stderr)
-        sys.stdout.flush()
         sys.stderr.flush()
         real_exit(FINDING if groups else CLEAN if code == 0 else USAGE)
 

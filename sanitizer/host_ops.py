@@ -84,9 +84,7 @@ def _indexed_target(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
     return target, dim, rows, writes
 
 
-_MASKED_WRITES = {getattr(aten, name).default if overload == "default" else getattr(getattr(aten, name), overload)
-                  for name, overload in (("masked_fill_", "Scalar"), ("masked_fill_", "Tensor"),
-                                         ("masked_scatter_", "default"))}
+_MASKED_WRITES = {aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.masked_scatter_.default}
 
 
 def _masked_target(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor, Runs] | None:

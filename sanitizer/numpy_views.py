@@ -296,11 +296,11 @@ def _written_by(func: Any, array: np.ndarray, args: tuple, kwargs: dict) -> Runs
     """The bytes ``np.put``/``np.place``/``np.putmask`` write of ``array`` (None: all of it)."""
     if array.size > MAX_SELECTED or len(args) < 2:
         return None
+    if func is np.copyto:  # np.copyto(dst, src, casting, where): where=True (all) unless given
+        where = kwargs["where"] if "where" in kwargs else args[3] if len(args) > 3 else True
+        return None if where is True else _masked(array, where)
     offsets = _offsets(array)
     try:
-        if func is np.copyto:  # np.copyto(dst, src, casting, where): where=True (all) unless given
-            where = kwargs["where"] if "where" in kwargs else args[3] if len(args) > 3 else True
-            return None if where is True else _masked(array, where)
         if func is np.put:
             chosen = offsets.reshape(-1)[np.asarray(_plain(args[1])).reshape(-1) % array.size]
         elif func in (np.place, np.putmask):

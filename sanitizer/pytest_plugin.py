@@ -151,7 +151,7 @@ class SanitizePlugin:
             pytest.skip.Exception))
         outcome = yield
         report = outcome.get_result()
-        inside = failed_inside_line(call)
+        inside, refused = failed_inside_line(call)
         if inside:  # never the test's own failure: said beside its failure, and in the summary
             report.sections.append((f"kvz-sanitize ({call.when})", inside))
         if not races and not unfollowed and not notes and not inside:
@@ -176,12 +176,11 @@ class SanitizePlugin:
                 report.sections.append((f"kvz-sanitize notes ({call.when})", "\n".join(notes)))
         # A phase that failed only for what the sanitizer could not follow or refused (the user's to
         # act on: exit 2), or only inside the sanitizer's own code (its bug: exit 3), is no finding.
-        refused = inside.startswith("kvz-sanitize cannot run")
         failed_in_ours = bool(inside) and not refused and not races
         only_unfollowed = only_unfollowed or (refused and not races)
         report.user_properties.append(
             (PROPERTY, json.dumps({"races": [r.to_json() for r in races], "unfollowed": unfollowed, "notes": notes,
-                                   "failed_inside": inside, "failed_unfollowed": only_unfollowed,
+                                   "failed_inside": inside, "refused": refused, "failed_unfollowed": only_unfollowed,
                                    "failed_in_ours": failed_in_ours})))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -203,6 +202,7 @@ class SanitizePlugin:
         races = [Race.from_json(r) for _, data in self.reports for r in data["races"]]
         unfollowed = [(nodeid, line) for nodeid, data in self.reports for line in data["unfollowed"]]
         inside = [(nodeid, data["failed_inside"]) for nodeid, data in self.reports if data.get("failed_inside")]
+        refused = sum(1 for _, data in self.reports if data.get("failed_inside") and data.get("refused"))
         notes = sorted({line for _, data in self.reports for line in data.get("notes", [])})
         write = terminalreporter.write_line
         where = f"{self.mode} mode" if self.backend == "cuda" else "simulator"
@@ -216,33 +216,33 @@ class SanitizePlugin:
             write(line)
         for nodeid, line in unfollowed + inside:
             write(f"{nodeid}: {line}")
-        refused = [line for _, line in inside if line.startswith("kvz-sanitize cannot run")]
-        ours = [line for _, line in inside if not line.startswith("kvz-sanitize cannot run")]
+        ours = len(inside) - refused
         write(f"kvz-sanitize: {len(groups)} distinct race{'s' if len(groups) != 1 else ''}"
               f"{'' if not unfollowed else f', {len(unfollowed)} thing(s) not followed'}"
               f"{'' if not notes else f', {len(notes)} note(s)'}"
-              f"{'' if not refused else f', {len(refused)} test phase(s) it cannot run'}"
-              f"{'' if not ours else f', {len(ours)} test failure(s) inside kvz-sanitize'}")
+              f"{'' if not refused else f', {refused} test phase(s) it cannot run'}"
+              f"{'' if not ours else f', {ours} test failure(s) inside kvz-sanitize'}")
 
 
-def failed_inside_line(call: pytest.CallInfo) -> str:
+def failed_inside_line(call: pytest.CallInfo) -> tuple[str, bool]:
     """The line for a test phase that failed inside one of the sanitizer's stand-ins, models or
-    patches (:func:`sanitizer.runner.inside_sanitizer`), which it names; empty where it did not."""
+    patches (:func:`sanitizer.runner.inside_sanitizer`), which it names (empty where it did not),
+    and whether it was a refusal that names its fix (the user's to act on, not a bug of ours)."""
     if call.excinfo is None or call.excinfo.errisinstance(pytest.skip.Exception):
-        return ""
+        return "", False
     from sanitizer.runner import inside_sanitizer
 
     found = inside_sanitizer(call.excinfo.value)
     if found is None:
-        return ""
+        return "", False
     inside, status = found
-    if status != INTERNAL:  # a refusal that names its fix: what it says, at the test's line
+    if status != INTERNAL:  # what the refusal says, at the test's line
         from kvdevice.origin import blame
 
         where = blame(call.excinfo.value).where
-        return f"kvz-sanitize cannot run this {call.when}{f' at {where}' if where else ''}: {call.excinfo.value}"
+        return f"kvz-sanitize cannot run this {call.when}{f' at {where}' if where else ''}: {call.excinfo.value}", True
     return (f"kvz-sanitize: this {call.when} failed inside {inside}, not on its own; a bug of kvz-sanitize, "
-            f"not of the test: please report this line")
+            f"not of the test: please report this line"), False
 
 
 def seen_in(members: list[Race]) -> str:

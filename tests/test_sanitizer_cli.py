@@ -25,6 +25,16 @@ def sanitize_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
                           timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
 
 
+def plugin_run(tmp_path: Path, source: str, name: str = "test_prog.py") -> subprocess.CompletedProcess:
+    """``pytest --kvz-sanitize --kvz-sanitize-backend sim`` on a test file of ``source``, in ``tmp_path``."""
+    (tmp_path / name).write_text(textwrap.dedent(source))
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fuzz.plugin",
+                           "-p", "sanitizer.pytest_plugin", "--rootdir", str(tmp_path), "-c", "/dev/null", "--kvz-sanitize",
+                           "--kvz-sanitize-backend", "sim", str(tmp_path / name)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+
 def test_a_racy_program_is_reported_once_with_both_lines_and_exits_1(tmp_path: Path) -> None:
     report = tmp_path / "races.json"
     done = sanitize_cli("--backend", "sim", "--json", str(report), "--",
@@ -61,7 +71,7 @@ def test_a_program_that_fails_on_its_own_with_no_race_exits_2_with_its_traceback
 
 
 def test_pytest_plugin_fails_the_racy_test_and_lists_the_race_once(tmp_path: Path) -> None:
-    (tmp_path / "test_engine.py").write_text(textwrap.dedent("""
+    done = plugin_run(tmp_path, """
         import torch
 
         def stage(buf, dev, steps):
@@ -83,12 +93,7 @@ def test_pytest_plugin_fails_the_racy_test_and_lists_the_race_once(tmp_path: Pat
                 dev.copy_(torch.tensor([s] * 4).pin_memory(), non_blocking=True)
             torch.cuda.synchronize()
             assert dev.tolist() == [2] * 4
-    """))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fuzz.plugin",
-                           "-p", "sanitizer.pytest_plugin", "--rootdir", str(tmp_path), "-c", "/dev/null", "--kvz-sanitize",
-                           "--kvz-sanitize-backend", "sim", str(tmp_path / "test_engine.py")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    """, "test_engine.py")
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
     assert "2 failed, 1 passed" in out
@@ -405,7 +410,7 @@ def test_a_site_asked_of_a_thread_with_fewer_frames_is_unknown_not_an_error() ->
 def test_pytest_plugin_exits_2_when_all_it_failed_is_what_it_could_not_follow(tmp_path: Path, also_failing) -> None:
     # A custom op with no effect model is not a finding: the run says so and exits 2 (the command's
     # status), never 1; a test that fails on its own still makes it 1.
-    (tmp_path / "test_ops.py").write_text(textwrap.dedent(f"""
+    done = plugin_run(tmp_path, f"""
         import torch
 
         LIB = torch.library.Library("kvz_cli_test", "DEF")
@@ -422,12 +427,7 @@ def test_pytest_plugin_exits_2_when_all_it_failed_is_what_it_could_not_follow(tm
 
         def test_other():
             assert not {also_failing}
-    """))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fuzz.plugin",
-                           "-p", "sanitizer.pytest_plugin", "--rootdir", str(tmp_path), "-c", "/dev/null", "--kvz-sanitize",
-                           "--kvz-sanitize-backend", "sim", str(tmp_path / "test_ops.py")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    """, "test_ops.py")
     out = done.stdout
     assert "kvz-sanitize cannot follow custom op kvz_cli_test::twice" in out, out + done.stderr
     assert done.returncode == (1 if also_failing else 2), out + done.stderr
@@ -470,19 +470,10 @@ def test_a_module_made_on_the_device_runs_on_the_simulator_under_no_grad(tmp_pat
     assert "no race" in done.stdout
 
 
-def _plugin_run(tmp_path: Path, source: str) -> subprocess.CompletedProcess:
-    (tmp_path / "test_prog.py").write_text(textwrap.dedent(source))
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fuzz.plugin",
-                           "-p", "sanitizer.pytest_plugin", "--rootdir", str(tmp_path), "-c", "/dev/null", "--kvz-sanitize",
-                           "--kvz-sanitize-backend", "sim", str(tmp_path / "test_prog.py")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-
-
 def test_pytest_plugin_keeps_a_module_scoped_stream_and_event_across_tests(tmp_path: Path) -> None:
     # One simulated device for the whole run, as one GPU serves every test: a fixture's stream made
     # in the first test is the same stream in the next (it was "not a stream of this runtime").
-    done = _plugin_run(tmp_path, """
+    done = plugin_run(tmp_path, """
         import pytest, torch
 
         @pytest.fixture(scope="module")
@@ -504,7 +495,7 @@ def test_pytest_plugin_keeps_a_module_scoped_stream_and_event_across_tests(tmp_p
 
 
 def test_pytest_plugin_says_what_the_simulator_cannot_run_at_the_tests_line_and_exits_2(tmp_path: Path) -> None:
-    done = _plugin_run(tmp_path, """
+    done = plugin_run(tmp_path, """
         import torch
 
         def test_model():

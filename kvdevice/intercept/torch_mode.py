@@ -368,14 +368,11 @@ def _check_simulable(func: Any, args: tuple, kwargs: dict) -> None:
         return  # a torch function written in Python (nn.init's, under no_grad): its calls are checked one by one
     if not _requires_grad(args) and not (kwargs and _requires_grad(kwargs.values())):
         return  # the common case, one pass
-    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    tensors += [i for v in (*args, *kwargs.values()) if isinstance(v, (list, tuple))
-                for i in v if isinstance(i, torch.Tensor)]
     name = _name(func)
     if name in _NO_GRAPH or name.endswith(("__get__", "__set__")):
         return
-    if any(isinstance(t, SimCudaTensor) for t in tensors) or names_cuda(kwargs.get("device")) or (
-            func in (_T.to, _T.cuda) and any(names_cuda(a) for a in args[1:])):
+    if _has_sim(args, kwargs) or names_cuda(kwargs.get("device")) or func is _T.cuda or (
+            func is _T.to and any(names_cuda(a) for a in args[1:])):
         raise InterceptError(
             f"{name} with grad enabled on a tensor that requires grad: the simulator cannot run autograd "
             f"on its CUDA tensors (CPU memory under a CPU build of torch, which has no CUDA autograd); run the "
