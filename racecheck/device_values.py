@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._pytree import tree_flatten, tree_map
 
 from racecheck.dtypes import NUMPY_INTEGERS
+from racecheck.ops import leaves, map_leaves
 from racecheck.ranges import byte_runs
 
 MAX_STORAGE = 1 << 20  # bytes of one allocation whose values are shadowed (a table, an index: not a KV cache)
@@ -192,7 +192,7 @@ class DeviceValues:
         input it reads is known; else None (its device writes then make their bytes unknown,
         through :meth:`written`)."""
         if on_device is None:
-            on_device = [v for v in tree_flatten((args, kwargs))[0]
+            on_device = [v for v in leaves((args, tuple(kwargs.values())))
                          if isinstance(v, torch.Tensor) and self._is_device(v)]
         for value in on_device:
             if value.dtype not in INTEGERS:
@@ -253,7 +253,7 @@ class DeviceValues:
                 return torch.device("cpu")
             return value
 
-        host_args = tree_map(replica, args)
+        host_args = map_leaves(replica, args)
         host_kwargs = {k: (torch.device("cpu") if k == "device" and v is not None else
                            False if k == "pin_memory" else replica(v)) for k, v in kwargs.items()}
         try:
@@ -263,7 +263,7 @@ class DeviceValues:
         positional = list(args) + [kwargs.get(n) for n in names[len(args):]]
         written = [(positional[i], replicas[id(positional[i])]) for i in written_pos
                    if i < len(positional) and id(positional[i]) in replicas]
-        return Pending(func, tree_flatten(result)[0], written)
+        return Pending(func, leaves(result), written)
 
     def commit(self, pending: Pending | None, result: Any) -> None:
         """After the op ran (its writes already declared): its outputs' values, from
@@ -275,7 +275,7 @@ class DeviceValues:
             for device, host in pending.written:
                 self._put(device, host)
             written = {_storage(d)[0] for d, _ in pending.written}
-            outputs = tree_flatten(result)[0]
+            outputs = leaves(result)
             for device, host in zip(outputs, pending.outputs):
                 if (isinstance(device, torch.Tensor) and isinstance(host, torch.Tensor) and self._is_device(device)
                         and _storage(device)[0] not in written):

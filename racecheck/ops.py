@@ -261,6 +261,30 @@ def decomposed(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
         return func.decompose(*args, **kwargs)
 
 
+def leaves(value: Any) -> list[Any]:
+    """The leaves of an aten op's arguments or results (lists and tuples opened, at any depth): what
+    ``torch.utils._pytree.tree_flatten`` gives for them, at a fraction of its cost on every op (an
+    op's arguments hold no dicts: a dict of keyword arguments is passed as its values)."""
+    found: list[Any] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        else:
+            found.append(item)
+    return found
+
+
+def map_leaves(fn: Any, value: Any) -> Any:
+    """``value`` with each leaf (lists and tuples opened, at any depth) replaced by ``fn(leaf)``."""
+    if isinstance(value, list):
+        return [map_leaves(fn, item) for item in value]
+    if isinstance(value, tuple):  # a shape or a named tuple too: a plain tuple, as pytree makes it
+        return tuple(map_leaves(fn, item) for item in value)
+    return fn(value)
+
+
 def args_by_position(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     """``func``'s arguments by position, those passed by keyword included (None where absent)."""
     if not kwargs:

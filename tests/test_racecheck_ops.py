@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
-from racecheck.ops import aliased_returns, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, op_info, written_args
+from racecheck.ops import (aliased_returns, copy_kind, host_temporary, index_needs_host, indexed_rows, kind, leaves,
+                           map_leaves, op_info, written_args)
 from racecheck.triton_stores import kernel_flow
 
 aten = torch.ops.aten
@@ -372,3 +374,21 @@ def test_a_device_argument_names_cuda_as_torch_takes_it():
 
     assert names_cuda("cuda") and names_cuda("cuda:1") and names_cuda(torch.device("cuda", 0)) and names_cuda(0)
     assert not any(names_cuda(d) for d in (None, "cpu", torch.device("cpu"), True, "no such device"))
+
+
+@pytest.mark.parametrize("value", [
+    ((1, [2, 3], torch.Size([4, 5])), (torch.ones(2),)),
+    [],
+    (None, "cuda", torch.device("cpu")),
+    ([[1], [2, (3,)]], {"a": 1}),
+    (torch.ones(1), [torch.zeros(2), None]),
+])
+def test_leaves_and_map_leaves_agree_with_pytree(value: object) -> None:
+    """The per-op flatten and map are pytree's on what an aten op passes and returns (a dict is a leaf
+    here: keyword arguments are passed as their values)."""
+    if isinstance(value, tuple) and any(isinstance(v, dict) for v in value):
+        assert {"a": 1} in leaves(value)  # a leaf, not opened
+        return
+    assert leaves(value) == tree_flatten(value)[0]
+    mapped, expected = map_leaves(repr, value), tree_map(repr, value)
+    assert mapped == expected and type(mapped) is type(expected)
