@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import racecheck.interrupts as interrupts
+from kvdevice.intercept.errors import in_tool_words
 from kvdevice.origin import blame
 from racecheck.atomic_file import write_json_atomically
 from racecheck.cli import CLEAN, FINDING, INTERNAL, USAGE, ArgumentParser, UsageError, check_output, run_main
@@ -36,6 +37,7 @@ from sanitizer.sites import caller_site
 from sanitizer.runner import BACKENDS, Outcome, prepare, sanitize
 
 # What the user typed: the console script, or the module form (its --help and messages say the same).
+GPU_WORDS = "a GPU instead (--backend cuda)"  # the way to the GPU, as this command spells it
 PROG = "kvzero-sanitize" if os.path.basename(sys.argv[0]) == "kvzero-sanitize" else "python -m sanitizer"
 
 
@@ -105,7 +107,8 @@ def report(outcome: Outcome, name: str, *, partial: bool, forced: bool = False, 
     refused = outcome.error is not None and outcome.inside and outcome.inside_status == USAGE and not groups
     if refused:  # a refusal that names its fix: one line, the program's line and ours, no traceback
         where = blame(outcome.error).where
-        print(f"kvz-sanitize cannot run {where or name} [{mode}]: {outcome.error}", file=sys.stderr)
+        print(f"kvz-sanitize cannot run {where or name} [{mode}]: {in_tool_words(outcome.error, GPU_WORDS)}",
+              file=sys.stderr)
         return USAGE
     if outcome.error is not None:
         print(outcome.error_text, file=sys.stderr, end="")

@@ -240,7 +240,10 @@ def failed_inside_line(call: pytest.CallInfo) -> tuple[str, bool]:
         from kvdevice.origin import blame
 
         where = blame(call.excinfo.value).where
-        return f"kvz-sanitize cannot run this {call.when}{f' at {where}' if where else ''}: {call.excinfo.value}", True
+        from kvdevice.intercept.errors import in_tool_words
+
+        said = in_tool_words(call.excinfo.value, "a GPU instead (--kvz-sanitize-backend cuda)")
+        return f"kvz-sanitize cannot run this {call.when}{f' at {where}' if where else ''}: {said}", True
     return (f"kvz-sanitize: this {call.when} failed inside {inside}, not on its own; a bug of kvz-sanitize, "
             f"not of the test: please report this line"), False
 

@@ -13,7 +13,7 @@ from fuzz.engine.campaigns import PROFILES, Campaign, run_campaign
 from fuzz.engine.episode import Episode, EpisodeConfig
 from zeroer.cache.geometries import geometry
 from zeroer.cache.layout import build_cache
-from kvdevice.intercept.errors import InterceptError
+from kvdevice.intercept.errors import InterceptError, in_tool_words, simulator_gap, unroutable
 from kvdevice.intercept.sim_tensor import SimCudaTensor
 from zeroer.protocol import check_factory
 from zeroer.registry import LoadedZeroer
@@ -312,3 +312,19 @@ def test_the_runtimes_gate_kernel_goes_straight_to_triton_and_any_other_kernel_i
     assert launched == [(_gate_kernel, (4096,), (1,))]
     with pytest.raises(AssertionError, match=r"^the launch reached the interception session \(boundary\)$"):
         run(zero_kernel, grid=(1,), warmup=False)
+
+
+def test_a_way_to_the_gpu_is_said_in_the_words_of_the_tool_that_shows_it() -> None:
+    # The fuzzer's words are the message; another tool rebuilds it with its own option, and a brace in
+    # the program's own text (a call's repr) is never taken for the option's place.
+    refused = unroutable("f({gpu})", "it cannot")
+    assert str(refused) == ("f({gpu}): it cannot; run the code on a GPU in the free-running mode instead "
+                            "(--backend cuda --cuda-mode free), where its calls run as they are")
+    assert in_tool_words(refused, "a GPU instead (--backend cuda)") == (
+        "f({gpu}): it cannot; run the code on a GPU instead (--backend cuda), where its calls run as they are")
+    own_fix = unroutable("g", "it cannot", "pass x=1")
+    assert str(own_fix) == in_tool_words(own_fix, "a GPU instead (--backend cuda)") == "g: it cannot; pass x=1"
+    gap = simulator_gap("h()", ValueError("bad"))
+    assert str(gap).endswith("meanwhile run this code on a GPU in the free-running mode instead (--backend cuda --cuda-mode free)")
+    assert in_tool_words(gap, "a GPU instead (--backend cuda)").endswith("meanwhile run this code on a GPU instead (--backend cuda)")
+    assert in_tool_words(ValueError("v {gpu}"), "x") == "v {gpu}"

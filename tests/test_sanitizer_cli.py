@@ -526,3 +526,25 @@ def test_a_program_that_ends_with_os_exit_keeps_its_races_and_the_commands_statu
     assert done.returncode == status, done.stdout + done.stderr
     assert done.stdout.count("[host-write-vs-pending-copy]") == (1 if racy else 0), done.stdout
     assert f"hard_exit.py ended with os._exit({code}) at " in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_refusal_names_the_sanitizers_own_option_for_the_gpu(tmp_path: Path) -> None:
+    # The simulator's refusals were written for the fuzzer and told sanitizer users to pass
+    # --backend cuda --cuda-mode free, an option the sanitizer does not have.
+    script = tmp_path / "resize.py"
+    script.write_text("import torch\nt = torch.empty(4, device='cuda')\nt.resize_(8)\n")
+    done = sanitize_cli("--backend", "sim", "--", "python", str(script))
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("kvz-sanitize cannot run ") and "resize.py:3" in line, line
+    assert line.endswith("in place; run the code on a GPU instead (--backend cuda), where its calls run as they are"), line
+    done = plugin_run(tmp_path, """
+        import torch
+
+        def test_resize():
+            torch.empty(4, device="cuda").resize_(8)
+    """)
+    assert done.returncode == 2, done.stdout + done.stderr
+    ours = [line for line in done.stdout.splitlines() if "kvz-sanitize cannot run this call" in line]
+    assert ours and all(line.endswith("in place; run the code on a GPU instead (--kvz-sanitize-backend cuda), where its "
+                                      "calls run as they are") for line in ours), done.stdout

@@ -36,7 +36,7 @@ from racecheck.ranges import merge
 from kvdevice.intercept.errors import InterceptError, forward, unroutable
 from kvdevice.intercept.cache_access import CacheAccess
 
-MODEL_FIX = "or run the engine where its extension is installed (a GPU, --backend cuda --cuda-mode free)"
+MODEL_FIX = "or run the engine where its extension is installed: on {gpu}"  # errors.GPU: each tool's option
 
 
 def unmodelled(name: str) -> InterceptError:
