@@ -28,7 +28,10 @@ def test_the_benchmark_runs_on_the_stand_in_and_reports_its_own_cost_by_stage(tm
     stages = result["stages_us_per_op"]
     assert list(stages) == list(op_stages.ORDER)
     assert sum(stages.values()) == pytest.approx(result["own_us_per_op_median"], rel=0.01, abs=0.1)
-    assert "own cost by stage" in capsys.readouterr().out
+    bare = result["bare_mode_us_per_op"]
+    assert len(bare) == 2 and result["bare_mode_us_per_op_median"] == pytest.approx(sorted(bare)[0] / 2 + sorted(bare)[1] / 2)
+    printed = capsys.readouterr().out
+    assert "own cost by stage" in printed and "a dispatch mode that only hands each op on:" in printed
     assert "standin_step" in (tmp_path / "profile.txt").read_text()
 
 

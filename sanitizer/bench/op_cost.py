@@ -7,7 +7,9 @@ of the same steps; the result is microseconds per aten op (the ops of one step c
 dispatch mode that only counts) for each, their difference (the sanitizer's own cost per op) and
 ratio, in wall-clock time and in the process's CPU time (``*_cpu_us_per_op``: on a machine whose
 cores other jobs share, the wall clock counts their time too, and the CPU time does not), and the split of that cost by stage (:mod:`sanitizer.bench.op_stages`, from one profiled run
-of each kind after the rounds). ``--profile`` writes the observed run's functions by own time.
+of each kind after the rounds). ``bare_mode_us_per_op`` is what a dispatch mode that only hands each
+op on adds to the same loop (wall clock, per round): the floor of any checker built as the sanitizer
+is, on a Python dispatch mode. ``--profile`` writes the observed run's functions by own time.
 
 Without a GPU (or with ``--standin``) the loop runs on the CUDA stand-in
 (:mod:`sanitizer.gpu.standin`, the one the observer's tests use): ``standin_step`` is ``step`` op
@@ -172,6 +174,19 @@ def plain(target: Gpu | StandIn, steps: int, profile: cProfile.Profile | None = 
         return target.steps(steps)
 
 
+def bare_mode(target: Gpu | StandIn, steps: int) -> Timing:
+    """The loop under a dispatch mode that only hands each op on: what any checker built on a Python
+    dispatch mode pays per op before it does anything (the floor of the sanitizer's design)."""
+    from racecheck.lazy_dynamo import LazyDynamoMode
+
+    class HandOn(LazyDynamoMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    with HandOn():
+        return target.steps(steps)
+
+
 def observed(target: Gpu | StandIn, steps: int, profile: cProfile.Profile | None = None) -> Timing:
     from sanitizer.gpu.observer import Observer
 
@@ -232,12 +247,13 @@ def _main(argv: list[str]) -> int:
     with target.session():
         ops = ops_per_step(target) * args.steps
         plain(target, 50), observed(target, 50)  # warm up: kernels, the allocator's pools, the observer's imports
-        plain_us, sanitized_us, plain_cpu, sanitized_cpu = [], [], [], []
+        plain_us, sanitized_us, plain_cpu, sanitized_cpu, bare_us = [], [], [], [], []
         for _ in range(args.rounds):
             for wall, cpu, timing in ((plain_us, plain_cpu, plain(target, args.steps)),
                                       (sanitized_us, sanitized_cpu, observed(target, args.steps))):
                 wall.append(timing[0] / ops * 1e6)
                 cpu.append(timing[1] / ops * 1e6)
+            bare_us.append(bare_mode(target, args.steps)[0] / ops * 1e6 - plain_us[-1])
         own = [s - p for s, p in zip(sanitized_us, plain_us)]
         own_cpu = [s - p for s, p in zip(sanitized_cpu, plain_cpu)]
         split, profile = stages(target, args.steps, ops, median(own))
@@ -248,11 +264,13 @@ def _main(argv: list[str]) -> int:
         "ratio": median(sanitized_us) / median(plain_us), "stages_us_per_op": split,
         "plain_cpu_us_per_op": plain_cpu, "sanitized_cpu_us_per_op": sanitized_cpu, "own_cpu_us_per_op": own_cpu,
         "own_cpu_us_per_op_median": median(own_cpu),
+        "bare_mode_us_per_op": bare_us, "bare_mode_us_per_op_median": median(bare_us),
     }
     print(f"on {target.name}: plain {median(plain_us):.1f} us/op, sanitized {median(sanitized_us):.1f} us/op, "
           f"own {median(own):.1f} us/op, ratio {result['ratio']:.2f}x (median of {args.rounds}, {ops} ops a run)")
     print(f"CPU time: plain {median(plain_cpu):.1f} us/op, sanitized {median(sanitized_cpu):.1f} us/op, "
           f"own {median(own_cpu):.1f} us/op")
+    print(f"a dispatch mode that only hands each op on: {median(bare_us):.1f} us/op (the floor of a Python mode)")
     print("own cost by stage (us/op): " + ", ".join(f"{stage} {us:.1f}" for stage, us in split.items()))
     if profile_out is not None:
         text = io.StringIO()
