@@ -296,3 +296,48 @@ def test_a_race_on_device_memory_names_the_line_that_allocated_it():
     assert allocated is not None, races[0].format()
     assert lines[allocated.line - main.__code__.co_firstlineno].strip().startswith("kv = torch.ones")
     assert "allocated outside the sanitizer's view" not in races[0].format()
+
+
+# -- work the program leaves queued ----------------------------------------------------------------
+@pytest.mark.parametrize("write", ["index_put", "index_copy"])
+def test_an_indexed_write_left_queued_at_the_end_is_checked_against_the_other_streams(write):
+    # A side stream told to wait for the main stream before the main stream's KV write was queued:
+    # its index_select of the same rows is unordered with that write. The program waits only for
+    # the side stream, so on the simulator the write never ran, and an indexed op says its rows only
+    # when it runs: the end runs what is queued (on a GPU it runs after the last line anyway).
+    def main(ordered: bool):
+        main_stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        kv = torch.zeros(32, 16, device="cuda")
+        ids = [3, 9, 17]
+        if ordered:
+            kv[ids] = 1.0
+            side.wait_stream(main_stream)
+        else:
+            side.wait_stream(main_stream)
+            if write == "index_put":
+                kv[ids] = 1.0
+            else:
+                kv.index_copy_(0, torch.tensor(ids, device="cuda"), torch.ones(3, 16, device="cuda"))
+        with torch.cuda.stream(side):
+            staged = kv.index_select(0, torch.tensor(ids, device="cuda"))
+            done = torch.cuda.Event()
+            done.record()
+        done.synchronize()
+        return staged
+
+    races, error, notes, _ = simulate(lambda: main(ordered=False))
+    assert error is None and [race.kind for race in races] == ["unordered-device-access"], [r.format() for r in races]
+    races, error, notes, _ = simulate(lambda: main(ordered=True))
+    assert error is None and races == [] and notes == []
+
+
+def test_a_queued_op_of_the_program_that_fails_after_its_end_is_said_never_raised_as_ours():
+    # On a GPU an out-of-range index in a kernel nobody waited for is an asynchronous CUDA error of
+    # the program's; running it at the end must not turn it into an internal error of the sanitizer.
+    def main():
+        kv = torch.zeros(4, device="cuda")
+        kv[torch.tensor([10], device="cuda")] = 1.0
+
+    races, error, notes, _ = simulate(main)
+    assert error is None and races == []
+    assert len(notes) == 1 and "left queued failed" in notes[0] and "IndexError" in notes[0], notes
