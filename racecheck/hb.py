@@ -28,6 +28,12 @@ complete, then handed over in a way the checker does not follow: a lock, a flag 
 recorded in :attr:`HappensBefore.notes`, not as a hazard: a hand-off the checker cannot see is
 said in one line, never reported as a race.
 
+What is kept is pruned only of what can no longer race, so nothing is missed for want of room, and a
+run that synchronises stays small however long it runs: a queued copy is dropped once some host
+thread has seen it complete, or when later copies on its stream cover its bytes (:func:`_unsettled`);
+a host access kept for ops that declare theirs as they run, once every op queued before it has been
+seen complete (:meth:`HappensBefore._log_host`).
+
 Example::
 
     hb = HappensBefore()
@@ -40,17 +46,22 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from racecheck.clocks import HOST, Clocks, OpStamp, ordered
+from racecheck.ranges import merge
 from racecheck.shadow import RangeShadow, Ranges, overlaps
 
 __all__ = ["DEVICE", "EVENT_READ", "HOST", "HOST_READ", "HOST_WRITE", "HappensBefore", "Hazard", "Key", "OpStamp", "Ranges"]
 
 Key = tuple  # ("host", id) / ("dev", id) / ("block", cache, id) / ("cudamem", address) ...
-MAX_PENDING_PER_KEY = 256  # pending copies kept per host buffer; the oldest are dropped (a miss, never a false race)
-MAX_HOST_LOG_PER_KEY = 64  # host accesses kept per host buffer for copies declared as they run (the oldest dropped: a miss)
+# Both logs below are pruned only of entries that can no longer race, so a long run that synchronises
+# stays small; a capped log that dropped its oldest entries missed races (a probe: 432 copies queued
+# into one HiCache host pool, the host rewriting slots the oldest 48 were still writing).
+PENDING_PRUNE_AT = 256  # pending copies of one host buffer past which those that can no longer conflict are pruned
+HOST_LOG_SWEEP_AT = 1024  # host accesses logged past which every buffer's log drops those no op can race with
 
 HOST_WRITE = "host-write-vs-pending-copy"
 HOST_READ = "host-read-vs-pending-copy"
@@ -90,6 +101,7 @@ class _HostAccess:
     after: int  # ops stamped before it: an op stamped later was enqueued after it
     ranges: Ranges
     union: tuple[int, ...] | None  # what some host thread had seen then, where there are several
+    queued: tuple[int, ...]  # every stream's own clock then: the ops queued before it (see _log_host)
 
 
 class HappensBefore:
@@ -103,6 +115,11 @@ class HappensBefore:
         # Recent host accesses, kept only once an op may declare its host accesses as it runs
         # (expect_late_host_accesses): None until then, so the GPU observer's host ops pay nothing.
         self._host_log: defaultdict[Key, deque[_HostAccess]] | None = None
+        self._logged = 0  # host accesses logged since every buffer's log was last swept
+        self._sweep_at = HOST_LOG_SWEEP_AT
+        self._queued_at: tuple[int, int] = (-1, 0)  # (ops stamped, threads) when _queued was last computed
+        self._queued: tuple[int, ...] = ()
+        self._prune_at: dict[tuple[bool, Key], int] = {}  # (writes, key) -> pending length that prunes next
         self._resource_names: dict[Key, str] = {}
         self.hazards: list[Hazard] = []
         self.notes: list[Hazard] = []
@@ -177,6 +194,8 @@ class HappensBefore:
         self._shadows.pop(key, None)
         self._host_readers.pop(key, None)
         self._host_writers.pop(key, None)
+        self._prune_at.pop((False, key), None)
+        self._prune_at.pop((True, key), None)
         if self._host_log is not None:
             self._host_log.pop(key, None)
 
@@ -192,9 +211,12 @@ class HappensBefore:
     def _add_pending(self, table: dict[Key, list[_Pending]], key: Key, stamp: OpStamp, ranges: Ranges) -> None:
         pending = table.setdefault(key, [])
         pending.append(_Pending(stamp, ranges))
-        if len(pending) > MAX_PENDING_PER_KEY:
-            union = self.clocks.union
-            pending[:] = [p for p in pending if not ordered(p.stamp, union)][-MAX_PENDING_PER_KEY:]
+        at = (table is self._host_writers, key)
+        if len(pending) > self._prune_at.get(at, PENDING_PRUNE_AT):
+            pending[:] = _unsettled(pending, self.clocks.union)
+            # twice what is left: pruning stays linear in the copies queued, and a copy that can
+            # still conflict is never dropped, however many are pending (the HiCache probe: 432)
+            self._prune_at[at] = max(PENDING_PRUNE_AT, 2 * len(pending))
 
     def pending_writes(self, key: Key, host: int = HOST, ranges: Ranges = None) -> list[OpStamp]:
         """The queued device-to-host copies into ``ranges`` of ``key`` that host thread ``host``
@@ -218,14 +240,53 @@ class HappensBefore:
         """An op about to be queued declares its host accesses only as it runs (:meth:`late_host_access`):
         from now on host accesses are kept for it (one made before its enqueue never concerns it)."""
         if self._host_log is None:
-            self._host_log = defaultdict(lambda: deque(maxlen=MAX_HOST_LOG_PER_KEY))
+            self._host_log = defaultdict(deque)
 
     def _log_host(self, kind: str, key: Key, label: str, host: int, ranges: Ranges) -> None:
+        """Keep a host access for the ops queued before it that may declare theirs as they run.
+
+        Such an op declares when it runs, and an op some host thread has seen complete has run: an
+        access made after every op queued before it was seen complete (by this thread: never
+        kept; by any thread since: pruned) can meet no declaration to come. Nothing else is
+        dropped, however many accesses wait behind an op not yet run (a cap of 64 hid a
+        ``fill_`` behind 64 reads of other rows)."""
         if self._host_log is None:
             return
         clocks = self.clocks
-        self._host_log[key].append(_HostAccess(kind, label, tuple(clocks.vc(host)), clocks.stamped, ranges,
-                               tuple(clocks.union) if clocks.several_hosts else None))
+        vc = tuple(clocks.vc(host))
+        queued = self._queued_now()
+        if _all_seen(queued, vc):
+            return  # every op queued so far had been seen complete by this thread: none can race with it
+        log = self._host_log[key]
+        _prune_seen(log, clocks.union)
+        log.append(_HostAccess(kind, label, vc, clocks.stamped, ranges,
+                               tuple(clocks.union) if clocks.several_hosts else None, queued))
+        self._logged += 1
+        if self._logged > self._sweep_at:
+            self._sweep_host_log()
+
+    def _queued_now(self) -> tuple[int, ...]:
+        """Every thread's own clock now (the ops queued so far); only a new op changes it, so one
+        tuple serves every access between two ops."""
+        clocks = self.clocks
+        at = (clocks.stamped, len(clocks.names))
+        if at != self._queued_at:
+            self._queued_at = at
+            self._queued = tuple(clocks.vc(thread)[thread] for thread in range(at[1]))
+        return self._queued
+
+    def _sweep_host_log(self) -> None:
+        """Prune every buffer's log, not only those accessed again (a loop over fresh buffers);
+        the next sweep comes after twice as many accesses as are left, so sweeping stays linear."""
+        host_log = self._host_log or {}
+        union = self.clocks.union
+        for key in list(host_log):
+            _prune_seen(host_log[key], union)
+            if not host_log[key]:
+                del host_log[key]
+        left = sum(len(log) for log in host_log.values())
+        self._logged = 0
+        self._sweep_at = max(HOST_LOG_SWEEP_AT, 2 * left)
 
     def late_host_access(self, key: Key, stamp: OpStamp, *, write: bool, ranges: Ranges = None) -> None:
         """Queued op ``stamp`` reads or writes ``ranges`` of host memory ``key``, known only as it
@@ -319,3 +380,55 @@ class HappensBefore:
                                          f"hand-off the checker does not follow may order them", key))
             else:
                 self.hazards.append(Hazard(DEVICE, resource, first.label, second.label, text, key))
+
+
+# -- pruning what can no longer race -------------------------------------------------------------------
+def _all_seen(queued: tuple[int, ...], vc: tuple[int, ...] | list[int]) -> bool:
+    """Whether ``vc`` orders every op counted in ``queued`` (each stream's clock) before it."""
+    return all(clock <= seen for clock, seen in zip(queued, vc))
+
+
+def _prune_seen(log: deque[_HostAccess], union: list[int]) -> None:
+    """Drop the oldest accesses of ``log`` made after every op queued before them was seen complete
+    by some host thread (each has run, so has declared what it touched). ``queued`` only grows along
+    a log, so the first access that must stay ends the pruning."""
+    while log and _all_seen(log[0].queued, union):
+        log.popleft()
+
+
+def _unsettled(pending: list[_Pending], union: list[int]) -> list[_Pending]:
+    """The pending copies that a host access may still have to be reported against, in their order.
+
+    Dropped: those some host thread has seen complete (another thread's access is a note, never a
+    race), and those whose bytes the later copies on their stream cover. A later copy on the same
+    stream runs after it, so a host thread that has not seen it complete has not seen them either,
+    and an access to its bytes meets one of them: the access is still reported, against the newest
+    copy, which may not have run yet either. A loop that copies one buffer keeps one copy per stream."""
+    covered: dict[int, Ranges] = {}  # stream -> the bytes of the later copies kept (None: all)
+    keep = [False] * len(pending)
+    for i in sorted(range(len(pending)), key=lambda i: pending[i].stamp.clock, reverse=True):
+        item = pending[i]
+        if ordered(item.stamp, union):
+            continue
+        cover = covered.get(item.stamp.thread, [])
+        if _covers(cover, item.ranges):
+            continue
+        keep[i] = True
+        covered[item.stamp.thread] = None if cover is None or item.ranges is None else merge(cover + item.ranges)
+    return [item for item, kept in zip(pending, keep) if kept]
+
+
+def _covers(cover: Ranges, ranges: Ranges) -> bool:
+    """Whether ``cover`` (merged runs, None: all) holds every byte of ``ranges`` (None: all)."""
+    if cover is None:
+        return True
+    if ranges is None:
+        return False
+    starts = [start for start, _ in cover]
+    for start, end in ranges:
+        if start >= end:
+            continue
+        i = bisect.bisect_right(starts, start) - 1
+        if i < 0 or cover[i][1] < end:
+            return False
+    return True

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from racecheck.hb import DEVICE, EVENT_READ, HOST, HOST_READ, HOST_WRITE, MAX_PENDING_PER_KEY, HappensBefore, Hazard
+from racecheck.hb import DEVICE, EVENT_READ, HOST, HOST_READ, HOST_WRITE, HOST_LOG_SWEEP_AT, PENDING_PRUNE_AT, HappensBefore, Hazard
 
 BUF = ("host", 7)
 DEV = ("dev", 1)
@@ -322,25 +322,40 @@ def test_a_copy_kept_pending_by_a_write_elsewhere_is_reported_when_its_bytes_are
     assert [(h.first, h.second) for h in hb.hazards] == [("copy#1", "there")]
 
 
-def test_the_oldest_pending_copies_are_dropped_beyond_the_limit():
-    hb, (s,) = checker("main")
-    stamps = [hb.enqueue(s, f"copy#{i}") for i in range(MAX_PENDING_PER_KEY + 10)]
+def test_a_copy_behind_hundreds_of_pending_copies_into_other_bytes_is_still_reported():
+    # The HiCache probe in small: 432 device-to-host copies queued into one host pool, slot by slot,
+    # then the host rewrites the first slot; a cap of 256 had dropped the copy into it.
+    hb, (s,) = checker("write stream")
+    stamps = [hb.enqueue(s, f"copy#{i}") for i in range(PENDING_PRUNE_AT + 176)]
+    for i, stamp in enumerate(stamps):
+        hb.copy_writes_host(BUF, stamp, [(8 * i, 8 * i + 8)])
+    hb.host_write(BUF, "prefetch", ranges=[(0, 8)])
+    assert [(h.first, h.second) for h in hb.hazards] == [("copy#0", "prefetch")]
+
+
+def test_copies_whose_bytes_later_copies_on_their_stream_cover_are_reported_through_the_newest():
+    hb, (s, other) = checker("main", "other")
+    first = hb.enqueue(other, "other#0")
+    hb.copy_reads_host(BUF, first, [(0, 8)])
+    stamps = [hb.enqueue(s, f"copy#{i}") for i in range(PENDING_PRUNE_AT + 10)]
     for stamp in stamps:
         hb.copy_reads_host(BUF, stamp)
-    hb.host_write(BUF, "write")
-    assert [h.first for h in hb.hazards] == [stamp.label for stamp in stamps[10:]]
+    assert len(hb._host_readers[BUF]) < PENDING_PRUNE_AT  # one per stream is all a host access needs
+    hb.host_write(BUF, "write", ranges=[(4, 5)])
+    firsts = [h.first for h in hb.hazards]
+    assert firsts[0] == "other#0" and firsts[-1] == stamps[-1].label and len(firsts) < PENDING_PRUNE_AT
 
 
-def test_pending_copies_some_host_saw_are_dropped_first_beyond_the_limit():
+def test_pending_copies_some_host_saw_are_dropped_beyond_the_limit():
     hb, (s,) = checker("main")
     worker = hb.add_host("worker")
     seen = [hb.enqueue(s, f"seen#{i}") for i in range(10)]
     for stamp in seen:
         hb.copy_reads_host(BUF, stamp)
     hb.host_observes_stream(s, host=worker)
-    fresh = [hb.enqueue(s, f"fresh#{i}") for i in range(MAX_PENDING_PER_KEY - 5)]
-    for stamp in fresh:
-        hb.copy_reads_host(BUF, stamp)
+    fresh = [hb.enqueue(s, f"fresh#{i}") for i in range(PENDING_PRUNE_AT - 5)]
+    for i, stamp in enumerate(fresh):  # each into its own bytes: none covers another
+        hb.copy_reads_host(BUF, stamp, [(8 * i, 8 * i + 8)])
     hb.host_write(BUF, "write")
     assert hb.notes == []  # the seen ones were dropped, not noted
     assert [h.first for h in hb.hazards] == [stamp.label for stamp in fresh]
@@ -576,6 +591,58 @@ def test_host_accesses_are_kept_only_once_a_late_declaring_op_is_expected():
     _write(hb)  # no op had said it declares late: nothing kept, nothing to check it against
     hb.late_host_access(BUF, op, write=False, ranges=[(0, 8)])
     assert hb.hazards == []
+
+
+def test_a_host_write_behind_many_host_accesses_is_still_checked_when_the_op_declares():
+    # scratch/tri_log.py in small: fill_ of row 0 while a kernel that reads it is queued, then 64
+    # bookkeeping reads of other rows; a log of 64 accesses per buffer had dropped the fill_.
+    hb, (s,) = checker("side")
+    hb.expect_late_host_accesses()
+    op = hb.enqueue(s, "kernel#1")
+    _write(hb)
+    for row in range(1, 1 + 2 * HOST_LOG_SWEEP_AT):
+        hb.host_read(BUF, f"read row {row}", ranges=[(8 * row, 8 * row + 8)])
+    hb.late_host_access(BUF, op, write=False, ranges=[(0, 8)])
+    assert [(h.first, h.second) for h in hb.hazards] == [("kernel#1", "pin_memory")]
+
+
+def test_host_accesses_stay_while_an_op_queued_before_them_is_not_seen_complete():
+    hb, (side, main) = checker("side", "main")
+    hb.expect_late_host_accesses()
+    op = hb.enqueue(side, "kernel#1")
+    _write(hb)
+    for i in range(2 * HOST_LOG_SWEEP_AT):  # the host waits for main, never for side
+        hb.enqueue(main, f"step#{i}")
+        hb.host_observes_stream(main)
+        hb.host_read(("host", 100 + i), "bookkeeping")
+    hb.late_host_access(BUF, op, write=False, ranges=[(0, 8)])
+    assert [(h.first, h.second) for h in hb.hazards] == [("kernel#1", "pin_memory")]
+
+
+def test_a_long_synchronised_loop_keeps_pending_copies_and_host_accesses_bounded():
+    hb, (s,) = checker("copy stream")
+    weights = ("host", 9)  # copied every step, never written by the host
+    hb.expect_late_host_accesses()
+    for i in range(20 * HOST_LOG_SWEEP_AT):
+        hb.copy_reads_host(weights, hb.enqueue(s, f"upload#{i}"), [(8 * (i % 512), 8 * (i % 512) + 8)])
+        copy = hb.enqueue(s, f"copy#{i}")
+        hb.copy_reads_host(BUF, copy, [(0, 8)])
+        hb.host_read(("host", 1000 + i), "read a fresh buffer")  # kept: the copy is still queued
+        if i % 16 == 15:
+            hb.host_observes_stream(s)
+            hb.host_write(BUF, "refill", ranges=[(0, 8)])
+    assert hb.hazards == [] and hb.notes == []
+    assert len(hb._host_readers[weights]) <= 2 * PENDING_PRUNE_AT
+    assert len(hb._host_readers[BUF]) <= 16
+    assert sum(len(log) for log in hb._host_log.values()) <= 2 * HOST_LOG_SWEEP_AT
+    assert len(hb._host_log) <= 2 * HOST_LOG_SWEEP_AT
+
+
+def test_copies_of_one_buffer_nobody_waits_for_keep_one_per_stream():
+    hb, (s,) = checker("copy stream")
+    for i in range(10 * PENDING_PRUNE_AT):
+        hb.copy_reads_host(BUF, hb.enqueue(s, f"upload#{i}"))
+    assert len(hb._host_readers[BUF]) <= PENDING_PRUNE_AT
 
 
 def test_after_its_late_declaration_the_op_is_pending_like_any_copy():
