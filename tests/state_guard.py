@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils._device
 
 from racecheck import effects, schedules, thread_hooks
 from sanitizer.gpu import c_methods
@@ -233,7 +234,7 @@ def _pop_until(depth: Callable[[], int], pop: Callable[[], Any], keep: int) -> N
 # threading, queue.Queue and time act only under a watch, checked above). Of the torch module only
 # the names a tool patches are compared: torch itself rebinds others as it loads parts of itself
 # (torch._dynamo wraps torch.manual_seed).
-TORCH_NAMES = ("Stream", "Event", "tensor", "as_tensor", "asarray")
+TORCH_NAMES = ("Stream", "Event", "tensor", "as_tensor", "asarray", "Generator")
 
 
 def _saved_attributes() -> list[tuple[Any, dict[str, Any]]]:
@@ -244,7 +245,8 @@ def _saved_attributes() -> list[tuple[Any, dict[str, Any]]]:
 
 def _patched_owners() -> list[Any]:
     owners: list[Any] = [torch.Tensor, torch.cuda, torch.cuda.Event, torch.cuda.Stream, torch.cuda.nvtx,
-                         torch.accelerator, ctypes.CDLL, queue, torch._C.Event, torch._C.Stream]
+                         torch.accelerator, ctypes.CDLL, queue, torch._C.Event, torch._C.Stream,
+                         torch.utils._device.DeviceContext]
     graph = getattr(torch.cuda, "CUDAGraph", None)
     if graph is not None:
         owners.append(graph)

@@ -423,12 +423,18 @@ class CudaApi:
             "set_stream": self.set_stream,
             "synchronize": self.synchronize,
         }
+        tables = [(torch.cuda, cuda), (torch, generic), (torch.accelerator, accelerator)]
         if self.session.backend == "sim":
-            from kvdevice.intercept.sim_device import ACCELERATOR, CUDA_DEVICE
+            from torch.utils._device import DeviceContext
+
+            from kvdevice.intercept.sim_device import ACCELERATOR, CUDA_DEVICE, TORCH
+            from kvdevice.intercept.torch_mode import default_device_patches
 
             cuda.update(CUDA_DEVICE)
             accelerator.update(ACCELERATOR)
-        return [(torch.cuda, cuda), (torch, generic), (torch.accelerator, accelerator)]
+            generic.update(TORCH)
+            tables.append((DeviceContext, default_device_patches()))  # torch.set_default_device("cuda")
+        return tables
 
 
 def patched(module: Any, table: dict[str, Any]) -> contextlib.AbstractContextManager:

@@ -6,7 +6,8 @@ On the simulator there is no GPU, yet engine code asks about one before it touch
 While an intercepted zeroer runs on the simulator these answer for one device, ``cuda:0``, shaped
 like a Hopper GPU (compute capability 9.0, 132 multiprocessors): the simulator's kernels run under
 Triton's interpreter, so no number here changes what a kernel does, only what the zeroer's code
-reads. Streams, events and synchronisation are :mod:`kvdevice.intercept.cuda_api`'s.
+reads; ``torch.Generator(device="cuda")`` is a CPU generator that says ``cuda:0``
+(:class:`SimCudaGenerator`). Streams, events and synchronisation are :mod:`kvdevice.intercept.cuda_api`'s.
 
 Example (inside an intercepted call on the simulator)::
 
@@ -22,6 +23,7 @@ import torch
 
 from kvdevice.intercept.errors import unroutable
 from kvdevice.origin import stand_in
+from racecheck.devices import names_cuda
 
 NAME = "simulated GPU (kvzero-fuzz)"
 CAPABILITY = (9, 0)
@@ -81,6 +83,39 @@ class _DeviceContext:
         return None
 
 
+class _GeneratorType(type(torch._C.Generator)):  # type: ignore[misc] - torch's own metaclass, extended
+    """``isinstance(g, torch.Generator)`` while the stand-in is ``torch.Generator``: torch's CPU
+    generators are generators still (torch's own code and the code under test ask)."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, torch._C.Generator)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, torch._C.Generator)
+
+
+@stand_in
+class SimCudaGenerator(torch._C.Generator, metaclass=_GeneratorType):
+    """``torch.Generator(device="cuda")`` on the simulator, where a CPU build of torch has no CUDA
+    generator to make: a CPU generator (the simulated device draws on the CPU) that says it is
+    ``cuda:0``. Engines' tests seed one and pass it to ``torch.randn(..., device="cuda",
+    generator=g)``: the same seed gives the same draws (not CUDA's values: a different algorithm).
+    Any other device gets torch's own generator."""
+
+    def __new__(cls, device: Any = "cpu") -> Any:
+        if not names_cuda(device):
+            return torch._C.Generator(device)
+        _one_device(device)
+        return super().__new__(cls, device="cpu")
+
+    def __init__(self, device: Any = "cpu") -> None:
+        super().__init__()  # torch's __init__ would parse the device again
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
 def _query(answer: Any) -> Any:
     """A device query (``get_device_name(device=None)``, ...) that answers ``answer`` for the one device."""
     def query(device: Any = None) -> Any:
@@ -107,6 +142,8 @@ CUDA_DEVICE: dict[str, Any] = {
     "get_device_properties": _query(_PROPERTIES),
     "_sleep": _sleep,
 }
+
+TORCH: dict[str, Any] = {"Generator": SimCudaGenerator}
 
 ACCELERATOR: dict[str, Any] = {
     "is_available": lambda: True,

@@ -10,7 +10,9 @@ must be decided at the torch call:
   ``x.is_pinned()`` answers from the registry there;
 * **device factories** on the simulator: ``torch.empty(..., device="cuda")`` allocates simulated
   device memory on the current stream; ``zeros``/``full``/``arange``/... also queue the fill;
-  ``torch.tensor(data, device="cuda")`` is a synchronous copy of host data, as on CUDA;
+  ``torch.tensor(data, device="cuda")`` is a synchronous copy of host data, as on CUDA; a factory
+  with no ``device=`` under a CUDA default device (``torch.set_default_device("cuda")``,
+  ``with torch.device("cuda"):``) is the same call with ``device="cuda"`` (:func:`_with_default_device`);
 * **host to device moves** on the simulator: ``x.to("cuda", non_blocking=...)``, ``x.cuda()``:
   fresh device memory and a copy with CUDA's meaning (:func:`racecheck.ops.copy_kind`);
 * **indexing** of simulated CUDA tensors, through a cloaked twin (:mod:`kvdevice.intercept.sim_tensor`);
@@ -28,12 +30,14 @@ import types
 from typing import Any, Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._device import DeviceContext, _device_constructors
 from torch.utils._pytree import tree_map
 
 from kvdevice.intercept import host_reads
 from kvdevice.intercept.errors import InterceptError, forward, raise_as_cuda, simulator_gap
 from kvdevice.intercept.sim_tensor import SimCudaTensor, cloak, uncloak
+from kvdevice.origin import forwarding
 from racecheck.devices import names_cuda
 
 _HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
@@ -55,6 +59,48 @@ def _name(func: Any) -> str:
 def _tensor_data(args: tuple, kwargs: dict) -> bool:
     """Whether a host-data factory's data is a tensor (whose move to the device torch dispatches)."""
     return isinstance(args[0] if args else kwargs.get("data"), torch.Tensor)
+
+
+def _with_default_device(func: Any, kwargs: dict) -> dict:
+    """``kwargs`` with the device torch's default-device mode gives a factory called without one.
+
+    ``torch.set_default_device`` puts that mode (a ``DeviceContext``) at the bottom of the mode
+    stack, below this one: it would add ``device=`` only after this mode passed the call on, and a
+    CUDA default would reach a CPU build of torch as a CUDA allocation. Added here by the same rule
+    (its constructors, given no device), the call is routed as if the code had spelled it;
+    ``*_like`` functions are not among them (their input's device)."""
+    if kwargs.get("device") is not None or func not in _device_constructors():
+        return kwargs
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return {**kwargs, "device": mode.device}
+    return kwargs
+
+
+def default_device_patches() -> dict[str, Any]:
+    """``DeviceContext.__torch_function__`` while code runs on the simulator (cuda_api's patches).
+
+    A CUDA default device reaches the default-device mode in two ways. The code's own calls: with
+    ``set_default_device`` the intercept mode above gave them the device already
+    (:func:`_with_default_device`); ``with torch.device("cuda"):`` pushes the mode on top instead,
+    and the intercept mode below sees the device it adds. The harness's own work (the simulator's
+    memory, host snapshots, a queued op the simulated device runs): no intercept mode is left below
+    to route it, or the device is at work, and it lives in host memory, so no device is added."""
+    original = DeviceContext.__torch_function__
+
+    @forwarding
+    def __torch_function__(self: DeviceContext, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if names_cuda(self.device) and not _code_call_below():
+            return func(*args, **(kwargs or {}))
+        return original(self, func, types, args, kwargs)
+
+    return {"__torch_function__": __torch_function__}
+
+
+def _code_call_below() -> bool:
+    """Whether a simulating intercept mode below the one handling a call will route it as the code's."""
+    return any(isinstance(mode, InterceptMode) and mode.sim and not mode.device_at_work()
+               for mode in _get_current_function_mode_stack())
 
 
 def _has_sim(args: tuple, kwargs: dict) -> bool:
@@ -99,6 +145,8 @@ class InterceptMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if not self.device_at_work():  # the simulated device's own calls are the harness's, on the host
+            kwargs = _with_default_device(func, kwargs)
         if self.sim:
             _check_simulable(func, args, kwargs)
         handler = self._handlers.get(func)
@@ -116,13 +164,17 @@ class InterceptMode(TorchFunctionMode):
             return self._host_op(func, args, kwargs)
         return forward(func, *args, **kwargs)
 
+    def device_at_work(self) -> bool:
+        """Whether the simulated device is running a queued op now (its calls are not the code's)."""
+        return bool(getattr(self.session.rt, "executing", 0))
+
     def _host_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func`` run; a torch call on host tensors that live in pinned memory (an offloader's
         staging buffer, its host pool) reads them, or writes them where it works in place (``copy_``,
         ``fill_``, ``out=``): checked against the copies pending on those bytes, whatever values it
         writes. A call that touches no byte is not an access: metadata (``stride()``, ``shape``,
         ``data_ptr`` arithmetic's inputs) and a view of the same memory (``t[3]``, ``t.view(...)``)."""
-        if getattr(self.session.rt, "executing", 0):
+        if self.device_at_work():
             return forward(func, *args, **kwargs)  # the simulated device running a queued op: not the host
         every = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         if any(v.device.type != "cpu" for v in every):
@@ -199,7 +251,7 @@ class InterceptMode(TorchFunctionMode):
         the dispatcher's Python key, where no mode sees it: a blocking copy on a stream whose gates
         spin in the controlled mode, i.e. a hang. The same copy made visible: the host tensor, then
         a blocking ``.to`` that the dispatch mode routes (the stream is run first, as CUDA does)."""
-        host = forward(func, *args, **{k: v for k, v in kwargs.items() if k != "device"})
+        host = forward(func, *args, **{**kwargs, "device": "cpu"})  # "cpu": not the default device's
         return host.to(kwargs["device"])
 
     def _new_tensor(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -223,7 +275,7 @@ class InterceptMode(TorchFunctionMode):
             if isinstance(data, SimCudaTensor):
                 dtype = kwargs.get("dtype")
                 return data if dtype is None or dtype == data.dtype else data.to(dtype)
-            host = forward(func, *args, **host_kwargs)
+            host = forward(func, *args, **host_kwargs, device="cpu")  # "cpu": not the default device's
             return ops.to_device(host, None, non_blocking=False)  # a synchronous copy, as on CUDA
         requires_grad = bool(host_kwargs.pop("requires_grad", False))
         meta = forward(func, *tree_map(_meta, args), **{**host_kwargs, "device": "meta"})
