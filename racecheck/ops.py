@@ -189,7 +189,7 @@ def aliased_returns(func: Any) -> list[int | None]:
 # op -> (position of the indexed tensor, position of its dim (or a fixed dim), position of the index, writes)
 _INDEXED: dict[Any, tuple[int, int | tuple[int], int, bool]] = {}
 for _names, _spec in (
-    (("index_select.default", "gather.default"), (0, 1, 2, False)),
+    (("index_select.default", "index_select.out", "gather.default", "gather.out"), (0, 1, 2, False)),
     (("index_copy_.default", "index_add_.default", "index_fill_.int_Scalar", "index_fill_.int_Tensor",
       "index_reduce_.default", "scatter_.src", "scatter_.value", "scatter_.reduce", "scatter_.value_reduce",
       "scatter_add_.default", "scatter_reduce_.two"), (0, 1, 2, True)),

@@ -392,3 +392,27 @@ def test_leaves_and_map_leaves_agree_with_pytree(value: object) -> None:
     assert leaves(value) == tree_flatten(value)[0]
     mapped, expected = map_leaves(repr, value), tree_map(repr, value)
     assert mapped == expected and type(mapped) is type(expected)
+
+
+@pytest.mark.parametrize("slot, races", [(2, []), (5, ["host-read-vs-pending-copy"])])
+def test_index_select_and_gather_with_out_read_only_the_rows_their_index_names(slot, races):
+    # torch.index_select(pool, 0, idx, out=staged): the out= overload reads the rows idx names, as
+    # the method does; a store pending into slot 5 races with a read of slot 5 only.
+    from sanitizer.sim.session import simulate
+
+    def main() -> None:
+        pool = torch.zeros((8, 16), pin_memory=True)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            pool[5].copy_(torch.ones(16, device="cuda"), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        staged = torch.empty((2, 16))
+        torch.index_select(pool, 0, torch.tensor([1, slot]), out=staged)
+        torch.gather(pool, 0, torch.tensor([[1] * 16, [slot] * 16]), out=staged)
+        done.synchronize()
+
+    found, error, _, _ = simulate(main)
+    assert error is None and [race.kind for race in found] == races, [race.format() for race in found]
+    for overload in (torch.ops.aten.index_select.out, torch.ops.aten.gather.out):
+        assert op_info(overload).indexed == op_info(getattr(torch.ops.aten, overload._schema.name.split("::")[1]).default).indexed
