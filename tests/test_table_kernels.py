@@ -17,6 +17,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import triton_swap_offload as swap
 from fake_cuda import FakeCuda
@@ -273,3 +275,34 @@ def test_on_a_gpu_the_fuzzer_follows_the_handlers_tables_passes_it_and_finds_its
     assert done.returncode == (0 if clean else 1), out
     if not clean:
         assert "triton _swap_blocks_kernel" in out, out
+
+
+# -- a kernel handed the whole KV cache (no table of addresses) ---------------------------------------
+
+@triton.jit
+def _gather_blocks(cache, block_ids, out, BLOCK_NUMEL: tl.constexpr):
+    i = tl.program_id(0)
+    block = tl.load(block_ids + i).to(tl.int64)
+    offsets = tl.arange(0, BLOCK_NUMEL)
+    tl.store(out + i * BLOCK_NUMEL + offsets, tl.load(cache + block * BLOCK_NUMEL + offsets))
+
+
+@pytest.mark.parametrize("written", [5, 1])
+def test_on_the_simulator_a_kernel_over_the_whole_cache_touches_only_the_blocks_it_loads(written):
+    # The offload gathers blocks 1 and 2 on its stream while the next step writes block `written`
+    # on the default stream: block 5 is no race (the kernel never loads it), block 1 is one.
+    def main() -> None:
+        cache = torch.ones((8, 16), device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ids = torch.from_numpy(np.array([1, 2], dtype=np.int32)).to("cuda", non_blocking=True)
+            staged = torch.empty((2, 16), device="cuda")
+            _gather_blocks[(2,)](cache, ids, staged, BLOCK_NUMEL=16)
+        cache[written].fill_(0.5)
+        torch.cuda.synchronize()
+
+    races, error, _, unfollowed = simulate(main)
+    assert error is None and unfollowed == []
+    assert [race.kind for race in races] == ([] if written == 5 else ["unordered-device-access"]), \
+        [race.format() for race in races]

@@ -58,6 +58,10 @@ class InterceptSession:
     #: threads the code starts take turns (None: a program session follows them its own way)
     helper_threads_class: type[HelperThreads] | None = HelperThreads
     role = "zeroer"  # what the code under test is, in names: "the zeroer", stream "zeroer-1"
+    #: on the simulator, a Triton kernel's device arguments are declared by the bytes it touched once
+    #: it has run (a program session), else whole at its launch (the fuzzer's sessions, whose
+    #: campaigns are measured that way)
+    kernel_arguments_by_bytes = False
 
     def __init__(self, runtime: Runtime, spec: str) -> None:
         self.rt = runtime
@@ -248,9 +252,11 @@ class InterceptSession:
         return declared
 
     def enqueue(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
-                cache_written: bool = False) -> OpStamp:
+                cache_written: bool = False, uses: Sequence[Any] = ()) -> OpStamp:
         """One queued op on the current stream; ``reads``/``writes`` are memory keys or blocks. While
-        the calling thread captures a CUDA graph it is recorded instead (:mod:`kvdevice.intercept.sim_graphs`)."""
+        the calling thread captures a CUDA graph it is recorded instead (:mod:`kvdevice.intercept.sim_graphs`).
+        ``uses``: memory the op may touch and declares once it has run (a program session's labels
+        keep its allocation generations, :class:`sanitizer.sim.session.ProgramSession`)."""
         if self.graphs is not None:
             capture = self.graphs.current()
             if capture is not None:

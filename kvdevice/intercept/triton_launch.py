@@ -177,6 +177,12 @@ class TritonLaunches:
             check = _AddressCheck(session, name, touched)
             kernel = interpreted(jit.fn)
             space = session.rt._block_space  # which cache "block N" means, as the launch is queued
+            uses: list[Any] = []  # memory its arguments hold, its accesses there declared once it has run
+            if session.kernel_arguments_by_bytes:
+                # A kernel handed the whole KV cache touches the blocks its ids name (vLLM's Triton
+                # reshape_and_cache, a gather of the blocks to offload): the bytes it loaded and
+                # stored are its accesses, declared once it has run, never the whole allocation.
+                uses, reads, writes = reads + writes, [], []
             # What the launch declares from its arguments; the rest of what it touched is declared
             # once it has run, from its actual loads and stores (kvdevice.intercept.kernel_accesses).
             declared = {getattr(k, "key", k) for k in reads + writes} | {region.key for region, _, _ in pinned}
@@ -203,7 +209,7 @@ class TritonLaunches:
 
             # A zeroer's session has no block map: its kernel writes the blocks of its zero call.
             stamp = session.enqueue(run, name=name, reads=reads, writes=writes,
-                                    cache_written=session.block_map is None)
+                                    cache_written=session.block_map is None, uses=uses)
             at.append(stamp)
             if isinstance(stamp, CapturedOp):  # each replay declares what it touched then
                 stamp.declare_rows = lambda replayed: at.__setitem__(0, replayed)

@@ -81,6 +81,7 @@ class ProgramSession(InterceptSession):
 
     host_memory_class = ProgramHostMemory
     helper_threads_class = None  # a program's threads run free under one lock (racecheck.thread_hooks)
+    kernel_arguments_by_bytes = True  # a kernel over the whole KV cache touches the blocks it names
 
     def __init__(self, name: str) -> None:
         import kvdevice
@@ -114,7 +115,7 @@ class ProgramSession(InterceptSession):
         return caller_site().short
 
     def enqueue(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
-                cache_written: bool = False) -> OpStamp:
+                cache_written: bool = False, uses: Sequence[Any] = ()) -> OpStamp:
         access = Access(name, self._stream(), caller_site())
         # The op's label carries what a report says of it, and the generations of the blocks it
         # touches (a reuse is told from a race by them): it lives as long as something checks
@@ -126,7 +127,7 @@ class ProgramSession(InterceptSession):
             finally:
                 self.rt.labels = str
         if isinstance(stamp, OpStamp) and isinstance(stamp.label, Label):
-            touched = (getattr(item, "memory", item) for item in (*reads, *writes))
+            touched = (getattr(item, "memory", item) for item in (*reads, *writes, *uses))
             stamp.label.generations.update(
                 (block.id, block.generation) for block in touched if hasattr(block, "generation"))
         return stamp
