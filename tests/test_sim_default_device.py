@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 from torch.utils._device import DeviceContext
 
 from sanitizer.sim.session import simulate
+from test_sanitizer_sim_cuda import simulated
 
 # Each factory the simulator makes device memory with, called as engine tests call it: no device.
 FACTORIES: dict[str, Callable[[], torch.Tensor]] = {
@@ -37,15 +37,6 @@ FACTORIES: dict[str, Callable[[], torch.Tensor]] = {
 }
 UNINITIALISED = ("empty", "empty_strided")  # no values to compare
 SEED = 1234
-
-
-def simulated(main: Callable[[], Any]) -> tuple[list, Any]:
-    """The races of ``main`` on the simulator and what it returned; what it raised is raised."""
-    box: list[Any] = []
-    races, error, _notes, _ = simulate(lambda: box.append(main()))
-    if error is not None:
-        raise error
-    return races, box[0] if box else None
 
 
 def _made_on_the_default_device(name: str) -> tuple[bool, torch.Tensor, bool]:
