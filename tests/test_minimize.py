@@ -126,3 +126,34 @@ def test_a_device_sync_right_before_a_poll_becomes_one_polling_sync():
     assert {"op": "sync_device"} not in minimized.violation.trace
     assert [op for op in minimized.violation.trace if op["op"] == "poll"] == [{"op": "poll", "sync": 1}]
     assert len(minimized.violation.trace) == 6
+
+
+def test_an_offloaders_wait_becomes_the_poll_it_ends_with_where_the_poll_alone_shows_it():
+    # examples/engine_offloaders.py's report_without_end_query: a job reported before its copy ran
+    # shows at the first poll; a wait (wait for the store, then poll) shows it too, but the wait's own
+    # part is not needed. Before the wait could turn into a poll, such a program kept its wait.
+    config = EpisodeConfig(offloader="examples/engine_offloaders.py:report_without_end_query", geometry="tiny")
+    ops = [{"op": "start"}, {"op": "allocate", "n": 2}, {"op": "store", "block": 1}, {"op": "store", "block": 2},
+           {"op": "wait", "slot": 1}]
+    minimized = minimize(violation_of(config, ops))
+    assert [op["op"] for op in minimized.violation.trace] == ["start", "allocate", "store", "poll"]
+    # and a wait the race needs stays: the race-free twin shows nothing either way
+    assert run_ops(EpisodeConfig(offloader="examples/engine_offloaders.py:report_after_end_query", geometry="tiny"),
+                   ops) == []
+
+
+def test_an_op_on_a_stores_slot_moves_to_an_earlier_stores_slot_so_that_the_later_store_can_go(monkeypatch):
+    # SGLang #36738's race in tests/engine_style's HiCache controller came out of its first failing
+    # program as store, store, wait(slot 1), free, load(slot 2): each store named by an op on its
+    # slot, so neither could go. A stand-in judge: any program with a store, a wait, a free and a load.
+    def shows(config, ops, kind):
+        needed = {"store", "wait", "free", "load"} <= {op["op"] for op in ops}
+        return [SimpleNamespace(kind=kind)] if needed else None
+
+    monkeypatch.setattr(minimize_module, "_shows", shows)
+    config = EpisodeConfig(offloader="examples/engine_offloaders.py:load_waits_forward", geometry="tiny")
+    ops = [{"op": "start"}, {"op": "allocate", "n": 2}, {"op": "store", "block": 1}, {"op": "store", "block": 2},
+           {"op": "wait", "slot": 1}, {"op": "free", "block": 1}, {"op": "load", "slot": 2}]
+    minimized = minimize(ZeroerViolation([SimpleNamespace(kind="hazard")], ops, config))
+    assert minimized.violation.trace == [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1},
+                                         {"op": "wait", "slot": 1}, {"op": "free", "block": 1}, {"op": "load", "slot": 1}]

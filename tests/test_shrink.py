@@ -63,8 +63,9 @@ def test_a_cuda_campaign_whose_zeroer_runs_on_the_simulator_shrinks_there_in_bot
     assert plan_for(EpisodeConfig(zeroer=engine, backend="cuda")).shrink_on == EpisodeConfig(zeroer=engine)
 
 
-def test_hypothesis_shrinks_on_the_simulator_and_where_the_zeroer_cannot_run_on_it():
-    assert plan_for(RING).hypothesis_shrinks and plan_for(RING).why_not is None
+def test_a_simulator_campaign_is_minimized_alone_and_hypothesis_shrinks_where_the_zeroer_cannot_run_on_it():
+    assert plan_for(RING) == ShrinkPlan(hypothesis=False) and not plan_for(RING).hypothesis_shrinks
+    assert plan_for(RING, minimize_trace=False).hypothesis_shrinks and plan_for(RING, minimize_trace=False).why_not is None
     cuda_only = plan_for(EpisodeConfig(zeroer="torch_per_call", backend="cuda", mode="free"))
     assert cuda_only.hypothesis_shrinks
     assert cuda_only.why_not == "zeroer 'torch_per_call' does not run on the simulator"
@@ -101,11 +102,23 @@ def test_the_gpu_does_not_shrink_when_the_simulator_shows_the_finding(tmp_path, 
     assert result_record(result)["shrink"] == shrink
 
 
-def test_without_the_plan_hypothesis_shrinks_on_the_campaigns_backend(tmp_path):
-    # The same campaign with the default plan of a simulator campaign: what the GPU used to pay for.
-    result = run_campaign(Campaign(RING, expect="finds"), PROFILES["quick"], tmp_path)
+def test_where_the_plan_says_so_hypothesis_shrinks_on_the_campaigns_backend(tmp_path):
+    # The plan of a zeroer that runs on cuda only: what the GPU used to pay for every time.
+    result = run_campaign(Campaign(RING, expect="finds"), PROFILES["quick"], tmp_path, shrink_plan=ShrinkPlan())
     assert result.examples > result.first_finding_examples + 1
     assert result.shrink["by"].startswith("hypothesis") and result.shrink["confirmed_on"] is None
+
+
+def test_a_simulator_campaign_minimizes_its_first_failing_program_without_hypothesis_shrinking(tmp_path, monkeypatch):
+    minimize_replays = replays_by_backend(monkeypatch)
+    result = run_campaign(Campaign(RING, expect="finds"), PROFILES["quick"], tmp_path)
+    assert result.found and result.violation.findings[0].kind == "hazard"
+    assert result.examples == result.first_finding_examples + 1  # only Hypothesis's final replay of it
+    assert result.shrunk_by_hypothesis is None
+    shrink = result.shrink
+    assert (shrink["shrunk_on"], shrink["by"], shrink["confirmed_on"], shrink["cut_off"]) == ("sim", "minimize", None, False)
+    assert set(minimize_replays) == {"sim"} and len(minimize_replays) == shrink["replays"] > 0
+    assert shrink["from_ops"] > shrink["ops"] == len(result.violation.trace) <= 4
 
 
 def test_a_finding_the_simulator_does_not_show_is_shrunk_where_it_was_found(tmp_path, monkeypatch):
@@ -154,7 +167,8 @@ def test_the_engine_style_races_shrink_to_at_most_four_ops_on_the_simulator(name
 
 
 def test_a_shrink_cut_off_by_the_bound_is_the_finding_it_is_and_says_so(tmp_path):
-    result = run_campaign(Campaign(RING, expect="finds"), PROFILES["quick"], tmp_path, shrink_bound_s=0.0)
+    result = run_campaign(Campaign(RING, expect="finds"), PROFILES["quick"], tmp_path, shrink_bound_s=0.0,
+                          shrink_plan=ShrinkPlan())  # Hypothesis's shrink phase, stopped by the bound
     assert result.found and result.violation.findings[0].kind == "hazard"
     assert result.examples == result.first_finding_examples  # stopped before Hypothesis's first shrink example
     shrink = result.shrink
@@ -192,7 +206,7 @@ def test_ctrl_c_at_the_bound_is_reported_as_the_interruption_with_the_program_sa
     monkeypatch.setattr(CampaignStats, "shrink_overdue", overdue_and_interrupted)
     try:
         with pytest.raises(KeyboardInterrupt) as stopped:
-            run_campaign(Campaign(RING, expect="finds"), PROFILES["quick"], tmp_path)
+            run_campaign(Campaign(RING, expect="finds"), PROFILES["quick"], tmp_path, shrink_plan=ShrinkPlan())
     finally:
         interrupts.reset()
     assert type(stopped.value) is KeyboardInterrupt

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from hypothesis import target
-from hypothesis.control import currently_in_test_context
+from hypothesis.control import current_build_context, currently_in_test_context
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, multiple, precondition, rule
 
@@ -68,6 +68,11 @@ class BudgetSpent(KeyboardInterrupt):
     :func:`~fuzz.engine.campaigns.run_campaign` reports the campaign clean."""
 
 
+def _final_replay() -> bool:
+    """Whether Hypothesis is replaying the failing example it is about to report."""
+    return currently_in_test_context() and current_build_context().is_final
+
+
 class ShrinkBoundReached(KeyboardInterrupt):
     """Hypothesis has shrunk a finding for as long as the campaign's shrink bound allows
     (:data:`fuzz.engine.shrink.SHRINK_BOUND_S`). Raised instead of starting the next example, it
@@ -91,11 +96,12 @@ class CampaignStats:
     # The shortest program that showed a finding so far: what run_campaign saves if Ctrl-C cuts
     # the run off while Hypothesis is still shrinking it.
     smallest: ZeroerViolation | None = None
-    # Seconds Hypothesis may spend shrinking, from the first finding; None: no bound.
+    # Seconds Hypothesis may go on after the first finding (shrinking it); 0: it stops at the next
+    # example, where it does not shrink; None: no bound.
     shrink_bound_s: float | None = None
 
     def shrink_overdue(self) -> bool:
-        """A finding was made and Hypothesis has shrunk it for longer than the bound."""
+        """A finding was made and Hypothesis has gone on for longer than the bound."""
         if self.shrink_bound_s is None or self.first_finding_s is None:
             return False
         return time.monotonic() - self.started > self.first_finding_s + self.shrink_bound_s
@@ -138,7 +144,9 @@ class CallerMachine(RuleBasedStateMachine):
             raise BudgetSpent()
         if interrupted():
             raise KeyboardInterrupt("the run was interrupted")
-        if stats is not None and stats.shrink_overdue():  # checked after Ctrl-C, which wins
+        # Checked after Ctrl-C, which wins. Hypothesis's final replay of the finding it reports is let
+        # through: stopped there, Hypothesis calls the run inconsistent (FlakyStrategyDefinition).
+        if stats is not None and stats.shrink_overdue() and not _final_replay():
             raise ShrinkBoundReached()
         super().__init__()
         if stats is not None:

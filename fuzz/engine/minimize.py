@@ -2,10 +2,10 @@
 
 Hypothesis shrinks the choices that generated a program; what it hands back can still hold an op
 whose removal keeps the bug (a ``reallocate`` that only drained the device, a ``delay`` nobody
-waits on), because removing it changes the choices after it. And on cuda, where every shrink step
-pays for gated launches, Hypothesis does not shrink at all when the simulator can show the finding
-(:mod:`fuzz.engine.shrink`): :func:`minimize` then takes the first failing program, as generated,
-all the way down on the simulator. It works on the ops themselves, with block ids made symbolic
+waits on), because removing it changes the choices after it. And on the simulator, and on cuda
+where the simulator can show the finding, Hypothesis does not shrink at all
+(:mod:`fuzz.engine.shrink`): :func:`minimize` takes the first failing program, as generated, all
+the way down on the simulator, in tens of replays where Hypothesis's shrinking took hundreds. It works on the ops themselves, with block ids made symbolic
 (:mod:`fuzz.engine.handles`), so that dropping an allocation drops what used its blocks and the
 rest still replays, and keeps every change after which the same kind of finding still shows:
 
@@ -14,7 +14,9 @@ rest still replays, and keeps every change after which the same kind of finding 
 3. set each argument back to its default or make it smaller; an allocation shrinks to the blocks
    later ops use, or to one, or merges with the allocation right after it (one zero call fewer),
    or with the allocation before it, moved up to join it (``allocate, store, allocate`` becomes
-   ``allocate(n=2), store``); a ``sync_device`` right before a ``poll`` becomes ``poll(sync=1)``;
+   ``allocate(n=2), store``); a ``sync_device`` right before a ``poll`` becomes ``poll(sync=1)``,
+   an offloader's ``wait`` (a wait, then a poll) the ``poll`` alone, and a ``load``, ``wait`` or
+   ``evict`` takes the slot of an earlier store (so that the store it named can go);
 
 and repeats until a round changes nothing. On the simulator and in the controlled cuda mode a
 replay is exact (the schedule is in the ops), so the result is deterministic.
@@ -151,7 +153,7 @@ class _Search:
             ref = self.refs[index]
             variants = [compact(self.refs, index), merge(self.refs, index), self._joined(index)] if ref.allocation is not None else []
             variants += [self.refs[:index] + [replace(ref, op=op)] + self.refs[index + 1:] for op in _smaller(ref.op)]
-            variants.append(self._fused(index))
+            variants += [self._fused(index), self._poll_only(index), *self._retargeted(index)]
             for variant in filter(None, variants):
                 if self.attempt(variant):
                     break
@@ -167,6 +169,27 @@ class _Search:
         if after.op.get("op") != "poll":
             return None
         return self.refs[:index] + [replace(after, op={**after.op, "sync": 1})] + self.refs[index + 2:]
+
+    def _poll_only(self, index: int) -> list[Ref] | None:
+        """An offloader's ``wait`` at ``index`` (wait for a store, then poll) as the plain ``poll`` it
+        ends with; None where it is not a ``wait``. Without it a job reported early stayed at
+        ``store, store, wait`` where ``store, poll`` shows it (Hypothesis's shrinking, which chose
+        the ops, reached the shorter one)."""
+        if self.refs[index].op.get("op") != "wait":
+            return None
+        return self.refs[:index] + [replace(self.refs[index], op={"op": "poll"}, slot=None)] + self.refs[index + 1:]
+
+    def _retargeted(self, index: int) -> list[list[Ref]]:
+        """A ``load``, ``wait`` or ``evict`` at ``index`` moved to the slot of an earlier store (the
+        earliest first; never a later one, or two ops could trade slots for ever), so that the store
+        it named can go in the next round. Without it SGLang
+        #36738's race stayed at ``store, store, wait(1), free, load(2)``: the load named the second
+        store's slot, which the first store's would do as well."""
+        ref = self.refs[index]
+        if ref.slot is None:
+            return []
+        return [self.refs[:index] + [replace(ref, slot=earlier.store)] + self.refs[index + 1:]
+                for earlier in self.refs[:index] if earlier.store is not None and earlier.store < ref.slot]
 
     def _joined(self, index: int) -> list[Ref] | None:
         """The allocation at ``index`` moved up to right after the allocation before it and merged

@@ -1,7 +1,8 @@
 """Where a finding is shrunk, and for how long.
 
-A finding is shrunk in two stages: Hypothesis shrinks the choices that generated the failing
-program, then :func:`~fuzz.engine.minimize.minimize` shrinks the ops themselves. Every step of
+A finding is shrunk by :func:`~fuzz.engine.minimize.minimize`, which shrinks the ops themselves;
+where a plan keeps it, Hypothesis first shrinks the choices that generated the failing program
+(below: where the zeroer cannot run on the simulator). Every step of
 either replays a program, and on cuda a replay pays for gated launches: on an H200 (controlled
 mode) the racy engine-style zeroers of ``examples/engine_zeroers.py`` were found in 0.2 to 7 s
 per campaign and then shrunk for 25 to 67 s (333 to 926 examples). The simulator replays the same
@@ -21,8 +22,12 @@ ops exactly, and fast. So on cuda, where the zeroer runs on the simulator too:
    program. (Hypothesis cannot take the shrinking up again: its run has ended, and an example it
    replays from a database it does not shrink again.)
 
-Where the zeroer cannot run on the simulator (``Capabilities(backends=("cuda",))``), and on the
-simulator itself, Hypothesis shrinks as before and :func:`minimize` follows. :func:`plan_for`
+A simulator campaign also runs Hypothesis without its shrink phase: :func:`minimize` takes the
+first failing program down on its own, in tens of replays where Hypothesis's shrinking replayed
+hundreds to reach the same length or a longer one (SGLang #27444's HiCache race on a 2-core VM:
+25 replays and 1.4 s to 6 ops, against 1,700 examples and 49 s to 7, then 6 by minimize). Where
+the zeroer cannot run on the simulator (``Capabilities(backends=("cuda",))``), and where
+minimizing is turned off, Hypothesis shrinks as before and :func:`minimize` follows. :func:`plan_for`
 decides (a :class:`ShrinkPlan`, which tests replace to run the whole flow on the CPU);
 :func:`shrink_finding` carries it out after the Hypothesis run; its :class:`ShrinkRecord` says how
 the trace was shrunk, in the campaign's result, its summary record and its trace file.
@@ -58,10 +63,11 @@ from zeroer.registry import kernel_options, load_zeroer
 
 # Seconds one stage of shrinking may take, by the backend its replays run on.
 SHRINK_BOUND_S: dict[str, float] = {
-    # Hypothesis shrinks the built-in races in 1 to 3 s here, and the engine-style ones (plain torch
+    # Hypothesis shrank the built-in races in 1 to 3 s here, and the engine-style ones (plain torch
     # zeroers, intercepted, their Triton kernel under the interpreter) in 1.4 to 28 s on an idle
-    # 2-core VM, up to 60 s on a loaded one (docs/fuzzing.md, "The shrink bound"): twice the
-    # slowest seen stops only a runaway.
+    # 2-core VM, up to 60 s on a loaded one, HiCache's #27444 up to 120 (docs/fuzzing.md, "The
+    # shrink bound"); minimize() alone, which a simulator campaign now runs, takes a few seconds:
+    # the bound stops only a runaway, and a Hypothesis shrink where a plan still asks for one.
     "sim": 120.0,
     # A GPU replay pays for gated launches: Hypothesis took 25 to 67 s (333 to 926 examples, about
     # 75 ms each) to shrink the engine-style races on an H200. What still shrinks on the GPU is a
@@ -97,19 +103,21 @@ def confirm_on_device(config: EpisodeConfig, ops: list[dict]) -> list[Finding]:
 class ShrinkPlan:
     """Where a campaign's finding is shrunk.
 
-    ``shrink_on`` is the simulator config the first failing program is minimized on, with
-    Hypothesis's shrink phase left out; ``confirm`` replays the shrunk trace where the campaign
-    runs. ``shrink_on`` None: Hypothesis shrinks on the campaign's backend, then :func:`minimize`
-    there; on cuda ``why_not`` says why not on the simulator.
+    ``shrink_on`` is the simulator config the first failing program of a cuda campaign is minimized
+    on, with Hypothesis's shrink phase left out; ``confirm`` replays the shrunk trace where the
+    campaign runs. ``shrink_on`` None: the finding is shrunk on the campaign's backend, by
+    Hypothesis then :func:`minimize` (``hypothesis``), or by :func:`minimize` alone from the first
+    failing program (a simulator campaign); on cuda ``why_not`` says why not on the simulator.
     """
 
     shrink_on: EpisodeConfig | None = None
     confirm: Confirm = confirm_on_device
     why_not: str | None = None
+    hypothesis: bool = True
 
     @property
     def hypothesis_shrinks(self) -> bool:
-        return self.shrink_on is None
+        return self.shrink_on is None and self.hypothesis
 
 
 def simulator_config(config: EpisodeConfig) -> EpisodeConfig:
@@ -125,11 +133,16 @@ def simulator_config(config: EpisodeConfig) -> EpisodeConfig:
 def plan_for(config: EpisodeConfig, *, minimize_trace: bool = True) -> ShrinkPlan:
     """Where a campaign on ``config`` shrinks its finding: on the simulator for a cuda campaign whose
     zeroer runs there (both cuda modes: a hazard depends on the program alone, so the simulator
-    shows what the GPU showed, and the GPU confirms the result); else Hypothesis, where it runs."""
-    if config.backend != "cuda":
-        return ShrinkPlan()
+    shows what the GPU showed, and the GPU confirms the result); a simulator campaign by
+    :func:`minimize` alone; else Hypothesis, where it runs, then :func:`minimize`."""
     if not minimize_trace:
-        return ShrinkPlan(why_not="minimizing was turned off")
+        return ShrinkPlan(why_not="minimizing was turned off" if config.backend == "cuda" else None)
+    if config.backend != "cuda":
+        # Hypothesis's shrinking replays hundreds of programs to reach what minimize() reaches in
+        # tens: on a 2-core VM, SGLang #27444's HiCache race took 49 s and 1,700 examples to shrink
+        # to 7 ops that minimize() took to 6, against 1.4 s and 25 replays from the first failing
+        # program (14 ops) to the same 6; a loaded machine ran into the bound and kept a long trace.
+        return ShrinkPlan(hypothesis=False)
     if not load_zeroer(config.zeroer).capabilities.runs_on("sim"):
         return ShrinkPlan(why_not=f"zeroer {config.zeroer!r} does not run on the simulator")
     return ShrinkPlan(shrink_on=simulator_config(config))
@@ -167,7 +180,7 @@ def shrink_finding(violation: ZeroerViolation, plan: ShrinkPlan, *, found_at: fl
     smallest program so far); ``reproduced``: False when Hypothesis's replay of it did not show it.
     """
     config = violation.config
-    if not plan.hypothesis_shrinks and violation.findings:
+    if plan.shrink_on is not None and violation.findings:
         bound = shrink_bound(plan.shrink_on.backend, bound_s)
         shrunk, why = _shrink_on_simulator(violation, plan, time.monotonic() + bound)
         if shrunk is not None:
