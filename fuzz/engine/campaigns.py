@@ -46,7 +46,7 @@ from fuzz.engine.journal import Journal
 from fuzz.engine.known_bugs import KnownBug, KnownBugs, SameBug
 from fuzz.engine.machine import BudgetSpent, CampaignStats, ShrinkBoundReached, machine_for
 from racecheck.resources import ResourceExhausted
-from fuzz.engine.shrink import ShrinkPlan, plan_for, shrink_bound, shrink_finding, where
+from fuzz.engine.shrink import ShrinkPlan, exact_replay, plan_for, shrink_bound, shrink_finding, where
 from fuzz.engine.trace import write_trace
 from fuzz.engine.violation import ZeroerViolation
 from racecheck.interrupts import interrupted
@@ -320,10 +320,9 @@ def run_campaign(
     # climbing to the end, which does not stop at a failure (1,400 examples and 140 s after
     # HiCache's #27444 showed at 5.6 s). Free-running, Hypothesis's own replay of the finding tells
     # a timing-dependent one (``reproduced``), so it goes on to that replay.
-    exact = campaign.config.backend == "sim" or campaign.config.mode == "controlled"
     stats = CampaignStats(started=started, deadline=None if budget is None else started + budget,
                           shrink_bound_s=shrink_bound(campaign.config.backend, shrink_bound_s)
-                          if plan.hypothesis_shrinks else 0.0 if exact else None)
+                          if plan.hypothesis_shrinks else 0.0 if exact_replay(campaign.config) else None)
     if seed_override is not None:
         run_seed = seed_override
     elif profile.fresh_seeds:

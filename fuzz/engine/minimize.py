@@ -5,8 +5,8 @@ whose removal keeps the bug (a ``reallocate`` that only drained the device, a ``
 waits on), because removing it changes the choices after it. And on the simulator, and on cuda
 where the simulator can show the finding, Hypothesis does not shrink at all
 (:mod:`fuzz.engine.shrink`): :func:`minimize` takes the first failing program, as generated, all
-the way down on the simulator, in tens of replays where Hypothesis's shrinking took hundreds. It works on the ops themselves, with block ids made symbolic
-(:mod:`fuzz.engine.handles`), so that dropping an allocation drops what used its blocks and the
+the way down on the simulator, in tens of replays where Hypothesis's shrinking took hundreds. It
+works on the ops themselves, with block ids made symbolic (:mod:`fuzz.engine.handles`), so that dropping an allocation drops what used its blocks and the
 rest still replays, and keeps every change after which the same kind of finding still shows:
 
 1. cut the trace after the shortest prefix that shows it (a hazard stops the program at its op);
@@ -182,9 +182,8 @@ class _Search:
     def _retargeted(self, index: int) -> list[list[Ref]]:
         """A ``load``, ``wait`` or ``evict`` at ``index`` moved to the slot of an earlier store (the
         earliest first; never a later one, or two ops could trade slots for ever), so that the store
-        it named can go in the next round. Without it SGLang
-        #36738's race stayed at ``store, store, wait(1), free, load(2)``: the load named the second
-        store's slot, which the first store's would do as well."""
+        it named can go in the next round. Without it SGLang #36738's race stayed at ``store, store,
+        wait(1), free, load(2)``: the load named the second store's slot, the first would do too."""
         ref = self.refs[index]
         if ref.slot is None:
             return []

@@ -87,6 +87,12 @@ def where(config: EpisodeConfig) -> str:
     return "sim" if config.backend == "sim" else f"cuda-{config.mode}"
 
 
+def exact_replay(config: EpisodeConfig) -> bool:
+    """Whether a replay of ``config`` shows what its schedule says (the simulator, controlled cuda),
+    not what real timing allows (free-running cuda)."""
+    return config.backend == "sim" or config.mode == "controlled"
+
+
 def shrink_bound(backend: str, override: float | None = None) -> float:
     """The bound of a shrinking stage whose replays run on ``backend``."""
     return override if override is not None else SHRINK_BOUND_S[backend]
@@ -95,7 +101,7 @@ def shrink_bound(backend: str, override: float | None = None) -> float:
 def confirm_on_device(config: EpisodeConfig, ops: list[dict]) -> list[Finding]:
     """Replay ``ops`` where the campaign runs: the findings of the first replay that shows any
     (controlled or simulator: one replay, exact; free-running: up to :data:`FREE_CONFIRM_REPLAYS`)."""
-    tries = FREE_CONFIRM_REPLAYS if config.backend == "cuda" and config.mode == "free" else 1
+    tries = 1 if exact_replay(config) else FREE_CONFIRM_REPLAYS
     return next(filter(None, (_replay(config, ops) for _ in range(tries))), [])  # replays stop at the first
 
 
@@ -138,11 +144,7 @@ def plan_for(config: EpisodeConfig, *, minimize_trace: bool = True) -> ShrinkPla
     if not minimize_trace:
         return ShrinkPlan(why_not="minimizing was turned off" if config.backend == "cuda" else None)
     if config.backend != "cuda":
-        # Hypothesis's shrinking replays hundreds of programs to reach what minimize() reaches in
-        # tens: on a 2-core VM, SGLang #27444's HiCache race took 49 s and 1,700 examples to shrink
-        # to 7 ops that minimize() took to 6, against 1.4 s and 25 replays from the first failing
-        # program (14 ops) to the same 6; a loaded machine ran into the bound and kept a long trace.
-        return ShrinkPlan(hypothesis=False)
+        return ShrinkPlan(hypothesis=False)  # minimize() reaches in tens of replays what Hypothesis did in hundreds
     if not load_zeroer(config.zeroer).capabilities.runs_on("sim"):
         return ShrinkPlan(why_not=f"zeroer {config.zeroer!r} does not run on the simulator")
     return ShrinkPlan(shrink_on=simulator_config(config))
@@ -193,9 +195,8 @@ def shrink_finding(violation: ZeroerViolation, plan: ShrinkPlan, *, found_at: fl
             where(config), "minimize", len(violation.trace), len(fallback.violation.trace), fallback=why,
             cut_off=fallback.cut_off, bound_s=bound, seconds=time.monotonic() - found_at, replays=fallback.replays)
     bound = shrink_bound(config.backend, bound_s)
-    exact = config.backend == "sim" or config.mode == "controlled"  # replays that show what the schedule says
     minimized = Minimized(violation, 0)
-    if minimize_trace and reproduced and exact:
+    if minimize_trace and reproduced and exact_replay(config):
         minimized = minimize(violation, deadline=found_at + bound)  # what Hypothesis left of the bound
     stages = (["hypothesis"] if plan.hypothesis_shrinks else []) + (["minimize"] if minimized.replays else [])
     by = "+".join(stages) or "none"
