@@ -420,3 +420,44 @@ def test_the_gpu_observer_still_names_a_raw_access_it_cannot_place():
         custom_ops.unregister("kvz_test::scatter_rows")
     assert [n for n in notes if n.startswith("kvz-sanitize could not place the 16 bytes at 0x10 that "
                                              "kvz_test::scatter_rows")], notes
+
+
+@pytest.mark.parametrize("read_after_sync", [False, True])
+def test_the_gpu_observer_places_an_ops_writes_to_pinned_objects_that_lie_side_by_side(read_after_sync):
+    # On an H100 (torch 2.11) the host allocator handed LMCache's gather two small pin_memory=True
+    # objects side by side; the op's writes through its list of pointers, merged into one run, lay
+    # in no single allocation, and the observer said "could not place the 1024 bytes ... that access
+    # is not checked". Each object's bytes are its own region's: the run is cut where one ends.
+    nl, nb, bs, nh, hs = 2, 4, 2, 1, 4
+    shape = (2, nl, bs, nh * hs)
+    per_object = 2 * nl * bs * nh * hs
+    backing = torch.zeros(2 * per_object).numpy()  # one buffer: two tensors over its halves, storages of their own
+    moved = {}
+
+    def body(cuda):
+        import lmcache.c_ops as ops  # the engine's own import: the stand-in where LMCache is absent
+
+        layers = [cuda.device(torch.arange(2 * nb * bs * nh * hs, dtype=torch.float32).reshape(2, nb, bs, nh, hs)
+                              + 100 * i) for i in range(nl)]
+        objects = [cuda.pinned(torch.from_numpy(backing[i * per_object:(i + 1) * per_object]).view(shape))
+                   for i in range(2)]
+        assert objects[0].data_ptr() + objects[0].nbytes == objects[1].data_ptr()  # side by side
+        table, block_ids = cuda.device(torch.zeros(nl, dtype=torch.uint64)), cuda.device(torch.zeros(2, dtype=torch.int64))
+        table.copy_(torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64))  # staged from the host:
+        block_ids.copy_(torch.tensor([3, 1]))  # their values are known
+        desc = PageBufferShapeDesc()
+        desc.kv_size, desc.nl, desc.nb, desc.bs, desc.nh, desc.hs, desc.element_size = 2, nl, nb, bs, nh, hs, 4
+        side = cuda.new_stream()
+        with cuda.stream(side):
+            ops.multi_layer_block_kv_transfer(table, [o.data_ptr() for o in objects], block_ids, torch.device("cuda"),
+                                              ops.TransferDirection.D2H, desc, bs, ops.GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, 0)
+        if read_after_sync:
+            cuda.synchronize()
+        objects[1].sum()  # the host reads the second object
+        moved["ok"] = torch.equal(objects[1][:, 1].reshape(2, bs, nh, hs), layers[1][:, 1])
+        moved["keep"] = layers
+
+    races, unfollowed, notes = _observe(body)
+    assert not [n for n in notes if "could not place" in n], notes
+    assert unfollowed == [] and moved["ok"]
+    assert [r.kind for r in races] == ([] if read_after_sync else ["host-read-vs-pending-copy"]), races

@@ -81,3 +81,32 @@ def test_the_racy_twin_of_the_code_under_test_fails_with_its_race_at_both_marked
     kind = f"[{PLANTED[test_file]}]"
     races = summary_races(done.stdout)
     assert any(kind in race and queued.search(race) and later.search(race) for race in races), out
+
+
+def test_the_engine_style_polls_wait_for_a_copy_thread_slower_than_many_polls() -> None:
+    # On an H100 under --kvz-sanitize, SimpleCPUOffload's race-free test failed with "jobs [0, 1, 2,
+    # 3] never finished (copy thread error: None)": its poll gave up after 100,000 busy polls, fewer
+    # than the time the copy thread's first launch took under the tool. A poll waits by the clock.
+    import threading
+    import time
+    import types
+
+    pytest.importorskip("cuda.bindings.driver", reason="the SimpleCPUOffload tests need cuda-bindings")
+    from tests.engine_style.test_simple_cpu_offload import poll
+
+    finished = types.SimpleNamespace(query=lambda: True)
+    backend = types.SimpleNamespace(events=[], error=None)
+
+    def copy_thread() -> None:  # the first job's event recorded 0.5 s late
+        time.sleep(0.5)
+        backend.events.append((0, finished))
+        time.sleep(0.5)
+
+    backend.thread = threading.Thread(target=copy_thread)
+    backend.thread.start()
+    try:
+        poll(backend, {0})
+    finally:
+        backend.thread.join()
+    with pytest.raises(AssertionError, match=r"jobs \[1\] never finished"):
+        poll(backend, {1}, seconds=0.2)

@@ -149,7 +149,8 @@ class CustomCalls:
         """``fx``'s runs by the memory they fall in, an error naming the first no memory holds."""
         placed = []
         for runs, write in ((fx.reads, False), (fx.writes, True)):
-            found, unplaced = place(runs, memories)
+            # split: runs merged over allocations laid side by side (sanitizer.gpu.custom.declare)
+            found, unplaced = place(runs, memories, split=True)
             if unplaced:
                 raise self._outside(model, *unplaced[0], write)
             placed.append(found)

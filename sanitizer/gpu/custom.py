@@ -110,7 +110,9 @@ def declare(obs: Any, model: EffectModel, given: list[Any], tensors: list[torch.
                                     "host" if obs.region_of(t) is None else None)
     memories = [arguments, obs.pinned.regions, device, _Pageable(device)]
     for runs, write in ((fx.reads, False), (fx.writes, True)):
-        placed, unplaced = place(runs, memories)
+        # split: the op's pointers may reach objects the allocator laid side by side, whose runs merge
+        # into one no single allocation holds (two pin_memory=True objects of LMCache's gather on an H100)
+        placed, unplaced = place(runs, memories, split=True)
         for lo, hi in unplaced:
             obs.notes.append(f"kvz-sanitize could not place the {hi - lo} bytes at 0x{lo:x} that {model.name} at "
                              f"{site} {'writes' if write else 'reads'} (no allocation it knows holds them); "

@@ -118,7 +118,8 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
                                          f"through, in {why})", site))
         return
     for write in (False, True):
-        placed, unplaced = place(touched.runs(write=write), [obs.pinned.regions, device])
+        # split: words of allocations laid side by side merge into runs that cross from one into the next
+        placed, unplaced = place(touched.runs(write=write), [obs.pinned.regions, device], split=True)
         for lo, hi in unplaced:
             obs.unfollowed.append(Unfollowed(
                 f"{what}: the {hi - lo} bytes at 0x{lo:x} it {'writes' if write else 'reads'} through a table "

@@ -69,6 +69,7 @@ class FakeCuda:
         self._sizes: dict[int, int] = {}  # storage address -> bytes, of the tensors made device memory
         self._starts: list[int] = []  # the same addresses, sorted: holding() bisects them
         self._pinned: set[int] = set()
+        self._pinned_extents: dict[int, int] = {}  # first byte -> end of each pinned storage
         self._host_pool: dict[int, list[bytearray]] = {}  # bytes -> blocks of pin_copy, free or in use
         self._local = threading.local()
         self._ids = itertools.count(0x1000)
@@ -110,13 +111,19 @@ class FakeCuda:
         return Placed(base, ("cudamem", base), "device", [(start, min(end, base + sizes[base]))])
 
     def is_pageable(self, address: int, size: int) -> bool:
-        """Memory not made device memory here: the CPU's own (pinned memory is the observer's to know)."""
+        """Memory made neither device memory nor pinned here, as the driver answers for its first and
+        last byte (:meth:`sanitizer.gpu.device.CudaDevice.is_pageable`): the CPU's own."""
         held = self.holding(address, address + size)
-        return held is None or held.end < address + size
+        if held is not None and held.end >= address + size:
+            return False
+        return not (self._in_pinned(address) or self._in_pinned(address + size - 1))
+
+    def _in_pinned(self, address: int) -> bool:
+        return any(start <= address < end for start, end in self._pinned_extents.items())
 
     def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` is pinned memory, allocated here (as ``pin_memory=True`` is, to the observer)."""
-        self._pinned.add(tensor.untyped_storage().data_ptr())
+        self._pin(tensor)
         if self.obs is not None:
             from sanitizer.sites import caller_site
 
@@ -141,8 +148,13 @@ class FakeCuda:
                 pool.append(block)
             result = torch.frombuffer(block, dtype=tensor.dtype).view(tensor.shape)
             result.copy_(tensor)
-        self._pinned.add(result.untyped_storage().data_ptr())
+        self._pin(result)
         return result
+
+    def _pin(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self._pinned.add(storage.data_ptr())
+        self._pinned_extents[storage.data_ptr()] = storage.data_ptr() + storage.nbytes()
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         # A tensor that calls itself CUDA (the simulator's SimCudaTensor) is device memory, as

@@ -8,6 +8,7 @@ vLLM #46278. Needs cuda-bindings (an engine's environment has it); on the simula
 follows the driver call."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -19,13 +20,17 @@ from examples.simple_cpu_offload_dma import DmaCopyBackend  # noqa: E402
 RACY = os.environ.get("ENGINE_STYLE_PLANTED_RACE") == "1"
 
 
-def poll(backend: DmaCopyBackend, jobs: set[int]) -> None:
-    """The scheduler's polling of the workers' events until ``jobs`` are done."""
+def poll(backend: DmaCopyBackend, jobs: set[int], seconds: float = 60.0) -> None:
+    """The scheduler's polling of the workers' events until ``jobs`` are done, a step apart. Bounded
+    by time, not by a count of polls: on an H100 under ``--kvz-sanitize`` the copy thread's first
+    launch took longer than 100,000 busy polls, and the race-free test failed."""
     done: set[int] = set()
-    for _ in range(100_000):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         done |= {job_id for job_id, event in list(backend.events) if event.query()}
         if jobs <= done or not backend.thread.is_alive():
             break
+        time.sleep(0.001)  # the next scheduler step
     assert jobs <= done, f"jobs {sorted(jobs - done)} never finished (copy thread error: {backend.error!r})"
 
 

@@ -7,6 +7,7 @@ over block counts and layouts, caches written by the model on the compute stream
 #46278)."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -17,10 +18,14 @@ RACY = os.environ.get("ENGINE_STYLE_PLANTED_RACE") == "1"
 ROWS, WORDS = 2, 16  # kernel blocks per block, 4-byte words per row
 
 
-def poll(handler: CpuGpuOffloadHandler, job: int) -> None:
-    for _ in range(100_000):
+def poll(handler: CpuGpuOffloadHandler, job: int, seconds: float = 60.0) -> None:
+    """``get_finished()`` a step apart until it reports ``job``; bounded by time, not by a count of
+    polls, which a tool's slower ops make too few (tests/engine_style/test_simple_cpu_offload.py)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         if (job, True) in handler.get_finished():
             return
+        time.sleep(0.001)  # the next scheduler step
     raise AssertionError(f"job {job} never finished")
 
 
