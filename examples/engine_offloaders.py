@@ -36,6 +36,8 @@ factory                              what it does                               
                                      ``get_finished()`` reports every job it queued and times it with
                                      ``start.elapsed_time(end)``, its end event never queried
 ``report_after_end_query``           reports (and times) a job once its end event has completed            race-free
+``report_on_start_query``            reports a job once its *start* event has completed: its stream may     racy
+                                     have passed the start while its copies are still queued
 ===================================  ====================================================================  =========
 
 The copy-thread pair also takes the idioms around engines' transfers: low-priority streams from
@@ -82,6 +84,7 @@ VERDICTS = {
     "copy_thread_after_compute_event": "race-free",
     "report_without_end_query": "racy",
     "report_after_end_query": "race-free",
+    "report_on_start_query": "racy",
 }
 
 
@@ -373,12 +376,14 @@ class TimedTransferHandler:
     """vLLM's CPU offloading handler shape: ``transfer_async(job_id, (src, dst))`` on a stream from a
     pool, timed by two events from a pool, and ``get_finished()`` reporting each job with its
     transfer time, oldest first. ``query_end=False`` reports every queued job without asking its
-    end event whether the copies have run."""
+    end event whether the copies have run; ``query="start"`` asks the start event instead, which the
+    stream passes before the copies."""
 
-    def __init__(self, cache, host_pool, runtime=None, *, query_end: bool = True) -> None:
+    def __init__(self, cache, host_pool, runtime=None, *, query_end: bool = True, query: str = "end") -> None:
         self.pairs = _layers(cache, host_pool)
         self.ratio = cache.spec.block_size // cache.spec.kernel_block_size
         self.query_end = query_end
+        self.query = query
         self.block_bytes = sum(_rows(device, kv_outer, 0, self.ratio).nbytes for device, _, kv_outer in self.pairs)
         self._transfers: deque[_Transfer] = deque()
         self._stream_pool: list[torch.cuda.Stream] = []
@@ -406,7 +411,9 @@ class TimedTransferHandler:
         return True
 
     def _done(self, transfer: _Transfer) -> bool:
-        return not self.query_end or transfer.end_event.query()
+        if not self.query_end:
+            return True
+        return (transfer.start_event if self.query == "start" else transfer.end_event).query()
 
     def get_finished(self) -> list[TransferResult]:
         results = []
@@ -445,3 +452,4 @@ copy_thread_without_compute_event = functools.partial(CopyThreadOffloader, store
 copy_thread_after_compute_event = functools.partial(CopyThreadOffloader)
 report_without_end_query = functools.partial(TimedTransferHandler, query_end=False)
 report_after_end_query = functools.partial(TimedTransferHandler)
+report_on_start_query = functools.partial(TimedTransferHandler, query="start")

@@ -122,7 +122,7 @@ ROWS: list[Row] = [
     trace_row({"config.zeroer": "zoo.int32_offset_4gib"}, "error: bad.json: field 'config.backend' is 'sim'; "
               "zeroer 'zoo.int32_offset_4gib' runs on cuda only"),
     trace_row({"ops[1].n": "a"}, "error: bad.json: field 'ops[1].n' is 'a'; it must be an integer"),
-    trace_row({"ops[1].op": "explode"}, "error: bad.json: field 'ops[1].op' is 'explode'; known ops: advance, allocate, "
+    trace_row({"ops[1].op": "explode"}, "error: bad.json: field 'ops[1].op' is 'explode'; known ops: advance, advance_own, allocate, "
               "delay, end_step, evict, free, load, poll, read, reallocate, start, store, sync_device, sync_stream, wait, write"),
     trace_row({"ops[2].m": 1}, "error: bad.json: field 'ops[2].m' is not a field of op 'allocate' (its fields are: n, "
               "stream, cache, ids_as, then)"),

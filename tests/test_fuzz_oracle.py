@@ -260,7 +260,7 @@ def test_an_op_with_a_wrong_or_missing_field_names_the_field_and_lists_the_field
 
 def test_an_op_record_without_a_name_is_a_value_error():
     episode = Episode(EpisodeConfig(zeroer="reference"))
-    with pytest.raises(ValueError, match=r"^unknown op None; ops: advance, allocate, "):
+    with pytest.raises(ValueError, match=r"^unknown op None; ops: advance, advance_own, allocate, "):
         episode.apply({"n": 1})
 
 

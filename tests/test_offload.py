@@ -55,18 +55,22 @@ SHORTEST = {
     "staging_freed_on_return": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1},
                                 {"op": "poll", "sync": 1}, {"op": "load", "slot": 1}, {"op": "load", "slot": 1}],
     "report_without_end_query": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}, {"op": "poll"}],
+    # tiny's host rows go through a pageable temporary, so the stream has passed the start event (and
+    # the copies) at the store's return; its end event is still queued (test below: async copies)
+    "report_on_start_query": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1}, {"op": "poll"}],
     # the caller asks to evict the slot of a load not yet reported, and the offloader frees it (SGLang #27444)
     "host_lock_released_on_issue": [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1},
                                     {"op": "poll", "sync": 1}, {"op": "load", "slot": 1}, {"op": "evict", "slot": 1}],
 }
 # The kind of finding each shows first where it is not a hazard: CUDA refusing to time a job the
 # handler reports before its end event completed (tests/test_cuda_errors.py).
-FIRST_KIND = {"report_without_end_query": "cuda error"}
+FIRST_KIND = {"report_without_end_query": "cuda error", "report_on_start_query": "cuda error"}
 # Its race-free twin, for each racy example: the same program is clean there.
 TWIN = {"store_without_compute_event": "store_after_compute_event",
         "copy_thread_without_compute_event": "copy_thread_after_compute_event", "load_unfenced": "load_waits_forward",
         "load_acked_on_issue": "load_acked_on_event", "staging_freed_on_return": "staging_freed_after_event",
         "report_without_end_query": "report_after_end_query",
+        "report_on_start_query": "report_after_end_query",
         "host_lock_released_on_issue": "host_lock_held_until_loaded"}
 
 
@@ -124,6 +128,25 @@ def test_a_components_op_in_an_episode_without_that_component_is_a_usage_error_a
     with pytest.raises(ValueError, match=r"^op 'store' needs a component that has it: this episode's is none$"):
         episode.apply({"op": "store", "block": block})
     assert episode.component is None and episode.finish() == []
+
+
+@pytest.mark.parametrize("geometry_name", ["block_outer_fp8", "mla_indexer"])
+def test_an_offloaders_own_stream_run_part_way_shows_a_job_reported_on_its_start_event(geometry_name: str) -> None:
+    # Where the store's copies are queued (contiguous host rows), the offloader's stream runs only as
+    # far as the host waits for it: reported on its start event, the job shows early only once that
+    # stream has run past the start and not yet its copies (the caller's stream first: it waits on it).
+    program = [{"op": "start"}, {"op": "allocate", "n": 1}, {"op": "store", "block": 1},
+               {"op": "advance", "stream": 0, "ops": 4}, {"op": "poll"}]
+    part_way = [*program[:-1], {"op": "advance_own", "stream": 0, "ops": 2}, program[-1]]
+    assert run_ops(_config("report_on_start_query", geometry=geometry_name), program) == []
+    found = run_ops(_config("report_on_start_query", geometry=geometry_name), part_way)
+    assert [f.kind for f in found] == ["cuda error"], found
+    assert "reported before its copy finished" in str(found[0])
+    assert run_ops(_config("report_after_end_query", geometry=geometry_name), part_way) == []
+    # the caller's stream left where it was: the offloader's stream waits on it, so it runs first
+    # the least work that wait needs, as the device runs streams side by side
+    own_alone = [*program[:3], {"op": "advance_own", "stream": 0, "ops": 2}, program[-1]]
+    assert [f.kind for f in run_ops(_config("report_on_start_query", geometry=geometry_name), own_alone)] == ["cuda error"]
 
 
 def test_a_component_kinds_ops_reach_every_trace_reader_from_its_declaration_alone() -> None:

@@ -75,4 +75,5 @@ def test_the_default_jobs_cover_every_example_on_the_simulator_and_the_soak_only
 KNOWN_EXAMPLES = ("store_without_compute_event", "store_after_compute_event", "load_unfenced", "load_waits_forward",
                   "load_acked_on_issue", "load_acked_on_event", "staging_freed_on_return", "staging_freed_after_event",
                   "copy_thread_without_compute_event", "copy_thread_after_compute_event", "report_without_end_query",
-                  "report_after_end_query", "host_lock_released_on_issue", "host_lock_held_until_loaded")
+                  "report_after_end_query", "host_lock_released_on_issue", "host_lock_held_until_loaded",
+                  "report_on_start_query")

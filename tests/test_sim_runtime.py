@@ -63,6 +63,30 @@ def test_wait_event_holds_a_stream_until_the_event_ran():
     assert ran == ["main", "side"]
 
 
+def test_advance_through_runs_the_least_work_a_wait_needs_first_and_stops_at_a_hold():
+    # fuzz.engine.offload's advance_own: an offloader's stream waits on the caller's; run part-way,
+    # the caller's stream gets only as far as that wait needs, then the offloader's takes its steps.
+    rt = SimRuntime()
+    side = rt.new_stream("side")
+    ran = []
+    rt.launch(lambda: ran.append("main 1"))
+    event = rt.record_event()
+    rt.launch(lambda: ran.append("main 2"))
+    rt.wait_event(event, stream=side)
+    rt.launch(lambda: ran.append("side 1"), stream=side)
+    rt.launch(lambda: ran.append("side 2"), stream=side)
+    assert rt.advance_through(side, 2) == 2  # the wait and the first launch
+    assert ran == ["main 1", "side 1"] and rt.pending(rt.default_stream) == 1
+    hold = rt.hold(rt.default_stream)
+    after = rt.record_event()
+    rt.wait_event(after, stream=side)
+    assert rt.advance_through(side, 5) == 1  # side 2, then the wait behind the held stream
+    # the work before the hold ran; the wait behind it stays queued
+    assert ran == ["main 1", "side 1", "side 2", "main 2"] and rt.pending(side) == 1
+    rt.release(hold)
+    assert rt.advance_through(side, 5) == 1 and rt.pending(side) == 0
+
+
 def test_an_event_never_recorded_counts_as_complete_as_in_cuda():
     rt = SimRuntime()
     event = rt.new_event()

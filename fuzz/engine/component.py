@@ -133,6 +133,8 @@ COMPONENT_KINDS: dict[str, ComponentKind] = {
         "evict": (("slot",), {}),
         "poll": ((), {"sync": 0}),
         "wait": (("slot",), {}),
+        # one of the streams the offloader made runs up to `ops` queued ops (fuzz.engine.offload_rules)
+        "advance_own": (("stream",), {"ops": 1}),
     }, options={"host_memory": ("pinned", "registered")}, one_cache=True,  # registered: cudaHostRegister
         # An offloader's race needs a store, its report, a load and the call that races it (an
         # eviction, a free, the next load) in one program. SGLang #36738 and #27444 in the

@@ -114,7 +114,8 @@ class OffloadSide:
     keeps_cache_tensors = True  # an engine's handler keeps the cache tensors it was built with
 
     def ops(self) -> dict[str, Any]:
-        return {"store": self.store, "load": self.load, "evict": self.evict, "wait": self.wait_for, "poll": self.poll}
+        return {"store": self.store, "load": self.load, "evict": self.evict, "wait": self.wait_for, "poll": self.poll,
+                "advance_own": self.advance_own}
 
     def holding(self, block: int) -> str | None:
         job = self.busy.get(block)
@@ -165,6 +166,30 @@ class OffloadSide:
                     self.offloader.get_finished()  # warm-up jobs: whatever it says of them is ignored
 
     # -- ops ------------------------------------------------------------------------------------------
+    def own_streams(self) -> list[Any]:
+        """The streams the offloader made (every stream of the runtime the episode did not make), in
+        the order they were made: the same in every replay of a program."""
+        episode = self.episode
+        caller = {id(stream) for stream in episode.streams}
+        return [stream for stream in episode.rt.streams if id(stream) not in caller]
+
+    def own_work_by_stream(self) -> list[bool]:
+        """For each of the offloader's streams, whether it has work queued that it could run part of."""
+        return [bool(self.episode.rt.pending(stream)) for stream in self.own_streams()]
+
+    def advance_own(self, stream: int, ops: int = 1) -> int:
+        """Let the offloader's ``stream``-th stream (modulo how many it made) run up to ``ops`` queued
+        ops, a stream it waits on first running the least work that wait needs (the device runs
+        streams side by side); how many ran. A simulated stream runs only as far as the host waits for it unless
+        something advances it, so without this op a job reported on an event its stream passes
+        before its copies (the start event, the first layer's of a layer-by-layer transfer) was
+        never seen reported early."""
+        own = self.own_streams()
+        if not own:
+            return 0
+        episode = self.episode
+        return episode.device_work(episode.rt.advance_through, own[stream % len(own)], ops)
+
     def store(self, block: int, stream: int = 0) -> int:
         episode = self.episode
         episode.stream_of(stream)  # checked before anything changes

@@ -73,9 +73,19 @@ class OffloadPart:
         evictable = self._evictable()
         self._apply(op="evict", slot=evictable[slot % len(evictable)])
 
-    @rule(sync=st.booleans())
-    def poll_finished(self, sync: bool) -> None:
-        self._apply(op="poll", **({"sync": 1} if sync or self._free_running() else {}))
+    # The caller's advance_stream steers its own streams only: the offloader's run only as far as a
+    # host synchronisation needs, so a job reported once its stream has passed the start event, or
+    # the first layer's event of a layer-by-layer transfer, while its copies are still queued, shows
+    # only if its streams run part-way before a poll: ``own`` ops of each that has work queued.
+    @rule(sync=st.booleans(), own=st.integers(0, 3))
+    def poll_finished(self, sync: bool, own: int) -> None:
+        sync = sync or self._free_running()
+        if own and not sync and self._enabled("advance_stream"):
+            side = self.episode.component
+            for stream, queued in enumerate(side.own_work_by_stream()):
+                if queued:
+                    self._apply(op="advance_own", stream=stream, ops=own)
+        self._apply(op="poll", **({"sync": 1} if sync else {}))
 
     def _free_running(self) -> bool:
         """On a GPU running free (no gates), which jobs a poll hears of is the GPU's timing, and the

@@ -160,6 +160,25 @@ class StreamQueues:
             taken += 1
         return taken
 
+    def advance_through(self, stream: int, k: int = 1) -> int:
+        """Run up to ``k`` steps of ``stream``; where its head waits on another stream, first the least
+        work that gets that stream there (:meth:`run_until`), as the device runs streams side by
+        side; stop at a hold. Return the steps of ``stream`` taken."""
+        taken = 0
+        while taken < k and self._queues[stream]:
+            op = self._queues[stream][0]
+            if op.kind == "wait" and op.wait_for is not None and not self.completed(*op.wait_for):
+                try:
+                    self.run_until(*op.wait_for)
+                except DeadlockError:  # a hold on the way: what ran before it stands
+                    break
+                continue
+            if op.kind == "hold" and not op.released:
+                break
+            self._step(stream)
+            taken += 1
+        return taken
+
     def run_until(self, stream: int, seq: int) -> None:
         """Do the least work that executes ``stream`` through position ``seq``."""
         if seq > self.enqueued[stream]:
@@ -239,3 +258,7 @@ class ModelledStreams:
     def _advance(self, stream: Stream, ops: int) -> int:
         self._check_usable()
         return self.queues.advance(stream.index, ops)
+
+    def _advance_through(self, stream: Stream, ops: int) -> int:
+        self._check_usable()
+        return self.queues.advance_through(stream.index, ops)
