@@ -93,13 +93,20 @@ def test_a_free_running_gpu_campaign_polls_after_waiting_for_the_device_so_it_dr
     from fuzz.engine.episode import EpisodeConfig
     from fuzz.engine.offload_rules import OffloadPart
 
-    for backend, mode, drawn, expect in [("cuda", "free", False, {"op": "poll", "sync": 1}),
-                                         ("cuda", "controlled", False, {"op": "poll"}),
-                                         ("sim", "controlled", False, {"op": "poll"}),
-                                         ("cuda", "controlled", True, {"op": "poll", "sync": 1})]:
+    # own: the offloader's streams run part-way first (those with work queued: the first and the
+    # third here), only where the poll does not wait for the device anyway
+    own = [{"op": "advance_own", "stream": 0, "ops": 2}, {"op": "advance_own", "stream": 2, "ops": 2}]
+    for backend, mode, drawn, ran, expect in [("cuda", "free", False, 2, [{"op": "poll", "sync": 1}]),
+                                              ("cuda", "controlled", False, 0, [{"op": "poll"}]),
+                                              ("sim", "controlled", False, 0, [{"op": "poll"}]),
+                                              ("sim", "controlled", False, 2, [*own, {"op": "poll"}]),
+                                              ("cuda", "controlled", False, 2, [*own, {"op": "poll"}]),
+                                              ("cuda", "controlled", True, 2, [{"op": "poll", "sync": 1}])]:
         applied = []
-        stub = SimpleNamespace(episode=SimpleNamespace(config=EpisodeConfig(backend=backend, mode=mode)),
-                               _apply=lambda **op: applied.append(op))
+        component = SimpleNamespace(own_work_by_stream=lambda: [True, False, True])
+        stub = SimpleNamespace(episode=SimpleNamespace(config=EpisodeConfig(backend=backend, mode=mode),
+                                                       component=component),
+                               _apply=lambda **op: applied.append(op), _enabled=lambda rule: True)
         stub._free_running = lambda: OffloadPart._free_running(stub)
-        OffloadPart.poll_finished(stub, drawn)
-        assert applied == [expect], (backend, mode)
+        OffloadPart.poll_finished(stub, drawn, ran)
+        assert applied == expect, (backend, mode, ran)
