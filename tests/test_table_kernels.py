@@ -306,3 +306,39 @@ def test_on_the_simulator_a_kernel_over_the_whole_cache_touches_only_the_blocks_
     assert error is None and unfollowed == []
     assert [race.kind for race in races] == ([] if written == 5 else ["unordered-device-access"]), \
         [race.format() for race in races]
+
+
+def test_on_a_gpu_a_table_kernels_rows_into_pinned_objects_side_by_side_are_each_their_own():
+    # Rows stored into pinned objects the host allocator laid side by side (torch 2.11 on an H100
+    # did so for small pin_memory=True objects): the kernel's words merge into one run across both;
+    # each object's bytes are placed in its own region, not left as bytes no allocation holds.
+    from sanitizer.gpu.launches import on_launch
+    from sanitizer.gpu.observer import Observer
+    from kvdevice.triton_cpu import launch_on_cpu
+
+    cuda = FakeCuda()
+    obs = Observer(device=cuda)
+    cuda.obs = obs
+    obs.start()
+    backing = torch.zeros(2 * WORDS, dtype=torch.float32).numpy()  # one buffer, two storages over its halves
+    try:
+        kv = cuda.device(torch.arange(4 * ROWS * WORDS, dtype=torch.float32).reshape(4 * ROWS, WORDS))
+        objects = [cuda.pinned(torch.from_numpy(backing[i * WORDS:(i + 1) * WORDS])) for i in range(ROWS)]
+        assert objects[0].data_ptr() + 4 * WORDS == objects[1].data_ptr()
+        src, _, sizes = _tables(kv, 1, kv, 1)
+        tables = []
+        for values in (src, np.array([o.data_ptr() for o in objects], dtype=np.int64), sizes):
+            table = cuda.device(torch.zeros(ROWS, dtype=torch.int64))
+            table.copy_(torch.from_numpy(values))
+            tables.append(table)
+        side = cuda.new_stream()
+        with cuda.stream(side):
+            with obs.lock:
+                on_launch(obs, swap._swap_blocks_kernel, (*tables, ROWS), {"BYTES_PER_CHUNK": 64}, (2,))
+            launch_on_cpu(swap._swap_blocks_kernel, (2,), *tables, ROWS, BYTES_PER_CHUNK=64)
+        objects[1].tolist()  # the host reads the second row's object before it saw the kernel finish
+    finally:
+        races = obs.stop()
+    assert [u.message() for u in obs.take_unfollowed()] == []
+    assert torch.equal(objects[1], kv[ROWS + 1])
+    assert [r.kind for r in races] == ["host-read-vs-pending-copy"]
