@@ -375,14 +375,13 @@ class _Transfer(NamedTuple):
 class TimedTransferHandler:
     """vLLM's CPU offloading handler shape: ``transfer_async(job_id, (src, dst))`` on a stream from a
     pool, timed by two events from a pool, and ``get_finished()`` reporting each job with its
-    transfer time, oldest first. ``query_end=False`` reports every queued job without asking its
-    end event whether the copies have run; ``query="start"`` asks the start event instead, which the
+    transfer time, oldest first. ``query=None`` reports every queued job without asking its end
+    event whether the copies have run; ``query="start"`` asks the start event instead, which the
     stream passes before the copies."""
 
-    def __init__(self, cache, host_pool, runtime=None, *, query_end: bool = True, query: str = "end") -> None:
+    def __init__(self, cache, host_pool, runtime=None, *, query: str | None = "end") -> None:
         self.pairs = _layers(cache, host_pool)
         self.ratio = cache.spec.block_size // cache.spec.kernel_block_size
-        self.query_end = query_end
         self.query = query
         self.block_bytes = sum(_rows(device, kv_outer, 0, self.ratio).nbytes for device, _, kv_outer in self.pairs)
         self._transfers: deque[_Transfer] = deque()
@@ -411,7 +410,7 @@ class TimedTransferHandler:
         return True
 
     def _done(self, transfer: _Transfer) -> bool:
-        if not self.query_end:
+        if self.query is None:
             return True
         return (transfer.start_event if self.query == "start" else transfer.end_event).query()
 
@@ -450,6 +449,6 @@ staging_freed_on_return = functools.partial(StagedLoadOffloader, free_on_return=
 staging_freed_after_event = functools.partial(StagedLoadOffloader, free_on_return=False)
 copy_thread_without_compute_event = functools.partial(CopyThreadOffloader, store_waits_compute=False)
 copy_thread_after_compute_event = functools.partial(CopyThreadOffloader)
-report_without_end_query = functools.partial(TimedTransferHandler, query_end=False)
+report_without_end_query = functools.partial(TimedTransferHandler, query=None)
 report_after_end_query = functools.partial(TimedTransferHandler)
 report_on_start_query = functools.partial(TimedTransferHandler, query="start")

@@ -590,19 +590,20 @@ class Runtime(ABC):
         This is the interleaving choice. On free-running cuda timing decides instead and this
         returns 0.
         """
-        self._check_stream(stream)
-        if not isinstance(ops, int) or ops < 0:
-            raise RuntimeUsageError(f"advance by {ops!r} ops: expected a non-negative int")
+        self._check_advance(stream, ops)
         return self._advance(stream, ops)
 
     def advance_through(self, stream: Stream, ops: int = 1) -> int:
         """Like :meth:`advance`, but where ``stream`` waits on another stream, that one first runs the
         least work the wait needs (the device runs them side by side): how far the code's own
         stream gets while the host does not wait for it. Returns the steps ``stream`` took."""
+        self._check_advance(stream, ops)
+        return self._advance_through(stream, ops)
+
+    def _check_advance(self, stream: Stream, ops: int) -> None:
         self._check_stream(stream)
         if not isinstance(ops, int) or ops < 0:
             raise RuntimeUsageError(f"advance by {ops!r} ops: expected a non-negative int")
-        return self._advance_through(stream, ops)
 
     def _advance_through(self, stream: Stream, ops: int) -> int:
         """By default, :meth:`advance` (a runtime whose streams the model does not run)."""

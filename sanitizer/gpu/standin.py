@@ -68,8 +68,7 @@ class FakeCuda:
         self._device: dict[int, _Held] = {}
         self._sizes: dict[int, int] = {}  # storage address -> bytes, of the tensors made device memory
         self._starts: list[int] = []  # the same addresses, sorted: holding() bisects them
-        self._pinned: set[int] = set()
-        self._pinned_extents: dict[int, int] = {}  # first byte -> end of each pinned storage
+        self._pinned: dict[int, int] = {}  # first byte -> end of each pinned storage
         self._host_pool: dict[int, list[bytearray]] = {}  # bytes -> blocks of pin_copy, free or in use
         self._local = threading.local()
         self._ids = itertools.count(0x1000)
@@ -119,7 +118,7 @@ class FakeCuda:
         return not (self._in_pinned(address) or self._in_pinned(address + size - 1))
 
     def _in_pinned(self, address: int) -> bool:
-        return any(start <= address < end for start, end in self._pinned_extents.items())
+        return any(start <= address < end for start, end in self._pinned.items())
 
     def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` is pinned memory, allocated here (as ``pin_memory=True`` is, to the observer)."""
@@ -153,8 +152,7 @@ class FakeCuda:
 
     def _pin(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        self._pinned.add(storage.data_ptr())
-        self._pinned_extents[storage.data_ptr()] = storage.data_ptr() + storage.nbytes()
+        self._pinned[storage.data_ptr()] = storage.data_ptr() + storage.nbytes()
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         # A tensor that calls itself CUDA (the simulator's SimCudaTensor) is device memory, as
