@@ -194,52 +194,94 @@ class Snapshot:
 
 
 class PendingReads:
-    """Snapshots of the pinned bytes queued reads will see (see the module docstring)."""
+    """Snapshots of the pinned bytes queued reads will see (see the module docstring).
+
+    Snapshots of the same bytes of the same region, taken while they held the same values (a
+    staging buffer copied again and again before the host syncs), are one group, compared once:
+    the bytes differ for all of them or for none, so a check costs one comparison per group, not
+    one per queued read (a loop that queues a thousand copies of one buffer would otherwise compare
+    it a thousand times at every op). Within a group, snapshots of reads seen complete and of
+    memory gone are dropped at every check while it is small, and once it is larger each time it
+    has doubled since it was last pruned."""
 
     def __init__(self, limit: int = MAX_PENDING) -> None:
-        self._items: list[Snapshot] = []
+        # (region id, runs, bytes) -> [(order added, snapshot)], oldest first; groups in the order made
+        self._groups: dict[tuple[int, tuple[tuple[int, int], ...], bytes], list[tuple[int, Snapshot]]] = {}
+        self._prune_at: dict[tuple[int, tuple[tuple[int, int], ...], bytes], int] = {}
+        self._count = 0
+        self._added = itertools.count()
         self.limit = limit
 
     def add(self, snapshot: Snapshot) -> None:
-        self._items.append(snapshot)
-        if len(self._items) > self.limit:
-            del self._items[: len(self._items) - self.limit]
+        key = (snapshot.region.id, tuple(snapshot.runs), snapshot.raw)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = []
+        group.append((next(self._added), snapshot))
+        self._count += 1
+        while self._count > self.limit:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        key = min(self._groups, key=lambda k: self._groups[k][0][0])
+        group = self._groups[key]
+        del group[0]
+        self._count -= 1
+        if not group:
+            self._remove(key)
+
+    def _remove(self, key: tuple[int, tuple[tuple[int, int], ...], bytes]) -> None:
+        self._count -= len(self._groups.pop(key))
+        self._prune_at.pop(key, None)
 
     def drop(self, region: Region, runs: Runs) -> None:
         """A queued device-to-host copy will write ``runs`` of ``region``: their bytes change
         without a host write, so the snapshots over them can no longer tell."""
-        self._items = [s for s in self._items if s.region is not region or not overlaps(s.runs, runs)]
+        for key, group in list(self._groups.items()):
+            if group[0][1].region is region and overlaps(group[0][1].runs, runs):
+                self._remove(key)
 
     def forget(self, region: Region) -> None:
-        self._items = [s for s in self._items if s.region is not region]
+        for key, group in list(self._groups.items()):
+            if group[0][1].region is region:
+                self._remove(key)
 
     def changed(self, seen: Callable[[OpStamp], bool],
                 gone: Callable[[Snapshot], bool] | None = None) -> list[Snapshot]:
-        """The snapshots whose bytes differ now, of reads not ``seen`` complete; each is reported
-        once and dropped, with the snapshots of reads seen complete and those ``gone`` (memory
-        nothing but the snapshot holds any more: nothing can write it)."""
-        if not self._items:
+        """The snapshots whose bytes differ now, of reads not ``seen`` complete, in the order added;
+        each is reported once and dropped, with the snapshots of reads seen complete and those
+        ``gone`` (memory nothing but the snapshot holds any more: nothing can write it)."""
+        if not self._groups:
             return []
-        kept: list[Snapshot] = []
-        found: list[Snapshot] = []
-        for snapshot in self._items:
-            if seen(snapshot.stamp):
-                continue
-            if snapshot.changed():
-                found.append(snapshot)
-            elif gone is None or not gone(snapshot):
-                kept.append(snapshot)
-        self._items = kept
-        return found
+        found: list[tuple[int, Snapshot]] = []
+        for key, group in list(self._groups.items()):
+            if group[0][1].changed():
+                found.extend(item for item in group if not seen(item[1].stamp))
+                self._remove(key)
+            elif len(group) <= _PRUNE_ALWAYS or len(group) >= self._prune_at.get(key, 0):
+                kept = [item for item in group if not seen(item[1].stamp) and (gone is None or not gone(item[1]))]
+                if not kept:
+                    self._remove(key)
+                else:
+                    self._count -= len(group) - len(kept)
+                    group[:] = kept
+                    self._prune_at[key] = 2 * len(kept)
+        found.sort(key=lambda item: item[0])
+        return [snapshot for _, snapshot in found]
 
     def __iter__(self) -> Iterator[Snapshot]:
-        return iter(list(self._items))
+        items = [item for group in self._groups.values() for item in group]
+        items.sort(key=lambda item: item[0])
+        return iter([snapshot for _, snapshot in items])
 
     def __bool__(self) -> bool:
-        return bool(self._items)
+        return bool(self._groups)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return self._count
+
+
+_PRUNE_ALWAYS = 4  # a group this small is pruned at every check (as every snapshot was); a larger one when it doubles
 
 
 class PinnedWatch:

@@ -298,6 +298,36 @@ def test_the_oldest_snapshots_are_dropped_beyond_the_limit():
     assert list(reads) == snapshots[1:]
 
 
+def test_reads_of_the_same_unchanged_bytes_are_compared_once_per_check(monkeypatch):
+    # a staging buffer copied a thousand times before the host syncs: one comparison per check, not a thousand
+    buf = torch.zeros(8, dtype=torch.int64)
+    region = PinnedMemory().add_tensor(buf)
+    reads = PendingReads()
+    snapshots = [Snapshot.of(region, buf[:4], stamp(f"copy#{i}")) for i in range(1000)]
+    for snapshot in snapshots:
+        reads.add(snapshot)
+    compared = []
+    monkeypatch.setattr(Snapshot, "changed", lambda self: compared.append(self) or read_runs(self.runs) != self.raw)
+    assert reads.changed(never) == []
+    assert len(compared) == 1 and len(reads) == 1000
+    buf.numpy()[1] = 5
+    assert reads.changed(lambda s: s is snapshots[3].stamp) == snapshots[:3] + snapshots[4:]
+    assert len(reads) == 0
+
+
+def test_a_large_group_drops_reads_seen_complete_once_it_has_doubled():
+    buf = torch.zeros(8, dtype=torch.int64)
+    region = PinnedMemory().add_tensor(buf)
+    reads = PendingReads()
+    done = set()
+    snapshots = [Snapshot.of(region, buf, stamp(f"copy#{i}")) for i in range(10)]
+    for snapshot in snapshots:
+        reads.add(snapshot)
+        done.add(snapshot.stamp)  # each read seen complete before the next is queued
+        reads.changed(lambda s: s in done)
+    assert len(reads) <= 4  # pruned as it grows: never more than twice what survived the last prune
+
+
 # -- PinnedWatch ----------------------------------------------------------------------------------
 
 def test_a_numpy_write_under_a_pending_read_is_a_host_write_hazard():
