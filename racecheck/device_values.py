@@ -68,6 +68,7 @@ _FACTORIES = {packet for name in ("arange", "full", "zeros", "ones", "scalar_ten
 _DEFAULT_DTYPE = {packet for name in ("zeros", "ones", "scalar_tensor")
                   for packet in [getattr(aten, name, None)] if packet is not None}
 _TO_COPY = aten._to_copy.default
+_COPY = aten.copy_.default
 # Results that differ between the host and the GPU: never evaluated, their outputs unknown.
 _NONDETERMINISTIC = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
 
@@ -197,6 +198,13 @@ class DeviceValues:
         for value in on_device:
             if value.dtype not in INTEGERS:
                 return None  # the common case, one check: an op on data, not on a table
+        if func is _COPY and len(on_device) == 1 and len(args) >= 2 and on_device[0] is args[0]:
+            # The most frequent op on a table: a copy of host values into it (a staged index, every
+            # step). Its values are the host tensor's, as copy_ converts and broadcasts them: no
+            # evaluation on a copy of the shadow.
+            src = args[1]
+            if isinstance(src, torch.Tensor) and not src.is_meta and _storage(args[0])[1] <= MAX_STORAGE:
+                return Pending(func, [], [(args[0], src)])
         device_inputs = list(on_device)
         if not device_inputs and not self._small_host_op(func, args, kwargs):
             return None

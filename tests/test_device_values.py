@@ -70,6 +70,32 @@ def test_a_later_copy_over_part_of_a_table_replaces_those_values_and_keeps_the_r
     assert values.values(ids.view(torch.int32)[:2]).tolist() == [0, 0]  # the same bytes, read as int32
 
 
+@pytest.mark.parametrize("src", [
+    torch.tensor([7], dtype=torch.int32),                 # broadcast over the slice
+    torch.tensor([1.9, -2.5, 3.0]),                      # converted as copy_ converts
+    torch.arange(6, dtype=torch.int64)[::2],              # a strided host view
+    torch.tensor([True, False, True]),
+], ids=["broadcast", "float", "strided", "bool"])
+def test_a_copy_of_host_values_into_a_table_leaves_what_evaluating_it_on_the_host_would(src, monkeypatch):
+    # copy_ from the host takes a shortcut (no evaluation on a copy of the shadow): the values must be the same
+    import racecheck.device_values as device_values
+
+    def known_after(shortcut: bool) -> list[int]:
+        if not shortcut:
+            monkeypatch.setattr(device_values, "_COPY", None)
+        values, on = _values()
+        table = torch.zeros(8, dtype=torch.int64)
+        on.add(table.untyped_storage().data_ptr())
+        _run(values, on, aten.copy_.default, table, torch.arange(8, dtype=torch.int64))
+        _run(values, on, aten.copy_.default, table[2:5], src, True)
+        monkeypatch.undo()
+        return values.values(table).tolist()
+
+    expected = torch.arange(8, dtype=torch.int64)
+    expected[2:5].copy_(src)
+    assert known_after(shortcut=True) == known_after(shortcut=False) == expected.tolist()
+
+
 def test_a_device_write_the_tool_cannot_evaluate_makes_those_bytes_unknown_and_only_those():
     values, device = _values()
     ids = torch.zeros(8, dtype=torch.uint64)
