@@ -30,7 +30,9 @@ def test_the_benchmark_runs_on_the_stand_in_and_reports_its_own_cost_by_stage(tm
     assert sum(stages.values()) == pytest.approx(result["own_us_per_op_median"], rel=0.01, abs=0.1)
     bare = result["bare_mode_us_per_op"]
     assert len(bare) == 2 and result["bare_mode_us_per_op_median"] == pytest.approx(sorted(bare)[0] / 2 + sorted(bare)[1] / 2)
+    assert 20 < result["own_calls_per_op"] < 2000  # the observer's calls per op, beyond the plain loop's
     printed = capsys.readouterr().out
+    assert f"calls per op beyond the plain loop's (cProfile; the machine's load does not change it): {result['own_calls_per_op']:.1f}" in printed
     assert "own cost by stage" in printed and "a dispatch mode that only hands each op on:" in printed
     assert "standin_step" in (tmp_path / "profile.txt").read_text()
 

@@ -215,17 +215,21 @@ def _profiling(profile: cProfile.Profile | None) -> Iterator[None]:
             profile.disable()
 
 
-def stages(target: Gpu | StandIn, steps: int, ops: int, own_us: float) -> tuple[dict[str, float], cProfile.Profile]:
+def stages(target: Gpu | StandIn, steps: int, ops: int,
+           own_us: float) -> tuple[dict[str, float], float, cProfile.Profile]:
     """The sanitizer's own cost per op by stage (op_stages.split of one profiled run of each kind),
     scaled to ``own_us``, the unprofiled measurement (cProfile inflates Python calls, not shares);
-    and the observed run's profile."""
+    the calls (Python functions and built-ins) the observed run makes per op beyond the plain one's,
+    a count that other jobs on the machine do not change; and the observed run's profile."""
     baseline, profile = cProfile.Profile(), cProfile.Profile()
     plain(target, steps, baseline)
     observed(target, steps, profile)
-    added = op_stages.split(pstats.Stats(profile), pstats.Stats(baseline), target.files)
+    observed_stats, plain_stats = pstats.Stats(profile), pstats.Stats(baseline)
+    added = op_stages.split(observed_stats, plain_stats, target.files)
     total = sum(added.values())
     scale = own_us / total if total > 0 else 0.0
-    return {stage: round(seconds * scale, 2) for stage, seconds in added.items()}, profile
+    calls = (observed_stats.total_calls - plain_stats.total_calls) / ops  # type: ignore[attr-defined]
+    return {stage: round(seconds * scale, 2) for stage, seconds in added.items()}, round(calls, 1), profile
 
 
 def _main(argv: list[str]) -> int:
@@ -256,7 +260,7 @@ def _main(argv: list[str]) -> int:
             bare_us.append(bare_mode(target, args.steps)[0] / ops * 1e6 - plain_us[-1])
         own = [s - p for s, p in zip(sanitized_us, plain_us)]
         own_cpu = [s - p for s, p in zip(sanitized_cpu, plain_cpu)]
-        split, profile = stages(target, args.steps, ops, median(own))
+        split, calls, profile = stages(target, args.steps, ops, median(own))
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "environment": environment(), "device": target.name,
         "steps": args.steps, "ops": ops, "rounds": args.rounds, "plain_us_per_op": plain_us,
@@ -265,12 +269,14 @@ def _main(argv: list[str]) -> int:
         "plain_cpu_us_per_op": plain_cpu, "sanitized_cpu_us_per_op": sanitized_cpu, "own_cpu_us_per_op": own_cpu,
         "own_cpu_us_per_op_median": median(own_cpu),
         "bare_mode_us_per_op": bare_us, "bare_mode_us_per_op_median": median(bare_us),
+        "own_calls_per_op": calls,
     }
     print(f"on {target.name}: plain {median(plain_us):.1f} us/op, sanitized {median(sanitized_us):.1f} us/op, "
           f"own {median(own):.1f} us/op, ratio {result['ratio']:.2f}x (median of {args.rounds}, {ops} ops a run)")
     print(f"CPU time: plain {median(plain_cpu):.1f} us/op, sanitized {median(sanitized_cpu):.1f} us/op, "
           f"own {median(own_cpu):.1f} us/op")
     print(f"a dispatch mode that only hands each op on: {median(bare_us):.1f} us/op (the floor of a Python mode)")
+    print(f"calls per op beyond the plain loop's (cProfile; the machine's load does not change it): {calls:.1f}")
     print("own cost by stage (us/op): " + ", ".join(f"{stage} {us:.1f}" for stage, us in split.items()))
     if profile_out is not None:
         text = io.StringIO()
