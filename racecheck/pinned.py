@@ -254,18 +254,25 @@ class PendingReads:
         if not self._groups:
             return []
         found: list[tuple[int, Snapshot]] = []
-        for key, group in list(self._groups.items()):
+        emptied = []
+        for key, group in self._groups.items():
             if group[0][1].changed():
                 found.extend(item for item in group if not seen(item[1].stamp))
-                self._remove(key)
+                emptied.append(key)
             elif len(group) <= _PRUNE_ALWAYS or len(group) >= self._prune_at.get(key, 0):
                 kept = [item for item in group if not seen(item[1].stamp) and (gone is None or not gone(item[1]))]
                 if not kept:
-                    self._remove(key)
+                    emptied.append(key)
                 else:
-                    self._count -= len(group) - len(kept)
-                    group[:] = kept
-                    self._prune_at[key] = 2 * len(kept)
+                    if len(kept) < len(group):
+                        self._count -= len(group) - len(kept)
+                        group[:] = kept
+                    if len(kept) > _PRUNE_ALWAYS:
+                        self._prune_at[key] = 2 * len(kept)
+        for key in emptied:
+            self._remove(key)
+        if not found:
+            return []
         found.sort(key=lambda item: item[0])
         return [snapshot for _, snapshot in found]
 

@@ -81,7 +81,14 @@ def row_runs(tensor: torch.Tensor, dim: int, rows: Iterable[int], limit: int = L
         base, row = tensor.data_ptr(), (tensor.numel() // size if size else 0) * itemsize
         if not row:
             return []
-        return merge((base + r * row, base + (r + 1) * row) for r in {r % size for r in rows if -size <= r < size})
+        merged: Runs = []  # merge() of the rows' runs, built in order: each row is one run, adjacent ones join
+        for r in sorted({r % size for r in rows if -size <= r < size}):
+            lo = base + r * row
+            if merged and merged[-1][1] == lo:
+                merged[-1] = (merged[-1][0], lo + row)
+            else:
+                merged.append((lo, lo + row))
+        return merged
     inner_sizes, inner_strides = sizes[:dim] + sizes[dim + 1:], strides[:dim] + strides[dim + 1:]
     base = tensor.data_ptr()
     found: Runs = []

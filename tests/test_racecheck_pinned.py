@@ -310,6 +310,10 @@ def test_reads_of_the_same_unchanged_bytes_are_compared_once_per_check(monkeypat
     monkeypatch.setattr(Snapshot, "changed", lambda self: compared.append(self) or read_runs(self.runs) != self.raw)
     assert reads.changed(never) == []
     assert len(compared) == 1 and len(reads) == 1000
+    asked = []
+    for _ in range(10):  # pruned again only once the group has doubled: no walk over it at every check
+        assert reads.changed(lambda s: asked.append(s) or False) == []
+    assert asked == [] and len(compared) == 11
     buf.numpy()[1] = 5
     assert reads.changed(lambda s: s is snapshots[3].stamp) == snapshots[:3] + snapshots[4:]
     assert len(reads) == 0

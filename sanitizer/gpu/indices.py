@@ -86,7 +86,7 @@ class Indices:
             with torch._C.DisableTorchFunction():
                 return [int(v) for v in index.reshape(-1).tolist()]
         known = self.obs.values.values(index)
-        return None if known is None else [int(v) for v in known.reshape(-1)]
+        return None if known is None else known.reshape(-1).tolist()
 
     # -- declaring an op's accesses ------------------------------------------------------------------
     def declare(self, func: Any, args: tuple, kwargs: dict, stamp: OpStamp, on_device: list[torch.Tensor],

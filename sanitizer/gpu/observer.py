@@ -180,7 +180,8 @@ class Observer(HostWatch):
 
     def label(self, what: str, stream: int, site: Site | None) -> Label:
         self._ops += 1
-        self.stream_thread(stream)
+        if stream not in self._stream_names:
+            self.stream_thread(stream)
         # by the site's identity: one Site per program line (sanitizer.sites), kept alive by its Access
         key = (what, stream, id(site))
         access = self._accesses.get(key)

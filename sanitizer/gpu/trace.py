@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sanitizer.sites import caller_site
+from sanitizer.sites import Site, caller_site
 
 _ACTIVE: list[Any] = []
 _INSTALLED = False
@@ -64,11 +64,12 @@ def _forward(handler: Callable[..., None]) -> Callable[..., None]:
     return callback
 
 
-def _boundary(obs: Any) -> None:
+def _boundary(obs: Any, site: Site | None = None) -> None:
     """The host code since the last boundary is checked before what the callback reports counts
-    (nothing to check, and no line to find, when no queued copy reads pinned memory)."""
+    (nothing to check, and no line to find, when no queued copy reads pinned memory). ``site``: the
+    callback's line where its handler has it already (:func:`caller_site` walks the stack)."""
     if obs.pinned.pending:
-        obs.boundary(caller_site(3))
+        obs.boundary(site or caller_site(3))
 
 
 def _capturing(obs: Any) -> bool:
@@ -85,10 +86,11 @@ def stream_created(obs: Any, stream: int) -> None:
 def event_recorded(obs: Any, event: int, stream: int) -> None:
     if _capturing(obs):
         return
-    _boundary(obs)
+    site = caller_site(3)
+    _boundary(obs, site)
     # the record's stamp: its clock is what a wait on the event joins, and its line what a report
     # of the event's time read too early names (Observer.event_time_read)
-    obs._events[event] = obs.enqueue("event record", stream, caller_site(3))
+    obs._events[event] = obs.enqueue("event record", stream, site)
 
 
 def event_waited(obs: Any, event: int, stream: int) -> None:
