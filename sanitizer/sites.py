@@ -49,7 +49,7 @@ def also_skip(directory: str | Path) -> None:
     prefix = str(path) + ("" if path.is_file() else os.sep)
     if prefix not in _ALSO:
         _ALSO.append(prefix)
-        _is_library.cache_clear()
+        _LIBRARY.clear()
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,19 @@ class Site:
 UNKNOWN = Site("<unknown>", 0, "?")
 
 
-@functools.lru_cache(maxsize=4096)
+_LIBRARY: dict[CodeType, bool] = {}  # code object -> whether it is plumbing: one dict lookup a frame on a walk
+
+
 def _is_library(code: CodeType) -> bool:
+    known = _LIBRARY.get(code)
+    if known is None:
+        if len(_LIBRARY) > 16384:
+            _LIBRARY.clear()
+        known = _LIBRARY[code] = _decide(code)
+    return known
+
+
+def _decide(code: CodeType) -> bool:
     name = code.co_filename
     if name in _STDLIB_PLUMBING or name.startswith("<frozen"):
         return True
@@ -100,7 +111,13 @@ def caller_site(skip: int = 1) -> Site:
         frame: FrameType | None = sys._getframe(skip)
     except ValueError:  # fewer frames than that: a trace callback on a thread of C++ code (no Python caller)
         return UNKNOWN
-    while frame is not None and _is_library(frame.f_code):
+    library = _LIBRARY
+    while frame is not None:
+        known = library.get(frame.f_code)
+        if known is None:
+            known = _is_library(frame.f_code)
+        if not known:
+            break
         frame = frame.f_back
     if frame is None:
         return UNKNOWN
