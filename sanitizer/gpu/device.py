@@ -16,6 +16,9 @@ from racecheck.placement import Placed
 from racecheck.raw_copies import allocator_holding, memory_type
 
 _CUDA = 1  # c10::DeviceType::CUDA, as a torch.Stream's device_type gives it
+# The current stream's handle as an int, as Triton's launcher asks for it (no torch.cuda.Stream made);
+# a CPU build of torch has none.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class CudaDevice:
@@ -28,14 +31,13 @@ class CudaDevice:
 
     def device_index(self, tensor: torch.Tensor | None) -> int:
         if tensor is not None and tensor.is_cuda:
-            return tensor.device.index or 0
+            return max(tensor.get_device(), 0)  # an int, without a torch.device made on every op
         return torch.cuda.current_device()
 
     def current_stream(self, index: int | None = None) -> int:
         """The calling thread's current stream (``cudaStream_t``) on device ``index``."""
         index = torch.cuda.current_device() if index is None else index
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        return int(raw(index)) if raw is not None else int(torch.cuda.current_stream(index).cuda_stream)
+        return int(_RAW_STREAM(index)) if _RAW_STREAM is not None else int(torch.cuda.current_stream(index).cuda_stream)
 
     def event_handle(self, event: Any) -> int | None:
         """The ``cudaEvent_t`` torch's trace callbacks name ``event`` by (``torch.cuda.Event`` or the
