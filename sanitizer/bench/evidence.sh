@@ -6,7 +6,8 @@
 #   bash sanitizer/bench/evidence.sh OUTDIR engines  # the engine-style unit tests, the engines' idioms, their
 #                                                    # real shapes under PyTorch's sanitizer and on CUDA
 # (WORKERS and SUITE_SECONDS change the suite's xdist workers, 12, and its time limit, 470 s; WORKERS
-# and JOBS also the other stages' pytest workers and benchmark jobs.)
+# and JOBS also the other stages' pytest workers and benchmark jobs; OVERHEAD_ROUNDS the overhead
+# table's rounds, 3.)
 # Part one: every benchmark program (the engine-like programs, the corpus of the engines' own races
 # with its --sleep ground truth, the campaigns' zeroers) under PyTorch's sanitizer and ours, judged by
 # kind and both lines; the overhead ratios; the GPU tests of the observer's race logic and of force
@@ -54,7 +55,7 @@ if [ "${2:-}" = suite ]; then
 fi
 timeout -k 10 "$(lim 200)" $py -m sanitizer.bench.compare -j "${JOBS:-16}" --steps 8 --json "$out/$card-sanitizer-compare-$month.json" \
   > "$out/compare.txt" 2>&1; echo "exit $?" >> "$out/compare.txt"
-timeout -k 10 "$(lim 200)" $py -m sanitizer.bench.overhead --rounds 3 --json "$out/$card-sanitizer-overhead-$month.json" \
+timeout -k 10 "$(lim 200)" $py -m sanitizer.bench.overhead --rounds "${OVERHEAD_ROUNDS:-3}" --json "$out/$card-sanitizer-overhead-$month.json" \
   > "$out/overhead.txt" 2>&1; echo "exit $?" >> "$out/overhead.txt"
 timeout -k 10 "$(lim 90)" $py -m sanitizer.bench.op_cost --steps 2000 --rounds 3 --json "$out/$card-sanitizer-op-cost-$month.json" \
   --profile "$out/op-cost-profile.txt" > "$out/op-cost.txt" 2>&1; echo "exit $?" >> "$out/op-cost.txt"
