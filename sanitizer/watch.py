@@ -91,9 +91,11 @@ class HostWatch:
         one that does not compare leaves the window open, so a write found later is still placed
         between two lines that hold it (every synchronisation compares, so none is missed).
         The calling thread is the program's from now on."""
-        if quick and self.skips_quick():
-            return
         self._local.program = True
+        if quick and self.pinned.pending:
+            self._quick += 1
+            if self._quick < QUICK_EVERY:
+                return
         self._quick = 0
         if self.pinned.pending:
             found = self.pinned.changed(self._gone)
@@ -103,16 +105,6 @@ class HostWatch:
                     self.hb.host_write(snapshot.region.key, self._unseen_write(snapshot, site), host, snapshot.runs)
                 self.collect()
         self.last_site = site
-
-    def skips_quick(self) -> bool:
-        """Whether a quick boundary here compares nothing (:meth:`boundary`); asked before its site
-        is found, by a caller that would walk the stack for it only to compare. The calling thread is
-        the program's from now on."""
-        self._local.program = True
-        if not self.pinned.pending:
-            return False
-        self._quick += 1
-        return self._quick < QUICK_EVERY
 
     def handoff_boundary(self, site: Site) -> None:
         """A thread hands something off (or starts a thread) at ``site``: a boundary if it is the

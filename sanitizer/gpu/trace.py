@@ -64,13 +64,11 @@ def _forward(handler: Callable[..., None]) -> Callable[..., None]:
     return callback
 
 
-def _boundary(obs: Any, site: Site | None = None, *, quick: bool = False) -> None:
+def _boundary(obs: Any, site: Site | None = None) -> None:
     """The host code since the last boundary is checked before what the callback reports counts
     (nothing to check, and no line to find, when no queued copy reads pinned memory). ``site``: the
-    callback's line where its handler has it already (:func:`caller_site` walks the stack).
-    ``quick``: a callback the host does not wait in (an event record or wait, queued like a device
-    op), whose boundary compares only now and then, as a device op's does (HostWatch.boundary)."""
-    if obs.pinned.pending and not (quick and obs.skips_quick()):
+    callback's line where its handler has it already (:func:`caller_site` walks the stack)."""
+    if obs.pinned.pending:
         obs.boundary(site or caller_site(3))
 
 
@@ -89,7 +87,7 @@ def event_recorded(obs: Any, event: int, stream: int) -> None:
     if _capturing(obs):
         return
     site = caller_site(3)
-    _boundary(obs, site, quick=True)
+    _boundary(obs, site)
     # the record's stamp: its clock is what a wait on the event joins, and its line what a report
     # of the event's time read too early names (Observer.event_time_read)
     obs._events[event] = obs.enqueue("event record", stream, site)
@@ -98,7 +96,7 @@ def event_recorded(obs: Any, event: int, stream: int) -> None:
 def event_waited(obs: Any, event: int, stream: int) -> None:
     if _capturing(obs):
         return
-    _boundary(obs, quick=True)
+    _boundary(obs)
     obs.enqueue("event wait", stream, None)
     record = obs._events.get(event)
     obs.hb.stream_waits(obs.stream_thread(stream), record.vc if record is not None else None)
