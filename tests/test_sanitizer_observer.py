@@ -257,6 +257,25 @@ def test_a_main_thread_read_before_the_helper_threads_event_is_a_race(obs, cuda)
     assert kinds(obs.stop()) == ["host-read-vs-pending-copy"]
 
 
+def test_a_write_before_an_event_record_is_placed_at_the_record_not_at_another_threads_later_sync(obs, cuda):
+    # The record's callback compares the pending reads' bytes: the write is the main thread's, between
+    # the copy and the record. (A record that skipped the comparison let the helper's synchronize()
+    # find it, and the race named the helper's line as both ends.)
+    import ctypes
+
+    staging = cuda.pinned(torch.zeros(8, dtype=torch.int64))
+    ids = cuda.device(torch.zeros(8, dtype=torch.int64))
+    ids.copy_(staging, non_blocking=True); copied = here()
+    ctypes.memmove(staging.data_ptr(), (ctypes.c_int64 * 1)(9), 8)
+    cuda.record(); recorded = here()
+    worker = threading.Thread(target=cuda.synchronize)
+    worker.start()
+    worker.join()
+    (race,) = obs.stop()
+    assert race.kind == "host-write-vs-pending-copy" and race.queued.site.line == copied
+    assert race.later.until is not None and race.later.until.line == recorded
+
+
 def test_a_helper_thread_that_synchronized_before_the_queue_hand_off_orders_the_main_threads_read(obs, cuda):
     counts = cuda.device(torch.arange(4, dtype=torch.int64))
     host = cuda.pinned(torch.zeros(4, dtype=torch.int64))
