@@ -209,10 +209,13 @@ class DeviceValues:
         if func is _COPY and len(on_device) == 1 and len(args) >= 2 and on_device[0] is args[0]:
             # The most frequent op on a table: a copy of host values into it (a staged index, every
             # step). Its values are the host tensor's, as copy_ converts and broadcasts them: no
-            # evaluation on a copy of the shadow.
+            # evaluation on a copy of the shadow. They are taken now, as an evaluation would take
+            # them: a device-to-host copy still queued into the same host memory may land before
+            # commit, at a time the GPU decides.
             src = args[1]
             if isinstance(src, torch.Tensor) and not src.is_meta and _storage(args[0])[1] <= MAX_STORAGE:
-                return Pending(func, [], [(args[0], src)])
+                with torch._C.DisableTorchFunction(), no_dispatch():
+                    return Pending(func, [], [(args[0], src.detach().clone())])
         device_inputs = list(on_device)
         if not device_inputs and not self._small_host_op(func, args, kwargs):
             return None

@@ -96,6 +96,19 @@ def test_a_copy_of_host_values_into_a_table_leaves_what_evaluating_it_on_the_hos
     assert known_after(shortcut=True) == known_after(shortcut=False) == expected.tolist()
 
 
+def test_a_copy_of_host_values_into_a_table_takes_them_as_the_copy_is_called():
+    # the values the host holds at the call, whatever lands in that host memory before the op returns
+    # (a device-to-host copy queued into it earlier, on a GPU)
+    values, on = _values()
+    table = torch.zeros(4, dtype=torch.int64)
+    on.add(table.untyped_storage().data_ptr())
+    host = torch.tensor([1, 2, 3, 4])
+    pending = values.prepare(aten.copy_.default, (table, host), {}, [table])
+    host.fill_(9)  # lands while the op runs
+    values.commit(pending, table)
+    assert values.values(table).tolist() == [1, 2, 3, 4]
+
+
 def test_a_device_write_the_tool_cannot_evaluate_makes_those_bytes_unknown_and_only_those():
     values, device = _values()
     ids = torch.zeros(8, dtype=torch.uint64)
