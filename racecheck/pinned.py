@@ -201,8 +201,10 @@ class PendingReads:
     the bytes differ for all of them or for none, so a check costs one comparison per group, not
     one per queued read (a loop that queues a thousand copies of one buffer would otherwise compare
     it a thousand times at every op). Within a group, snapshots of reads seen complete and of
-    memory gone are dropped at every check while it is small, and once it is larger each time it
-    has doubled since it was last pruned."""
+    memory gone are dropped at every check while it is small; once it is larger, those of reads
+    seen complete from its oldest on at every check, and all of them each time it has doubled since
+    it was last pruned whole, or when the snapshots are over the limit (then the oldest live ones
+    go only after that)."""
 
     def __init__(self, limit: int = MAX_PENDING) -> None:
         # (region id, runs, bytes) -> [(order added, snapshot)], oldest first; groups in the order made
@@ -219,7 +221,9 @@ class PendingReads:
             group = self._groups[key] = []
         group.append((next(self._added), snapshot))
         self._count += 1
-        while self._count > self.limit:
+        # The limit is kept at each check, where reads seen complete are dropped first (here nothing
+        # says which are); between checks, twice the limit at most.
+        while self._count > 2 * self.limit:
             self._drop_oldest()
 
     def _drop_oldest(self) -> None:
@@ -255,22 +259,33 @@ class PendingReads:
             return []
         found: list[tuple[int, Snapshot]] = []
         emptied = []
+        over = self._count > self.limit  # then every group is pruned whole before any live read is dropped
         for key, group in self._groups.items():
             if group[0][1].changed():
                 found.extend(item for item in group if not seen(item[1].stamp))
                 emptied.append(key)
-            elif len(group) <= _PRUNE_ALWAYS or len(group) >= self._prune_at.get(key, 0):
+                continue
+            whole = over or len(group) <= _PRUNE_ALWAYS or len(group) >= self._prune_at.get(key, 0)
+            if whole:
                 kept = [item for item in group if not seen(item[1].stamp) and (gone is None or not gone(item[1]))]
-                if not kept:
-                    emptied.append(key)
-                else:
-                    if len(kept) < len(group):
-                        self._count -= len(group) - len(kept)
-                        group[:] = kept
-                    if len(kept) > _PRUNE_ALWAYS:
-                        self._prune_at[key] = 2 * len(kept)
+            else:  # reads seen complete from the oldest on (one stream's, in its order): amortized once each
+                first = 0
+                while first < len(group) and seen(group[first][1].stamp):
+                    first += 1
+                kept = group[first:]
+            if not kept:
+                emptied.append(key)
+                continue
+            self._count -= len(group) - len(kept)
+            group[:] = kept
+            if len(kept) <= _PRUNE_ALWAYS:
+                self._prune_at.pop(key, None)
+            elif whole:
+                self._prune_at[key] = 2 * len(kept)  # pruned whole again once it has doubled
         for key in emptied:
             self._remove(key)
+        while self._count > self.limit:
+            self._drop_oldest()
         if not found:
             return []
         found.sort(key=lambda item: item[0])

@@ -292,10 +292,34 @@ def test_the_oldest_snapshots_are_dropped_beyond_the_limit():
     buf = torch.zeros(8)
     region = PinnedMemory().add_tensor(buf)
     reads = PendingReads(limit=2)
-    snapshots = [Snapshot.of(region, buf, stamp(f"copy#{i}")) for i in range(3)]
-    for snapshot in snapshots:
+    snapshots = [Snapshot.of(region, buf, stamp(f"copy#{i}")) for i in range(6)]
+    for snapshot in snapshots[:3]:
         reads.add(snapshot)
-    assert list(reads) == snapshots[1:]
+    assert reads.changed(never) == [] and list(reads) == snapshots[1:3]  # the limit, kept at a check
+    for snapshot in snapshots[3:]:
+        reads.add(snapshot)
+    assert list(reads) == snapshots[2:]  # between checks, twice the limit at most
+
+
+def test_reads_seen_complete_go_before_a_live_read_is_dropped_for_the_limit():
+    # review of the grouping: a large group's reads seen complete must not push a live read out
+    buf, staging = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+    memory = PinnedMemory()
+    region, staging_region = memory.add_tensor(buf), memory.add_tensor(staging)
+    reads = PendingReads(limit=20)
+    live = Snapshot.of(staging_region, staging, stamp("live"))
+    reads.add(live)
+    done = set()
+    for i in range(12):  # one buffer copied again and again, each copy seen complete later (another stream's order)
+        snapshot = Snapshot.of(region, buf, stamp(f"copy#{i}"))
+        reads.add(snapshot)
+        assert reads.changed(lambda s: s in done) == []
+    done.update(s.stamp for s in reads if s is not live)
+    others = [torch.full((8,), i, dtype=torch.int64) for i in range(15)]  # kept alive: their bytes stay
+    for i, other in enumerate(others):
+        reads.add(Snapshot.of(memory.add_tensor(other), other, stamp(f"other#{i}")))
+    staging.numpy()[0] = 1
+    assert reads.changed(lambda s: s in done) == [live]
 
 
 def test_reads_of_the_same_unchanged_bytes_are_compared_once_per_check(monkeypatch):
@@ -311,9 +335,9 @@ def test_reads_of_the_same_unchanged_bytes_are_compared_once_per_check(monkeypat
     assert reads.changed(never) == []
     assert len(compared) == 1 and len(reads) == 1000
     asked = []
-    for _ in range(10):  # pruned again only once the group has doubled: no walk over it at every check
+    for _ in range(10):  # pruned whole again only once the group has doubled: its oldest read asked about, no more
         assert reads.changed(lambda s: asked.append(s) or False) == []
-    assert asked == [] and len(compared) == 11
+    assert asked == [snapshots[0].stamp] * 10 and len(compared) == 11
     buf.numpy()[1] = 5
     assert reads.changed(lambda s: s is snapshots[3].stamp) == snapshots[:3] + snapshots[4:]
     assert len(reads) == 0
