@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sanitizer.bench.overhead import GOALS, TEST_GOALS, judge, line, main
+from sanitizer.bench.overhead import GOALS, TEST_GOALS, judge, line, main, rotated
 
 
 def rounds(kvz: tuple[float, float], torch_: tuple[float, float] | None = (9.0, 11.0),
@@ -65,3 +65,20 @@ def test_without_a_gpu_it_says_so_in_one_line(capsys):
 def test_a_bad_round_count_is_a_usage_error(capsys):
     assert main(["--rounds", "0"]) == 2
     assert "--rounds 0: give at least 1" in capsys.readouterr().err
+
+
+def test_a_ratio_just_over_its_goal_misses_though_it_rounds_to_it():
+    result = judge("launch_bound", rounds((1.204, 1.0)))
+    assert result["kvz_wall_ratio"] == 1.2 and not result["met"]
+
+
+def test_a_plain_run_with_no_test_time_gives_no_ratio_rather_than_dividing_by_zero():
+    made = rounds((1.0, 1.0))
+    made[0]["plain"]["tests"] = 0.0
+    result = judge("gpu_bound", made)
+    assert result["kvz_tests_ratio"] is None and not result["met"]
+
+
+def test_each_round_starts_one_run_later():
+    assert [rotated(["plain", "kvz", "torch"], i) for i in range(4)] == [
+        ["plain", "kvz", "torch"], ["kvz", "torch", "plain"], ["torch", "plain", "kvz"], ["plain", "kvz", "torch"]]

@@ -5,10 +5,11 @@ Two small suites stand for the two kinds of test suite an engine has
 (:mod:`sanitizer.bench.suites`): ``gpu_bound`` (a few large matmuls per test: the GPU sets the
 pace) and ``launch_bound`` (hundreds of tiny ops and a pinned staging copy per step: the host
 sets it, and every op passes the sanitizer's hooks). Each round runs each suite plainly, under
-this sanitizer and under PyTorch's (``TORCH_CUDA_SANITIZER=1``), in fresh pytest processes, in
-that order; a ratio is the median over rounds of a tool's time over the plain time of the same
-round, for the whole process (wall) and for the tests alone (the sum of the tests' durations in
-pytest's JUnit XML, without the interpreter's and torch's start-up). The goals (issue 54) are this
+this sanitizer and under PyTorch's (``TORCH_CUDA_SANITIZER=1``), in fresh pytest processes, each
+round starting one run later than the last (:func:`rotated`); a ratio is the median over rounds
+of a tool's time over the plain time of the same round, for the whole process (wall) and for the
+tests alone (the sum of the tests' durations in pytest's JUnit XML, without the interpreter's and
+torch's start-up). A round's JSON says its order. The goals (issue 54) are this
 sanitizer's: wall time at most 1.2x on both suites; the tests alone at most 1.5x on the
 launch-bound suite and 1.1x on the GPU-bound one. PyTorch's column is for comparison; a suite it
 fails (it raises on what it takes for a race) is recorded as failed, with its last lines.
@@ -61,7 +62,10 @@ def run_suite(suite: str, flags: list[str], scratch: Path, env: dict[str, str] |
         tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
         raise SuiteFailed(f"suite {suite} {' '.join(flags) or '(plain)'}{' ' + str(env) if env else ''} "
                           f"exited {done.returncode}: {' | '.join(tail)}")
-    tests = sum(float(case.get("time", 0)) for case in ElementTree.parse(junit).getroot().iter("testcase"))
+    try:
+        tests = sum(float(case.get("time", 0)) for case in ElementTree.parse(junit).getroot().iter("testcase"))
+    except (OSError, ElementTree.ParseError) as unreadable:
+        raise SuiteFailed(f"suite {suite} {' '.join(flags) or '(plain)'}: no JUnit XML to read ({unreadable})") from None
     return {"wall": wall, "tests": tests}
 
 
@@ -70,14 +74,16 @@ def judge(suite: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     why}``) and whether this sanitizer met the suite's goals. A tool that failed any round has no
     ratio; this sanitizer failing a round never meets a goal."""
     result: dict[str, Any] = {"rounds": rounds, "goal": GOALS[suite], "tests_goal": TEST_GOALS[suite]}
+    ratios: dict[str, float | None] = {}
     for tool in TOOLS:
         timed = [r for r in rounds if tool in r and "failed" not in r[tool]]
         complete = bool(rounds) and len(timed) == len(rounds)
-        result[f"{tool}_wall_ratio"] = round(median(r[tool]["wall"] / r["plain"]["wall"] for r in timed), 2) \
-            if complete else None
-        result[f"{tool}_tests_ratio"] = round(median(r[tool]["tests"] / r["plain"]["tests"] for r in timed), 2) \
-            if complete else None
-    wall, tests = result["kvz_wall_ratio"], result["kvz_tests_ratio"]
+        for what in ("wall", "tests"):
+            usable = complete and all(r["plain"][what] > 0 for r in timed)
+            ratio = median(r[tool][what] / r["plain"][what] for r in timed) if usable else None
+            ratios[f"{tool}_{what}"] = ratio
+            result[f"{tool}_{what}_ratio"] = None if ratio is None else round(ratio, 2)
+    wall, tests = ratios["kvz_wall"], ratios["kvz_tests"]  # judged unrounded: 1.204 misses 1.2
     result["met"] = wall is not None and tests is not None and wall <= GOALS[suite] and tests <= TEST_GOALS[suite]
     return result
 
@@ -91,6 +97,13 @@ def line(suite: str, result: dict[str, Any], rounds: int) -> str:
             f"{ratio(result['kvz_tests_ratio'])} (goal {TEST_GOALS[suite]}x): {'met' if result['met'] else 'missed'}; "
             f"PyTorch's sanitizer wall {ratio(result['torch_wall_ratio'])}, tests alone "
             f"{ratio(result['torch_tests_ratio'])}; median of {rounds} rounds")
+
+
+def rotated(names: list[str], index: int) -> list[str]:
+    """The order of round ``index``: each round starts one later, so that no tool always runs first
+    (the first process of a round may meet a colder GPU, a colder page cache)."""
+    shift = index % len(names)
+    return names[shift:] + names[:shift]
 
 
 def _timed(suite: str, flags: list[str], scratch: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -119,10 +132,16 @@ def _main(argv: list[str]) -> int:
         run_suite("launch_bound", [], Path(scratch))  # warm caches (Triton, torch kernels) once
         for suite in GOALS:
             rounds = []
-            for _ in range(args.rounds):
-                plain = run_suite(suite, [], Path(scratch))  # the plain suite failing is the benchmark's error
-                rounds.append({"plain": plain, "kvz": _timed(suite, flags, Path(scratch)),
-                               "torch": _timed(suite, [], Path(scratch), {"TORCH_CUDA_SANITIZER": "1"})})
+            for index in range(args.rounds):
+                runs = {
+                    "plain": lambda: run_suite(suite, [], Path(scratch)),  # failing plainly: the benchmark's error
+                    "kvz": lambda: _timed(suite, flags, Path(scratch)),
+                    "torch": lambda: _timed(suite, [], Path(scratch), {"TORCH_CUDA_SANITIZER": "1"}),
+                }
+                round_: dict[str, Any] = {"order": rotated(list(runs), index)}
+                for name in round_["order"]:
+                    round_[name] = runs[name]()
+                rounds.append(round_)
             results[suite] = judge(suite, rounds)
             print(line(suite, results[suite], args.rounds))
             for tool in TOOLS:
