@@ -28,8 +28,10 @@ Example::
 
 from __future__ import annotations
 
+import mmap
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -101,40 +103,56 @@ def declare(session: Any, stamp: Any, touched: Touched, space: Any, *, skip: set
             hb.device_access(("block", space, block), stamp, write=write, late=True)
 
 
-def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables: dict[str, np.ndarray],
-                         is_device: Any) -> Touched:
-    """On a GPU: the bytes a kernel will touch through its tables, known before it runs from the
-    values the host staged into them (``tables``: parameter -> values).
+class Traced(NamedTuple):
+    """What a kernel traced before its launch on a GPU will touch (:func:`trace_through_tables`)."""
 
-    The kernel runs under Triton's interpreter on the host, every device argument a host stand-in
-    (a table its values, any other zeros: what the kernel reads there steers nothing, which
-    :func:`racecheck.triton_stores.kernel_flow` made sure of). A load or store that lands
-    outside the stand-ins went through a table: it is recorded and skipped (a load yields
-    ``other``), so no device byte is read and nothing is written."""
+    through: Touched  # the bytes it reaches through its tables' values: memory no argument names
+    # Each device argument that is no table, by name: the bytes of its allocation the kernel reaches
+    # through it (real device addresses). A kernel handed the whole KV cache with the slots to write
+    # (vLLM's Triton reshape_and_cache) touches those slots, not the cache.
+    arguments: dict[str, Touched]
+
+
+def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables: dict[str, np.ndarray],
+                         is_device: Any) -> Traced:
+    """On a GPU: the bytes a kernel will touch, through its tables and through its other device
+    arguments, known before it runs from the values the host staged into the tables (``tables``:
+    parameter -> values).
+
+    The kernel runs under Triton's interpreter on the host, every device argument a host stand-in:
+    a table holds its values and is read as it is. Any other device argument is address space
+    reserved as large as its allocation and never touched (its values steer nothing, which
+    :func:`racecheck.triton_stores.kernel_flow` made sure of; a KV cache of many GiB costs no
+    memory): a load or store that lands in it is recorded at the real allocation's address and
+    skipped (a load yields ``other``). One that lands outside every stand-in went through a table:
+    it is recorded and skipped too, so no device byte is read and nothing is written."""
     import torch
     from triton.runtime import interpreter as triton_interpreter
 
     from kvdevice.triton_cpu import interpreted, nested_calls_interpreted
 
     values, spans = [], []
+    reserved: list[tuple[str, int, int, int]] = []  # (argument, stand-in's first byte, its end, the real allocation's)
     for name, value in arguments.items():
-        if isinstance(value, torch.Tensor) and is_device(value):
+        if isinstance(value, torch.Tensor) and is_device(value) and name not in tables:
+            value, span = _reserved_stand_in(value)
+            if span is not None:
+                reserved.append((name, *span))
+        elif isinstance(value, torch.Tensor):
             with torch._C.DisableTorchFunction():
-                if name in tables:
+                if name in tables:  # a table: its values, as the host staged them
                     value = torch.from_numpy(np.ascontiguousarray(tables[name])).to(value.dtype).reshape(value.shape)
-                else:
-                    value = torch.zeros(value.shape, dtype=value.dtype)
-                spans.append((value.data_ptr(), value.data_ptr() + max(1, value.numel() * value.element_size())))
-        elif isinstance(value, torch.Tensor):  # pinned host memory the kernel reads as it is
-            with torch._C.DisableTorchFunction():
-                value = value.clone()
+                else:  # pinned host memory the kernel reads as it is
+                    value = value.clone()
                 spans.append((value.data_ptr(), value.data_ptr() + max(1, value.numel() * value.element_size())))
         values.append(value)
-    touched = Touched()
+    through = Touched()
+    by_argument = {name: Touched() for name, _, _, _ in reserved}
     builder = triton_interpreter.interpreter_builder
     store, load = builder.create_masked_store, builder.create_masked_load
 
-    def foreign(ptrs: Any, mask: Any, write: bool) -> Any:
+    def kept(ptrs: Any, mask: Any, write: bool) -> Any:
+        """The lanes that may touch memory: those inside the tables and pinned stand-ins."""
         addresses = np.asarray(ptrs.data, dtype=np.uint64).reshape(-1)
         shape = np.asarray(ptrs.data).shape
         on = np.asarray(mask.data, dtype=bool).reshape(-1) if mask is not None else np.ones(addresses.shape, bool)
@@ -142,14 +160,20 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
         for lo, hi in spans:
             inside |= (addresses >= np.uint64(lo)) & (addresses < np.uint64(hi))
         width = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
-        touched.add(addresses[on & ~inside], width, write=write)
+        elsewhere = on & ~inside
+        for name, lo, hi, real in reserved:
+            hit = elsewhere & (addresses >= np.uint64(lo)) & (addresses < np.uint64(hi))
+            if hit.any():
+                by_argument[name].add(addresses[hit].astype(np.int64) - lo + real, width, write=write)
+                elsewhere &= ~hit
+        through.add(addresses[elsewhere], width, write=write)
         return (on & inside).reshape(shape)
 
     def masked_store(ptrs: Any, value: Any, mask: Any, *rest: Any) -> Any:
-        return store(ptrs, value, _handle(foreign(ptrs, mask, True), mask), *rest)
+        return store(ptrs, value, _handle(kept(ptrs, mask, True), mask), *rest)
 
     def masked_load(ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
-        return load(ptrs, _handle(foreign(ptrs, mask, False), mask), other, *rest)
+        return load(ptrs, _handle(kept(ptrs, mask, False), mask), other, *rest)
 
     builder.create_masked_store, builder.create_masked_load = masked_store, masked_load
     try:
@@ -157,7 +181,30 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
             interpreted(fn)[grid](*values)
     finally:
         builder.create_masked_store, builder.create_masked_load = store, load
-    return touched
+    return Traced(through, by_argument)
+
+
+# MAP_NORESERVE (Linux's value where Python's mmap does not name it): reserved, never counted as committed
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+def _reserved_stand_in(tensor: Any) -> tuple[Any, tuple[int, int, int] | None]:
+    """A host stand-in for device ``tensor`` at the same place in an allocation as large as its own,
+    over address space reserved and never touched; and (its allocation's first byte, end, the real
+    allocation's first byte), or None for an empty allocation."""
+    import torch
+
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        with torch._C.DisableTorchFunction():
+            return torch.empty(tensor.shape, dtype=tensor.dtype), None
+    space = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | _NORESERVE)
+    with torch._C.DisableTorchFunction():
+        held = torch.frombuffer(space, dtype=torch.uint8).untyped_storage()  # keeps the mapping alive
+        stand_in = torch.empty(0, dtype=tensor.dtype).set_(held, tensor.storage_offset(), tensor.shape, tensor.stride())
+    base = held.data_ptr()
+    return stand_in, (base, base + nbytes, storage.data_ptr())
 
 
 class TableUnresolved(Exception):
@@ -172,9 +219,9 @@ class TableUnresolved(Exception):
 
 
 def trace_tables(fn: Any, grid: Any, arguments: dict[str, Any], tables: list[str],
-                 values_of: Callable[[Any], Any], is_device: Callable[[Any], bool]) -> Touched:
+                 values_of: Callable[[Any], Any], is_device: Callable[[Any], bool]) -> Traced:
     """Before a launch on a GPU: what kernel ``fn`` will touch through ``tables`` (its parameters that
-    hold addresses), traced on their values (``values_of(tensor)``: what the host put there, or None
+    hold addresses or indices) and through its other device arguments, traced on the tables' values (``values_of(tensor)``: what the host put there, or None
     when unknown) by :func:`trace_through_tables`. Raises :class:`TableUnresolved` naming every table
     whose values are unknown (in name order: the first named is not the first made), or all of them
     when a table is loaded through another table."""
@@ -213,7 +260,7 @@ def through_tables_on_cuda(session: Any, name: str, fn: Any, arguments: dict[str
 
     try:
         touched = trace_tables(fn, grid, arguments, tables, session.cuda_ops.values.values,
-                               is_device or (lambda t: isinstance(t, torch.Tensor) and t.is_cuda))
+                               is_device or (lambda t: isinstance(t, torch.Tensor) and t.is_cuda)).through
     except TableUnresolved as unknown:
         why = ("a table loaded through another table" if unknown.deeper else
                "device memory whose values the code did not make from the host (or from values known so) "

@@ -8,9 +8,13 @@ argument is read by the GPU when the kernel runs (zero-copy), as a non-blocking 
 it gets a snapshot and, in force mode, a gate; one the kernel stores into is written as a
 device-to-host copy writes it (the host may read it once it has seen the kernel end). A kernel that
 goes through raw addresses loaded from a table (vLLM's CPU offloading handler's
-``_swap_blocks_kernel``) touches what the table's values, as the program staged them, lead it to;
-a table the host never staged is one line and the run partial (:func:`_through_tables`). The gate kernel of force mode and of kvzero's harness is the
-sanitizer's own and never checked.
+``_swap_blocks_kernel``) touches what the table's values, as the program staged them, lead it to,
+and a kernel that goes through a table of indices (vLLM's Triton ``reshape_and_cache``, handed the
+whole KV cache and the slot mapping) touches the slots they name, not the whole cache: traced
+before the launch, each device argument other than the tables is declared by the bytes the trace
+reached in it. A table the host never staged is one line and the run partial
+(:func:`_through_tables`). The gate kernel of force mode and of kvzero's harness is the sanitizer's
+own and never checked.
 """
 
 from __future__ import annotations
@@ -75,13 +79,22 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any = None) -
     index = device.device_index(on_device[0][1] if on_device else None)
     held = obs.hold(index) if pinned else None
     stamp = obs.enqueue(what, device.current_stream(index), site)
+    traced: dict[str, Any] = {}
     if tables:
         # The kernel loads its addresses as the tables hold them when it starts: traced before its
         # own writes are declared, which make a written argument's values unknown (where the source
         # cannot be read, every argument counts as written: the tables with them).
-        _through_tables(obs, jit, args, kwargs, grid, tables, stamp, site, what)
+        traced = _through_tables(obs, jit, args, kwargs, grid, tables, stamp, site, what)
     for name, tensor in on_device:
-        obs.device_access(tensor, stamp, write=name in stored)
+        reached = traced.get(name)
+        if reached is None:  # no trace: the whole argument, written if the source stores through it
+            obs.device_access(tensor, stamp, write=name in stored)
+            continue
+        address = tensor.untyped_storage().data_ptr()  # traced: the bytes its loads and stores reach
+        for write in (False, True):
+            runs = reached.runs(write=write)
+            if runs:
+                obs.device_access_at(address, runs, stamp, write=write)
     for region, tensor, writes in pinned:
         if writes:  # a kernel storing into pinned memory: the host sees it once it saw the kernel end
             obs.queued_write(region, tensor, stamp, held)
@@ -92,13 +105,16 @@ def on_launch(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any = None) -
 
 
 def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, tables: list[str], stamp: Any,
-                    site: Any, what: str) -> None:
-    """What a kernel that loads its addresses from tables (vLLM's ``_swap_blocks_kernel``) touches
-    through them: the tables' values as the program staged them from the host
-    (:mod:`sanitizer.gpu.indices`), the kernel traced under the interpreter on them
-    (:func:`kvdevice.intercept.kernel_accesses.trace_tables`), each run placed in the pinned
-    region or device allocation it falls in. A table whose values the host never staged, or a run
-    no allocation holds, is one line: the run is partial, never a silent pass."""
+                    site: Any, what: str) -> dict[str, Any]:
+    """What a kernel that loads its addresses or indices from tables (vLLM's ``_swap_blocks_kernel``,
+    its Triton ``reshape_and_cache`` with a slot mapping) touches: the tables' values as the program
+    staged them from the host (:mod:`sanitizer.gpu.indices`), the kernel traced under the
+    interpreter on them (:func:`kvdevice.intercept.kernel_accesses.trace_tables`). What it reaches
+    through the tables' values is declared here, each run placed in the pinned region or device
+    allocation it falls in; what it reaches of each other device argument is returned, by name
+    (a :class:`~kvdevice.intercept.kernel_accesses.Touched`), for the caller to declare instead of
+    the whole argument. A table whose values the host never staged, or a run no allocation holds,
+    is one line: the run is partial, never a silent pass (and every argument is then declared whole)."""
     device = obs.device
     signature = inspect.signature(jit.fn)
     bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
@@ -109,22 +125,23 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
         return obs.indices.values(tensor) if device.is_device(tensor) else host_values(tensor)
 
     try:
-        touched = trace_tables(jit.fn, grid, arguments, tables, values_of, device.is_device)
+        traced = trace_tables(jit.fn, grid, arguments, tables, values_of, device.is_device)
     except TableUnresolved as unknown:
         why = ("a table loaded through another table" if unknown.deeper else
                "device memory whose values the program did not stage from the host")
         tables_are = "address tables" if len(unknown.params) > 1 else "an address table"
         obs.unfollowed.append(Unfollowed(f"{what}'s {unknown.named} ({tables_are} the kernel goes "
                                          f"through, in {why})", site))
-        return
+        return {}
     for write in (False, True):
         # split: words of allocations laid side by side merge into runs that cross from one into the next
-        placed, unplaced = place(touched.runs(write=write), [obs.pinned.regions, device], split=True)
+        placed, unplaced = place(traced.through.runs(write=write), [obs.pinned.regions, device], split=True)
         for lo, hi in unplaced:
             obs.unfollowed.append(Unfollowed(
                 f"{what}: the {hi - lo} bytes at 0x{lo:x} it {'writes' if write else 'reads'} through a table "
                 f"(no allocation or pinned region the sanitizer knows holds them)", site))
         declare_placed(obs, placed, stamp, write=write)
+    return traced.arguments
 
 
 __all__ = ["on_launch", "patch"]

@@ -1,0 +1,173 @@
+"""A Triton kernel handed the whole KV cache with the slots to write (vLLM's Triton
+``reshape_and_cache``: ``slot = tl.load(slot_mapping + token)``, then a store at that slot) touches
+those slots, not the cache. On a GPU the observer traces it on the slot mapping's values as the
+program staged them and declares the bytes its stores and loads reach in each argument, so an
+offload copy of other blocks on another stream, unordered with it, is no race; a read of a slot it
+writes is one. Without the trace the whole cache was written, and that copy was reported.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fake_cuda import FakeCuda, RealCuda, kinds, observing
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOTS, WORDS = 8, 16  # slots in the cache, float32 words per slot
+WRITTEN = [1, 2]  # the slots the kernel writes
+
+
+@triton.jit
+def reshape_and_cache(key_ptr, cache_ptr, slot_mapping_ptr, key_stride, slot_stride, WORDS: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:  # a padded token: nothing to cache
+        return
+    offs = tl.arange(0, WORDS)
+    tl.store(cache_ptr + slot * slot_stride + offs, tl.load(key_ptr + token * key_stride + offs))
+
+
+@pytest.fixture(params=["fake", "cuda"])
+def cuda(request):
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a GPU")
+        return RealCuda()
+    return FakeCuda()
+
+
+def _launch(cuda, obs, key, cache, slots) -> None:
+    """The launch as the program makes it: on a GPU the observer's JITFunction.run wrapper sees it; on
+    the stand-in the test calls what that wrapper calls, then the "GPU" runs it (the interpreter's own
+    copies are no op of the program's)."""
+    grid = (key.shape[0],)
+    args = (key, cache, slots, key.stride(0), cache.stride(0))
+    if isinstance(cuda, RealCuda):
+        reshape_and_cache[grid](*args, WORDS=WORDS)
+        return
+    from kvdevice.triton_cpu import launch_on_cpu
+    from sanitizer.gpu.launches import on_launch
+
+    with obs.lock:
+        on_launch(obs, reshape_and_cache, args, {"WORDS": WORDS}, grid)
+    with obs.own_work():
+        launch_on_cpu(reshape_and_cache, grid, *args, WORDS=WORDS)
+
+
+def _program(cuda, beside: str, slot: int, *, staged: bool = True) -> tuple[list, list[str]]:
+    """The kernel writes ``WRITTEN`` on the current stream; a side stream, not waiting for it, then
+    reads (``beside="read"``) or writes (``"write"``) ``slot``, or copies it out to pinned memory."""
+    with observing(cuda) as obs:
+        cache = cuda.device(torch.zeros((SLOTS, WORDS), dtype=torch.float32))
+        key = cuda.device(torch.ones((len(WRITTEN), WORDS), dtype=torch.float32))
+        slots = cuda.device(torch.zeros(len(WRITTEN), dtype=torch.int64))
+        if staged:
+            slots.copy_(torch.tensor(WRITTEN))  # staged from the host: its values are known
+        else:
+            with torch._C.DisableTorchFunction():
+                slots.cpu().numpy()  # unchanged: values no hook saw made
+        side = cuda.new_stream()
+        cuda.wait(cuda.record(), side)  # the side stream starts after the cache and the slots are made
+        _launch(cuda, obs, key, cache, slots)
+        with cuda.stream(side):
+            if beside == "read":
+                cache[slot].sum()
+            elif beside == "write":
+                cache[slot].fill_(3.0)
+            else:
+                out = cuda.pinned(torch.empty(WORDS, dtype=torch.float32))
+                out.copy_(cache[slot], non_blocking=True)
+        cuda.synchronize()
+        races = obs.stop()
+        return races, [u.message() for u in obs.take_unfollowed()]
+
+
+@pytest.mark.parametrize("beside", ["read", "write", "copy out"])
+def test_another_stream_touching_slots_the_kernel_does_not_write_is_no_race(cuda, beside):
+    races, unfollowed = _program(cuda, beside, slot=5)
+    assert (kinds(races), unfollowed) == ([], [])
+
+
+@pytest.mark.parametrize("beside", ["read", "write", "copy out"])
+def test_another_stream_touching_a_slot_the_kernel_writes_is_a_race(cuda, beside):
+    races, unfollowed = _program(cuda, beside, slot=WRITTEN[1])
+    assert (kinds(races), unfollowed) == (["unordered-device-access"], [])
+    assert "Triton kernel reshape_and_cache" in str(races[0])
+
+
+def test_a_slot_mapping_whose_values_are_not_known_is_one_line_and_the_cache_counts_whole(cuda):
+    races, unfollowed = _program(cuda, "read", slot=5, staged=False)
+    assert kinds(races) == ["unordered-device-access"]  # the whole cache: the conservative reading
+    assert len(unfollowed) == 1 and "slot_mapping_ptr" in unfollowed[0]
+
+
+def test_the_trace_declares_the_bytes_each_argument_reaches_at_its_real_address():
+    from kvdevice.intercept.kernel_accesses import trace_through_tables
+
+    cache = torch.zeros((SLOTS, WORDS), dtype=torch.float32)[2:]  # a view: its allocation starts two slots earlier
+    key = torch.ones((3, WORDS), dtype=torch.float32)
+    device = {id(cache), id(key)}
+    arguments = {"key_ptr": key, "cache_ptr": cache, "slot_mapping_ptr": torch.zeros(3, dtype=torch.int64),
+                 "key_stride": WORDS, "slot_stride": WORDS, "WORDS": WORDS}
+    traced = trace_through_tables(reshape_and_cache.fn, (3,), arguments, {"slot_mapping_ptr": [4, -1, 0]},
+                                  lambda t: id(t) in device or t is arguments["slot_mapping_ptr"])
+    row, base = WORDS * 4, cache.data_ptr()
+    assert traced.arguments["cache_ptr"].runs(write=True) == [(base, base + row), (base + 4 * row, base + 5 * row)]
+    assert traced.arguments["cache_ptr"].runs(write=False) == []
+    k = key.data_ptr()  # the padded token's key is never loaded
+    assert traced.arguments["key_ptr"].runs(write=False) == [(k, k + row), (k + 2 * row, k + 3 * row)]
+    assert traced.through.runs(write=True) == traced.through.runs(write=False) == []
+    assert cache.eq(0).all()  # traced, not run: nothing written
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads ru_maxrss in KiB, as Linux gives it")
+def test_tracing_a_kernel_handed_a_large_cache_costs_no_host_memory_of_its_size():
+    """The stand-in of an argument that is no table is reserved address space, never touched: a
+    KV cache of many GiB is traced without as much host memory (it was a full zeroed copy)."""
+    script = f"""
+import resource, sys, torch
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from test_slot_kernels import reshape_and_cache, WORDS
+from kvdevice.intercept.kernel_accesses import trace_through_tables
+cache = torch.empty((1 << 30) // WORDS, WORDS, dtype=torch.float32)  # 4 GiB, never touched
+key = torch.ones((2, WORDS), dtype=torch.float32)
+slots = torch.zeros(2, dtype=torch.int64)
+arguments = dict(key_ptr=key, cache_ptr=cache, slot_mapping_ptr=slots, key_stride=WORDS, slot_stride=WORDS, WORDS=WORDS)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+traced = trace_through_tables(reshape_and_cache.fn, (2,), arguments, dict(slot_mapping_ptr=[7, 1 << 20]),
+                              lambda t: t is not slots)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(len(traced.arguments["cache_ptr"].runs(write=True)), grown // 1024)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    runs, grown_mib = map(int, done.stdout.split())
+    assert runs == 2
+    assert grown_mib < 512, f"the trace grew the process by {grown_mib} MiB"
+
+
+@pytest.mark.parametrize(("slot", "kind"), [(5, None), (WRITTEN[1], "unordered-device-access")])
+def test_on_the_simulator_the_same_program_gets_the_same_verdict(slot, kind):
+    from sanitizer.sim.session import simulate
+
+    def main() -> None:
+        cache = torch.zeros((SLOTS, WORDS), dtype=torch.float32, device="cuda")
+        key = torch.ones((len(WRITTEN), WORDS), dtype=torch.float32, device="cuda")
+        slots = torch.tensor(WRITTEN).to("cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        reshape_and_cache[(len(WRITTEN),)](key, cache, slots, key.stride(0), cache.stride(0), WORDS=WORDS)
+        with torch.cuda.stream(side):
+            cache[slot].sum()
+        torch.cuda.synchronize()
+
+    races, error, _, _ = simulate(main)
+    assert error is None
+    assert kinds(races) == ([kind] if kind else [])
