@@ -212,11 +212,10 @@ def test_on_cuda_the_fuzzer_places_what_the_kernel_touches_through_the_tables_th
     session.device.update(t.untyped_storage().data_ptr() for t in tables)
     for table, values in zip(tables, _tables(src, 1, dst, 2)):
         session.cuda_ops.values.copied(table, torch.from_numpy(values))  # as CudaOps records an H2D copy
-    device = {t.data_ptr() for t in tables}
     arguments = {"src_addrs": tables[0], "dst_addrs": tables[1], "sizes": tables[2], "n_jobs": ROWS,
                  "BYTES_PER_CHUNK": 64}
     found = through_tables_on_cuda(session, "triton _swap_blocks_kernel", swap._swap_blocks_kernel.fn, arguments,
-                                   (2,), ["dst_addrs", "sizes", "src_addrs"], lambda t: t.data_ptr() in device)
+                                   (2,), ["dst_addrs", "sizes", "src_addrs"])
     row = WORDS * 4
     assert [(p.start, p.end, write) for p, write in found] == [
         (src.data_ptr() + ROWS * row, src.data_ptr() + 2 * ROWS * row, False),  # block 1 of the source, read
@@ -240,12 +239,11 @@ def test_on_cuda_a_table_whose_values_are_not_known_is_a_harness_error_that_name
             session.cuda_ops.values.copied(table, torch.from_numpy(values))
     if how == "written since":
         session.cuda_ops.values.written(tables[1].untyped_storage().data_ptr())  # a device op wrote dst_addrs
-    device = {t.data_ptr() for t in tables}
     arguments = {"src_addrs": tables[0], "dst_addrs": tables[1], "sizes": tables[2], "n_jobs": ROWS,
                  "BYTES_PER_CHUNK": 64}
     with pytest.raises(InterceptError, match=r"^triton _swap_blocks_kernel: argument 'dst_addrs': it is a table of addresses .* whose values the code did not make from the host"):
         through_tables_on_cuda(session, "triton _swap_blocks_kernel", swap._swap_blocks_kernel.fn, arguments, (2,),
-                               ["dst_addrs", "sizes", "src_addrs"], lambda t: t.data_ptr() in device)
+                               ["dst_addrs", "sizes", "src_addrs"])
 
 
 def test_the_gpu_observers_index_values_are_never_an_older_copys_where_a_later_one_overwrote_part():

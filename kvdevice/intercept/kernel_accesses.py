@@ -107,25 +107,26 @@ class Traced(NamedTuple):
     """What a kernel traced before its launch on a GPU will touch (:func:`trace_through_tables`)."""
 
     through: Touched  # the bytes it reaches through its tables' values: memory no argument names
-    # Each device argument that is no table, by name: the bytes of its allocation the kernel reaches
-    # through it (real device addresses). A kernel handed the whole KV cache with the slots to write
-    # (vLLM's Triton reshape_and_cache) touches those slots, not the cache.
+    # Each tensor argument that is no table, by name: the bytes of its allocation the kernel reaches
+    # through it (real addresses: device memory's, or pinned host memory's). A kernel handed the
+    # whole KV cache with the slots to write (vLLM's Triton reshape_and_cache) touches those slots,
+    # not the cache.
     arguments: dict[str, Touched]
 
 
-def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables: dict[str, np.ndarray],
-                         is_device: Any) -> Traced:
+def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables: dict[str, np.ndarray]) -> Traced:
     """On a GPU: the bytes a kernel will touch, through its tables and through its other device
     arguments, known before it runs from the values the host staged into the tables (``tables``:
     parameter -> values).
 
-    The kernel runs under Triton's interpreter on the host, every device argument a host stand-in:
-    a table holds its values and is read as it is. Any other device argument is address space
-    reserved as large as its allocation and never touched (its values steer nothing, which
-    :func:`racecheck.triton_stores.kernel_flow` made sure of; a KV cache of many GiB costs no
-    memory): a load or store that lands in it is recorded at the real allocation's address and
-    skipped (a load yields ``other``). One that lands outside every stand-in went through a table:
-    it is recorded and skipped too, so no device byte is read and nothing is written."""
+    The kernel runs under Triton's interpreter on the host, every tensor argument a host stand-in:
+    a table holds its values and is read as it is. Any other argument (device memory, pinned host
+    memory) is address space reserved as large as its allocation and never touched (its values
+    steer nothing, which :func:`racecheck.triton_stores.kernel_flow` made sure of; a KV cache of
+    many GiB costs no memory): a load or store that lands in it is recorded at the real
+    allocation's address and skipped (a load yields ``other``). One that lands outside every
+    stand-in went through a table: it is recorded and skipped too, so no byte is read and nothing
+    is written."""
     import torch
     from triton.runtime import interpreter as triton_interpreter
 
@@ -134,17 +135,14 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
     values, spans = [], []
     reserved: list[tuple[str, int, int, int]] = []  # (argument, stand-in's first byte, its end, the real allocation's)
     for name, value in arguments.items():
-        if isinstance(value, torch.Tensor) and is_device(value) and name not in tables:
+        if isinstance(value, torch.Tensor) and name in tables:  # a table: its values, as the host staged them
+            with torch._C.DisableTorchFunction():
+                value = torch.from_numpy(np.ascontiguousarray(tables[name])).to(value.dtype).reshape(value.shape)
+                spans.append((value.data_ptr(), value.data_ptr() + max(1, value.numel() * value.element_size())))
+        elif isinstance(value, torch.Tensor):  # device memory, or pinned host memory the kernel reads as it is
             value, span = _reserved_stand_in(value)
             if span is not None:
                 reserved.append((name, *span))
-        elif isinstance(value, torch.Tensor):
-            with torch._C.DisableTorchFunction():
-                if name in tables:  # a table: its values, as the host staged them
-                    value = torch.from_numpy(np.ascontiguousarray(tables[name])).to(value.dtype).reshape(value.shape)
-                else:  # pinned host memory the kernel reads as it is
-                    value = value.clone()
-                spans.append((value.data_ptr(), value.data_ptr() + max(1, value.numel() * value.element_size())))
         values.append(value)
     through = Touched()
     by_argument = {name: Touched() for name, _, _, _ in reserved}
@@ -219,7 +217,7 @@ class TableUnresolved(Exception):
 
 
 def trace_tables(fn: Any, grid: Any, arguments: dict[str, Any], tables: list[str],
-                 values_of: Callable[[Any], Any], is_device: Callable[[Any], bool]) -> Traced:
+                 values_of: Callable[[Any], Any]) -> Traced:
     """Before a launch on a GPU: what kernel ``fn`` will touch through ``tables`` (its parameters that
     hold addresses or indices) and through its other device arguments, traced on the tables' values (``values_of(tensor)``: what the host put there, or None
     when unknown) by :func:`trace_through_tables`. Raises :class:`TableUnresolved` naming every table
@@ -242,25 +240,21 @@ def trace_tables(fn: Any, grid: Any, arguments: dict[str, Any], tables: list[str
         raise TableUnresolved(unknown, deeper)
     launch_grid = grid(dict(arguments)) if callable(grid) else grid
     launch_grid = tuple(launch_grid) if isinstance(launch_grid, (tuple, list)) else (launch_grid,)
-    return trace_through_tables(fn, launch_grid, dict(arguments), known, is_device)
+    return trace_through_tables(fn, launch_grid, dict(arguments), known)
 
 
 def through_tables_on_cuda(session: Any, name: str, fn: Any, arguments: dict[str, Any], grid: Any,
-                           tables: list[str], is_device: Any = None) -> list[tuple[Any, bool]]:
+                           tables: list[str]) -> list[tuple[Any, bool]]:
     """On CUDA, in a fuzzed session: the memory a kernel that loads its addresses from ``tables``
     will touch, as (place, writes) pairs (:meth:`kvdevice.intercept.driver_copies.DriverCopies.place`:
     device memory, the KV cache's bytes, or pinned host memory), from the tables' values as the code
     made them (:mod:`racecheck.device_values`), the kernel traced on them under the
     interpreter (:func:`trace_through_tables`). A table whose values are not known, or a table of
-    tables, cannot be followed: a harness error that names it (never a guess). ``is_device``: which
-    arguments are device memory (CUDA tensors; a test's stand-in says otherwise)."""
-    import torch
-
+    tables, cannot be followed: a harness error that names it (never a guess)."""
     from kvdevice.intercept.errors import unroutable
 
     try:
-        touched = trace_tables(fn, grid, arguments, tables, session.cuda_ops.values.values,
-                               is_device or (lambda t: isinstance(t, torch.Tensor) and t.is_cuda)).through
+        touched = trace_tables(fn, grid, arguments, tables, session.cuda_ops.values.values).through
     except TableUnresolved as unknown:
         why = ("a table loaded through another table" if unknown.deeper else
                "device memory whose values the code did not make from the host (or from values known so) "

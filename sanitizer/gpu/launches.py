@@ -125,7 +125,7 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
         return obs.indices.values(tensor) if device.is_device(tensor) else host_values(tensor)
 
     try:
-        traced = trace_tables(jit.fn, grid, arguments, tables, values_of, device.is_device)
+        traced = trace_tables(jit.fn, grid, arguments, tables, values_of)
     except TableUnresolved as unknown:
         why = ("a table loaded through another table" if unknown.deeper else
                "device memory whose values the program did not stage from the host")
