@@ -125,6 +125,27 @@ def test_the_trace_declares_the_bytes_each_argument_reaches_at_its_real_address(
     assert cache.eq(0).all()  # traced, not run: nothing written
 
 
+@triton.jit
+def count_into_slots(key_ptr, cache_ptr, slot_mapping_ptr, counts_ptr, WORDS: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    offs = tl.arange(0, WORDS)
+    tl.atomic_add(cache_ptr + slot * WORDS + offs, tl.load(key_ptr + token * WORDS + offs))
+    tl.atomic_add(counts_ptr + slot, 1)
+
+
+def test_a_kernel_that_runs_an_atomic_counts_its_arguments_whole():
+    """An atomic reaches memory past the interpreter's loads and stores, and what it returns may steer
+    the kernel: no argument's bytes are taken from such a trace (the launch declares them whole)."""
+    from kvdevice.intercept.kernel_accesses import trace_through_tables
+
+    arguments = {"key_ptr": torch.ones((2, WORDS)), "cache_ptr": torch.zeros((SLOTS, WORDS)),
+                 "slot_mapping_ptr": torch.zeros(2, dtype=torch.int64), "counts_ptr": torch.zeros(SLOTS, dtype=torch.int32),
+                 "WORDS": WORDS}
+    traced = trace_through_tables(count_into_slots.fn, (2,), arguments, {"slot_mapping_ptr": WRITTEN})
+    assert traced.arguments == {}
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads ru_maxrss in KiB, as Linux gives it")
 def test_tracing_a_kernel_handed_a_large_cache_costs_no_host_memory_of_its_size():
     """The stand-in of an argument that is no table is reserved address space, never touched: a

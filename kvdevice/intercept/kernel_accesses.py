@@ -110,7 +110,7 @@ class Traced(NamedTuple):
     # Each tensor argument that is no table, by name: the bytes of its allocation the kernel reaches
     # through it (real addresses: device memory's, or pinned host memory's). A kernel handed the
     # whole KV cache with the slots to write (vLLM's Triton reshape_and_cache) touches those slots,
-    # not the cache.
+    # not the cache. Empty when the kernel ran an atomic (its arguments count whole).
     arguments: dict[str, Touched]
 
 
@@ -173,13 +173,31 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
     def masked_load(ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
         return load(ptrs, _handle(kept(ptrs, mask, False), mask), other, *rest)
 
+    # An atomic goes to memory past the two methods above, and what it returns may steer the kernel
+    # (a slot taken from a counter): a kernel that runs one has its arguments counted whole.
+    atomics: list[str] = []
+    originals = {name: getattr(builder, name) for name in _ATOMICS if hasattr(builder, name)}
+
+    def atomic(name: str) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            atomics.append(name)
+            return originals[name](*args, **kwargs)
+        return run
+
     builder.create_masked_store, builder.create_masked_load = masked_store, masked_load
+    for name in originals:
+        setattr(builder, name, atomic(name))
     try:
         with nested_calls_interpreted():
             interpreted(fn)[grid](*values)
     finally:
         builder.create_masked_store, builder.create_masked_load = store, load
-    return Traced(through, by_argument)
+        for name, original in originals.items():
+            setattr(builder, name, original)
+    return Traced(through, {} if atomics else by_argument)
+
+
+_ATOMICS = ("create_atomic_rmw", "create_atomic_cas")  # the interpreter's atomics that bypass its loads and stores
 
 
 # MAP_NORESERVE (Linux's value where Python's mmap does not name it): reserved, never counted as committed
