@@ -21,9 +21,11 @@ Example::
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import inspect
 import textwrap
+import types
 from typing import Any, NamedTuple
 
 _STORES = {"store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "atomic_min", "atomic_and",
@@ -36,6 +38,10 @@ class KernelFlow(NamedTuple):
     stored: frozenset[str]  # those that reach the pointer of a ``tl.store`` or atomic: the tensors it writes
     tables: frozenset[str]  # those it loads addresses, sizes or bounds from (address tables)
     deeper: bool  # a value that steers it is loaded through a loaded address (a table of tables)
+    # Whether this reading saw all the kernel does: it calls only Triton's language and helpers,
+    # Python's builtins and its values' methods (a ``@triton.jit`` helper's loads and stores are
+    # not read here), so what it loads from an argument that is no table steers nothing.
+    closed: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +116,7 @@ def kernel_flow(fn: Any) -> KernelFlow:
                 reached.update(sources(pointer, stores))
             if tables is not None and call.func.attr in _STORES | {"load"}:
                 sink(_pointer(call), tables)
-                sink(next((k.value for k in call.keywords if k.arg == "mask"), None), tables)
+                sink(_mask(call), tables)
 
     def walk(statements: list[ast.stmt], stores: Env | None, tables: Env | None, branch: bool) -> None:
         """``stores``/``tables``: each reading's names so far (None: that reading skips these statements)."""
@@ -152,7 +158,44 @@ def kernel_flow(fn: Any) -> KernelFlow:
 
     walk(func.body, {}, {}, False)
     return KernelFlow(frozenset(reached & params), frozenset(t[2:] for t in steering if t.startswith("l:")) & frozenset(params),
-                      "deep" in steering)
+                      "deep" in steering, _closed(func, fn, params))
+
+
+def _mask(call: ast.Call) -> ast.AST | None:
+    """The mask of a load (``tl.load(pointer, mask, other)``), a store or an atomic (``tl.store(pointer,
+    value, mask)``), by keyword or by position."""
+    given = next((k.value for k in call.keywords if k.arg == "mask"), None)
+    if given is not None:
+        return given
+    at = 1 if call.func.attr == "load" else None if call.func.attr == "atomic_cas" else 2  # type: ignore[attr-defined]
+    return call.args[at] if at is not None and len(call.args) > at else None
+
+
+def _closed(func: ast.FunctionDef, fn: Any, params: set[str]) -> bool:
+    """Whether every call in the kernel's source is to Triton's language or helpers (``tl.load``,
+    ``tl.math.exp``, ``triton.cdiv``), to a Python builtin, or a method of one of its own values
+    (``x.to(...)``, a descriptor's ``load``): nothing it does lies in source this reading skips."""
+    scope = getattr(fn, "__globals__", {})
+    local = params | {n.id for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    for call in (n for n in ast.walk(func) if isinstance(n, ast.Call)):
+        callee = call.func
+        if isinstance(callee, ast.Name):
+            if callee.id in local or callee.id in scope or not hasattr(builtins, callee.id):
+                return False  # a helper (a @triton.jit function), or a name bound to one
+            continue
+        while isinstance(callee, ast.Attribute):
+            callee = callee.value
+        if isinstance(callee, ast.Call):
+            continue  # a method of a call's result (tl.load(p).to(...)): the inner call is checked on its own
+        if not isinstance(callee, ast.Name):
+            return False
+        if callee.id in local:
+            continue  # a method of one of the kernel's values
+        owner = scope.get(callee.id)
+        name = getattr(owner, "__name__", "") if isinstance(owner, types.ModuleType) else ""
+        if name != "triton" and not name.startswith("triton.language"):
+            return False
+    return True
 
 
 def _pointer(call: ast.Call) -> ast.AST | None:

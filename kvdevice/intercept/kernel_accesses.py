@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import mmap
 import sys
 from collections.abc import Callable
@@ -110,7 +111,8 @@ class Traced(NamedTuple):
     # Each tensor argument that is no table, by name: the bytes of its allocation the kernel reaches
     # through it (real addresses: device memory's, or pinned host memory's). A kernel handed the
     # whole KV cache with the slots to write (vLLM's Triton reshape_and_cache) touches those slots,
-    # not the cache. Empty when the kernel ran an atomic (its arguments count whole).
+    # not the cache. Empty when the trace cannot stand for the kernel (an atomic, a helper's code, a
+    # table the kernel writes): its arguments count whole.
     arguments: dict[str, Touched]
 
 
@@ -131,6 +133,7 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
     from triton.runtime import interpreter as triton_interpreter
 
     from kvdevice.triton_cpu import interpreted, nested_calls_interpreted
+    from racecheck.triton_stores import kernel_flow
 
     values, spans = [], []
     reserved: list[tuple[str, int, int, int]] = []  # (argument, stand-in's first byte, its end, the real allocation's)
@@ -150,7 +153,8 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
     store, load = builder.create_masked_store, builder.create_masked_load
 
     def kept(ptrs: Any, mask: Any, write: bool) -> Any:
-        """The lanes that may touch memory: those inside the tables and pinned stand-ins."""
+        """The lanes that may touch memory (those inside the tables' stand-ins); every other lane's
+        address is recorded, as the argument's it falls in or as reached through a table."""
         addresses = np.asarray(ptrs.data, dtype=np.uint64).reshape(-1)
         shape = np.asarray(ptrs.data).shape
         on = np.asarray(mask.data, dtype=bool).reshape(-1) if mask is not None else np.ones(addresses.shape, bool)
@@ -167,21 +171,31 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
         through.add(addresses[elsewhere], width, write=write)
         return (on & inside).reshape(shape)
 
-    def masked_store(ptrs: Any, value: Any, mask: Any, *rest: Any) -> Any:
-        return store(ptrs, value, _handle(kept(ptrs, mask, True), mask), *rest)
+    # The interpreter's own methods, their further arguments (a cache policy; a descriptor's load
+    # names them) handed on as given.
+    def masked_store(ptrs: Any, value: Any, mask: Any, *rest: Any, **options: Any) -> Any:
+        return store(ptrs, value, _handle(kept(ptrs, mask, True), mask), *rest, **options)
 
-    def masked_load(ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
-        return load(ptrs, _handle(kept(ptrs, mask, False), mask), other, *rest)
+    def masked_load(ptrs: Any, mask: Any, other: Any, *rest: Any, **options: Any) -> Any:
+        return load(ptrs, _handle(kept(ptrs, mask, False), mask), other, *rest, **options)
 
     # An atomic goes to memory past the two methods above, and what it returns may steer the kernel
-    # (a slot taken from a counter): a kernel that runs one has its arguments counted whole.
+    # (a slot taken from a counter): it is recorded as a read and a write of every lane (on a GPU a
+    # lane's address may be device memory: never run here, it yields zeros), and a kernel that runs
+    # one has its arguments counted whole.
     atomics: list[str] = []
     originals = {name: getattr(builder, name) for name in _ATOMICS if hasattr(builder, name)}
 
     def atomic(name: str) -> Any:
+        signature = inspect.signature(originals[name])  # (rmwOp, ptr, val, mask, ...) or (ptr, cmp, val, ...)
+
         def run(*args: Any, **kwargs: Any) -> Any:
             atomics.append(name)
-            return originals[name](*args, **kwargs)
+            given = signature.bind_partial(*args, **kwargs).arguments
+            for write in (False, True):
+                kept(given["ptr"], given.get("mask"), write)
+            value = given["val"]
+            return triton_interpreter.TensorHandle(np.zeros_like(np.asarray(value.data)), value.dtype.scalar)
         return run
 
     builder.create_masked_store, builder.create_masked_load = masked_store, masked_load
@@ -194,7 +208,12 @@ def trace_through_tables(fn: Any, grid: tuple, arguments: dict[str, Any], tables
         builder.create_masked_store, builder.create_masked_load = store, load
         for name, original in originals.items():
             setattr(builder, name, original)
-    return Traced(through, {} if atomics else by_argument)
+    # An argument's bytes are taken from the trace only where the reading of the source saw all the
+    # kernel does and it writes no table (it would load back what it stored): else its other
+    # arguments' values may steer it, and they are not in the trace.
+    flow = kernel_flow(fn)
+    seen_whole = flow.closed and not (flow.stored & set(tables)) and not atomics
+    return Traced(through, by_argument if seen_whole else {})
 
 
 _ATOMICS = ("create_atomic_rmw", "create_atomic_cas")  # the interpreter's atomics that bypass its loads and stores

@@ -133,6 +133,12 @@ def _through_tables(obs: Any, jit: Any, args: tuple, kwargs: dict, grid: Any, ta
         obs.unfollowed.append(Unfollowed(f"{what}'s {unknown.named} ({tables_are} the kernel goes "
                                          f"through, in {why})", site))
         return {}
+    except Exception as error:  # noqa: BLE001 - the interpreter's limit (the GPU runs the kernel), never the program's
+        cause = error.__cause__ or error
+        obs.unfollowed.append(Unfollowed(f"{what} (Triton's interpreter could not trace it on its tables' values: "
+                                         f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}; "
+                                         f"what it touches through them is not checked)", site))
+        return {}
     for write in (False, True):
         # split: words of allocations laid side by side merge into runs that cross from one into the next
         placed, unplaced = place(traced.through.runs(write=write), [obs.pinned.regions, device], split=True)
