@@ -147,7 +147,8 @@ def _usage_exit(config: pytest.Config, error: BaseException) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    request_gate_settings()  # before this worker's CUDA context exists: queues and modules for gated streams
+    if _may_fuzz_on_cuda(config):
+        request_gate_settings()  # before this worker's CUDA context exists: queues and modules for gated streams
     try:
         config._fuzz_options = fuzz_options(config)
         if not hasattr(config, "workerinput"):
@@ -159,6 +160,27 @@ def pytest_configure(config: pytest.Config) -> None:
     config._fuzz_bugs = _bug_registry(config)
     _size_gpu_workers(config)
     interrupts.started()
+
+
+def _may_fuzz_on_cuda(config: pytest.Config) -> bool:
+    """Whether this run collects the campaigns and may run them on a GPU: then its gated streams need
+    CUDA's settings asked for before any CUDA call (:func:`racecheck.gate.request_gate_settings`),
+    decided from the command line alone. The plugin loads into every pytest run where the package
+    is installed: an engine's own test run is not to get eager module loading (seconds at its first
+    CUDA call, and GPU memory) or another count of hardware queues because this package is there."""
+    if config.getoption("fuzz_backend", "auto") == "sim":
+        return False
+    if config.getoption("zeroer", None) or config.getoption("offloader", None):
+        return True  # the installed campaigns are collected (pytest_load_initial_conftests)
+    campaigns = CAMPAIGNS_MODULE.resolve()
+    for arg in config.args:
+        name = arg.split("::")[0]
+        if config.getoption("pyargs", False) and (name == "fuzz" or name.startswith("fuzz.")):
+            return True
+        path = Path(config.invocation_params.dir, name).resolve()
+        if path == campaigns or path in campaigns.parents:
+            return True
+    return False
 
 
 def _bug_registry(config: pytest.Config) -> str | None:

@@ -12,7 +12,7 @@ import pytest
 
 from bytecode_cache import share_bytecode_cache
 from gpu_budget import HELD, Slot, auto_workers, children_take_the_slot, machine_budget, slots_folder, uses_gpu
-from racecheck.gate import request_hardware_queues
+from racecheck.gate import request_gate_settings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 pytest_plugins = ["state_guard"]  # no state crosses tests (-p no:state_guard turns it off)
@@ -23,9 +23,10 @@ def pytest_configure(config: pytest.Config) -> None:
     prefix = share_bytecode_cache(os.environ)
     if prefix is not None:
         sys.dont_write_bytecode, sys.pycache_prefix = False, prefix
-    # Before any test touches CUDA: the controlled runtime's gated streams need their own
-    # hardware queues, and the driver reads that once, when the context is created.
-    request_hardware_queues()
+    # Before any test touches CUDA: the controlled runtime's gated streams need their own hardware
+    # queues and every kernel module loaded up front, and the driver reads both once, when CUDA
+    # starts (the fuzz plugin asks for them only in a run that collects its campaigns).
+    request_gate_settings()
     if str(EXAMPLES) not in sys.path:  # tests import the example zeroers as modules
         sys.path.insert(0, str(EXAMPLES))
     # A run started by a test that holds a GPU slot is inside that slot (gpu_budget).
