@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,8 +257,11 @@ def output_path(config: pytest.Config, option: str, default: Path) -> Path:
         return path
 
 
-def fuzz_options(config: pytest.Config) -> FuzzOptions:
-    cuda = torch.cuda.is_available()
+def fuzz_options(config: pytest.Config, gpu_present: Callable[[], bool] = torch.cuda.is_available) -> FuzzOptions:
+    """The run's options. ``gpu_present`` says whether ``auto`` means cuda: by default torch's own
+    check, which starts CUDA's driver; a run that will not fuzz on a GPU asks one that does not
+    (fuzz.plugin: the program's CUDA settings are read when its driver starts)."""
+    cuda = gpu_present()
     minutes = parse_minutes(config.getoption("fuzz_minutes"))
     backend = parse_backend(config.getoption("fuzz_backend"), cuda)
     cuda_modes = parse_cuda_mode(config.getoption("cuda_mode"))

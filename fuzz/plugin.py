@@ -19,6 +19,7 @@ value and the fix; ``--fuzz-debug`` shows the traceback) or an interrupted run, 
 from __future__ import annotations
 
 import atexit
+import fnmatch
 import gc
 import json
 import os
@@ -147,10 +148,13 @@ def _usage_exit(config: pytest.Config, error: BaseException) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if _may_fuzz_on_cuda(config):
+    fuzzing_on_cuda = _may_fuzz_on_cuda(config)
+    if fuzzing_on_cuda:
         request_gate_settings()  # before this worker's CUDA context exists: queues and modules for gated streams
     try:
-        config._fuzz_options = fuzz_options(config)
+        # Any other run is not to start CUDA's driver here either: the program's settings (its own
+        # CUDA_MODULE_LOADING, a device list) are read when it starts.
+        config._fuzz_options = fuzz_options(config, torch_gpu_present if fuzzing_on_cuda else gpu_listed)
         if not hasattr(config, "workerinput"):
             _check_something_runs(config._fuzz_options)
     except (pytest.UsageError, ZeroerError) as error:
@@ -160,6 +164,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config._fuzz_bugs = _bug_registry(config)
     _size_gpu_workers(config)
     interrupts.started()
+
+
+def torch_gpu_present() -> bool:
+    """torch's check (it starts CUDA's driver)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def gpu_listed() -> bool:
+    """Whether NVML lists a GPU this process may use, without starting CUDA's driver (torch asks
+    the driver only where NVML cannot answer)."""
+    import torch
+
+    return torch.cuda.device_count() > 0
 
 
 def _may_fuzz_on_cuda(config: pytest.Config) -> bool:
@@ -178,9 +197,27 @@ def _may_fuzz_on_cuda(config: pytest.Config) -> bool:
         if config.getoption("pyargs", False) and (name == "fuzz" or name.startswith("fuzz.")):
             return True
         path = Path(config.invocation_params.dir, name).resolve()
-        if path == campaigns or path in campaigns.parents:
+        if path == campaigns or (path in campaigns.parents and _collected_below(config, path, campaigns)):
             return True
     return False
+
+
+def _collected_below(config: pytest.Config, directory: Path, module: Path) -> bool:
+    """Whether pytest, collecting ``directory``, walks down to ``module``: it skips a virtualenv
+    (an engine's project root holds its ``.venv``, where this package is installed) unless told
+    to collect in one, and every directory ``norecursedirs`` names."""
+    if config.getoption("collect_in_virtualenv", False):
+        return True
+    skipped = config.getini("norecursedirs")
+    for part in module.relative_to(directory).parents:
+        below = directory / part
+        if below == directory:
+            continue
+        if (below / "pyvenv.cfg").exists() or below.name in ("site-packages", "dist-packages"):
+            return False
+        if any(fnmatch.fnmatch(below.name, pattern) for pattern in skipped):
+            return False
+    return True
 
 
 def _bug_registry(config: pytest.Config) -> str | None:
