@@ -147,10 +147,17 @@ def _usage_exit(config: pytest.Config, error: BaseException) -> None:
     pytest.exit(f"error: {error}", returncode=USAGE_EXIT)
 
 
+@pytest.hookimpl(tryfirst=True, specname="pytest_configure")
+def pytest_configure_requests_gate_settings_first(config: pytest.Config) -> None:
+    """Before this worker's CUDA context exists, and before any other plugin's configure can start
+    CUDA's driver (``--kvz-sanitize`` asks torch whether there is a GPU in its own): the queues and
+    eagerly loaded modules gated streams need (:func:`racecheck.gate.request_gate_settings`)."""
+    if _may_fuzz_on_cuda(config):
+        request_gate_settings()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     fuzzing_on_cuda = _may_fuzz_on_cuda(config)
-    if fuzzing_on_cuda:
-        request_gate_settings()  # before this worker's CUDA context exists: queues and modules for gated streams
     try:
         # Any other run is not to start CUDA's driver here either: the program's settings (its own
         # CUDA_MODULE_LOADING, a device list) are read when it starts.

@@ -20,14 +20,16 @@ SETTINGS = ("CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS")
 
 def _settings_seen(tmp_path: Path, *args: str, cwd: Path | None = None) -> list[str]:
     """The two variables as a pytest run with the package's plugins sees them once it has collected,
-    and whether anything asked torch's GPU check (which starts CUDA's driver) by then."""
+    and whether anything asked torch's GPU check (which starts CUDA's driver) by then: ``-``, or
+    ``driver@`` and the two as they were at the first check."""
     (tmp_path / "settings_probe.py").write_text(
         "import os, torch\n"
-        "asked = []  # torch's GPU check starts CUDA's driver, which reads the settings\n"
+        "asked = []  # torch's GPU check starts CUDA's driver, which reads the settings as they are then\n"
         "check = torch.cuda.is_available\n"
-        "torch.cuda.is_available = lambda: asked.append(1) or check()\n"
+        f"def seen(): return [os.environ.get(n, '-') for n in {SETTINGS!r}]\n"
+        "torch.cuda.is_available = lambda: asked.append(','.join(seen())) or check()\n"
         "def pytest_collection_finish(session):\n"
-        f"    print('SETTINGS', *(os.environ.get(n, '-') for n in {SETTINGS!r}), 'driver' if asked else '-')\n")
+        "    print('SETTINGS', *seen(), 'driver@' + asked[0] if asked else '-')\n")
     # this suite's own process set them; a user's PYTEST_ADDOPTS would change the runs
     env = {k: v for k, v in os.environ.items() if k not in SETTINGS and k != "PYTEST_ADDOPTS"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")])
@@ -59,6 +61,13 @@ def test_only_a_run_that_collects_the_campaigns_asks_for_the_gates_settings(tmp_
     cwd.mkdir()
     seen = _settings_seen(tmp_path, "--rootdir", str(cwd if elsewhere else ROOT), *args, cwd=cwd if elsewhere else None)
     assert seen[:2] == (["EAGER", "32"] if asked else ["-", "-"])
+
+
+def test_a_sanitized_run_of_the_campaigns_asks_for_them_before_the_sanitizer_asks_for_the_gpu(tmp_path):
+    """``pytest --kvz-sanitize fuzz``: the sanitizer's configure asks torch whether there is a GPU,
+    which starts CUDA's driver; the settings are asked for first, or the driver never reads them."""
+    seen = _settings_seen(tmp_path, "--rootdir", str(ROOT), "--kvz-sanitize", "fuzz/test_campaigns.py")
+    assert seen == ["EAGER", "32", "driver@EAGER,32"]
 
 
 def test_a_project_root_whose_virtualenv_holds_the_package_is_not_a_run_of_its_campaigns(tmp_path):
