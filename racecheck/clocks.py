@@ -11,8 +11,10 @@ first host thread is :data:`HOST` (index 0). Each has a vector clock, one entry 
 * A host thread learns a snapshot only when it *observes* completion (a synchronisation, a query
   that answered True, an allocator that waited for an event): its clock joins the snapshot.
 * Host threads learn from each other through hand-offs (a thread started or joined, a queue, an
-  event, a future): the receiver joins the sender's clock (:meth:`Clocks.snapshot`,
-  :meth:`Clocks.host_join`).
+  event, a future): the receiver joins the sender's clock (:meth:`Clocks.release`,
+  :meth:`Clocks.host_join`). A host thread's own entry is when it last released a hand-off (the
+  ops stamped by then), so a receiver knows how late the news it got from each thread is; an
+  observed completion carries no host entries (only hand-offs tell a thread about another).
 
 :attr:`Clocks.union` is the join of every host thread's clock: what *some* host thread has seen.
 When a host thread touches memory that another host thread saw a copy finish on, but no hand-off
@@ -87,15 +89,24 @@ class Clocks:
     def fork(self, parent: int, name: str) -> int:
         """A host thread started by ``parent``: it knows what its parent knew."""
         child = self.add(name, host=True)
-        self.host_join(child, self._vc[parent])
+        self.host_join(child, self._vc[parent], handoff=True)  # a start tells of no work done
         return child
 
     def vc(self, thread: int) -> list[int]:
         return self._vc[thread]
 
     def snapshot(self, thread: int) -> tuple[int, ...]:
-        """What ``thread`` knows now: what an event recorded on a stream, or a hand-off from a host thread, carries."""
+        """What ``thread`` knows now: what an event recorded on a stream carries."""
         return tuple(self._vc[thread])
+
+    def release(self, host: int) -> tuple[int, ...]:
+        """What a hand-off from host thread ``host`` carries: what it knows, its own entry set to the
+        ops stamped so far (a receiver can tell a hand-off made after an op was queued)."""
+        vc = self._vc[host]
+        if self._seq > vc[host]:
+            vc[host] = self._seq
+            _join(self.union, vc)
+        return tuple(vc)
 
     def tick(self, stream: int, label: str, host: int = HOST) -> OpStamp:
         """Stamp an op that host thread ``host`` enqueues on ``stream``."""
@@ -110,9 +121,17 @@ class Clocks:
         if snapshot is not None:
             _join(self._vc[thread], snapshot)
 
-    def host_join(self, host: int, snapshot: tuple[int, ...] | list[int] | None) -> None:
-        """Host thread ``host`` learns ``snapshot`` (an observed completion, or a hand-off)."""
-        if snapshot is not None and _join(self._vc[host], snapshot):
+    def host_join(self, host: int, snapshot: tuple[int, ...] | list[int] | None, *, handoff: bool = False) -> None:
+        """Host thread ``host`` learns ``snapshot``: a hand-off (``handoff``) or an observed completion,
+        whose host entries (a stream's clock carries those of the threads that queued on it) are left out."""
+        if snapshot is None:
+            return
+        if not handoff and len(self.hosts) > 1:
+            snapshot = list(snapshot)
+            for other in self.hosts:
+                if other < len(snapshot):
+                    snapshot[other] = 0
+        if _join(self._vc[host], snapshot):
             _join(self.union, self._vc[host])
 
     @property

@@ -149,7 +149,8 @@ class HandOffs:
         self._strong: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
     def release(self, obj: Any) -> None:
-        snapshot = self.hb.host_snapshot(self.threads.current())
+        # a submitted task is handed work, not told of work done (HappensBefore.told_early)
+        snapshot = self.hb.host_snapshot(self.threads.current(), tells=not isinstance(obj, _Token))
         previous = self._get(obj)
         if previous is not None:
             snapshot = _joined(snapshot, previous)

@@ -202,3 +202,107 @@ def test_each_family_of_primitives_has_one_installer_of_its_own():
         touched[hook.__name__] = primitives & names
     assert all(len(families) == 1 for families in touched.values()), touched
     assert sorted(p for families in touched.values() for p in families) == sorted(primitives), touched
+
+
+# -- a job reported done before its copy ran --------------------------------------------------------
+
+def reported_before_synchronized(handoff: str, synced_first: bool) -> list[int]:
+    """The helper queues its copy, tells the main thread the job is done (``handoff``: a
+    ``threading.Event`` or a ``queue.Queue``), and only then synchronises the copy's event; the main
+    thread reads the buffer once told. ``synced_first``: the helper's synchronize comes before the
+    read (the main thread polls for it, which the sanitizer does not follow), else after it (the helper
+    polls for the read). Either way the program is racy: its order of the two is luck."""
+    import queue
+
+    counts = torch.arange(4, dtype=torch.int64, device="cuda")
+    host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+    told: threading.Event | queue.Queue = threading.Event() if handoff == "event" else queue.Queue()
+    synced, read, seen = [False], [False], []
+
+    def helper() -> None:
+        ready = _queue_copy(host, counts)
+        told.set() if isinstance(told, threading.Event) else told.put("job 0 done")
+        if not synced_first:
+            _until(lambda: read[0])
+        ready.synchronize()
+        synced[0] = True
+
+    thread = threading.Thread(target=helper)
+    thread.start()
+    told.wait() if isinstance(told, threading.Event) else told.get()
+    if synced_first:
+        _until(lambda: synced[0])
+    seen.extend(host.tolist())
+    read[0] = True
+    thread.join()
+    return seen
+
+
+@pytest.mark.parametrize("synced_first", [True, False], ids=["synchronized-before-the-read", "after-the-read"])
+@pytest.mark.parametrize("handoff", ["event", "queue"])
+def test_a_job_reported_done_before_its_copy_ran_is_a_race_whichever_thread_runs_first(handoff, synced_first):
+    """The helper's hand-off came after the copy was queued and before it saw the copy complete: no
+    hand-off the sanitizer cannot see is assumed to order the read, however the threads ran."""
+    outcome = sanitize(lambda: reported_before_synchronized(handoff, synced_first), backend="sim", name="early")
+    assert outcome.error is None, outcome.error_text
+    assert [r.kind for r in outcome.races] == [HOST_READ], (outcome.races, outcome.notes)
+    assert outcome.notes == []
+
+
+def test_a_flag_set_after_the_synchronize_is_an_order_assumed_in_a_note_not_a_race():
+    """The helper was told of the job before the copy was queued (its start) and reports it done by a
+    plain flag after synchronising: a hand-off the sanitizer does not follow, said in a note."""
+    def program() -> list[int]:
+        counts = torch.arange(4, dtype=torch.int64, device="cuda")
+        host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+        synced = [False]
+
+        def helper() -> None:
+            _queue_copy(host, counts).synchronize()
+            synced[0] = True
+
+        thread = threading.Thread(target=helper)
+        thread.start()
+        _until(lambda: synced[0])
+        seen = host.tolist()
+        thread.join()
+        return seen
+
+    outcome = sanitize(program, backend="sim", name="flag")
+    assert outcome.error is None, outcome.error_text
+    assert outcome.races == [] and len(outcome.notes) == 1, (outcome.races, outcome.notes)
+
+
+@pytest.mark.parametrize("how", ["thread-start", "executor-submit"])
+def test_work_handed_over_after_the_copy_was_queued_tells_of_no_work_done(how):
+    """A thread started, or a task submitted, after the main thread queued its copy is handed work,
+    not told the copy ran: when the main thread then synchronises and releases a lock the task waits
+    on (a hand-off the sanitizer does not follow), the order is assumed in a note, not a race."""
+    def program() -> list[int]:
+        counts = torch.arange(4, dtype=torch.int64, device="cuda")
+        host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+        _queue_copy(host, counts)
+        gate = threading.Lock()
+        gate.acquire()
+
+        def read() -> list[int]:
+            with gate:
+                return host.tolist()
+
+        if how == "thread-start":
+            seen: list[list[int]] = []
+            thread = threading.Thread(target=lambda: seen.append(read()))
+            thread.start()
+            torch.cuda.synchronize()
+            gate.release()
+            thread.join()
+            return seen[0]
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(read)
+            torch.cuda.synchronize()
+            gate.release()
+            return future.result()
+
+    outcome = sanitize(program, backend="sim", name=how)
+    assert outcome.error is None, outcome.error_text
+    assert outcome.races == [] and len(outcome.notes) == 1, (outcome.races, outcome.notes)
