@@ -73,7 +73,9 @@ def parse_zeroer(value: str | None) -> str | None:
     try:
         load_zeroer(value)
     except ZeroerError as error:
-        raise pytest.UsageError(f"--zeroer {value!r}: {error} (built-in zeroers: {', '.join(zeroer_names())})") from None
+        names = ", ".join(zeroer_names())
+        listed = "" if names in str(error) else f" (built-in zeroers: {names})"  # the unknown name's error lists them
+        raise pytest.UsageError(f"--zeroer {value!r}: {error}{listed}") from None
     return value
 
 

@@ -301,6 +301,12 @@ ROWS: list[Row] = [
     Row("pytest --zeroer tests/bad_zeroers.py:declares_a_string", 2, "Exit: error: --zeroer "
         "'tests/bad_zeroers.py:declares_a_string': zeroer 'tests/bad_zeroers.py:declares_a_string' declares capabilities = "
         "'sim' (str); declare a zeroer.protocol.Capabilities(...) instead (built-in zeroers: event_ring, ..."),
+    Row("pytest --zeroer examples/engine_offloaders.py", 2, "Exit: error: --zeroer 'examples/engine_offloaders.py': unknown "
+        "zeroer 'examples/engine_offloaders.py'; name the factory in it: 'examples/engine_offloaders.py:<factory>'; use a "
+        "built-in name (event_ring, ..."),
+    Row("pytest --zeroer examples/engine_offloaders.py:load_waits_forward", 2, "Exit: error: --zeroer "
+        "'examples/engine_offloaders.py:load_waits_forward': zeroer 'examples/engine_offloaders.py:load_waits_forward' has "
+        "signature (cache, host_pool, runtime=None, ..."),
     Row("pytest --zeroer per_call --geometry huge", 2, "Exit: error: --geometry 'huge': 'huge' is not a geometry; choose "
         "from block_outer_fp8, int32_wrap, kv_outer_bf16, mixed_dtypes, mla_indexer, packed, ratio2, shared_layers, tiny, or all"),
     Row("pytest fuzz --geometry tiny", 2, "Exit: error: --geometry 'tiny' needs --zeroer or --offloader: it chooses the "

@@ -125,10 +125,41 @@ def test_an_unknown_zeroer_name_is_a_usage_error_listing_the_built_ins():
         pytest.UsageError,
         match=exactly(
             f"--zeroer 'nope': unknown zeroer 'nope'; use a built-in name ({BUILT_INS}), "
-            f"'module:attr' or 'path/to/file.py:attr' (built-in zeroers: {BUILT_INS})"
+            f"'module:attr' or 'path/to/file.py:attr'"  # the built-ins listed once
         ),
     ):
         parse_zeroer("nope")
+
+
+def test_a_file_given_without_its_factory_is_a_usage_error_that_says_to_name_it(tmp_path):
+    plugin = tmp_path / "zeroers.py"
+    plugin.write_text("def make(cache, runtime):\n    raise NotImplementedError\n")
+    with pytest.raises(
+        pytest.UsageError,
+        match=exactly(
+            f"--zeroer {str(plugin)!r}: unknown zeroer {str(plugin)!r}; name the factory in it: '{plugin}:<factory>'; use a "
+            f"built-in name ({BUILT_INS}), 'module:attr' or 'path/to/file.py:attr'"
+        ),
+    ):
+        parse_zeroer(str(plugin))
+
+
+def test_an_offloaders_factory_given_as_a_zeroer_is_a_usage_error_that_names_the_option(tmp_path):
+    """``(cache, host_pool, runtime=None)`` binds the two arguments a zeroer's factory gets: without
+    this check its host pool was handed the runtime, and each campaign failed with advice for
+    runtime-API zeroers."""
+    plugin = tmp_path / "offloaders.py"
+    plugin.write_text("def make(cache, host_pool, runtime=None):\n    raise NotImplementedError\n")
+    spec = f"{plugin}:make"
+    with pytest.raises(
+        pytest.UsageError,
+        match=exactly(
+            f"--zeroer {spec!r}: zeroer {spec!r} has signature (cache, host_pool, runtime=None), an offloader's "
+            f"factory (cache, host_pool, runtime); fuzz it with --offloader {spec}, or give --zeroer a "
+            f"factory(cache, runtime) (built-in zeroers: {BUILT_INS})"
+        ),
+    ):
+        parse_zeroer(spec)
 
 
 def test_a_module_spec_that_cannot_be_imported_is_a_usage_error_naming_the_module():

@@ -190,7 +190,21 @@ def declaration(factory: object, spec: str, record: type, package: str = "zeroer
 def check_factory(factory: object, spec: str) -> Capabilities:
     """Check that ``factory`` can build zeroers and return what it declares (the defaults if nothing)."""
     check_callable_factory(factory, spec, ("cache", "runtime"))
+    _not_an_offloader_factory(factory, spec)
     return declaration(factory, spec, Capabilities)
+
+
+def _not_an_offloader_factory(factory: object, spec: str) -> None:
+    """An offloader's factory, ``(cache, host_pool, runtime=None)``, binds two arguments too: given as a
+    zeroer, its host pool would be handed the runtime. Its parameter's name tells it apart."""
+    try:
+        names = list(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        return
+    if "host_pool" in names:
+        raise ZeroerSpecError(f"zeroer {spec!r} has signature {inspect.signature(factory)}, an offloader's factory "
+                              f"(cache, host_pool, runtime); fuzz it with --offloader {spec}, or give --zeroer a "
+                              f"factory(cache, runtime)")
 
 
 def optional_hook(obj: object, name: str, spec: str, what: str = "zeroer",

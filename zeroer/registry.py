@@ -142,8 +142,9 @@ def load_zeroer(spec: str) -> LoadedZeroer:
     if spec in BUILTINS:
         factory = BUILTINS[spec].factory
     elif ":" not in spec:
+        named = f"; name the factory in it: '{spec}:<factory>'" if spec.endswith(".py") else ""
         raise ZeroerSpecError(
-            f"unknown zeroer {spec!r}; use a built-in name ({', '.join(zeroer_names())}), "
+            f"unknown zeroer {spec!r}{named}; use a built-in name ({', '.join(zeroer_names())}), "
             f"'module:attr' or 'path/to/file.py:attr'"
         )
     else:
