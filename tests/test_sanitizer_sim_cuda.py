@@ -298,6 +298,32 @@ def test_a_race_on_device_memory_names_the_line_that_allocated_it():
     assert "allocated outside the sanitizer's view" not in races[0].format()
 
 
+def test_a_reuse_names_the_allocation_that_reused_the_block_not_a_later_one():
+    """Races are collected after the program went on: the block may have been handed out again by
+    then, and the report named its latest allocation's line, not the one of the reuse."""
+    def main():
+        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+        acc = torch.zeros(128, device="cuda")
+        side.wait_stream(current)
+        for step in range(3):
+            with torch.cuda.stream(side):
+                staged = torch.full((128,), float(step), device="cuda")  # the reuse
+            current.wait_stream(side)
+            acc.add_(staged)
+            del staged  # no record_stream(current)
+        with torch.cuda.stream(side):
+            torch.empty(128, device="cuda").fill_(9.0)  # a later allocation of the block
+        torch.cuda.synchronize()
+
+    races, error, _, _ = simulate(main)
+    assert error is None
+    lines = inspect.getsource(main).splitlines()
+    first = next(r for r in races if r.kind == "reuse-without-record-stream")
+    assert "torch.full" in first.resource, first.format()
+    assert first.allocated_at is not None, first.format()
+    assert "torch.full(" in lines[first.allocated_at.line - main.__code__.co_firstlineno], first.format()
+
+
 # -- work the program leaves queued ----------------------------------------------------------------
 @pytest.mark.parametrize("write", ["index_put", "index_copy"])
 def test_an_indexed_write_left_queued_at_the_end_is_checked_against_the_other_streams(write):

@@ -52,6 +52,8 @@ from kvdevice.intercept.torch_mode import InterceptMode
 from kvdevice.origin import blame, forwarding
 from kvdevice.runtime import make_runtime
 
+KEPT_GENERATIONS = 8  # a block's allocation lines kept (races are collected within a few of its reuses)
+
 
 
 class ProgramHostMemory(HostMemory):
@@ -97,7 +99,9 @@ class ProgramSession(InterceptSession):
         self.mode = ProgramMode(self)
         self._polls: set[tuple] = set()  # what a query of the program found not done (query_event)
         self._records: weakref.WeakKeyDictionary[Any, OpStamp] = weakref.WeakKeyDictionary()  # event -> its record
-        self._device_sites: dict[tuple, Site] = {}  # a device block's key -> the line its latest allocation came from
+        # a device block's key -> its latest allocations' lines, by generation (a race is collected after
+        # the block may have been handed out again: it names the allocation its access used)
+        self._device_sites: dict[tuple, dict[int, Site]] = {}
         self.unfollowed: list[str] = []  # one line each: what the program did that could not be followed
         self.sim_ops.dispatch = self._locked(self.sim_ops.dispatch)  # type: ignore[method-assign]
         self._lock_stand_ins()
@@ -184,11 +188,18 @@ class ProgramSession(InterceptSession):
 
     def device_allocated(self, block: Any) -> None:
         """An op of the program was handed ``block``: its line is where a race on it says it was allocated."""
-        self._device_sites[block.key] = caller_site()
+        sites = self._device_sites.setdefault(block.key, {})
+        sites[block.generation] = caller_site()
+        if len(sites) > KEPT_GENERATIONS:
+            del sites[min(sites)]
 
-    def device_site(self, key: Any) -> Site | None:
-        """The line the device block keyed ``key`` was last allocated at (None: not a device block of the program)."""
-        return self._device_sites.get(key)
+    def device_site(self, key: Any, generation: int | None = None) -> Site | None:
+        """The line the device block keyed ``key`` was allocated at, in its allocation ``generation``
+        (None: the latest; None is returned for no device block of the program, or a generation long gone)."""
+        sites = self._device_sites.get(key)
+        if not sites:
+            return None
+        return sites.get(max(sites) if generation is None else generation)
 
     def event_recorded(self, event: Any) -> None:
         """The program recorded ``event``: its record, as a stamp whose label names the line, for a
@@ -321,7 +332,13 @@ class SimWatch(HostWatch):
         self.session = session
 
     def allocated_at(self, hazard: Any) -> Site | None:
-        site = self.session.device_site(hazard.key)
+        """The line of the allocation the race's later access used (a reuse: the new one), not the
+        block's latest, which may have come after the race."""
+        key = hazard.key
+        generation = None
+        if isinstance(key, tuple) and key[:1] == (self.device_key,):
+            generation = getattr(hazard.second, "generations", {}).get(key[1])
+        site = self.session.device_site(key, generation)
         return site if site is not None else super().allocated_at(hazard)
 
     def scope_end(self, site: Site) -> None:
