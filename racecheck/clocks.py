@@ -12,8 +12,8 @@ first host thread is :data:`HOST` (index 0). Each has a vector clock, one entry 
   that answered True, an allocator that waited for an event): its clock joins the snapshot.
 * Host threads learn from each other through hand-offs (a thread started or joined, a queue, an
   event, a future): the receiver joins the sender's clock (:meth:`Clocks.release`,
-  :meth:`Clocks.host_join`). A host thread's own entry is when it last released a hand-off (the
-  ops stamped by then), so a receiver knows how late the news it got from each thread is; an
+  :meth:`Clocks.host_join`). A signal (:meth:`Clocks.release`) carries the sender's own entry as
+  the ops stamped by then, so its receiver knows how late the news it got from that thread was; an
   observed completion carries no host entries (only hand-offs tell a thread about another).
 
 :attr:`Clocks.union` is the join of every host thread's clock: what *some* host thread has seen.
@@ -100,13 +100,12 @@ class Clocks:
         return tuple(self._vc[thread])
 
     def release(self, host: int) -> tuple[int, ...]:
-        """What a hand-off from host thread ``host`` carries: what it knows, its own entry set to the
-        ops stamped so far (a receiver can tell a hand-off made after an op was queued)."""
-        vc = self._vc[host]
-        if self._seq > vc[host]:
-            vc[host] = self._seq
-            _join(self.union, vc)
-        return tuple(vc)
+        """What a signal from host thread ``host`` carries: what it knows, its own entry set to the ops
+        stamped so far, in this hand-off only (its receivers, and theirs, can tell a signal made after
+        an op was queued; the thread's own clock, which its other hand-offs carry, keeps no such entry)."""
+        snapshot = list(self._vc[host])
+        snapshot[host] = self._seq
+        return tuple(snapshot)
 
     def tick(self, stream: int, label: str, host: int = HOST) -> OpStamp:
         """Stamp an op that host thread ``host`` enqueues on ``stream``."""

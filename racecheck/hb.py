@@ -173,7 +173,8 @@ class HappensBefore:
     def host_snapshot(self, host: int = HOST, *, tells: bool = True) -> tuple[int, ...]:
         """What a hand-off from host thread ``host`` carries (:meth:`host_acquires` on the other side).
         ``tells``: a signal (an event set, a queue put, a result, a thread's end), which may tell of work
-        done (:meth:`told_early`); a thread's start and a task's submission hand work over instead."""
+        done (:meth:`told_early`); a thread's start, a task's submission and a condition's notify do not
+        (the first two hand work over; a notify comes before the notifier lets its lock go)."""
         return self.clocks.release(host) if tells else self.clocks.snapshot(host)
 
     def host_acquires(self, host: int, snapshot: tuple[int, ...] | None) -> None:
