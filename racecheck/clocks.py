@@ -11,10 +11,8 @@ first host thread is :data:`HOST` (index 0). Each has a vector clock, one entry 
 * A host thread learns a snapshot only when it *observes* completion (a synchronisation, a query
   that answered True, an allocator that waited for an event): its clock joins the snapshot.
 * Host threads learn from each other through hand-offs (a thread started or joined, a queue, an
-  event, a future): the receiver joins the sender's clock (:meth:`Clocks.release`,
-  :meth:`Clocks.host_join`). A signal (:meth:`Clocks.release`) carries the sender's own entry as
-  the ops stamped by then, so its receiver knows how late the news it got from that thread was; an
-  observed completion carries no host entries (only hand-offs tell a thread about another).
+  event, a future): the receiver joins the sender's clock (:meth:`Clocks.snapshot`,
+  :meth:`Clocks.host_join`).
 
 :attr:`Clocks.union` is the join of every host thread's clock: what *some* host thread has seen.
 When a host thread touches memory that another host thread saw a copy finish on, but no hand-off
@@ -89,23 +87,15 @@ class Clocks:
     def fork(self, parent: int, name: str) -> int:
         """A host thread started by ``parent``: it knows what its parent knew."""
         child = self.add(name, host=True)
-        self.host_join(child, self._vc[parent], handoff=True)  # a start tells of no work done
+        self.host_join(child, self._vc[parent])
         return child
 
     def vc(self, thread: int) -> list[int]:
         return self._vc[thread]
 
     def snapshot(self, thread: int) -> tuple[int, ...]:
-        """What ``thread`` knows now: what an event recorded on a stream carries."""
+        """What ``thread`` knows now: what an event recorded on a stream, or a hand-off from a host thread, carries."""
         return tuple(self._vc[thread])
-
-    def release(self, host: int) -> tuple[int, ...]:
-        """What a signal from host thread ``host`` carries: what it knows, its own entry set to the ops
-        stamped so far, in this hand-off only (its receivers, and theirs, can tell a signal made after
-        an op was queued; the thread's own clock, which its other hand-offs carry, keeps no such entry)."""
-        snapshot = list(self._vc[host])
-        snapshot[host] = self._seq
-        return tuple(snapshot)
 
     def tick(self, stream: int, label: str, host: int = HOST) -> OpStamp:
         """Stamp an op that host thread ``host`` enqueues on ``stream``."""
@@ -120,17 +110,9 @@ class Clocks:
         if snapshot is not None:
             _join(self._vc[thread], snapshot)
 
-    def host_join(self, host: int, snapshot: tuple[int, ...] | list[int] | None, *, handoff: bool = False) -> None:
-        """Host thread ``host`` learns ``snapshot``: a hand-off (``handoff``) or an observed completion,
-        whose host entries (a stream's clock carries those of the threads that queued on it) are left out."""
-        if snapshot is None:
-            return
-        if not handoff and len(self.hosts) > 1:
-            snapshot = list(snapshot)
-            for other in self.hosts:
-                if other < len(snapshot):
-                    snapshot[other] = 0
-        if _join(self._vc[host], snapshot):
+    def host_join(self, host: int, snapshot: tuple[int, ...] | list[int] | None) -> None:
+        """Host thread ``host`` learns ``snapshot`` (an observed completion, or a hand-off)."""
+        if snapshot is not None and _join(self._vc[host], snapshot):
             _join(self.union, self._vc[host])
 
     @property

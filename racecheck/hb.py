@@ -26,10 +26,7 @@ Five checks, each on the bytes the two sides touch (:mod:`racecheck.shadow`):
 When the conflict would be ordered by what *another* host thread saw (it observed the copy
 complete, then handed over in a way the checker does not follow: a lock, a flag in memory), it is
 recorded in :attr:`HappensBefore.notes`, not as a hazard: a hand-off the checker cannot see is
-said in one line, never reported as a race. Unless that thread's last hand-off the accessing thread
-followed came after the copy was queued and before the thread saw it complete: it told of the work
-before the work was done, and that is the race (:meth:`HappensBefore.told_early`), whenever the
-thread happens to observe the copy.
+said in one line, never reported as a race.
 
 What is kept is pruned only of what can no longer race, so nothing is missed for want of room, and a
 run that synchronises stays small however long it runs: a queued copy is dropped once some host
@@ -170,37 +167,13 @@ class HappensBefore:
         """Whether any host thread has observed ``stamp``'s op complete."""
         return ordered(stamp, self.clocks.union)
 
-    def host_snapshot(self, host: int = HOST, *, tells: bool = True) -> tuple[int, ...]:
-        """What a hand-off from host thread ``host`` carries (:meth:`host_acquires` on the other side).
-        ``tells``: a signal (an event set, a queue put, a result, a thread's end), which may tell of work
-        done (:meth:`told_early`); a thread's start, a task's submission and a condition's notify do not
-        (the first two hand work over; a notify comes before the notifier lets its lock go)."""
-        return self.clocks.release(host) if tells else self.clocks.snapshot(host)
+    def host_snapshot(self, host: int = HOST) -> tuple[int, ...]:
+        """What a hand-off from host thread ``host`` carries (:meth:`host_acquires` on the other side)."""
+        return self.clocks.snapshot(host)
 
     def host_acquires(self, host: int, snapshot: tuple[int, ...] | None) -> None:
         """Host thread ``host`` received a hand-off carrying ``snapshot``."""
-        self.clocks.host_join(host, snapshot, handoff=True)
-
-    def told_early(self, stamp: OpStamp, knows: tuple[int, ...] | list[int]) -> int | None:
-        """A host thread that has seen ``stamp``'s op complete but handed over to the thread that
-        knows ``knows`` after the op was queued and before it saw it complete (its last hand-off that
-        reached that thread came then, or the thread would know the op ran): the thread was told of the
-        work before it was done, by a hand-off the checker follows, so no hand-off it does not follow
-        is assumed to order the access (a job reported done before its copy ran). None if none did."""
-        clocks = self.clocks
-        for other in clocks.hosts:
-            if other < len(knows) and knows[other] >= stamp.seq and ordered(stamp, clocks.vc(other)):
-                return other
-        return None
-
-    def _assumed(self, stamp: OpStamp, union: tuple[int, ...] | list[int] | None,
-                 knows: tuple[int, ...] | list[int]) -> tuple[bool, int | None]:
-        """Whether a conflict with ``stamp`` is a note (some host thread had seen it complete, by
-        ``union``, and none told this one early) and, when it is a race for that reason, who told early."""
-        if union is None or not ordered(stamp, union):
-            return False, None
-        early = self.told_early(stamp, knows)
-        return early is None, early
+        self.clocks.host_join(host, snapshot)
 
     # -- resources ------------------------------------------------------------------------------
     def name_resource(self, key: Key, name: str) -> None:
@@ -299,8 +272,7 @@ class HappensBefore:
         at = (clocks.stamped, len(clocks.names))
         if at != self._queued_at:
             self._queued_at = at
-            hosts = clocks.hosts  # a host thread's own entry is its last hand-off, no op it queued
-            self._queued = tuple(0 if thread in hosts else clocks.vc(thread)[thread] for thread in range(at[1]))
+            self._queued = tuple(clocks.vc(thread)[thread] for thread in range(at[1]))
         return self._queued
 
     def _sweep_host_log(self) -> None:
@@ -328,9 +300,9 @@ class HappensBefore:
                 continue  # before the enqueue, after the host saw it complete, or other bytes
             if access.kind == HOST_READ and not write:
                 continue  # a read beside a read
-            assumed, early = self._assumed(stamp, access.union, access.vc)  # another host saw it complete
+            assumed = access.union is not None and ordered(stamp, access.union)  # another host saw it complete
             (self.notes if assumed else self.hazards).append(
-                self._host_hazard(access.kind, key, stamp, access.label, write, assumed=assumed, early=early))
+                self._host_hazard(access.kind, key, stamp, access.label, write, assumed=assumed))
         (self.copy_writes_host if write else self.copy_reads_host)(key, stamp, ranges)
 
     def _host_access(self, kind: str, key: Key, label: str, host: int, ranges: Ranges,
@@ -348,14 +320,14 @@ class HappensBefore:
                     kept.append(item)
                     continue
                 writes = table is self._host_writers
-                assumed, early = self._assumed(item.stamp, self.clocks.union, vc)
+                assumed = ordered(item.stamp, self.clocks.union)
                 (self.notes if assumed else self.hazards).append(
-                    self._host_hazard(kind, key, item.stamp, label, writes, assumed=assumed, early=early))
+                    self._host_hazard(kind, key, item.stamp, label, writes, assumed=assumed))
                 # reported (or noted) once: the same pair is not reported again
             table[key] = kept
 
     def _host_hazard(self, kind: str, key: Key, stamp: OpStamp, label: str, copy_writes: bool, *,
-                     assumed: bool = False, early: int | None = None) -> Hazard:
+                     assumed: bool = False) -> Hazard:
         resource = self.name(key)
         verb = "read" if kind == HOST_READ else "write"
         # (of or to, what the copy may not have done yet, why that matters, the upstream issue)
@@ -367,13 +339,7 @@ class HappensBefore:
         if assumed:
             text = (f"{text}; another host thread saw the copy complete first, and a hand-off the checker "
                     f"does not follow may order it")
-        elif early is not None:
-            text = f"{text}; {self._early(early)}"
         return Hazard(kind, resource, stamp.label, label, text, key)
-
-    def _early(self, early: int) -> str:
-        return (f"{self.clocks.names[early]} saw it complete only after its last hand-off to this thread, "
-                f"which came after the work was queued")
 
     # -- events -------------------------------------------------------------------------------------
     def host_reads_event(self, key: Key, record: OpStamp, label: str, host: int = HOST) -> bool:
@@ -387,10 +353,7 @@ class HappensBefore:
         text = (f"host read of {resource} by {label} while {record.label} may not have completed: no event or "
                 f"synchronisation observed by the host orders the record before the read; CUDA answers "
                 f"cudaErrorNotReady or the time, by timing")
-        assumed, early = self._assumed(record, self.clocks.union, self.clocks.vc(host))
-        if early is not None:
-            text = f"{text}; {self._early(early)}"
-        if assumed:
+        if ordered(record, self.clocks.union):
             self.notes.append(Hazard(EVENT_READ, resource, record.label, label,
                                      f"{text}; another host thread saw the event complete, and a hand-off the "
                                      f"checker does not follow may order it", key))

@@ -149,10 +149,7 @@ class HandOffs:
         self._strong: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
     def release(self, obj: Any) -> None:
-        # Only a signal the program sends may tell of work done (HappensBefore.told_early): a submitted
-        # task is handed work, and a Condition is notified inside a Queue's get, or before the notifier
-        # lets its lock go (what it does before that is ordered before the waiter too).
-        snapshot = self.hb.host_snapshot(self.threads.current(), tells=isinstance(obj, SIGNALS))
+        snapshot = self.hb.host_snapshot(self.threads.current())
         previous = self._get(obj)
         if previous is not None:
             snapshot = _joined(snapshot, previous)
@@ -182,9 +179,6 @@ def _joined(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     if len(a) < len(b):
         a, b = b, a
     return tuple(max(x, y) for x, y in zip(a, b)) + a[len(b):]
-
-
-SIGNALS = (threading.Event, queue.Queue, concurrent.futures.Future, threading.Thread)  # a set, a put, a result, an end
 
 
 class _Token:

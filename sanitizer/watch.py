@@ -204,7 +204,7 @@ class HostWatch:
         """``thread.start()`` is being called: what the starter knows now is what the thread knows."""
         with self.lock:
             self.handoff_boundary(caller_site())
-            return self.hb.host_snapshot(self.threads.current(), tells=False)  # work handed over, none told done
+            return self.hb.host_snapshot(self.threads.current())
 
     def thread_running(self, thread: threading.Thread, token: Any) -> Callable[[], None]:
         with self.lock:

@@ -238,11 +238,18 @@ def reported_before_synchronized(handoff: str, synced_first: bool) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("synced_first", [True, False], ids=["synchronized-before-the-read", "after-the-read"])
+# The sanitizer's one verdict that hangs on timing (docs/sanitizer.md, "every Python thread"): once the
+# helper has synchronised, a lock or a flag could order the read, so it is a note. A rule that called it
+# a race when the helper had signalled after queueing the copy made correct programs races
+# (test_correct_programs_... below), and was dropped.
+TIMING = "a helper that synchronised before the read: only a note (an unfollowed hand-off could order it)"
+
+
+@pytest.mark.parametrize("synced_first", [pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=TIMING)), False],
+                         ids=["synchronized-before-the-read", "after-the-read"])
 @pytest.mark.parametrize("handoff", ["event", "queue"])
 def test_a_job_reported_done_before_its_copy_ran_is_a_race_whichever_thread_runs_first(handoff, synced_first):
-    """The helper's hand-off came after the copy was queued and before it saw the copy complete: no
-    hand-off the sanitizer cannot see is assumed to order the read, however the threads ran."""
+    """The helper's hand-off came after the copy was queued and before it saw the copy complete."""
     outcome = sanitize(lambda: reported_before_synchronized(handoff, synced_first), backend="sim", name="early")
     assert outcome.error is None, outcome.error_text
     assert [r.kind for r in outcome.races] == [HOST_READ], (outcome.races, outcome.notes)
@@ -423,8 +430,9 @@ def _notify_then_synchronize_under_the_lock() -> None:
 ], ids=["job-queue-put-before-the-read", "job-queue-put-after-the-read", "unrelated-put-then-start",
         "double-buffer-polled-with-is_set", "notify-then-synchronize-under-the-lock"])
 def test_correct_programs_whose_hand_offs_tell_of_no_work_done_early_are_no_race(program, notes):
-    """Found in review of the told-early rule: each was reported as a race. A note stays where the
-    order comes through a hand-off the sanitizer does not follow (a lock)."""
+    """Correct programs a rule that called a signal sent after the copy was queued "told early"
+    reported as races: a note stays where the order comes through a hand-off the sanitizer does not
+    follow (a lock); ``is_set()`` that answered True is followed."""
     outcome = sanitize(program, backend="sim", name="review")
     assert outcome.error is None, outcome.error_text
     assert outcome.races == [] and len(outcome.notes) == notes, (outcome.races, outcome.notes)

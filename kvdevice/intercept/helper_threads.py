@@ -87,7 +87,7 @@ class HelperThreads:
         if not self.turns.holding() or getattr(thread, "_kvz_own", False):
             return None
         self.session.boundary(f"the start of thread '{thread.name}'")
-        snapshot = self.rt.hb.host_snapshot(self.rt.host_thread(), tells=False)  # work handed over, none told done
+        snapshot = self.rt.hb.host_snapshot(self.rt.host_thread())
         return snapshot, self.turns.add(thread, f"thread '{thread.name}'")
 
     def thread_running(self, thread: threading.Thread, token: Any) -> Callable[[], None]:
