@@ -324,6 +324,62 @@ def test_a_reuse_names_the_allocation_that_reused_the_block_not_a_later_one():
     assert "torch.full(" in lines[first.allocated_at.line - main.__code__.co_firstlineno], first.format()
 
 
+SYNCHRONISING_READS = {
+    "item": lambda y: y.sum().item() if y.dim() else y.item(),
+    "tolist": lambda y: y.tolist(),
+    "cpu": lambda y: y.cpu(),
+    "float": lambda y: float(y.sum()) if y.dim() else float(y),
+    "nonzero": lambda y: torch.nonzero(y),
+    "blocking-copy-over-it": lambda y: y.copy_(torch.zeros_like(y, device="cpu")),
+}
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["no-wait", "waits"])
+@pytest.mark.parametrize("read", sorted(SYNCHRONISING_READS))
+def test_a_synchronising_op_on_memory_another_stream_wrote_is_checked(read, waits):
+    """``.item()``, ``.tolist()``, a blocking copy...: the host waits for the current stream only, so
+    what a side stream wrote without an event between them is a race. The checker found these and the
+    report dropped them (the synchronising op had no access on its label): no race, exit 0, the value
+    read wrong."""
+    def main():
+        side = torch.cuda.Stream()
+        x = torch.ones(16, device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = x * 2  # written on the side stream
+        if waits:
+            torch.cuda.current_stream().wait_stream(side)
+        SYNCHRONISING_READS[read](y)
+
+    races, error, _, _ = simulate(main)
+    assert error is None
+    assert [race.kind for race in races] == ([] if waits else ["unordered-device-access"]), races
+    if races:
+        assert races[0].later.site is not None and races[0].later.site.function == "<lambda>", races[0].format()
+
+
+def test_a_host_mirror_made_like_a_device_tensor_is_host_memory_and_reads_nothing():
+    """``torch.empty_like(gpu_t, device="cpu", pin_memory=True)`` (a host mirror, as engines make
+    them): the simulator made a device tensor, unpinned, and read the source's bytes, a race with
+    the side stream that wrote them."""
+    def main():
+        side = torch.cuda.Stream()
+        x = torch.ones(16, device="cuda").view(4, 4).t()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = x * 2  # written on the side stream, never waited for
+        mirror = torch.empty_like(y, device="cpu", pin_memory=True)
+        zeros = torch.zeros_like(y, device=torch.device("cpu"), dtype=torch.float64)
+        return mirror, zeros, y
+
+    seen = []
+    races, error, _, _ = simulate(lambda: seen.append(main()))
+    assert error is None and races == [], races
+    mirror, zeros, y = seen[0]
+    assert mirror.device.type == "cpu" and mirror.stride() == y.stride()
+    assert zeros.device.type == "cpu" and zeros.dtype == torch.float64 and not zeros.any()
+
+
 # -- work the program leaves queued ----------------------------------------------------------------
 @pytest.mark.parametrize("write", ["index_put", "index_copy"])
 def test_an_indexed_write_left_queued_at_the_end_is_checked_against_the_other_streams(write):

@@ -103,6 +103,23 @@ def _code_call_below() -> bool:
                for mode in _get_current_function_mode_stack())
 
 
+def _names_host(device: Any) -> bool:
+    """Whether a ``device=`` argument names the host (``torch.empty_like(gpu_t, device="cpu",
+    pin_memory=True)``, a host mirror of a device tensor)."""
+    if device is None:
+        return False
+    try:
+        return torch.device(device).type == "cpu"
+    except (TypeError, RuntimeError):
+        return False
+
+
+def _meta_twin(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``tensor``'s sizes, strides and dtype: what a ``*_like`` op reads of it."""
+    with torch._C.DisableTorchFunction():
+        return torch.empty_strided(tuple(tensor.size()), tuple(tensor.stride()), dtype=tensor.dtype, device="meta")
+
+
 def _has_sim(args: tuple, kwargs: dict) -> bool:
     for value in (*args, *kwargs.values()):
         if isinstance(value, SimCudaTensor):
@@ -152,6 +169,9 @@ class InterceptMode(TorchFunctionMode):
         handler = self._handlers.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
+        if self.sim and args and isinstance(args[0], SimCudaTensor) and _names_host(kwargs.get("device")) \
+                and _name(func).endswith("_like"):
+            args = (_meta_twin(args[0]), *args[1:])  # a host tensor shaped like it: its bytes are not read
         cuda = names_cuda(kwargs.get("device"))
         route = (self._device_factory if cuda and self.sim
                  else self._host_data_to_cuda if cuda and func in _HOST_DATA and not _tensor_data(args, kwargs)

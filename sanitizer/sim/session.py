@@ -136,6 +136,29 @@ class ProgramSession(InterceptSession):
                 (block.id, block.generation) for block in touched if hasattr(block, "generation"))
         return stamp
 
+    def run_now(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
+                cache_written: bool = False) -> None:
+        """A synchronising op (``.item()``, ``.tolist()``, a blocking copy, ``nonzero``), labelled as
+        :meth:`enqueue` labels a queued one: without its access a race it is the second side of (a
+        ``.item()`` of a sum another stream made, unordered) was found and then dropped."""
+        access = Access(name, self._stream(), caller_site())
+        made: list[Label] = []
+
+        def label(text: str) -> Label:
+            made.append(Label.of(text, access))
+            return made[-1]
+
+        with self.lock:
+            self.rt.labels = label
+            try:
+                super().run_now(fn, name=name, reads=reads, writes=writes, cache_written=cache_written)
+            finally:
+                self.rt.labels = str
+        touched = [getattr(item, "memory", item) for item in (*reads, *writes)]
+        for made_label in made:
+            made_label.generations.update(
+                (block.id, block.generation) for block in touched if hasattr(block, "generation"))
+
     def boundary(self, what: str) -> None:
         self.watch.boundary(caller_site())
 
