@@ -289,14 +289,17 @@ def test_a_custom_op_with_no_model_is_a_harness_error_in_the_fuzzer():
             torch.ops.kvz_test.scatter_rows(torch.ones(2, 4, device="cuda"), dst, torch.tensor([6, 2], device="cuda"))
 
 
-@pytest.fixture
-def user_model():
+@pytest.fixture(params=["with-reference", "the-programs-own-op"])
+def user_model(request):
+    """A model of the user's op; without ``reference=`` the simulator runs the op the program defined
+    (its CPU kernel), as the docs say a program that defines its op gets its own op."""
     def effects(fx, src, dst, rows):
         fx.read(src)
         fx.read(rows)
         fx.write_rows(dst, 0, fx.values(rows))
 
-    custom_ops.register(custom_ops.EffectModel("kvz_test::scatter_rows", effects, reference=_scatter_rows))
+    reference = _scatter_rows if request.param == "with-reference" else None
+    custom_ops.register(custom_ops.EffectModel("kvz_test::scatter_rows", effects, reference=reference))
     yield
     custom_ops.unregister("kvz_test::scatter_rows")
 
@@ -307,6 +310,28 @@ def test_a_model_the_user_registers_is_followed(user_model):
     assert [r.kind for r in races] == ["unordered-device-access"] and "scatter_rows" in str(races[0])
     races, error, _, unfollowed = _user_program("read")
     assert error is None and unfollowed == [] and races == []
+
+
+def test_the_programs_own_op_run_for_a_model_without_a_reference_moves_its_bytes():
+    def effects(fx, src, dst, rows):
+        fx.read(src)
+        fx.read(rows)
+        fx.write_rows(dst, 0, fx.values(rows))
+
+    seen = []
+
+    def main() -> None:
+        src, dst = torch.ones(2, 4, device="cuda"), torch.zeros(8, 4, device="cuda")
+        torch.ops.kvz_test.scatter_rows(src, dst, torch.tensor([6, 2], device="cuda"))
+        seen.append(dst.sum(dim=1).tolist())
+
+    custom_ops.register(custom_ops.EffectModel("kvz_test::scatter_rows", effects))
+    try:
+        races, error, _, unfollowed = simulate(main)
+    finally:
+        custom_ops.unregister("kvz_test::scatter_rows")
+    assert error is None and unfollowed == [] and races == []
+    assert seen == [[0.0, 0.0, 4.0, 0.0, 0.0, 0.0, 4.0, 0.0]]
 
 
 # -- the GPU observer, through the CUDA stand-in ----------------------------------------------------------

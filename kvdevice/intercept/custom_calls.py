@@ -96,7 +96,10 @@ class CustomCalls:
 
         inner_args = tree_map(inner, given)
         name = model.short_name
-        if model.reference is None:
+        runs = model.reference
+        if runs is None and _runs_on_the_host(func):
+            runs = func  # the program's own op, defined with a CPU (or any-device) kernel: it runs as itself
+        if runs is None:
             raise unroutable(f"{model.name} on the simulator", "its effect model has no reference implementation",
                              "give effect_model(...) a reference= (a CPU implementation) " + MODEL_FIX)
 
@@ -124,7 +127,7 @@ class CustomCalls:
             if found is None and isinstance(stamp[0], OpStamp):
                 late = self._resolve(model, model.declare(inner_args, host_values), [host_args, session.memory, regions])
                 self._declare_late(late, stamp[0], space, ids)
-            forward(model.reference, *inner_args)
+            forward(runs, *inner_args)
 
         if found is None:
             if session.graphs is not None and session.graphs.current() is not None:
@@ -261,3 +264,15 @@ def _host_arguments(given: list[Any], host: Any) -> Extents:
 
 
 __all__ = ["CustomCalls", "op_name", "unmodelled"]
+
+
+def _runs_on_the_host(func: Any) -> bool:
+    """Whether ``func`` (the program's op) has a kernel a CPU tensor reaches: a ``torch.library``
+    op the program defined with a CPU or device-generic implementation."""
+    has = getattr(func, "has_kernel_for_dispatch_key", None)
+    if has is None:
+        return False
+    try:
+        return any(has(key) for key in ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd"))
+    except Exception:  # noqa: BLE001 - an op torch cannot answer for: not run
+        return False
