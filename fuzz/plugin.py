@@ -152,12 +152,13 @@ def pytest_configure_requests_gate_settings_first(config: pytest.Config) -> None
     """Before this worker's CUDA context exists, and before any other plugin's configure can start
     CUDA's driver (``--kvz-sanitize`` asks torch whether there is a GPU in its own): the queues and
     eagerly loaded modules gated streams need (:func:`racecheck.gate.request_gate_settings`)."""
-    if _may_fuzz_on_cuda(config):
+    config._fuzz_on_cuda = _may_fuzz_on_cuda(config)
+    if config._fuzz_on_cuda:
         request_gate_settings()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    fuzzing_on_cuda = _may_fuzz_on_cuda(config)
+    fuzzing_on_cuda = config._fuzz_on_cuda  # decided first (pytest_configure_requests_gate_settings_first)
     try:
         # Any other run is not to start CUDA's driver here either: the program's settings (its own
         # CUDA_MODULE_LOADING, a device list) are read when it starts.

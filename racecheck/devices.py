@@ -9,16 +9,27 @@ from typing import Any
 import torch
 
 
+def _device_type(device: Any) -> str | None:
+    """``"cuda"``, ``"cpu"``...; None for None or anything torch refuses."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cuda"
+    if device is None:
+        return None
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        return None
+
+
 def names_cuda(device: Any) -> bool:
     """Whether ``device`` names a CUDA device (None, a CPU device or anything torch refuses: no)."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True
-    if device is None:
-        return False
-    try:
-        return torch.device(device).type == "cuda"
-    except (RuntimeError, TypeError):
-        return False
+    return _device_type(device) == "cuda"
 
 
-__all__ = ["names_cuda"]
+def names_host(device: Any) -> bool:
+    """Whether ``device`` names the host, ``"cpu"`` (``torch.empty_like(gpu_t, device="cpu")``, a
+    host mirror of a device tensor); None or anything torch refuses: no."""
+    return _device_type(device) == "cpu"
+
+
+__all__ = ["names_cuda", "names_host"]

@@ -263,9 +263,6 @@ def _host_arguments(given: list[Any], host: Any) -> Extents:
                                and host.lookup(t) is None else None)
 
 
-__all__ = ["CustomCalls", "op_name", "unmodelled"]
-
-
 def _runs_on_the_host(func: Any) -> bool:
     """Whether ``func`` (the program's op) has a kernel a CPU tensor reaches: a ``torch.library``
     op the program defined with a CPU or device-generic implementation."""
@@ -276,3 +273,7 @@ def _runs_on_the_host(func: Any) -> bool:
         return any(has(key) for key in ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd"))
     except Exception:  # noqa: BLE001 - an op torch cannot answer for: not run
         return False
+
+
+__all__ = ["CustomCalls", "op_name", "unmodelled"]
+

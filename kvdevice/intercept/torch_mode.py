@@ -38,7 +38,7 @@ from kvdevice.intercept import host_reads
 from kvdevice.intercept.errors import InterceptError, forward, raise_as_cuda, simulator_gap
 from kvdevice.intercept.sim_tensor import SimCudaTensor, cloak, uncloak
 from kvdevice.origin import forwarding
-from racecheck.devices import names_cuda
+from racecheck.devices import names_cuda, names_host
 
 _HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 _EMPTY = {torch.empty, torch.empty_strided, torch.empty_like}
@@ -103,17 +103,6 @@ def _code_call_below() -> bool:
                for mode in _get_current_function_mode_stack())
 
 
-def _names_host(device: Any) -> bool:
-    """Whether a ``device=`` argument names the host (``torch.empty_like(gpu_t, device="cpu",
-    pin_memory=True)``, a host mirror of a device tensor)."""
-    if device is None:
-        return False
-    try:
-        return torch.device(device).type == "cpu"
-    except (TypeError, RuntimeError):
-        return False
-
-
 def _meta_twin(tensor: torch.Tensor) -> torch.Tensor:
     """A meta tensor of ``tensor``'s sizes, strides and dtype: what a ``*_like`` op reads of it."""
     with torch._C.DisableTorchFunction():
@@ -169,7 +158,7 @@ class InterceptMode(TorchFunctionMode):
         handler = self._handlers.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        if self.sim and args and isinstance(args[0], SimCudaTensor) and _names_host(kwargs.get("device")) \
+        if self.sim and args and isinstance(args[0], SimCudaTensor) and names_host(kwargs.get("device")) \
                 and _name(func).endswith("_like"):
             args = (_meta_twin(args[0]), *args[1:])  # a host tensor shaped like it: its bytes are not read
         cuda = names_cuda(kwargs.get("device"))

@@ -55,7 +55,6 @@ from kvdevice.runtime import make_runtime
 KEPT_GENERATIONS = 8  # a block's allocation lines kept (races are collected within a few of its reuses)
 
 
-
 class ProgramHostMemory(HostMemory):
     """Pinned memory named as the GPU observer names it, with the line that allocated it; torch's
     pinned allocations come from the model of its caching host allocator (``caching``)."""
@@ -120,27 +119,22 @@ class ProgramSession(InterceptSession):
 
     def enqueue(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False, uses: Sequence[Any] = ()) -> OpStamp:
-        access = Access(name, self._stream(), caller_site())
-        # The op's label carries what a report says of it, and the generations of the blocks it
-        # touches (a reuse is told from a race by them): it lives as long as something checks
-        # against the op, and no table of every op ever run grows with the program.
-        with self.lock:  # one op at a time has its label made (the program's threads share the runtime)
-            self.rt.labels = lambda text: Label.of(text, access)
-            try:
-                stamp = super().enqueue(fn, name=name, reads=reads, writes=writes, cache_written=cache_written)
-            finally:
-                self.rt.labels = str
-        if isinstance(stamp, OpStamp) and isinstance(stamp.label, Label):
-            touched = (getattr(item, "memory", item) for item in (*reads, *writes, *uses))
-            stamp.label.generations.update(
-                (block.id, block.generation) for block in touched if hasattr(block, "generation"))
-        return stamp
+        with self._labelled(name, (*reads, *writes, *uses)):
+            return super().enqueue(fn, name=name, reads=reads, writes=writes, cache_written=cache_written)
 
     def run_now(self, fn: Callable[[], None], *, name: str, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
                 cache_written: bool = False) -> None:
-        """A synchronising op (``.item()``, ``.tolist()``, a blocking copy, ``nonzero``), labelled as
-        :meth:`enqueue` labels a queued one: without its access a race it is the second side of (a
-        ``.item()`` of a sum another stream made, unordered) was found and then dropped."""
+        """A synchronising op (``.item()``, ``.tolist()``, a blocking copy, ``nonzero``), labelled as a
+        queued one: without its access a race it is the second side of (a ``.item()`` of a sum another
+        stream made, unordered) was found and then dropped."""
+        with self._labelled(name, (*reads, *writes)):
+            super().run_now(fn, name=name, reads=reads, writes=writes, cache_written=cache_written)
+
+    @contextlib.contextmanager
+    def _labelled(self, name: str, touched: Sequence[Any]) -> Iterator[None]:
+        """The labels the runtime makes inside carry the op's access (what a report says of it) and
+        the generations of the blocks it touches (a reuse is told from a race by them): each lives as
+        long as something checks against the op, and no table of every op ever run grows."""
         access = Access(name, self._stream(), caller_site())
         made: list[Label] = []
 
@@ -148,16 +142,15 @@ class ProgramSession(InterceptSession):
             made.append(Label.of(text, access))
             return made[-1]
 
-        with self.lock:
+        with self.lock:  # one op at a time has its label made (the program's threads share the runtime)
             self.rt.labels = label
             try:
-                super().run_now(fn, name=name, reads=reads, writes=writes, cache_written=cache_written)
+                yield
             finally:
                 self.rt.labels = str
-        touched = [getattr(item, "memory", item) for item in (*reads, *writes)]
+        blocks = [getattr(item, "memory", item) for item in touched]
         for made_label in made:
-            made_label.generations.update(
-                (block.id, block.generation) for block in touched if hasattr(block, "generation"))
+            made_label.generations.update((block.id, block.generation) for block in blocks if hasattr(block, "generation"))
 
     def boundary(self, what: str) -> None:
         self.watch.boundary(caller_site())
