@@ -18,7 +18,7 @@ import torch
 from zeroer.cache.geometries import GEOMETRIES, LARGE_GEOMETRIES, geometry_names
 from zeroer.errors import ZeroerError
 from zeroer.offload import HOST_MEMORY
-from zeroer.registry import UnknownZeroerError, load_offloader, load_zeroer, zeroer_names
+from zeroer.registry import load_offloader, load_zeroer, zeroer_names
 
 from racecheck.cli import UsageError, check_output
 from fuzz.engine.campaigns import PROFILES, Profile
@@ -73,7 +73,8 @@ def parse_zeroer(value: str | None) -> str | None:
     try:
         load_zeroer(value)
     except ZeroerError as error:
-        listed = "" if isinstance(error, UnknownZeroerError) else f" (built-in zeroers: {', '.join(zeroer_names())})"
+        names = ", ".join(zeroer_names())
+        listed = "" if names in str(error) else f" (built-in zeroers: {names})"  # an unknown name's error lists them
         raise pytest.UsageError(f"--zeroer {value!r}: {error}{listed}") from None
     return value
 

@@ -36,10 +36,6 @@ from zeroer.zoo import ENTRIES as ZOO_ENTRIES
 VERDICTS = ("race-free", "racy")
 
 
-class UnknownZeroerError(ZeroerSpecError):
-    """A spec that names no built-in zeroer and no factory: its message lists the built-ins."""
-
-
 @dataclass(frozen=True)
 class Builtin:
     """One built-in zeroer: what it is called, how it is built, what the fuzzer must conclude."""
@@ -147,7 +143,7 @@ def load_zeroer(spec: str) -> LoadedZeroer:
         factory = BUILTINS[spec].factory
     elif ":" not in spec:
         named = f"; name the factory in it: '{spec}:<factory>'" if spec.endswith(".py") else ""
-        raise UnknownZeroerError(
+        raise ZeroerSpecError(
             f"unknown zeroer {spec!r}{named}; use a built-in name ({', '.join(zeroer_names())}), "
             f"'module:attr' or 'path/to/file.py:attr'"
         )
